@@ -1,0 +1,142 @@
+"""Python API: `load`, `generate`, `stream_generate`."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .decode import PlainDecoder
+from .errors import MTPEngineError
+from .generate import Chunk, run
+from .model.loader import LoadInfo, load_gguf
+from .model.qwen35 import Qwen35Model
+from .profiler import Profiler
+from .sampling import Sampler, SamplerConfig
+from .spec.draft_mtp import DraftMTPDecoder, DraftParams
+from .tokenizer import Tokenizer
+
+SPEC_TYPES = ("none", "draft-mtp")
+DEFAULT_MODEL_NAME = "qwen35-mtp-code-Q4_K_M.gguf"
+
+
+def default_model_path() -> Path:
+    """$MTP_ENGINE_MODEL, else the model shipped in the checkout's `models/` folder."""
+    env = os.environ.get("MTP_ENGINE_MODEL")
+    if env:
+        return Path(env)
+    for base in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        p = base / "models" / DEFAULT_MODEL_NAME
+        if p.exists():
+            return p
+    raise MTPEngineError(f"no model given and no default model found (looked for models/{DEFAULT_MODEL_NAME} "
+                         "in the checkout and the current directory; set MTP_ENGINE_MODEL or pass -m)",
+                         field="model")
+
+
+@dataclass
+class Model:
+    """A loaded model: the network, its tokenizer and what the load did."""
+
+    model: Qwen35Model
+    tokenizer: Tokenizer
+    info: LoadInfo
+    path: str
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "stats": self.stats}
+
+
+def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True) -> Model:
+    """Loads a Qwen3.5 GGUF file (default: the model in `models/`). `exact=True` keeps Q6_K tensors in
+    float32 so every weight equals llama.cpp's dequantization."""
+    p = Path(path) if path is not None else default_model_path()
+    model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp)
+    tok = Tokenizer.from_gguf(gf.reader, gf.path)
+    return Model(model, tok, info, gf.path)
+
+
+def _resolve(model) -> Model:
+    if isinstance(model, Model):
+        return model
+    if model is None or isinstance(model, (str, os.PathLike)):
+        return load(model)
+    raise MTPEngineError(f"expected a path or a loaded Model, found {type(model).__name__}", field="model")
+
+
+def stream_generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
+                    messages: list[dict] | None = None, max_tokens: int = 256, spec: str | None = None,
+                    n_max: int = 3, n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
+                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                    stop: list[str] | str | None = None, ignore_eos: bool = False,
+                    profile: str | None = None, _prompt_ids_out: list | None = None) -> Iterator[Chunk]:
+    """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
+
+    `prompt` is text (or token ids); `messages` renders the model's chat template instead.
+    `spec` is None/"none" (plain decoding) or "draft-mtp" with llama.cpp's knobs n_max, n_min, p_min.
+    `profile` is None, "round" or "precise" (see `mtp_engine.profiler`)."""
+    m = _resolve(model)
+    if spec is None:
+        spec = "none"
+    if spec not in SPEC_TYPES:
+        raise MTPEngineError(f"unknown spec type {spec!r}: expected one of {list(SPEC_TYPES)}", field="spec")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        raise MTPEngineError(f"expected an integer >= 0, found {max_tokens!r}", field="max_tokens")
+    sampler = Sampler(SamplerConfig(temperature, top_k, top_p, min_p, seed))
+    params = DraftParams(n_max, n_min, p_min)
+    if (prompt is None) == (messages is None):
+        raise MTPEngineError("give exactly one of prompt or messages", field="prompt")
+    if messages is not None:
+        prompt = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if isinstance(prompt, str):
+        ids = m.tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < m.model.cfg.vocab_size]
+        if bad:
+            raise MTPEngineError(f"token id {bad[0]} outside the vocabulary 0..{m.model.cfg.vocab_size - 1}",
+                                 field="prompt")
+    else:
+        raise MTPEngineError(f"expected text or a list of token ids, found {type(prompt).__name__}", field="prompt")
+    if isinstance(stop, str):
+        stop = [stop]
+    prof = Profiler(profile or "off")
+    if spec == "draft-mtp":
+        decoder: PlainDecoder = DraftMTPDecoder(m.model, sampler, params, prof)
+    else:
+        decoder = PlainDecoder(m.model, sampler, prof)
+    if _prompt_ids_out is not None:
+        _prompt_ids_out.extend(ids)
+    yield from run(decoder, m.tokenizer, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, profiler=prof)
+
+
+def generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
+             messages: list[dict] | None = None, max_tokens: int = 256, spec: str | None = None,
+             n_max: int = 3, n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+             stop: list[str] | str | None = None, ignore_eos: bool = False,
+             profile: str | None = None) -> GenerationResult:
+    """Generates up to `max_tokens` tokens; returns text, token ids and statistics.
+
+    Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`."""
+    ids: list[int] = []
+    text, tokens = [], []
+    last = None
+    for chunk in stream_generate(prompt, model, messages=messages, max_tokens=max_tokens, spec=spec, n_max=n_max,
+                                 n_min=n_min, p_min=p_min, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
+                                 _prompt_ids_out=ids):
+        text.append(chunk.text)
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    return GenerationResult("".join(text), ids, tokens, last.finish_reason, last.stats)

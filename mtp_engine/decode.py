@@ -1,0 +1,54 @@
+"""Plain autoregressive decoding: chunked prefill, then one trunk step per token.
+
+A decoder turns a prompt into a stream of token lists (one list per round: a plain step emits one
+token, a speculative round one or more); the generation loop above handles stopping and text.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .model.qwen35 import Qwen35Model
+from .profiler import Profiler
+from .sampling import Sampler
+
+
+class PlainDecoder:
+    """Decodes one token per trunk forward."""
+
+    prefill_chunk = 512
+
+    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None):
+        self.model = model
+        self.sampler = sampler
+        self.prof = profiler or Profiler("off")
+        self.cache = model.make_cache()
+        self.last_token: int | None = None
+
+    def _prefill_trunk(self, ids: list[int]) -> mx.array:
+        """Runs the prompt through the trunk in chunks; returns the post-norm hidden of every row."""
+        hiddens = []
+        for s in range(0, len(ids), self.prefill_chunk):
+            h = self.model.forward(mx.array([ids[s:s + self.prefill_chunk]]), self.cache)
+            mx.eval(h, *self.cache.arrays())
+            hiddens.append(h)
+        return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
+
+    def prefill(self, ids: list[int]) -> int:
+        """Processes the prompt; returns the first generated token."""
+        with self.prof.stage("prefill"):
+            h = self._prefill_trunk(ids)
+            self.last_token = self.sampler.sample(self.model.logits(h[0, -1]))
+        return self.last_token
+
+    def step(self) -> list[int]:
+        """Feeds the last token; returns the next one."""
+        with self.prof.stage("decode") as out:
+            h = self.model.forward(mx.array([[self.last_token]]), self.cache)
+            logits = self.model.logits(h[0, -1])
+            out.append(logits)
+        with self.prof.stage("sync"):
+            self.last_token = self.sampler.sample(logits)
+        return [self.last_token]
+
+    def stats(self) -> dict:
+        return {}

@@ -1,0 +1,141 @@
+"""The generation loop: prompt in, streamed text chunks out, with stopping rules and statistics.
+
+Decoders (plain or speculative) emit lists of tokens per round; this loop cuts them at EOS,
+max_tokens and stop strings, detokenizes incrementally and times prefill and decode separately.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+
+from .decode import PlainDecoder
+from .errors import MTPEngineError
+from .profiler import Profiler
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output. The last chunk has `finish_reason` and `stats` set."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class _StopMatcher:
+    """Holds back text that could still turn into a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.buffer = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        self.buffer += text
+        if not self.stops:
+            out, self.buffer = self.buffer, ""
+            return out, False
+        hits = [(self.buffer.find(s), s) for s in self.stops if s in self.buffer]
+        if hits:
+            pos = min(h[0] for h in hits)
+            out, self.buffer = self.buffer[:pos], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.buffer)), 0, -1):
+                if self.buffer.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        out = self.buffer[: len(self.buffer) - hold]
+        self.buffer = self.buffer[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buffer = self.buffer, ""
+        return out
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: MLX's allocator peak where it tracks one, else max RSS."""
+    try:
+        peak = int(mx.get_peak_memory())
+    except Exception:
+        peak = 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = rss if sys.platform == "darwin" else rss * 1024
+    return max(peak, int(rss))
+
+
+def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+        stop: list[str] | None = None, ignore_eos: bool = False,
+        profiler: Profiler | None = None) -> Iterator[Chunk]:
+    """Streams the generation of up to `max_tokens` tokens after `prompt_ids`."""
+    if not prompt_ids:
+        raise MTPEngineError("the prompt is empty: at least one token is needed", field="prompt")
+    ctx = decoder.model.cfg.context_length
+    if len(prompt_ids) + max_tokens > ctx:
+        raise MTPEngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                             f"context length {ctx}", field="max_tokens")
+    eos = set() if ignore_eos else set(tokenizer.eos_token_ids)
+    detok = tokenizer.detokenizer()
+    matcher = _StopMatcher(stop or [])
+    prof = profiler or decoder.prof
+    generated: list[int] = []
+    finish = "length"
+    t0 = time.perf_counter()
+    if max_tokens == 0:
+        yield Chunk("", [], "length", _stats(decoder, len(prompt_ids), 0, 0.0, 0.0, prof))
+        return
+    prof.start()
+    first = decoder.prefill(prompt_ids)
+    t_prefill = time.perf_counter() - t0
+    pending = [first]
+    t1 = time.perf_counter()
+    done = False
+    while not done:
+        out_ids: list[int] = []
+        for tok in pending:
+            if tok in eos:
+                finish, done = "stop", True
+                break
+            generated.append(tok)
+            out_ids.append(tok)
+            if len(generated) >= max_tokens:
+                done = True
+                break
+        text, hit = matcher.push("".join(detok.add(t) for t in out_ids))
+        if hit:
+            finish, done = "stop", True
+        if done:
+            text += "" if hit else matcher.push(detok.flush())[0] + matcher.flush()
+        if text or out_ids:
+            yield Chunk(text, out_ids)
+        if not done:
+            pending = decoder.step()
+    t_decode = time.perf_counter() - t1
+    prof.stop()
+    yield Chunk("", [], finish, _stats(decoder, len(prompt_ids), len(generated), t_prefill, t_decode, prof))
+
+
+def _stats(decoder, n_prompt: int, n_gen: int, t_prefill: float, t_decode: float, prof: Profiler) -> dict:
+    # the first token comes out of prefill, so decode speed counts the tokens after it
+    stats = {
+        "prompt_tokens": n_prompt,
+        "generated_tokens": n_gen,
+        "prefill_seconds": t_prefill,
+        "decode_seconds": t_decode,
+        "prompt_tokens_per_second": n_prompt / t_prefill if t_prefill else 0.0,
+        "decode_tokens_per_second": (n_gen - 1) / t_decode if t_decode and n_gen > 1 else 0.0,
+        "peak_memory_bytes": peak_memory_bytes(),
+    }
+    stats.update(decoder.stats())
+    if prof.enabled:
+        stats["profile"] = prof.report()
+    return stats

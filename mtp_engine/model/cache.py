@@ -1,0 +1,145 @@
+"""Caches that a speculative round can roll back without re-running the model.
+
+Attention KV caches are preallocated buffers with a write offset, so rollback is moving the offset.
+Gated-delta-net caches keep, during a captured forward, the conv input window and the recurrent
+state after every position, so rollback picks the state after the last accepted token.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVCache:
+    """Keys/values [1, n_kv, capacity, head_dim], valid up to `offset`; grows in `step` chunks."""
+
+    def __init__(self, n_kv: int, head_dim: int, step: int = 256, dtype=mx.float32):
+        self.n_kv, self.head_dim, self.step, self.dtype = n_kv, head_dim, step, dtype
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self._last_len = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def _grow(self, needed: int) -> None:
+        new_cap = ((needed + self.step - 1) // self.step) * self.step
+        shape = (1, self.n_kv, new_cap, self.head_dim)
+        k = mx.zeros(shape, self.dtype)
+        v = mx.zeros(shape, self.dtype)
+        if self.keys is not None and self.offset:
+            k[:, :, : self.offset] = self.keys[:, :, : self.offset]
+            v[:, :, : self.offset] = self.values[:, :, : self.offset]
+        self.keys, self.values = k, v
+
+    def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Appends k, v [1, n_kv, S, D] at `offset`; returns all valid keys and values."""
+        s = int(k.shape[2])
+        end = self.offset + s
+        if end > self.capacity:
+            self._grow(end)
+        self.keys[:, :, self.offset:end] = k
+        self.values[:, :, self.offset:end] = v
+        self.offset = end
+        self._last_len = s
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def truncate(self, length: int) -> None:
+        """Forgets everything after the first `length` positions."""
+        if not 0 <= length <= self.offset:
+            raise ValueError(f"cannot truncate a cache of {self.offset} positions to {length}")
+        self.offset = length
+
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else int(self.keys.nbytes + self.values.nbytes)
+
+
+class RecurrentCache:
+    """Conv window [1, kernel-1, channels] and recurrent state [1, Vh, Kd, Vd] of one gated-delta-net
+    layer. After a forward with `capture=True` over S tokens, `rollback(n)` sets both to the exact
+    state after the first n of those tokens."""
+
+    def __init__(self, kernel: int, channels: int, value_heads: int, key_dim: int, value_dim: int,
+                 dtype=mx.float32):
+        self.conv = mx.zeros((1, kernel - 1, channels), dtype)
+        self.state = mx.zeros((1, value_heads, key_dim, value_dim), dtype)
+        self.kernel = kernel
+        self._window: mx.array | None = None  # conv inputs of the captured forward, with history
+        self._states: list[mx.array] | None = None  # state after each captured position
+        self._prev_state: mx.array | None = None
+
+    def begin_capture(self) -> None:
+        self._prev_state = self.state
+        self._states = []
+
+    def end_capture(self, window: mx.array) -> None:
+        self._window = window
+
+    def record(self, state: mx.array) -> None:
+        if self._states is not None:
+            self._states.append(state)
+
+    @property
+    def capturing(self) -> bool:
+        return self._states is not None
+
+    def rollback(self, n_keep: int) -> None:
+        """Keeps the first `n_keep` tokens of the last captured forward."""
+        if self._window is None or self._states is None:
+            raise RuntimeError("rollback without a captured forward")
+        s = len(self._states)
+        if not 0 <= n_keep <= s:
+            raise ValueError(f"cannot keep {n_keep} of {s} captured tokens")
+        if n_keep < s:
+            k1 = self.kernel - 1
+            self.conv = self._window[:, n_keep:n_keep + k1]
+            self.state = self._states[n_keep - 1] if n_keep else self._prev_state
+        self.release()
+
+    def release(self) -> None:
+        self._window = None
+        self._states = None
+        self._prev_state = None
+
+    def nbytes(self) -> int:
+        return int(self.conv.nbytes + self.state.nbytes)
+
+
+class TrunkCache:
+    """Per-layer caches of the trunk and the number of tokens they hold."""
+
+    def __init__(self, layers: list[KVCache | RecurrentCache]):
+        self.layers = layers
+        self.offset = 0
+        self._captured = 0
+
+    def rollback(self, n_keep: int) -> None:
+        """After a captured forward of S tokens, keeps its first `n_keep` tokens."""
+        drop = self._captured - n_keep
+        if drop < 0:
+            raise ValueError(f"cannot keep {n_keep} of {self._captured} captured tokens")
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                c.truncate(c.offset - drop)
+            else:
+                c.rollback(n_keep)
+        self.offset -= drop
+        self._captured = 0
+
+    def arrays(self) -> list[mx.array]:
+        """Every live array (for mx.eval after a step)."""
+        out = []
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                if c.keys is not None:
+                    out += [c.keys, c.values]
+            else:
+                out += [c.conv, c.state]
+        return out
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.layers)

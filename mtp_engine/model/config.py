@@ -1,0 +1,210 @@
+"""Typed hyper-parameters of a Qwen3.5 model, read from GGUF metadata or an HF config.json."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import MTPEngineError
+
+SUPPORTED_ARCHITECTURES = ("qwen35",)
+
+
+@dataclass
+class Qwen35Config:
+    """Everything the forward pass needs. `n_layer` counts trunk layers only; the MTP layers
+    (`n_mtp`) sit after them in the GGUF block numbering."""
+
+    vocab_size: int
+    hidden_size: int
+    n_layer: int
+    n_mtp: int
+    ffn_size: list[int]  # per block, trunk then MTP
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_base: float
+    eps: float
+    conv_kernel: int
+    ssm_key_dim: int  # key head dim (ssm.state_size)
+    ssm_key_heads: int  # ssm.group_count
+    ssm_value_heads: int  # ssm.time_step_rank
+    ssm_inner: int  # value heads x value head dim
+    recurrent: list[bool]  # per trunk layer
+    context_length: int = 4096
+    tied_embeddings: bool = False
+    rope_sections: list[int] = field(default_factory=list)
+
+    @property
+    def ssm_value_dim(self) -> int:
+        return self.ssm_inner // self.ssm_value_heads
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.ssm_key_heads * self.ssm_key_dim + self.ssm_inner
+
+    def validate(self, source: str = "") -> None:
+        """Cross-checks the numbers so a bad file fails here, not deep inside a matmul."""
+        def bad(fld: str, msg: str) -> MTPEngineError:
+            return MTPEngineError(msg, file=source or None, field=fld)
+
+        for name in ("vocab_size", "hidden_size", "n_head", "n_head_kv", "head_dim", "conv_kernel",
+                     "ssm_key_dim", "ssm_key_heads", "ssm_value_heads", "ssm_inner"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0 or v > 1 << 24:
+                raise bad(name, f"expected a positive integer below 2^24, found {v!r}")
+        if self.n_layer <= 0 or self.n_layer > 4096:
+            raise bad("block_count", f"expected 1..4096 trunk layers, found {self.n_layer}")
+        if self.n_mtp < 0 or self.n_mtp > 16:
+            raise bad("nextn_predict_layers", f"expected 0..16, found {self.n_mtp}")
+        if self.n_head % self.n_head_kv:
+            raise bad("attention.head_count_kv", f"head_count {self.n_head} is not a multiple of {self.n_head_kv}")
+        if self.ssm_value_heads % self.ssm_key_heads:
+            raise bad("ssm.time_step_rank",
+                      f"value heads {self.ssm_value_heads} not a multiple of key heads {self.ssm_key_heads}")
+        if self.ssm_inner % self.ssm_value_heads:
+            raise bad("ssm.inner_size", f"{self.ssm_inner} not a multiple of value heads {self.ssm_value_heads}")
+        if not (0 < self.n_rot <= self.head_dim) or self.n_rot % 2:
+            raise bad("rope.dimension_count", f"expected an even number in 2..{self.head_dim}, found {self.n_rot}")
+        if not (math.isfinite(self.eps) and 0 < self.eps < 1):
+            raise bad("attention.layer_norm_rms_epsilon", f"expected a value in (0, 1), found {self.eps}")
+        if not (math.isfinite(self.rope_base) and self.rope_base > 1):
+            raise bad("rope.freq_base", f"expected a finite value > 1, found {self.rope_base}")
+        if len(self.recurrent) != self.n_layer:
+            raise bad("attention.recurrent_layers", f"expected {self.n_layer} flags, found {len(self.recurrent)}")
+        if len(self.ffn_size) != self.n_layer + self.n_mtp or any(f <= 0 for f in self.ffn_size):
+            raise bad("feed_forward_length", f"expected {self.n_layer + self.n_mtp} positive sizes, found {self.ffn_size}")
+
+    @classmethod
+    def from_gguf(cls, gf) -> "Qwen35Config":
+        """Builds the config from a `GGUFFile`, with llama.cpp's defaults for optional keys."""
+        arch = gf.require("general.architecture", str)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise MTPEngineError(f"unsupported architecture {arch!r}: expected one of {list(SUPPORTED_ARCHITECTURES)}",
+                                 file=gf.path, field="general.architecture")
+        p = arch + "."
+
+        def req_int(key: str) -> int:
+            return gf.require(p + key, int)
+
+        n_block = req_int("block_count")
+        n_mtp = gf.get(p + "nextn_predict_layers", 0)
+        if not isinstance(n_mtp, int) or n_mtp < 0 or n_mtp >= n_block:
+            raise MTPEngineError(f"expected 0..{n_block - 1}, found {n_mtp!r}", file=gf.path,
+                                 field=p + "nextn_predict_layers")
+        n_layer = n_block - n_mtp
+        ffn = gf.require(p + "feed_forward_length")
+        if isinstance(ffn, list):
+            if len(ffn) != n_block:
+                raise MTPEngineError(f"expected {n_block} per-layer values, found {len(ffn)}", file=gf.path,
+                                     field=p + "feed_forward_length")
+            ffn_size = [int(x) for x in ffn]
+        elif isinstance(ffn, int):
+            ffn_size = [ffn] * n_block
+        else:
+            raise MTPEngineError(f"expected an integer or array, found {ffn!r:.60}", file=gf.path,
+                                 field=p + "feed_forward_length")
+        n_head = req_int("attention.head_count")
+        n_head_kv = gf.get(p + "attention.head_count_kv", n_head)
+        if isinstance(n_head_kv, list):
+            n_head_kv = int(n_head_kv[0]) if n_head_kv else n_head
+        head_dim = gf.get(p + "attention.key_length", None)
+        hidden = req_int("embedding_length")
+        if head_dim is None:
+            head_dim = hidden // n_head
+        vdim = gf.get(p + "attention.value_length", head_dim)
+        if vdim != head_dim:
+            raise MTPEngineError(f"expected value_length == key_length ({head_dim}), found {vdim}", file=gf.path,
+                                 field=p + "attention.value_length")
+        interval = gf.get(p + "full_attention_interval", 4)
+        flags = gf.get(p + "attention.recurrent_layers", None)
+        if flags is not None:
+            if not isinstance(flags, list) or len(flags) < n_layer:
+                raise MTPEngineError(f"expected at least {n_layer} flags, found {flags!r:.80}", file=gf.path,
+                                     field=p + "attention.recurrent_layers")
+            recurrent = [bool(x) for x in flags[:n_layer]]
+        else:
+            if not isinstance(interval, int) or interval <= 0:
+                raise MTPEngineError(f"expected a positive integer, found {interval!r}", file=gf.path,
+                                     field=p + "full_attention_interval")
+            recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
+        tokens = gf.get("tokenizer.ggml.tokens", None)
+        vocab = gf.get(p + "vocab_size", None)
+        if vocab is None:
+            if gf.has_tensor("token_embd.weight"):
+                vocab = gf.numpy_shape("token_embd.weight")[0]
+            elif tokens is not None:
+                vocab = len(tokens)
+            else:
+                raise MTPEngineError("cannot determine vocabulary size", file=gf.path, field="token_embd.weight")
+        cfg = cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            n_layer=n_layer,
+            n_mtp=n_mtp,
+            ffn_size=ffn_size,
+            n_head=n_head,
+            n_head_kv=int(n_head_kv),
+            head_dim=int(head_dim),
+            n_rot=int(gf.get(p + "rope.dimension_count", head_dim)),
+            rope_base=float(gf.get(p + "rope.freq_base", 10000.0)),
+            eps=float(gf.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+            conv_kernel=req_int("ssm.conv_kernel"),
+            ssm_key_dim=req_int("ssm.state_size"),
+            ssm_key_heads=req_int("ssm.group_count"),
+            ssm_value_heads=req_int("ssm.time_step_rank"),
+            ssm_inner=req_int("ssm.inner_size"),
+            recurrent=recurrent,
+            context_length=int(gf.get(p + "context_length", 4096)),
+            tied_embeddings=not gf.has_tensor("output.weight"),
+            rope_sections=list(gf.get(p + "rope.dimension_sections", []) or []),
+        )
+        cfg.validate(gf.path)
+        return cfg
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "Qwen35Config":
+        """Builds the config from a transformers `Qwen3_5ForCausalLM` config.json dict."""
+        c = cfg.get("text_config", cfg)
+
+        def req(key: str):
+            if key not in c:
+                raise MTPEngineError("required key is missing", file=source, field=key)
+            return c[key]
+
+        n_layer = int(req("num_hidden_layers"))
+        n_mtp = int(c.get("mtp_num_hidden_layers", 0))
+        layer_types = c.get("layer_types")
+        if layer_types:
+            recurrent = [t == "linear_attention" for t in layer_types[:n_layer]]
+        else:
+            interval = int(c.get("full_attention_interval", 4))
+            recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
+        head_dim = int(c.get("head_dim", req("hidden_size") // req("num_attention_heads")))
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        prf = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
+        theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+        n_vh = int(req("linear_num_value_heads"))
+        cfg_ = cls(
+            vocab_size=int(req("vocab_size")),
+            hidden_size=int(req("hidden_size")),
+            n_layer=n_layer,
+            n_mtp=n_mtp,
+            ffn_size=[int(req("intermediate_size"))] * (n_layer + n_mtp),
+            n_head=int(req("num_attention_heads")),
+            n_head_kv=int(c.get("num_key_value_heads", req("num_attention_heads"))),
+            head_dim=head_dim,
+            n_rot=int(head_dim * prf),
+            rope_base=theta,
+            eps=float(c.get("rms_norm_eps", 1e-6)),
+            conv_kernel=int(req("linear_conv_kernel_dim")),
+            ssm_key_dim=int(req("linear_key_head_dim")),
+            ssm_key_heads=int(req("linear_num_key_heads")),
+            ssm_value_heads=n_vh,
+            ssm_inner=n_vh * int(req("linear_value_head_dim")),
+            recurrent=recurrent,
+            context_length=int(c.get("max_position_embeddings", 4096)),
+            tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        )
+        cfg_.validate(source)
+        return cfg_

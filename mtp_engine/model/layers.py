@@ -1,0 +1,61 @@
+"""Weight containers shared by the trunk and the MTP head: linear maps (float or affine-quantized)
+and token embeddings that stay quantized in memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass
+class Linear:
+    """y = x @ W^T with W either a float matrix or MLX affine-quantized (`weight`, `scales`, `biases`)."""
+
+    weight: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    bits: int = 0
+    group_size: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        if self.quantized:
+            return int(self.weight.shape[1]) * 32 // self.bits
+        return int(self.weight.shape[1])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.quantized:
+            return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                       group_size=self.group_size, bits=self.bits)
+        return x @ self.weight.T
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Rows `ids` of W as floats: an embedding lookup that never dequantizes the whole table."""
+        if self.quantized:
+            return mx.dequantize(self.weight[ids], self.scales[ids], self.biases[ids],
+                                 group_size=self.group_size, bits=self.bits)
+        return self.weight[ids]
+
+    def nbytes(self) -> int:
+        n = self.weight.nbytes
+        if self.quantized:
+            n += self.scales.nbytes + self.biases.nbytes
+        return int(n)
+
+    def dense(self) -> mx.array:
+        """W as a float matrix (tests and diagnostics only)."""
+        if self.quantized:
+            return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        return self.weight
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)

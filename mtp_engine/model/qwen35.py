@@ -1,0 +1,216 @@
+"""Qwen3.5 (dense): gated-delta-net and gated full-attention trunk, plus its MTP head.
+
+Weights come in GGUF naming and conventions (norms already +1, `ssm_a` = -exp(A_log), value heads
+in tiled order); the HF loader converts to the same form, so there is one forward pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .cache import KVCache, RecurrentCache, TrunkCache
+from .config import Qwen35Config
+from .layers import Linear, rms_norm
+
+
+@dataclass
+class MLP:
+    gate: Linear
+    up: Linear
+    down: Linear
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down(mx.sigmoid(g := self.gate(x)) * g * self.up(x))
+
+
+@dataclass
+class GatedAttention:
+    """Full attention with per-head q/k RMSNorm, partial NEOX rope, GQA and a sigmoid output gate."""
+
+    q: Linear  # per head: head_dim query rows then head_dim gate rows
+    k: Linear
+    v: Linear
+    o: Linear
+    q_norm: mx.array
+    k_norm: mx.array
+    cfg: Qwen35Config
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        c = self.cfg
+        b, s, _ = x.shape
+        d = c.head_dim
+        qg = self.q(x).reshape(b, s, c.n_head, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(b, s, c.n_head * d)
+        k = self.k(x).reshape(b, s, c.n_head_kv, d)
+        v = self.v(x).reshape(b, s, c.n_head_kv, d)
+        q = rms_norm(q, self.q_norm, c.eps).transpose(0, 2, 1, 3)
+        k = rms_norm(k, self.k_norm, c.eps).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        pos = cache.offset
+        q = mx.fast.rope(q, c.n_rot, traditional=False, base=c.rope_base, scale=1.0, offset=pos)
+        k = mx.fast.rope(k, c.n_rot, traditional=False, base=c.rope_base, scale=1.0, offset=pos)
+        keys, values = cache.update(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d ** -0.5,
+                                                   mask="causal" if s > 1 else None)
+        out = out.transpose(0, 2, 1, 3).reshape(b, s, c.n_head * d)
+        return self.o(out * mx.sigmoid(gate))
+
+
+@dataclass
+class GatedDeltaNet:
+    """Linear-attention mixer: causal depthwise conv, then the gated delta rule per value head."""
+
+    qkv: Linear
+    z: Linear
+    alpha: Linear
+    beta: Linear
+    conv_w: mx.array  # [channels, kernel]
+    a: mx.array  # -exp(A_log), [Vh]
+    dt_bias: mx.array  # [Vh]
+    norm: mx.array  # [Vd], plain multiplier
+    out: Linear
+    cfg: Qwen35Config
+
+    def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+        c = self.cfg
+        b, s, _ = x.shape
+        kh, kd, vh, vd = c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim
+        window = mx.concatenate([cache.conv, self.qkv(x)], axis=1)  # [b, K-1+s, C]
+        kernel = c.conv_kernel
+        conv = window[:, 0:s] * self.conv_w[:, 0]
+        for j in range(1, kernel):
+            conv = conv + window[:, j:j + s] * self.conv_w[:, j]
+        conv = conv * mx.sigmoid(conv)
+        q = conv[..., : kh * kd].reshape(b, s, kh, kd)
+        k = conv[..., kh * kd: 2 * kh * kd].reshape(b, s, kh, kd)
+        v = conv[..., 2 * kh * kd:].reshape(b, s, vh, vd)
+        # llama.cpp's l2_norm: x / max(||x||, eps)
+        q = q / mx.maximum(mx.sqrt((q * q).sum(-1, keepdims=True)), c.eps) * (kd ** -0.5)
+        k = k / mx.maximum(mx.sqrt((k * k).sum(-1, keepdims=True)), c.eps)
+        if vh != kh:  # tiled order: value head h reads key head h % kh
+            q = mx.tile(q, (1, 1, vh // kh, 1))
+            k = mx.tile(k, (1, 1, vh // kh, 1))
+        decay = mx.exp(mx.logaddexp(self.alpha(x) + self.dt_bias, 0.0) * self.a)  # [b, s, vh]
+        beta = mx.sigmoid(self.beta(x))
+        state = cache.state
+        outs = []
+        for t in range(s):
+            state = state * decay[:, t, :, None, None]
+            kt = k[:, t, :, :, None]  # [b, vh, kd, 1]
+            kv = (state * kt).sum(-2)  # S^T k: [b, vh, vd]
+            delta = (v[:, t] - kv) * beta[:, t, :, None]
+            state = state + kt * delta[:, :, None, :]
+            outs.append((state * q[:, t, :, :, None]).sum(-2))
+            cache.record(state)
+        cache.state = state
+        cache.conv = window[:, s:]
+        if cache.capturing:
+            cache.end_capture(window)
+        o = mx.stack(outs, axis=1)  # [b, s, vh, vd]
+        z = self.z(x).reshape(b, s, vh, vd)
+        o = rms_norm(o, self.norm, c.eps) * (z * mx.sigmoid(z))
+        return self.out(o.reshape(b, s, vh * vd))
+
+
+@dataclass
+class DecoderLayer:
+    attn_norm: mx.array
+    mixer: GatedAttention | GatedDeltaNet
+    post_norm: mx.array
+    mlp: MLP
+    eps: float
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        h = x + self.mixer(rms_norm(x, self.attn_norm, self.eps), cache)
+        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+
+
+@dataclass
+class MTPHead:
+    """One extra decoder layer that, from (token t, trunk hidden at t-1), predicts token t+1.
+
+    Shares the trunk's embedding and output head; has its own attention KV cache."""
+
+    eh_proj: Linear
+    enorm: mx.array
+    hnorm: mx.array
+    layer: DecoderLayer
+    shared_head_norm: mx.array
+    cfg: Qwen35Config
+
+    def make_cache(self) -> KVCache:
+        return KVCache(self.cfg.n_head_kv, self.cfg.head_dim)
+
+    def __call__(self, embeds: mx.array, h_prev: mx.array, cache: KVCache) -> mx.array:
+        """embeds [1, S, H] (embedding of token t), h_prev [1, S, H] (post-norm hidden at t-1);
+        returns the head's normed hidden state [1, S, H] (feed it back for the next draft step)."""
+        eps = self.cfg.eps
+        x = self.eh_proj(mx.concatenate([rms_norm(embeds, self.enorm, eps), rms_norm(h_prev, self.hnorm, eps)],
+                                        axis=-1))
+        x = self.layer(x, cache)
+        return rms_norm(x, self.shared_head_norm, eps)
+
+
+class Qwen35Model:
+    """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
+
+    def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
+                 lm_head: Linear, mtp: MTPHead | None):
+        self.cfg = cfg
+        self.embed = embed
+        self.layers = layers
+        self.output_norm = output_norm
+        self.lm_head = lm_head
+        self.mtp = mtp
+
+    def make_cache(self) -> TrunkCache:
+        c = self.cfg
+        caches: list[KVCache | RecurrentCache] = []
+        for rec in c.recurrent:
+            if rec:
+                caches.append(RecurrentCache(c.conv_kernel, c.conv_channels, c.ssm_value_heads, c.ssm_key_dim,
+                                             c.ssm_value_dim))
+            else:
+                caches.append(KVCache(c.n_head_kv, c.head_dim))
+        return TrunkCache(caches)
+
+    def embed_tokens(self, ids: mx.array) -> mx.array:
+        return self.embed.rows(ids)
+
+    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False) -> mx.array:
+        """Runs ids [1, S] through the trunk, appending to `cache`; returns the hidden state after
+        `output_norm` [1, S, H] (what the output head and the MTP head read). With `capture`, the
+        caches keep what `cache.rollback(n)` needs to keep only the first n of these tokens."""
+        x = self.embed_tokens(ids)
+        if capture:
+            for c in cache.layers:
+                if isinstance(c, RecurrentCache):
+                    c.begin_capture()
+            cache._captured = int(ids.shape[1])
+        for layer, c in zip(self.layers, cache.layers):
+            x = layer(x, c)
+        cache.offset += int(ids.shape[1])
+        return rms_norm(x, self.output_norm, self.cfg.eps)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self.lm_head(hidden)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of weights held by the trunk and by the MTP head's own tensors."""
+        def lin_bytes(obj) -> int:
+            total = 0
+            for v in vars(obj).values():
+                if isinstance(v, Linear):
+                    total += v.nbytes()
+                elif isinstance(v, mx.array):
+                    total += v.nbytes
+                elif isinstance(v, (GatedAttention, GatedDeltaNet, MLP, DecoderLayer)):
+                    total += lin_bytes(v)
+            return total
+
+        trunk = self.embed.nbytes() + self.output_norm.nbytes + sum(lin_bytes(layer) for layer in self.layers)
+        if self.lm_head is not self.embed:
+            trunk += self.lm_head.nbytes()
+        mtp = lin_bytes(self.mtp) if self.mtp is not None else 0
+        return {"trunk": int(trunk), "mtp": int(mtp)}

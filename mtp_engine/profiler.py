@@ -1,0 +1,80 @@
+"""Stage timing of a generation: where each millisecond of a round goes.
+
+MLX is lazy: work queued in one stage may run in a later one. `precise` mode therefore evaluates
+the stage's outputs at every stage boundary (honest attribution, at the cost of extra syncs);
+`round` mode only timestamps host-visible boundaries. `off` costs nothing.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+import mlx.core as mx
+
+STAGES = ("prefill", "decode", "draft", "verify", "accept", "rollback", "catch_up", "sync", "other")
+
+
+class Profiler:
+    """Accumulates seconds and counts per stage. Use `with prof.stage("draft") as out: out.append(arr)`:
+    arrays appended to `out` are evaluated before the stage's clock stops in precise mode."""
+
+    def __init__(self, mode: str = "off"):
+        if mode not in ("off", "round", "precise"):
+            raise ValueError(f"profiler mode must be off, round or precise, not {mode!r}")
+        self.mode = mode
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self.wall = 0.0
+        self._t0: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._t0 is not None:
+            self.wall += time.perf_counter() - self._t0
+            self._t0 = None
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[list]:
+        outputs: list = []
+        if self.mode == "off":
+            yield outputs
+            return
+        t = time.perf_counter()
+        yield outputs
+        if self.mode == "precise" and outputs:
+            mx.eval(*outputs)
+        self.seconds[name] += time.perf_counter() - t
+        self.counts[name] += 1
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+        self.counts[name] += 1
+
+    def report(self) -> dict:
+        """Per-stage seconds and share of wall time; `other` is the wall time no stage claimed."""
+        total = sum(self.seconds.values())
+        stages = {k: {"seconds": v, "count": self.counts[k]} for k, v in self.seconds.items()}
+        if self.wall:
+            stages["other"] = {"seconds": max(self.wall - total, 0.0), "count": 0}
+        return {"mode": self.mode, "wall_seconds": self.wall, "stages": stages}
+
+    def table(self) -> str:
+        rep = self.report()
+        wall = rep["wall_seconds"] or sum(s["seconds"] for s in rep["stages"].values()) or 1.0
+        lines = [f"{'stage':<10} {'ms':>10} {'calls':>7} {'ms/call':>9} {'share':>7}"]
+        order = [s for s in STAGES if s in rep["stages"]] + [s for s in rep["stages"] if s not in STAGES]
+        for name in order:
+            s = rep["stages"][name]
+            per = s["seconds"] / s["count"] * 1e3 if s["count"] else 0.0
+            lines.append(f"{name:<10} {s['seconds'] * 1e3:>10.1f} {s['count']:>7} {per:>9.3f} "
+                         f"{s['seconds'] / wall:>6.1%}")
+        lines.append(f"{'total':<10} {wall * 1e3:>10.1f}")
+        return "\n".join(lines)

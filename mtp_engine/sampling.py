@@ -1,0 +1,90 @@
+"""Token sampling: greedy, or temperature with top-k / top-p / min-p, as one distribution.
+
+The filters run on the raw logits' softmax and the temperature after them, as in llama.cpp's
+default chain (top-k, top-p, min-p, temperature). Speculative sampling builds both the target's
+and the draft's distributions with the same `distribution`, which is what makes it lossless.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MTPEngineError
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1 and min_p 0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise MTPEngineError(f"expected a finite number >= 0, found {t!r}", field="temperature")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise MTPEngineError(f"expected an integer >= 0 (0 disables), found {self.top_k!r}", field="top_k")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+            raise MTPEngineError(f"expected a number in (0, 1], found {p!r}", field="top_p")
+        m = self.min_p
+        if not isinstance(m, (int, float)) or not math.isfinite(m) or not 0 <= m < 1:
+            raise MTPEngineError(f"expected a number in [0, 1), found {m!r}", field="min_p")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise MTPEngineError(f"expected an integer, found {self.seed!r}", field="seed")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def distribution(logits: mx.array, cfg: SamplerConfig) -> mx.array:
+    """Sampling probabilities [..., V] for logits [..., V] under `cfg` (temperature > 0)."""
+    logits = logits.astype(mx.float32)
+    neg = mx.array(-math.inf, mx.float32)
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = mx.sort(logits, axis=-1)[..., -cfg.top_k][..., None]
+        logits = mx.where(logits < kth, neg, logits)
+    if cfg.top_p < 1.0 or cfg.min_p > 0.0:
+        probs = mx.softmax(logits, axis=-1)
+        if cfg.top_p < 1.0:
+            # keep the smallest prefix of the sorted distribution whose mass reaches top_p
+            sorted_p = -mx.sort(-probs, axis=-1)
+            before = mx.cumsum(sorted_p, axis=-1) - sorted_p
+            keep = before < cfg.top_p
+            cutoff = mx.min(mx.where(keep, sorted_p, mx.array(math.inf)), axis=-1, keepdims=True)
+            logits = mx.where(probs < cutoff, neg, logits)
+        if cfg.min_p > 0.0:
+            logits = mx.where(probs < cfg.min_p * probs.max(axis=-1, keepdims=True), neg, logits)
+    return mx.softmax(logits / cfg.temperature, axis=-1)
+
+
+class Sampler:
+    """Draws tokens for one generation; holds its random generator (seeded for reproducibility)."""
+
+    def __init__(self, cfg: SamplerConfig):
+        self.cfg = cfg
+        self.rng = np.random.default_rng(cfg.seed)
+
+    def sample(self, logits: mx.array) -> int:
+        """One token from logits [V]."""
+        if self.cfg.greedy:
+            return int(mx.argmax(logits, axis=-1).item())
+        p = np.array(distribution(logits, self.cfg), dtype=np.float64)
+        return self.categorical(p)
+
+    def categorical(self, p: np.ndarray) -> int:
+        p = np.maximum(p, 0.0)
+        c = np.cumsum(p)
+        u = self.rng.random() * c[-1]
+        return int(min(np.searchsorted(c, u, side="right"), len(p) - 1))
+
+    def uniform(self) -> float:
+        return float(self.rng.random())

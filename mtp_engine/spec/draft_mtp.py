@@ -1,0 +1,215 @@
+"""draft-mtp: the model's own MTP head drafts a chain, one trunk forward verifies it.
+
+One round, each stage a method named as in the loop that calls it:
+  draft     the MTP head as a chain: step 1 reads (last token, trunk hidden of the previous
+            position); step i > 1 reads (draft i-1, the head's own shared_head_norm output).
+            The catch-up rows owed from the previous round run in the same forward as step 1.
+  verify    one trunk forward over [last token, d1..dk], capturing per-position recurrent states.
+  accept    greedy prefix match, or lossless speculative sampling; the one host sync of a round.
+  rollback  KV caches truncated; gated-delta-net states set to the captured state after the
+            last accepted token (no re-decoding); MTP KV rows written by draft steps 2..k dropped.
+  catch_up  queue the accepted rows (token, trunk hidden from the verify pass) for the MTP head;
+            they are computed lazily, fused into the next round's first draft step.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..decode import PlainDecoder
+from ..errors import MTPEngineError
+from ..model.qwen35 import Qwen35Model
+from ..profiler import Profiler
+from ..sampling import Sampler, distribution
+from .accept import accept_greedy, accept_sampling
+
+
+@dataclass(frozen=True)
+class DraftParams:
+    """llama.cpp's knobs. n_max: drafts per round (0 = no drafting). n_min: a round with fewer
+    surviving drafts discards them and decodes plainly. p_min: stop drafting when the next draft's
+    probability (softmax over the head's top-10 logits at temperature 1) is below it."""
+
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("n_max", "n_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 64:
+                raise MTPEngineError(f"expected an integer in 0..64, found {v!r}", field=name.replace("_", "-"))
+        if self.n_min > self.n_max:
+            raise MTPEngineError(f"n-min ({self.n_min}) must not exceed n-max ({self.n_max})", field="n-min")
+        p = self.p_min
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
+            raise MTPEngineError(f"expected a number in [0, 1], found {p!r}", field="p-min")
+
+
+class DraftMTPDecoder(PlainDecoder):
+    """Speculative decoding with the model's MTP head as the drafter."""
+
+    def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
+                 profiler: Profiler | None = None):
+        if model.mtp is None:
+            raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
+                                 "this model has none", field="spec")
+        super().__init__(model, sampler, profiler)
+        self.params = params
+        self.mtp_cache = model.mtp.make_cache()
+        self.h_last: mx.array | None = None  # trunk hidden [1, 1, H] of the position before last_token
+        self._owed_tokens: list[int] = []  # catch-up rows the MTP head has not seen yet
+        self._owed_hidden: list[mx.array] = []
+        self._draft_rng = mx.random.key(0 if sampler.cfg.seed is None else sampler.cfg.seed)
+        # statistics
+        self.rounds = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.per_position_drafted: list[int] = [0] * params.n_max
+        self.per_position_accepted: list[int] = [0] * params.n_max
+        self.histogram: Counter = Counter()
+
+    # ---- prompt -------------------------------------------------------------------------------
+    def prefill(self, ids: list[int]) -> int:
+        with self.prof.stage("prefill"):
+            h = self._prefill_trunk(ids)
+            self.last_token = self.sampler.sample(self.model.logits(h[0, -1]))
+            self.h_last = h[:, -1:]
+            # the MTP head sees prompt row t as (token t, hidden t-1), zeros before the first
+            h_prev = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+            for s in range(0, len(ids), self.prefill_chunk):
+                e = slice(s, s + self.prefill_chunk)
+                m = self.model.mtp(self.model.embed_tokens(mx.array([ids[e]])), h_prev[:, e], self.mtp_cache)
+                mx.eval(m, *self.mtp_cache.state())
+        return self.last_token
+
+    # ---- one round ----------------------------------------------------------------------------
+    def step(self) -> list[int]:
+        drafts, q, steps = self.draft(self.params.n_max)
+        if 0 < len(drafts) < self.params.n_min:  # too few survived p-min: decode plainly
+            drafts, q = [], None
+        hidden, logits = self.verify(drafts)
+        n, token, host_drafts = self.accept(drafts, logits, q)
+        self.rollback(steps, n)
+        self.catch_up(host_drafts[:n], hidden, n, steps)
+        self.last_token = token
+        self._record(len(host_drafts), n)
+        return host_drafts[:n] + [token]
+
+    def draft(self, k: int) -> tuple[mx.array | list, mx.array | None, int]:
+        """Up to k draft tokens (a device array, so no host sync when p_min = 0), their
+        distributions q [k, V] when sampling, and the number of MTP steps run (rows written)."""
+        if k == 0:
+            return [], None, 0
+        mtp, model, cfg = self.model.mtp, self.model, self.sampler.cfg
+        greedy = cfg.greedy
+        drafts: list[mx.array] = []
+        qs: list[mx.array] = []
+        with self.prof.stage("draft") as out:
+            tokens = self._owed_tokens + [self.last_token]
+            h_prev = mx.concatenate(self._owed_hidden + [self.h_last], axis=1)
+            self._owed_tokens, self._owed_hidden = [], []
+            tok = mx.array([tokens])
+            steps = 0
+            for i in range(k):
+                steps += 1
+                h_mtp = mtp(model.embed_tokens(tok), h_prev, self.mtp_cache)[:, -1:]
+                logits = model.logits(h_mtp[0, 0])
+                if greedy:
+                    d = mx.argmax(logits, axis=-1)
+                else:
+                    qi = distribution(logits, cfg)
+                    self._draft_rng, sub = mx.random.split(self._draft_rng)
+                    d = mx.random.categorical(mx.log(qi), key=sub)
+                    qs.append(qi)
+                if self.params.p_min > 0.0:
+                    top = mx.topk(logits, min(10, logits.shape[-1]))
+                    p_top = mx.max(mx.softmax(top))  # llama.cpp: top-10 softmax at temperature 1
+                    if p_top.item() < self.params.p_min:
+                        if qs:
+                            qs.pop()
+                        break
+                drafts.append(d)
+                tok, h_prev = d.reshape(1, 1), h_mtp
+            if drafts:
+                out.append(mx.stack(drafts))
+        if not drafts:
+            return [], None, steps
+        return mx.stack(drafts), (mx.stack(qs) if qs else None), steps
+
+    def verify(self, drafts) -> tuple[mx.array, mx.array]:
+        """One trunk forward over [last token, d1..dk]; logits for every row."""
+        with self.prof.stage("verify") as out:
+            last = mx.array([self.last_token], dtype=mx.int32)
+            inp = mx.concatenate([last, drafts.astype(mx.int32)]) if len(drafts) else last
+            hidden = self.model.forward(inp[None], self.cache, capture=True)
+            logits = self.model.logits(hidden[0])
+            out.append(logits)
+        return hidden, logits
+
+    def accept(self, drafts, logits: mx.array, q: mx.array | None) -> tuple[int, int, list[int]]:
+        """How many drafts survive, the token after them, and the drafts on the host. Holds the
+        round's one host sync."""
+        cfg = self.sampler.cfg
+        with self.prof.stage("accept"):
+            if cfg.greedy:
+                target = mx.argmax(logits, axis=-1)
+                if len(drafts):
+                    mx.eval(target, drafts)
+                    d = np.array(drafts)
+                    return (*accept_greedy(d, np.array(target)), d.tolist())
+                return 0, int(target.item()), []
+            p = distribution(logits, cfg)
+            if len(drafts):
+                mx.eval(p, q, drafts)
+                d = np.array(drafts)
+                return (*accept_sampling(d, np.array(p, dtype=np.float64), np.array(q, dtype=np.float64),
+                                         self.sampler), d.tolist())
+            return 0, self.sampler.categorical(np.array(p[0], dtype=np.float64)), []
+
+    def rollback(self, steps: int, n: int) -> None:
+        """Keeps last token + n accepted drafts in the trunk; drops the MTP rows written by draft
+        steps 2.. (their inputs were the head's own guesses; step 1's row is exact and stays)."""
+        with self.prof.stage("rollback"):
+            self.cache.rollback(n + 1)
+            if steps > 1:
+                self.mtp_cache.truncate(self.mtp_cache.offset - (steps - 1))
+
+    def catch_up(self, accepted: list[int], hidden: mx.array, n: int, steps: int) -> None:
+        """The MTP head owes rows for the accepted drafts, (d_i, trunk hidden before d_i), and for
+        the last token when no draft step ran; they join the next round's first draft forward."""
+        with self.prof.stage("catch_up"):
+            if steps == 0:
+                self._owed_tokens.append(self.last_token)
+                self._owed_hidden.append(self.h_last)
+            self._owed_tokens.extend(accepted)
+            if n:
+                self._owed_hidden.append(hidden[:, :n])
+            self.h_last = hidden[:, n:n + 1]
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def _record(self, k: int, n: int) -> None:
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n
+        for i in range(k):
+            self.per_position_drafted[i] += 1
+            self.per_position_accepted[i] += int(i < n)
+        self.histogram[n] += 1
+
+    def stats(self) -> dict:
+        r = max(self.rounds, 1)
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "mean_accepted_length": self.accepted / r,
+            "tokens_per_round": (self.accepted + self.rounds) / r,
+            "acceptance_per_position": [a / d if d else None for a, d in
+                                        zip(self.per_position_accepted, self.per_position_drafted)],
+            "accepted_length_histogram": {str(i): self.histogram.get(i, 0) for i in range(self.params.n_max + 1)},
+        }
