@@ -26,6 +26,8 @@ class PlainDecoder:
 
     def _prefill_trunk(self, ids: list[int]) -> mx.array:
         """Runs the prompt through the trunk in chunks; returns the post-norm hidden of every row."""
+        if not ids:
+            return mx.zeros((1, 0, self.model.cfg.hidden_size))
         hiddens = []
         for s in range(0, len(ids), self.prefill_chunk):
             h = self.model.forward(mx.array([ids[s:s + self.prefill_chunk]]), self.cache)
@@ -33,12 +35,12 @@ class PlainDecoder:
             hiddens.append(h)
         return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
 
-    def prefill(self, ids: list[int]) -> int:
-        """Processes the prompt; returns the first generated token."""
+    def prefill(self, ids: list[int]) -> list[int]:
+        """Processes the prompt; returns the tokens it already produces (here the first one)."""
         with self.prof.stage("prefill"):
             h = self._prefill_trunk(ids)
             self.last_token = self.sampler.sample(self.model.logits(h[0, -1]))
-        return self.last_token
+        return [self.last_token]
 
     def step(self) -> list[int]:
         """Feeds the last token; returns the next one."""

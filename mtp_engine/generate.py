@@ -91,12 +91,12 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
     finish = "length"
     t0 = time.perf_counter()
     if max_tokens == 0:
-        yield Chunk("", [], "length", _stats(decoder, len(prompt_ids), 0, 0.0, 0.0, prof))
+        yield Chunk("", [], "length", _stats(decoder, len(prompt_ids), 0, 0, 0.0, 0.0, prof))
         return
     prof.start()
-    first = decoder.prefill(prompt_ids)
+    pending = decoder.prefill(prompt_ids)
+    from_prefill = len(pending)
     t_prefill = time.perf_counter() - t0
-    pending = [first]
     t1 = time.perf_counter()
     done = False
     while not done:
@@ -121,18 +121,20 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
             pending = decoder.step()
     t_decode = time.perf_counter() - t1
     prof.stop()
-    yield Chunk("", [], finish, _stats(decoder, len(prompt_ids), len(generated), t_prefill, t_decode, prof))
+    yield Chunk("", [], finish, _stats(decoder, len(prompt_ids), len(generated), from_prefill, t_prefill,
+                                       t_decode, prof))
 
 
-def _stats(decoder, n_prompt: int, n_gen: int, t_prefill: float, t_decode: float, prof: Profiler) -> dict:
-    # the first token comes out of prefill, so decode speed counts the tokens after it
+def _stats(decoder, n_prompt: int, n_gen: int, from_prefill: int, t_prefill: float, t_decode: float,
+           prof: Profiler) -> dict:
+    # decode speed counts only tokens produced by decode steps (a plain prefill yields the first)
     stats = {
         "prompt_tokens": n_prompt,
         "generated_tokens": n_gen,
         "prefill_seconds": t_prefill,
         "decode_seconds": t_decode,
         "prompt_tokens_per_second": n_prompt / t_prefill if t_prefill else 0.0,
-        "decode_tokens_per_second": (n_gen - 1) / t_decode if t_decode and n_gen > 1 else 0.0,
+        "decode_tokens_per_second": (n_gen - from_prefill) / t_decode if t_decode and n_gen > from_prefill else 0.0,
         "peak_memory_bytes": peak_memory_bytes(),
     }
     stats.update(decoder.stats())

@@ -67,14 +67,17 @@ class Profiler:
         return {"mode": self.mode, "wall_seconds": self.wall, "stages": stages}
 
     def table(self) -> str:
-        rep = self.report()
-        wall = rep["wall_seconds"] or sum(s["seconds"] for s in rep["stages"].values()) or 1.0
-        lines = [f"{'stage':<10} {'ms':>10} {'calls':>7} {'ms/call':>9} {'share':>7}"]
-        order = [s for s in STAGES if s in rep["stages"]] + [s for s in rep["stages"] if s not in STAGES]
-        for name in order:
-            s = rep["stages"][name]
-            per = s["seconds"] / s["count"] * 1e3 if s["count"] else 0.0
-            lines.append(f"{name:<10} {s['seconds'] * 1e3:>10.1f} {s['count']:>7} {per:>9.3f} "
-                         f"{s['seconds'] / wall:>6.1%}")
-        lines.append(f"{'total':<10} {wall * 1e3:>10.1f}")
-        return "\n".join(lines)
+        return format_report(self.report())
+
+
+def format_report(rep: dict) -> str:
+    """A per-stage table (ms, calls, ms per call, share of wall time) of `Profiler.report()`."""
+    wall = rep["wall_seconds"] or sum(s["seconds"] for s in rep["stages"].values()) or 1.0
+    lines = [f"{'stage':<10} {'ms':>10} {'calls':>7} {'ms/call':>9} {'share':>7}"]
+    order = [s for s in STAGES if s in rep["stages"]] + [s for s in rep["stages"] if s not in STAGES]
+    for name in order:
+        s = rep["stages"][name]
+        per = s["seconds"] / s["count"] * 1e3 if s["count"] else 0.0
+        lines.append(f"{name:<10} {s['seconds'] * 1e3:>10.1f} {s['count']:>7} {per:>9.3f} {s['seconds'] / wall:>6.1%}")
+    lines.append(f"{'total':<10} {wall * 1e3:>10.1f}  ({rep['mode']} mode)")
+    return "\n".join(lines)

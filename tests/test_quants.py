@@ -276,15 +276,22 @@ def raw_tensor(draw, qtype):
     body = draw(st.binary(min_size=n_blocks * ts, max_size=n_blocks * ts))
     blocks = np.frombuffer(body, dtype=np.uint8).copy().reshape(n_blocks, ts)
     offs = F16_OFFSETS[qtype]
-    finite_f16 = st.floats(width=16, allow_nan=False, allow_infinity=False)
-    vals = draw(st.lists(finite_f16, min_size=n_blocks * len(offs), max_size=n_blocks * len(offs)))
-    f16 = np.array(vals, dtype=np.float16).view(np.uint8).reshape(n_blocks, len(offs), 2)
+    # Finite f16 bit patterns drawn directly (exponent field below 0x1F), which covers
+    # subnormals and both zeros without the rejection sampling st.floats(width=16) needs.
+    finite_f16 = st.builds(lambda mag, neg: mag | (neg << 15), st.integers(0, 0x7BFF), st.integers(0, 1))
+    n_f16 = n_blocks * len(offs)
+    vals = draw(st.lists(finite_f16, min_size=n_f16, max_size=n_f16))
+    f16 = np.array(vals, dtype=np.uint16).view(np.uint8).reshape(n_blocks, len(offs), 2)
     for i, off in enumerate(offs):
         blocks[:, off : off + 2] = f16[:, i]
     return blocks.reshape(rows, -1), (rows, per_row * bs)
 
 
-HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYP = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
 
 
 @pytest.mark.parametrize("qtype", EXACT_TYPES, ids=lambda t: t.name)
@@ -371,7 +378,12 @@ def test_q6k_constant_groups_are_exact():
 
 
 def test_q6k_q8_error_bound():
-    """Measures the q8-mode error on realistic and on adversarial blocks (print with -s)."""
+    """Measures the q8-mode error on realistic and on adversarial blocks (print with -s).
+
+    Measured: the max error is 1/255 = 0.392 % of the 32-group's max |w| in every case (a
+    symmetric group spans ~2 max|w|, and some weight lands mid-step); RMS ~0.16-0.21 %. That
+    is ~4x below the Q6_K quantization error itself.
+    """
     rng = np.random.default_rng(12)
     cases = {}
     w = rng.standard_normal((64, 1024)).astype(np.float32) * 0.02
@@ -383,25 +395,28 @@ def test_q6k_q8_error_bound():
     if q6_fixture.exists():
         t = next(t for t in gguf.GGUFReader(q6_fixture).tensors if t.name == "output.weight")
         cases["llama.cpp Q6_K output.weight"] = np.asarray(t.data)
-    results = {}
     for label, raw in cases.items():
         rows = raw.shape[0]
         cols = raw.size // rows // 210 * 256
         ref = reference(raw, QT.Q6_K)
-        approx = mlx_dequant(repack(raw, QT.Q6_K, (rows, cols)))
-        max_abs, max_rel = assert_q8_within_half_step(ref, repack(raw, QT.Q6_K, (rows, cols)))
+        qw = repack(raw, QT.Q6_K, (rows, cols))
+        max_abs, max_rel = assert_q8_within_half_step(ref, qw)
+        approx = mlx_dequant(qw)
         gmax = np.abs(ref).reshape(rows, -1, 32).max(axis=2, keepdims=True)
         err = np.abs(approx - ref).reshape(rows, -1, 32)
         rms_rel = float(np.sqrt(np.mean((err / np.where(gmax > 0, gmax, 1)) ** 2)))
-        results[label] = max_rel
         print(
-            f"\nQ6_K q8 [{label}]: max abs {max_abs:.3e}, max |w| {np.abs(ref).max():.3e}, "
+            f"\nQ6_K q8 [{label}]: max abs {max_abs:.3e} (max |w| {np.abs(ref).max():.3e}), "
             f"max rel to group max|w| {max_rel:.5f}, RMS rel {rms_rel:.5f}"
         )
-    # Real Q6_K groups never use the full signed range on both sides, so they sit well
-    # inside the worst case that random bytes reach.
-    assert results["gaussian weights, Q6_K-quantized"] < 0.0035
-    assert results["random bytes (adversarial)"] > 0.0035
+        assert rms_rel < 0.0025
+    # The requantization adds far less error than Q6_K's own 6-bit rounding.
+    ref = reference(cases["gaussian weights, Q6_K-quantized"], QT.Q6_K)
+    q8 = mlx_dequant(repack(cases["gaussian weights, Q6_K-quantized"], QT.Q6_K, w.shape))
+    rms_q6 = float(np.sqrt(np.mean((ref.astype(np.float64) - w) ** 2)))
+    rms_q8 = float(np.sqrt(np.mean((q8.astype(np.float64) - ref) ** 2)))
+    print(f"RMS error: Q6_K vs float {rms_q6:.3e}, q8 requant vs Q6_K {rms_q8:.3e}")
+    assert rms_q8 < 0.35 * rms_q6
 
 
 # ------------------------------------------------------------------------------------------

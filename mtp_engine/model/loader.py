@@ -127,7 +127,7 @@ def _hf_convert(name: str, w: np.ndarray, cfg: Qwen35Config) -> np.ndarray:
     base = name.rsplit(".", 1)[-1] if name.endswith("ssm_a") else name.split(".", 2)[-1]
     if name.endswith("ssm_a"):
         return tile_heads(-np.exp(w), 0, 1)
-    if base.endswith(("attn_norm.weight", "post_attention_norm.weight", "q_norm.weight", "k_norm.weight",
+    if name.endswith(("attn_norm.weight", "post_attention_norm.weight", "q_norm.weight", "k_norm.weight",
                       "output_norm.weight", "enorm.weight", "hnorm.weight", "shared_head_norm.weight")):
         return w + 1.0
     vd = cfg.ssm_value_dim

@@ -71,20 +71,24 @@ class DraftMTPDecoder(PlainDecoder):
         self.per_position_drafted: list[int] = [0] * params.n_max
         self.per_position_accepted: list[int] = [0] * params.n_max
         self.histogram: Counter = Counter()
+        self.trace: list[dict] | None = None  # per-round record, when a caller sets it to []
 
     # ---- prompt -------------------------------------------------------------------------------
-    def prefill(self, ids: list[int]) -> int:
+    def prefill(self, ids: list[int]) -> list[int]:
+        """Prefills all but the last prompt token (as llama.cpp's draft-mtp does), so the first
+        round drafts from the last prompt token and its verify yields the first new token."""
         with self.prof.stage("prefill"):
-            h = self._prefill_trunk(ids)
-            self.last_token = self.sampler.sample(self.model.logits(h[0, -1]))
-            self.h_last = h[:, -1:]
+            head = ids[:-1]
+            h = self._prefill_trunk(head)
+            self.last_token = ids[-1]
+            self.h_last = h[:, -1:] if head else mx.zeros((1, 1, self.model.cfg.hidden_size))
             # the MTP head sees prompt row t as (token t, hidden t-1), zeros before the first
-            h_prev = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
-            for s in range(0, len(ids), self.prefill_chunk):
+            h_prev = mx.concatenate([mx.zeros((1, 1, self.model.cfg.hidden_size)), h[:, :-1]], axis=1)
+            for s in range(0, len(head), self.prefill_chunk):
                 e = slice(s, s + self.prefill_chunk)
-                m = self.model.mtp(self.model.embed_tokens(mx.array([ids[e]])), h_prev[:, e], self.mtp_cache)
+                m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.mtp_cache)
                 mx.eval(m, *self.mtp_cache.state())
-        return self.last_token
+        return []
 
     # ---- one round ----------------------------------------------------------------------------
     def step(self) -> list[int]:
@@ -97,6 +101,8 @@ class DraftMTPDecoder(PlainDecoder):
         self.catch_up(host_drafts[:n], hidden, n, steps)
         self.last_token = token
         self._record(len(host_drafts), n)
+        if self.trace is not None:
+            self.trace.append({"draft": host_drafts, "n_accepted": n, "emitted": host_drafts[:n] + [token]})
         return host_drafts[:n] + [token]
 
     def draft(self, k: int) -> tuple[mx.array | list, mx.array | None, int]:

@@ -1,0 +1,109 @@
+"""Command line: `mtp-engine generate ...` (llama.cpp's flag names where they exist)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .errors import MTPEngineError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        print(f"mtp-engine: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _add_generate(sub) -> None:
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("-f", "--file", help="read the prompt from this file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=256, help="tokens to generate")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("-s", "--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--spec-type", default="none", help="none or draft-mtp")
+    g.add_argument("--spec-draft-n-max", type=int, default=3)
+    g.add_argument("--spec-draft-n-min", type=int, default=0)
+    g.add_argument("--spec-draft-p-min", type=float, default=0.0)
+    g.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
+    g.add_argument("--profile", nargs="?", const="precise", default=None, choices=["round", "precise"],
+                   help="print a per-stage time table")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _generate(args) -> int:
+    from . import api
+
+    prompt = args.prompt
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompt = f.read()
+        except OSError as e:
+            raise MTPEngineError(f"cannot read prompt file: {e.strerror}", file=args.file) from None
+    if prompt is None:
+        raise MTPEngineError("no prompt: give -p TEXT or -f FILE", field="prompt")
+    model = api.load(args.model, exact=args.exact)
+    kwargs = dict(max_tokens=args.max_tokens, spec=args.spec_type, n_max=args.spec_draft_n_max,
+                  n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, temperature=args.temp,
+                  top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
+                  ignore_eos=args.ignore_eos, profile=args.profile)
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        kwargs["prompt"] = prompt
+    if args.json:
+        r = api.generate(model=model, **kwargs)
+        print(json.dumps(r.to_json(), ensure_ascii=False))
+        return 0
+    last = None
+    for chunk in api.stream_generate(model=model, **kwargs):
+        if chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        last = chunk
+    sys.stdout.write("\n")
+    print(format_stats(last.stats), file=sys.stderr)
+    if "profile" in last.stats:
+        from .profiler import format_report
+        print(format_report(last.stats["profile"]), file=sys.stderr)
+    return 0
+
+
+def format_stats(s: dict) -> str:
+    line = (f"prompt: {s['prompt_tokens']} tok, {s['prompt_tokens_per_second']:.1f} tok/s | "
+            f"decode: {s['generated_tokens']} tok, {s['decode_tokens_per_second']:.1f} tok/s | "
+            f"peak memory: {s['peak_memory_bytes'] / 2**20:.1f} MiB")
+    if "rounds" in s:
+        line += (f" | draft-mtp: {s['accepted']}/{s['drafted']} accepted ({s['acceptance_rate']:.1%}), "
+                 f"{s['tokens_per_round']:.2f} tok/round")
+    return line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(prog="mtp-engine", description="MTP speculative decoding for Qwen3.5 GGUF models on MLX")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except MTPEngineError as e:
+        print(f"mtp-engine: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
