@@ -278,7 +278,9 @@ def raw_tensor(draw, qtype):
     offs = F16_OFFSETS[qtype]
     # Finite f16 bit patterns drawn directly (exponent field below 0x1F), which covers
     # subnormals and both zeros without the rejection sampling st.floats(width=16) needs.
-    finite_f16 = st.builds(lambda mag, neg: mag | (neg << 15), st.integers(0, 0x7BFF), st.integers(0, 1))
+    finite_f16 = st.builds(
+        lambda mag, neg: mag | (neg << 15), st.integers(0, 0x7BFF), st.integers(0, 1)
+    )
     n_f16 = n_blocks * len(offs)
     vals = draw(st.lists(finite_f16, min_size=n_f16, max_size=n_f16))
     f16 = np.array(vals, dtype=np.uint16).view(np.uint8).reshape(n_blocks, len(offs), 2)
@@ -290,7 +292,9 @@ def raw_tensor(draw, qtype):
 HYP = settings(
     max_examples=40,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large
+    ],
 )
 
 
@@ -342,7 +346,9 @@ def quantize_q6k_like_llamacpp(w: np.ndarray) -> np.ndarray:
     q = q.reshape(n, 2, 4, 32)  # half, quarter, lane
     lo = q & 0x0F
     hi = q >> 4
-    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=2)
+    ql = np.concatenate(
+        [lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=2
+    )
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
     blocks = np.concatenate(
         [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.reshape(n, 1).view(np.uint8)],
