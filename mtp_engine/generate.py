@@ -100,21 +100,27 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
     t1 = time.perf_counter()
     done = False
     while not done:
+        # token by token, so a round that overshoots EOS, max_tokens or a stop string is cut exactly
         out_ids: list[int] = []
+        text = ""
+        hit = False
         for tok in pending:
             if tok in eos:
                 finish, done = "stop", True
                 break
             generated.append(tok)
             out_ids.append(tok)
+            piece, hit = matcher.push(detok.add(tok))
+            text += piece
+            if hit:
+                finish, done = "stop", True
+                break
             if len(generated) >= max_tokens:
                 done = True
                 break
-        text, hit = matcher.push("".join(detok.add(t) for t in out_ids))
-        if hit:
-            finish, done = "stop", True
-        if done:
-            text += "" if hit else matcher.push(detok.flush())[0] + matcher.flush()
+        if done and not hit:  # held-back bytes and stop-string prefixes are final text now
+            tail, _ = matcher.push(detok.flush())
+            text += tail + matcher.flush()
         if text or out_ids:
             yield Chunk(text, out_ids)
         if not done:

@@ -23,7 +23,7 @@ class SamplerConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # None or -1: a fresh random seed (llama.cpp's -s -1)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -37,8 +37,10 @@ class SamplerConfig:
         m = self.min_p
         if not isinstance(m, (int, float)) or not math.isfinite(m) or not 0 <= m < 1:
             raise MTPEngineError(f"expected a number in [0, 1), found {m!r}", field="min_p")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise MTPEngineError(f"expected an integer, found {self.seed!r}", field="seed")
+        sd = self.seed
+        if sd is not None and (not isinstance(sd, int) or isinstance(sd, bool) or not -1 <= sd < 2**63):
+            raise MTPEngineError(f"expected an integer in 0..2^63-1, or -1 / None for a random seed, found {sd!r}",
+                                 field="seed")
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +73,7 @@ class Sampler:
 
     def __init__(self, cfg: SamplerConfig):
         self.cfg = cfg
-        self.rng = np.random.default_rng(cfg.seed)
+        self.rng = np.random.default_rng(None if cfg.seed in (None, -1) else cfg.seed)
 
     def sample(self, logits: mx.array) -> int:
         """One token from logits [V]."""

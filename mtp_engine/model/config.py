@@ -9,6 +9,17 @@ from ..errors import MTPEngineError
 SUPPORTED_ARCHITECTURES = ("qwen35",)
 
 
+# config field -> GGUF key (after the architecture prefix), for error messages
+_GGUF_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "embedding_length", "n_layer": "block_count",
+    "n_mtp": "nextn_predict_layers", "ffn_size": "feed_forward_length", "n_head": "attention.head_count",
+    "n_head_kv": "attention.head_count_kv", "head_dim": "attention.key_length", "n_rot": "rope.dimension_count",
+    "rope_base": "rope.freq_base", "eps": "attention.layer_norm_rms_epsilon", "conv_kernel": "ssm.conv_kernel",
+    "ssm_key_dim": "ssm.state_size", "ssm_key_heads": "ssm.group_count", "ssm_value_heads": "ssm.time_step_rank",
+    "ssm_inner": "ssm.inner_size", "recurrent": "attention.recurrent_layers",
+}
+
+
 @dataclass
 class Qwen35Config:
     """Everything the forward pass needs. `n_layer` counts trunk layers only; the MTP layers
@@ -43,10 +54,13 @@ class Qwen35Config:
     def conv_channels(self) -> int:
         return 2 * self.ssm_key_heads * self.ssm_key_dim + self.ssm_inner
 
-    def validate(self, source: str = "") -> None:
-        """Cross-checks the numbers so a bad file fails here, not deep inside a matmul."""
+    def validate(self, source: str = "", keys: dict[str, str] | None = None) -> None:
+        """Cross-checks the numbers so a bad file fails here, not deep inside a matmul. `keys` maps
+        field names to the source's own key names, so errors name what the user can look up."""
+        keys = keys or {}
+
         def bad(fld: str, msg: str) -> MTPEngineError:
-            return MTPEngineError(msg, file=source or None, field=fld)
+            return MTPEngineError(msg, file=source or None, field=keys.get(fld, fld))
 
         for name in ("vocab_size", "hidden_size", "n_head", "n_head_kv", "head_dim", "conv_kernel",
                      "ssm_key_dim", "ssm_key_heads", "ssm_value_heads", "ssm_inner"):
@@ -54,26 +68,26 @@ class Qwen35Config:
             if not isinstance(v, int) or v <= 0 or v > 1 << 24:
                 raise bad(name, f"expected a positive integer below 2^24, found {v!r}")
         if self.n_layer <= 0 or self.n_layer > 4096:
-            raise bad("block_count", f"expected 1..4096 trunk layers, found {self.n_layer}")
+            raise bad("n_layer", f"expected 1..4096 trunk layers, found {self.n_layer}")
         if self.n_mtp < 0 or self.n_mtp > 16:
-            raise bad("nextn_predict_layers", f"expected 0..16, found {self.n_mtp}")
+            raise bad("n_mtp", f"expected 0..16, found {self.n_mtp}")
         if self.n_head % self.n_head_kv:
-            raise bad("attention.head_count_kv", f"head_count {self.n_head} is not a multiple of {self.n_head_kv}")
+            raise bad("n_head_kv", f"head_count {self.n_head} is not a multiple of {self.n_head_kv}")
         if self.ssm_value_heads % self.ssm_key_heads:
-            raise bad("ssm.time_step_rank",
+            raise bad("ssm_value_heads",
                       f"value heads {self.ssm_value_heads} not a multiple of key heads {self.ssm_key_heads}")
         if self.ssm_inner % self.ssm_value_heads:
-            raise bad("ssm.inner_size", f"{self.ssm_inner} not a multiple of value heads {self.ssm_value_heads}")
+            raise bad("ssm_inner", f"{self.ssm_inner} not a multiple of value heads {self.ssm_value_heads}")
         if not (0 < self.n_rot <= self.head_dim) or self.n_rot % 2:
-            raise bad("rope.dimension_count", f"expected an even number in 2..{self.head_dim}, found {self.n_rot}")
+            raise bad("n_rot", f"expected an even number in 2..{self.head_dim}, found {self.n_rot}")
         if not (math.isfinite(self.eps) and 0 < self.eps < 1):
-            raise bad("attention.layer_norm_rms_epsilon", f"expected a value in (0, 1), found {self.eps}")
+            raise bad("eps", f"expected a value in (0, 1), found {self.eps}")
         if not (math.isfinite(self.rope_base) and self.rope_base > 1):
-            raise bad("rope.freq_base", f"expected a finite value > 1, found {self.rope_base}")
+            raise bad("rope_base", f"expected a finite value > 1, found {self.rope_base}")
         if len(self.recurrent) != self.n_layer:
-            raise bad("attention.recurrent_layers", f"expected {self.n_layer} flags, found {len(self.recurrent)}")
+            raise bad("recurrent", f"expected {self.n_layer} flags, found {len(self.recurrent)}")
         if len(self.ffn_size) != self.n_layer + self.n_mtp or any(f <= 0 for f in self.ffn_size):
-            raise bad("feed_forward_length", f"expected {self.n_layer + self.n_mtp} positive sizes, found {self.ffn_size}")
+            raise bad("ffn_size", f"expected {self.n_layer + self.n_mtp} positive sizes, found {self.ffn_size}")
 
     @classmethod
     def from_gguf(cls, gf) -> "Qwen35Config":
@@ -87,10 +101,27 @@ class Qwen35Config:
         def req_int(key: str) -> int:
             return gf.require(p + key, int)
 
+        def opt(key: str, kind: type, default):
+            v = gf.get(p + key, default)
+            ok = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
+                (isinstance(v, (int, float)) and not isinstance(v, bool))
+            if not ok:
+                raise MTPEngineError(f"expected {'an integer' if kind is int else 'a number'}, found {v!r:.60}",
+                                     file=gf.path, field=p + key)
+            return kind(v)
+
+        def int_list(key: str, v) -> list[int]:
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise MTPEngineError(f"expected integers, found {v!r:.60}", file=gf.path, field=p + key)
+            return [int(x) for x in v]
+
         n_block = req_int("block_count")
-        n_mtp = gf.get(p + "nextn_predict_layers", 0)
-        if not isinstance(n_mtp, int) or n_mtp < 0 or n_mtp >= n_block:
-            raise MTPEngineError(f"expected 0..{n_block - 1}, found {n_mtp!r}", file=gf.path,
+        if n_block <= 0:
+            raise MTPEngineError(f"expected a positive layer count, found {n_block}", file=gf.path,
+                                 field=p + "block_count")
+        n_mtp = opt("nextn_predict_layers", int, 0)
+        if n_mtp < 0 or n_mtp >= n_block:
+            raise MTPEngineError(f"expected 0..{n_block - 1} (block_count {n_block}), found {n_mtp}", file=gf.path,
                                  field=p + "nextn_predict_layers")
         n_layer = n_block - n_mtp
         ffn = gf.require(p + "feed_forward_length")
@@ -98,25 +129,30 @@ class Qwen35Config:
             if len(ffn) != n_block:
                 raise MTPEngineError(f"expected {n_block} per-layer values, found {len(ffn)}", file=gf.path,
                                      field=p + "feed_forward_length")
-            ffn_size = [int(x) for x in ffn]
-        elif isinstance(ffn, int):
+            ffn_size = int_list("feed_forward_length", ffn)
+        elif isinstance(ffn, int) and not isinstance(ffn, bool):
             ffn_size = [ffn] * n_block
         else:
             raise MTPEngineError(f"expected an integer or array, found {ffn!r:.60}", file=gf.path,
                                  field=p + "feed_forward_length")
         n_head = req_int("attention.head_count")
-        n_head_kv = gf.get(p + "attention.head_count_kv", n_head)
-        if isinstance(n_head_kv, list):
-            n_head_kv = int(n_head_kv[0]) if n_head_kv else n_head
-        head_dim = gf.get(p + "attention.key_length", None)
+        if n_head <= 0:
+            raise MTPEngineError(f"expected a positive head count, found {n_head}", file=gf.path,
+                                 field=p + "attention.head_count")
+        kv = gf.get(p + "attention.head_count_kv", n_head)
+        if isinstance(kv, list):
+            kv = int_list("attention.head_count_kv", kv)
+            if len(set(kv)) > 1:
+                raise MTPEngineError(f"expected one KV head count for all layers, found {kv!r:.60}",
+                                     file=gf.path, field=p + "attention.head_count_kv")
+            kv = kv[0] if kv else n_head
+        n_head_kv = opt("attention.head_count_kv", int, kv) if not isinstance(kv, int) else kv
         hidden = req_int("embedding_length")
-        if head_dim is None:
-            head_dim = hidden // n_head
-        vdim = gf.get(p + "attention.value_length", head_dim)
+        head_dim = opt("attention.key_length", int, max(hidden // n_head, 1))
+        vdim = opt("attention.value_length", int, head_dim)
         if vdim != head_dim:
             raise MTPEngineError(f"expected value_length == key_length ({head_dim}), found {vdim}", file=gf.path,
                                  field=p + "attention.value_length")
-        interval = gf.get(p + "full_attention_interval", 4)
         flags = gf.get(p + "attention.recurrent_layers", None)
         if flags is not None:
             if not isinstance(flags, list) or len(flags) < n_layer:
@@ -124,19 +160,18 @@ class Qwen35Config:
                                      field=p + "attention.recurrent_layers")
             recurrent = [bool(x) for x in flags[:n_layer]]
         else:
-            if not isinstance(interval, int) or interval <= 0:
+            interval = opt("full_attention_interval", int, 4)
+            if interval <= 0:
                 raise MTPEngineError(f"expected a positive integer, found {interval!r}", file=gf.path,
                                      field=p + "full_attention_interval")
             recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
-        tokens = gf.get("tokenizer.ggml.tokens", None)
-        vocab = gf.get(p + "vocab_size", None)
-        if vocab is None:
-            if gf.has_tensor("token_embd.weight"):
-                vocab = gf.numpy_shape("token_embd.weight")[0]
-            elif tokens is not None:
-                vocab = len(tokens)
-            else:
-                raise MTPEngineError("cannot determine vocabulary size", file=gf.path, field="token_embd.weight")
+        if gf.has(p + "vocab_size"):
+            vocab = opt("vocab_size", int, 0)
+        elif gf.has_tensor("token_embd.weight"):
+            vocab = gf.numpy_shape("token_embd.weight")[0]
+        else:
+            raise MTPEngineError("cannot determine the vocabulary size", file=gf.path, field="token_embd.weight")
+        sections = gf.get(p + "rope.dimension_sections", []) or []
         cfg = cls(
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -144,22 +179,22 @@ class Qwen35Config:
             n_mtp=n_mtp,
             ffn_size=ffn_size,
             n_head=n_head,
-            n_head_kv=int(n_head_kv),
-            head_dim=int(head_dim),
-            n_rot=int(gf.get(p + "rope.dimension_count", head_dim)),
-            rope_base=float(gf.get(p + "rope.freq_base", 10000.0)),
-            eps=float(gf.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_rot=opt("rope.dimension_count", int, head_dim),
+            rope_base=opt("rope.freq_base", float, 10000.0),
+            eps=opt("attention.layer_norm_rms_epsilon", float, 1e-6),
             conv_kernel=req_int("ssm.conv_kernel"),
             ssm_key_dim=req_int("ssm.state_size"),
             ssm_key_heads=req_int("ssm.group_count"),
             ssm_value_heads=req_int("ssm.time_step_rank"),
             ssm_inner=req_int("ssm.inner_size"),
             recurrent=recurrent,
-            context_length=int(gf.get(p + "context_length", 4096)),
+            context_length=opt("context_length", int, 4096),
             tied_embeddings=not gf.has_tensor("output.weight"),
-            rope_sections=list(gf.get(p + "rope.dimension_sections", []) or []),
+            rope_sections=list(sections) if isinstance(sections, list) else [],
         )
-        cfg.validate(gf.path)
+        cfg.validate(gf.path, {k: p + v for k, v in _GGUF_KEYS.items()})
         return cfg
 
     @classmethod

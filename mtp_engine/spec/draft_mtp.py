@@ -63,7 +63,8 @@ class DraftMTPDecoder(PlainDecoder):
         self.h_last: mx.array | None = None  # trunk hidden [1, 1, H] of the position before last_token
         self._owed_tokens: list[int] = []  # catch-up rows the MTP head has not seen yet
         self._owed_hidden: list[mx.array] = []
-        self._draft_rng = mx.random.key(0 if sampler.cfg.seed is None else sampler.cfg.seed)
+        # drafts are sampled on the device; its key derives from the sampler's seeded generator
+        self._draft_rng = mx.random.key(int(sampler.rng.integers(0, 2**63)))
         # statistics
         self.rounds = 0
         self.drafted = 0
