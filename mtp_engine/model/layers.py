@@ -32,6 +32,8 @@ class Linear:
         return int(self.weight.shape[1])
 
     def __call__(self, x: mx.array) -> mx.array:
+        if x.ndim == 1:  # MLX's CUDA quantized matmul rejects vector inputs
+            return self(x[None])[0]
         if self.quantized:
             return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                        group_size=self.group_size, bits=self.bits)
