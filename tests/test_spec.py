@@ -160,7 +160,7 @@ def test_sampling_distribution_equals_plain_sampling():
     m = _tiny("f32")
     ids = [349, 220, 451]
     kw = dict(max_tokens=2, ignore_eos=True, temperature=1.5, top_k=6)
-    n = 500
+    n = 400
     plain, spec = {}, {}
     for s in range(n):
         a = tuple(generate(ids, m, seed=s, **kw).token_ids)
@@ -199,7 +199,7 @@ def test_knobs_and_stats():
     for k in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "acceptance_per_position",
               "accepted_length_histogram", "decode_tokens_per_second"):
         assert k in s
-    assert s["drafted"] == 4 * s["rounds"] or s["drafted"] < 4 * s["rounds"]
+    assert s["drafted"] == 4 * s["rounds"]  # p-min 0: every round drafts n-max
     assert len(s["acceptance_per_position"]) == 4
     assert sum(s["accepted_length_histogram"].values()) == s["rounds"]
     assert sum(int(k) * v for k, v in s["accepted_length_histogram"].items()) == s["accepted"]
@@ -211,7 +211,6 @@ def test_knobs_and_stats():
     # n-min above what p-min lets through: drafts are thrown away, output unchanged
     r1 = generate(ids, m, max_tokens=20, spec="draft-mtp", n_max=3, n_min=3, p_min=0.5, ignore_eos=True)
     assert r1.token_ids == r0.token_ids
-    assert all(k == 0 or k == 3 for k in [len(t["draft"]) for t in []])
     with pytest.raises(MTPEngineError, match="n-min"):
         generate(ids, m, spec="draft-mtp", n_max=2, n_min=3)
     with pytest.raises(MTPEngineError, match="p-min"):
