@@ -9,6 +9,7 @@ from typing import Iterator
 from .decode import PlainDecoder
 from .errors import MTPEngineError
 from .generate import Chunk, run
+from .memory import check_fits
 from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
@@ -61,6 +62,8 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     """Loads a Qwen3.5 GGUF file (default: the model in `models/`). `exact=True` keeps Q6_K tensors in
     float32 so every weight equals llama.cpp's dequantization."""
     p = Path(path) if path is not None else default_model_path()
+    # refuse before any weight is read: a model that cannot fit would otherwise end in the OOM killer
+    check_fits(p, exact=exact, load_mtp=load_mtp)
     model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp)
     tok = Tokenizer.from_gguf(gf.reader, gf.path)
     return Model(model, tok, info, gf.path)

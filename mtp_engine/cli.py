@@ -37,7 +37,35 @@ def _add_generate(sub) -> None:
     g.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
     g.add_argument("--profile", nargs="?", const="precise", default=None, choices=["round", "precise"],
                    help="print a per-stage time table")
+    g.add_argument("--profile-out", default=None, help="write the stage profile to FILE (.json or .csv)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, found {text!r}") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {text!r}") from None
+
+
+def _add_bench(sub) -> None:
+    b = sub.add_parser("bench", help="plain decoding vs draft-mtp at each n-max / p-min, with a stage breakdown")
+    b.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
+    b.add_argument("--n-max", type=_ints, default=(0, 1, 2, 3, 4, 5, 6))
+    b.add_argument("--p-min", type=_floats, default=(0.0,))
+    b.add_argument("-n", "--n-predict", dest="tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--prompts", help="a text file (prompts separated by blank-line-free '---' lines) or a JSON "
+                                     "list of strings / {'prompts': [{'prompt': ...}]}")
+    b.add_argument("--out", default="bench-out", help="folder for bench.md/.csv/.json/.png")
+    b.add_argument("--exact", action="store_true")
 
 
 def _generate(args) -> int:
@@ -64,6 +92,7 @@ def _generate(args) -> int:
     if args.json:
         r = api.generate(model=model, **kwargs)
         print(json.dumps(r.to_json(), ensure_ascii=False))
+        _write_profile(r.stats, args.profile_out)
         return 0
     last = None
     for chunk in api.stream_generate(model=model, **kwargs):
@@ -73,9 +102,55 @@ def _generate(args) -> int:
         last = chunk
     sys.stdout.write("\n")
     print(format_stats(last.stats), file=sys.stderr)
+    _write_profile(last.stats, args.profile_out)
     if "profile" in last.stats:
         from .profiler import format_report
         print(format_report(last.stats["profile"]), file=sys.stderr)
+    return 0
+
+
+def _write_profile(stats: dict, path: str | None) -> None:
+    if not path or "profile" not in stats:
+        return
+    from .profiler import write_report
+    write_report(stats["profile"], path)
+
+
+def _load_prompts(path: str) -> list:
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise MTPEngineError(f"cannot read prompts: {e.strerror}", file=path) from None
+    if path.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise MTPEngineError(f"invalid JSON: {e}", file=path) from None
+        if isinstance(data, dict):
+            data = data.get("prompts", [])
+        prompts = [d.get("token_ids") or d.get("prompt") if isinstance(d, dict) else d for d in data]
+    else:
+        prompts = [p.strip("\n") for p in text.split("\n---\n")]
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise MTPEngineError("no prompts found", file=path)
+    return prompts
+
+
+def _bench(args) -> int:
+    from .bench import BenchConfig, run_bench
+
+    if args.tokens < 2 or args.repeats < 1:
+        raise MTPEngineError("expected -n >= 2 and --repeats >= 1", field="bench")
+    if any(k < 0 for k in args.n_max):
+        raise MTPEngineError(f"expected n-max values >= 0, found {args.n_max}", field="n-max")
+    cfg = BenchConfig(model=args.model, n_max=args.n_max, p_min=args.p_min, tokens=args.tokens,
+                      repeats=args.repeats, prompts=_load_prompts(args.prompts) if args.prompts else None,
+                      out=args.out, exact=args.exact)
+    result = run_bench(cfg)
+    from .bench import format_markdown
+    print(format_markdown(result))
+    print(f"wrote {args.out}/bench.md, bench.csv, bench.json, bench.png", file=sys.stderr)
     return 0
 
 
@@ -93,10 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="mtp-engine", description="MTP speculative decoding for Qwen3.5 GGUF models on MLX")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
+            if args.profile_out and not args.profile:
+                args.profile = "precise"
             return _generate(args)
+        if args.command == "bench":
+            return _bench(args)
     except MTPEngineError as e:
         print(f"mtp-engine: error: {e}", file=sys.stderr)
         return 2

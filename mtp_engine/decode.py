@@ -24,13 +24,16 @@ class PlainDecoder:
         self.cache = model.make_cache()
         self.last_token: int | None = None
 
-    def _prefill_trunk(self, ids: list[int]) -> mx.array:
-        """Runs the prompt through the trunk in chunks; returns the post-norm hidden of every row."""
+    def _prefill_trunk(self, ids: list[int], prenorm: bool = False) -> mx.array:
+        """Runs the prompt through the trunk in chunks; returns the post-norm (or, for the
+        ablation, pre-norm) hidden state of every row."""
         if not ids:
             return mx.zeros((1, 0, self.model.cfg.hidden_size))
         hiddens = []
         for s in range(0, len(ids), self.prefill_chunk):
-            h = self.model.forward(mx.array([ids[s:s + self.prefill_chunk]]), self.cache)
+            post, pre = self.model.forward(mx.array([ids[s:s + self.prefill_chunk]]), self.cache,
+                                           return_prenorm=True)
+            h = pre if prenorm else post
             mx.eval(h, *self.cache.arrays())
             hiddens.append(h)
         return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]

@@ -6,6 +6,8 @@ the stage's outputs at every stage boundary (honest attribution, at the cost of 
 """
 from __future__ import annotations
 
+import csv
+import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -13,7 +15,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
-STAGES = ("prefill", "decode", "draft", "verify", "accept", "rollback", "catch_up", "sync", "other")
+STAGES = ("prefill", "decode", "draft", "catch_up", "verify", "sample", "sync", "accept", "rollback", "other")
 
 
 class Profiler:
@@ -81,3 +83,18 @@ def format_report(rep: dict) -> str:
         lines.append(f"{name:<10} {s['seconds'] * 1e3:>10.1f} {s['count']:>7} {per:>9.3f} {s['seconds'] / wall:>6.1%}")
     lines.append(f"{'total':<10} {wall * 1e3:>10.1f}  ({rep['mode']} mode)")
     return "\n".join(lines)
+
+
+def write_report(rep: dict, path: str) -> None:
+    """Writes `Profiler.report()` as JSON (.json) or CSV (anything else: stage, seconds, count, share)."""
+    if str(path).endswith(".json"):
+        with open(path, "w") as f:
+            json.dump(rep, f, indent=1)
+        return
+    wall = rep["wall_seconds"] or 1.0
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["stage", "seconds", "count", "share_of_wall"])
+        for name, s in rep["stages"].items():
+            w.writerow([name, f"{s['seconds']:.6f}", s["count"], f"{s['seconds'] / wall:.4f}"])
+        w.writerow(["wall", f"{rep['wall_seconds']:.6f}", "", "1.0"])

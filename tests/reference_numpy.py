@@ -1,4 +1,5 @@
-"""Independent float64 NumPy reference of the Qwen3.5 forward pass (trunk + MTP head).
+"""Independent float64 NumPy reference of the Qwen3.5 forward pass (trunk + MTP head), dense
+(``qwen35``) or mixture-of-experts (``qwen35moe``, see ``moe_ffn``).
 
 This module is a test oracle for the MLX engine. It is written directly from the model
 math (see /work/shared/reference/qwen35-gguf.md), deliberately simple and slow: every
@@ -13,7 +14,9 @@ Conventions (as stored by llama.cpp's converter):
 - every RMSNorm weight except ``ssm_norm`` already includes the +1 offset, so all norms are
   applied as ``x / sqrt(mean(x^2) + eps) * w``;
 - ``ssm_a`` holds ``-exp(A_log)``; ``ssm_conv1d.weight`` is ``[channels, kernel]``;
-- gated-delta-net value head ``h`` uses key head ``h % Kh`` (tiled order).
+- gated-delta-net value head ``h`` uses key head ``h % Kh`` (tiled order);
+- MoE experts are stacked ``[n_expert, out, in]``; the shared-expert gate may be stored as
+  ``[H]`` or ``[1, H]``.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ def load_gguf_weights(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     ``hparams`` keys: n_vocab, hidden, n_layer (trunk layers, excluding MTP), n_mtp,
     n_head, n_head_kv, head_dim, n_rot, rope_base, eps, ffn (int, or a per-layer list if
     the file stores an array), conv_kernel, ssm_d_state (key head dim), ssm_n_group (key
-    heads), ssm_dt_rank (value heads), ssm_d_inner, recurrent (list[bool] per trunk layer).
+    heads), ssm_dt_rank (value heads), ssm_d_inner, recurrent (list[bool] per trunk layer),
+    n_expert and n_expert_used (0 for a dense model; ffn is then None for an MoE model).
     """
     reader = gguf.GGUFReader(path)
     arch = _field_value(reader, "general.architecture")
-    if arch not in ("qwen35",):
-        raise ValueError(f"{path}: unsupported architecture {arch!r} (expected 'qwen35')")
+    if arch not in ("qwen35", "qwen35moe"):
+        raise ValueError(f"{path}: unsupported architecture {arch!r} (expected 'qwen35' or 'qwen35moe')")
     p = arch + "."
 
     tensors: dict[str, np.ndarray] = {}
@@ -70,7 +74,7 @@ def load_gguf_weights(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     head_dim = int(get("attention.key_length", hidden // n_head))
     n_rot = int(get("rope.dimension_count", head_dim))
     ffn = get("feed_forward_length")
-    ffn = [int(v) for v in ffn] if isinstance(ffn, list) else int(ffn)
+    ffn = [int(v) for v in ffn] if isinstance(ffn, list) else (None if ffn is None else int(ffn))
 
     rec_flags = get("attention.recurrent_layers")
     if rec_flags is not None:
@@ -99,6 +103,8 @@ def load_gguf_weights(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         ssm_dt_rank=int(get("ssm.time_step_rank", 0)),
         ssm_d_inner=int(get("ssm.inner_size", 0)),
         recurrent=recurrent,
+        n_expert=int(get("expert_count", 0)),
+        n_expert_used=int(get("expert_used_count", 0)),
     )
     return hparams, tensors
 
@@ -134,6 +140,28 @@ def softplus(x: np.ndarray) -> np.ndarray:
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - np.max(x))
     return e / np.sum(e)
+
+
+def moe_ffn(y: np.ndarray, router: np.ndarray, gate_exps: np.ndarray, up_exps: np.ndarray,
+            down_exps: np.ndarray, gate_shexp: np.ndarray, up_shexp: np.ndarray, down_shexp: np.ndarray,
+            shexp_gate: np.ndarray, n_used: int) -> tuple[np.ndarray, dict]:
+    """Qwen3.5-MoE FFN for one token y [H] (llama.cpp's qwen35moe graph, transformers'
+    Qwen3_5MoeSparseMoeBlock): softmax over all router logits, the n_used most probable experts
+    (best first), their probabilities renormalised to sum 1, SwiGLU experts, plus the shared
+    SwiGLU expert scaled by sigmoid(y . shexp_gate).
+
+    Experts are stacked [n_expert, out, in]. Returns (output [H], routing) with routing keys
+    router_logits [E], experts [n_used], weights [n_used] and shexp_gate (a float)."""
+    logits = router @ y
+    p = softmax(logits)
+    chosen = np.argsort(-p, kind="stable")[:n_used]
+    w = p[chosen] / np.sum(p[chosen])
+    out = np.zeros_like(y)
+    for e, we in zip(chosen, w):
+        out += we * (down_exps[e] @ (silu(gate_exps[e] @ y) * (up_exps[e] @ y)))
+    g = float(sigmoid(np.dot(np.reshape(shexp_gate, -1), y)))
+    out += g * (down_shexp @ (silu(gate_shexp @ y) * (up_shexp @ y)))
+    return out, dict(router_logits=logits, experts=chosen, weights=w, shexp_gate=g)
 
 
 def rope_neox(x: np.ndarray, pos: int, n_rot: int, base: float) -> np.ndarray:
@@ -213,6 +241,9 @@ class RefModel:
         self.embed = tensors["token_embd.weight"]
         self.out_w = tensors.get("output.weight", self.embed)  # tied if absent
         self.mtp_blk = f"blk.{self.n_layer}"  # first (only) MTP block
+        self.n_expert_used = int(hparams.get("n_expert_used", 0))
+        # when a list, every MoE FFN evaluation appends (block name, routing dict)
+        self.routing_log: list | None = None
 
     # -- state --------------------------------------------------------------
     def new_state(self) -> TrunkState:
@@ -291,6 +322,13 @@ class RefModel:
         return self._w(f"{blk}.ssm_out.weight") @ out.reshape(-1)
 
     def ffn(self, blk: str, y: np.ndarray) -> np.ndarray:
+        if f"{blk}.ffn_gate_inp.weight" in self.t:
+            out, routing = moe_ffn(y, *(self._w(f"{blk}.{n}.weight") for n in (
+                "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp",
+                "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")), self.n_expert_used)
+            if self.routing_log is not None:
+                self.routing_log.append((blk, routing))
+            return out
         gate = self._w(f"{blk}.ffn_gate.weight") @ y
         up = self._w(f"{blk}.ffn_up.weight") @ y
         return self._w(f"{blk}.ffn_down.weight") @ (silu(gate) * up)

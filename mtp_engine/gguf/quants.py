@@ -288,6 +288,17 @@ def _requant_u8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.astype(np.uint8).reshape(n, cols), scale, lo
 
 
+def _check_finite(a: np.ndarray, qtype: QT, what: str, name: str | None) -> None:
+    """Refuses NaN/inf: one such weight or scale turns every logit that reads it into NaN, a
+    silently broken model. min/max propagate both and need no temporary the size of ``a``."""
+    if a.size == 0 or (np.isfinite(a.min()) and np.isfinite(a.max())):
+        return
+    flat = a.reshape(-1)
+    bad = np.flatnonzero(~np.isfinite(flat))
+    raise _err(f"{qtype.name} tensor holds non-finite {what}s ({flat[bad[0]]} at flat index {bad[0]}, "
+               f"{bad.size} in all)", name)
+
+
 def _row_chunks(rows: int, cols: int):
     step = max(1, _CHUNK_ELEMS // cols)
     for r0 in range(0, rows, step):
@@ -296,6 +307,26 @@ def _row_chunks(rows: int, cols: int):
 
 # --------------------------------------------------------------------------------------------
 # public API
+
+
+def mlx_nbytes(qtype: QT | int, n_elements: int, *, q6k_mode: str = "q8") -> int | None:
+    """Bytes that :func:`repack` / :func:`repack_float` output for a tensor of ``n_elements``
+    weights of ``qtype`` (float32 for float types and exact Q6_K; otherwise ``bits``-bit codes
+    plus a float32 scale and bias per 32 weights); None for types that are not supported.
+
+    Kept beside the repacking so that memory estimates follow any change of representation."""
+    try:
+        qtype = QT(qtype)
+    except ValueError:
+        return None
+    n = int(n_elements)
+    if qtype in _FLOAT_TYPES or (qtype == QT.Q6_K and q6k_mode == "f32"):
+        return 4 * n
+    bits = _QUANT_BITS.get(qtype)
+    if bits is None:
+        return None
+    return n * bits // 8 + 2 * 4 * (n // GROUP_SIZE)
+
 
 
 def repack_float(
@@ -330,8 +361,11 @@ def repack_float(
     flat = flat.reshape(rows, cols)
     if qtype == QT.BF16:
         # bf16 is the upper half of an IEEE float32.
-        return (flat.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return flat.astype(np.float32)  # always a fresh array, never a view of a memmap
+        out = (flat.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    else:
+        out = flat.astype(np.float32)  # always a fresh array, never a view of a memmap
+    _check_finite(out, qtype, "value", name)
+    return out
 
 
 def repack(
@@ -396,6 +430,7 @@ def repack(
         for r0, r1 in _row_chunks(rows, cols):
             blocks = data[r0:r1].reshape(-1, type_size)
             out[r0:r1] = _dequant_q6_k(blocks).reshape(r1 - r0, cols)
+            _check_finite(out[r0:r1], qtype, "value", name)
         return out
 
     bits = _QUANT_BITS[qtype]
@@ -410,6 +445,8 @@ def repack(
             q, s, b = _requant_u8(_dequant_q6_k(blocks).reshape(n, cols))
         else:
             q, s, b = _DECODERS[qtype](blocks)
+        _check_finite(s, qtype, "scale", name)
+        _check_finite(b, qtype, "bias", name)
         weight[r0:r1] = _pack(q.reshape(n, cols), bits)
         scales[r0:r1] = s.reshape(n, n_groups)
         biases[r0:r1] = b.reshape(n, n_groups)

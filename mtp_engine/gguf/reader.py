@@ -1,5 +1,7 @@
 """Reading GGUF files through `gguf.GGUFReader` with every failure turned into `MTPEngineError`.
 
+The header is checked by `validate.validate_header` before GGUFReader parses it.
+
 `mx.load` is never used for GGUF: it returns wrong Q4_K values and crashes on float64 metadata.
 GGUFReader memory-maps the file, so raw tensor bytes are views into the page cache until a
 repack copies them into their MLX layout.
@@ -15,6 +17,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import MTPEngineError
+from .validate import Header, validate_header
 
 _SCALAR_KINDS = {
     GGUFValueType.UINT8: int, GGUFValueType.INT8: int, GGUFValueType.UINT16: int,
@@ -38,27 +41,30 @@ class TensorInfo:
         return int(self.data.nbytes)
 
 
+def open_header(path: str | os.PathLike) -> Header:
+    """The checked header of the GGUF file at `path` (see `validate.validate_header`), without
+    parsing it with GGUFReader: cheap enough to run before deciding whether to load."""
+    path = str(path)
+    if not os.path.exists(path):
+        raise MTPEngineError("no such file", file=path)
+    if os.path.isdir(path):
+        raise MTPEngineError("expected a GGUF file, found a directory", file=path)
+    return validate_header(path)
+
+
 class GGUFFile:
     """A validated, memory-mapped GGUF file: typed metadata access and tensors by name."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
-        if not os.path.exists(self.path):
-            raise MTPEngineError("no such file", file=self.path)
-        if os.path.isdir(self.path):
-            raise MTPEngineError("expected a GGUF file, found a directory", file=self.path)
-        try:
-            with open(self.path, "rb") as f:
-                magic = f.read(4)
-        except OSError as e:
-            raise MTPEngineError(f"cannot read file: {e}", file=self.path) from None
-        if magic != b"GGUF":
-            raise MTPEngineError(f"not a GGUF file (magic {magic!r}, expected b'GGUF')", file=self.path)
+        # Our own bounded parse first: GGUFReader trusts every count and offset it reads, so a hostile
+        # header could make it loop for hours or allocate without limit before failing.
+        self.header: Header = open_header(self.path)
         try:
             self.reader = GGUFReader(self.path, "r")
         except MTPEngineError:
             raise
-        except Exception as e:  # the gguf package raises bare ValueError/IndexError/etc. on corrupt files
+        except Exception as e:  # a corruption validate_header does not know of yet: still a clean error
             raise MTPEngineError(f"corrupt or truncated GGUF ({type(e).__name__}: {e})", file=self.path) from None
         self._tensors = {t.name: t for t in self.reader.tensors}
 

@@ -1,7 +1,10 @@
 """Assembles a `Qwen35Model` from tensors named as in GGUF, whatever file they came from.
 
 The source is a function `fetch(name, shape, matrix)` that returns a `Linear` for matrices and a
-float32 `mx.array` for vectors, after checking the shape; GGUF and HF loaders each provide one.
+float32 `mx.array` for vectors, after checking the shape; GGUF and HF loaders each provide one. A
+3-D matrix shape ([n_expert, out, in], the stacked MoE experts) gives a `Linear` whose arrays carry
+the expert axis first. A vector may be stored with leading unit axes ([1, H]); fetch returns it as
+asked ([H]).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import mlx.core as mx
 
 from .config import Qwen35Config
 from .layers import Linear
+from .moe import ExpertLinear, MoE, SwitchGLU
 from .qwen35 import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, MTPHead, Qwen35Model
 
 Fetch = Callable[[str, tuple, bool], Union[Linear, mx.array]]
@@ -45,16 +49,38 @@ def _delta_net(fetch: Fetch, p: str, cfg: Qwen35Config) -> GatedDeltaNet:
     )
 
 
+def _mlp(fetch: Fetch, p: str, h: int, f: int, suffix: str = "") -> MLP:
+    return MLP(gate=fetch(f"{p}ffn_gate{suffix}.weight", (f, h), True),
+               up=fetch(f"{p}ffn_up{suffix}.weight", (f, h), True),
+               down=fetch(f"{p}ffn_down{suffix}.weight", (h, f), True))
+
+
+def _moe(fetch: Fetch, p: str, cfg: Qwen35Config) -> MoE:
+    h, e, f = cfg.hidden_size, cfg.n_expert, cfg.expert_ffn_size
+
+    def experts(name: str, shape: tuple) -> ExpertLinear:
+        return ExpertLinear.from_linear(fetch(p + name, shape, True))
+
+    return MoE(
+        router=fetch(p + "ffn_gate_inp.weight", (e, h), True),
+        experts=SwitchGLU(gate=experts("ffn_gate_exps.weight", (e, f, h)),
+                          up=experts("ffn_up_exps.weight", (e, f, h)),
+                          down=experts("ffn_down_exps.weight", (e, h, f))),
+        shared=_mlp(fetch, p, h, cfg.shared_ffn_size, "_shexp"),
+        shared_gate=fetch(p + "ffn_gate_inp_shexp.weight", (h,), False),
+        n_used=cfg.n_expert_used,
+    )
+
+
 def _layer(fetch: Fetch, i: int, cfg: Qwen35Config, recurrent: bool) -> DecoderLayer:
     p = f"blk.{i}."
-    h, f = cfg.hidden_size, cfg.ffn_size[i]
+    h = cfg.hidden_size
     mixer = _delta_net(fetch, p, cfg) if recurrent else _attention(fetch, p, cfg)
     return DecoderLayer(
         attn_norm=fetch(p + "attn_norm.weight", (h,), False),
         mixer=mixer,
         post_norm=fetch(p + "post_attention_norm.weight", (h,), False),
-        mlp=MLP(gate=fetch(p + "ffn_gate.weight", (f, h), True), up=fetch(p + "ffn_up.weight", (f, h), True),
-                down=fetch(p + "ffn_down.weight", (h, f), True)),
+        mlp=_moe(fetch, p, cfg) if cfg.is_moe else _mlp(fetch, p, h, cfg.ffn_size[i]),
         eps=cfg.eps,
     )
 

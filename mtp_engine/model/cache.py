@@ -130,6 +130,22 @@ class TrunkCache:
         self.offset -= drop
         self._captured = 0
 
+    def snapshot(self) -> list:
+        """References to the current state (MLX arrays are values: later writes make new arrays,
+        except KV buffers, whose valid length is their offset)."""
+        return [c.offset if isinstance(c, KVCache) else (c.conv, c.state) for c in self.layers] + [self.offset]
+
+    def restore(self, snap: list) -> None:
+        """Returns to a `snapshot()`; the re-decoding rollback llama.cpp falls back to."""
+        for c, s in zip(self.layers, snap[:-1]):
+            if isinstance(c, KVCache):
+                c.truncate(s)
+            else:
+                c.conv, c.state = s
+                c.release()
+        self.offset = snap[-1]
+        self._captured = 0
+
     def arrays(self) -> list[mx.array]:
         """Every live array (for mx.eval after a step)."""
         out = []

@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 
 from ..errors import MTPEngineError
 
-SUPPORTED_ARCHITECTURES = ("qwen35",)
+SUPPORTED_ARCHITECTURES = ("qwen35", "qwen35moe")
+MOE_ARCHITECTURES = ("qwen35moe",)
+# llama.cpp's LLAMA_MAX_EXPERTS is 512; anything far beyond is a corrupt file, not a bigger model
+_MAX_EXPERTS = 4096
 
 
 # config field -> GGUF key (after the architecture prefix), for error messages
@@ -16,20 +19,26 @@ _GGUF_KEYS = {
     "n_head_kv": "attention.head_count_kv", "head_dim": "attention.key_length", "n_rot": "rope.dimension_count",
     "rope_base": "rope.freq_base", "eps": "attention.layer_norm_rms_epsilon", "conv_kernel": "ssm.conv_kernel",
     "ssm_key_dim": "ssm.state_size", "ssm_key_heads": "ssm.group_count", "ssm_value_heads": "ssm.time_step_rank",
-    "ssm_inner": "ssm.inner_size", "recurrent": "attention.recurrent_layers",
+    "ssm_inner": "ssm.inner_size", "recurrent": "attention.recurrent_layers", "n_expert": "expert_count",
+    "n_expert_used": "expert_used_count", "expert_ffn_size": "expert_feed_forward_length",
+    "shared_ffn_size": "expert_shared_feed_forward_length",
 }
 
 
 @dataclass
 class Qwen35Config:
-    """Everything the forward pass needs. `n_layer` counts trunk layers only; the MTP layers
-    (`n_mtp`) sit after them in the GGUF block numbering."""
+    """Everything the forward pass needs, for `qwen35` (dense) and `qwen35moe` (`arch`). `n_layer`
+    counts trunk layers only; the MTP layers (`n_mtp`) sit after them in the GGUF block numbering.
+
+    In `qwen35moe` every block, the MTP block included, has the MoE FFN (`n_expert` routed experts
+    of width `expert_ffn_size`, `n_expert_used` per token, one shared expert of width
+    `shared_ffn_size`) and `ffn_size` is empty."""
 
     vocab_size: int
     hidden_size: int
     n_layer: int
     n_mtp: int
-    ffn_size: list[int]  # per block, trunk then MTP
+    ffn_size: list[int]  # per block, trunk then MTP; empty for an MoE model
     n_head: int
     n_head_kv: int
     head_dim: int
@@ -45,6 +54,15 @@ class Qwen35Config:
     context_length: int = 4096
     tied_embeddings: bool = False
     rope_sections: list[int] = field(default_factory=list)
+    arch: str = "qwen35"
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn_size: int = 0
+    shared_ffn_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch in MOE_ARCHITECTURES
 
     @property
     def ssm_value_dim(self) -> int:
@@ -86,8 +104,23 @@ class Qwen35Config:
             raise bad("rope_base", f"expected a finite value > 1, found {self.rope_base}")
         if len(self.recurrent) != self.n_layer:
             raise bad("recurrent", f"expected {self.n_layer} flags, found {len(self.recurrent)}")
-        if len(self.ffn_size) != self.n_layer + self.n_mtp or any(f <= 0 for f in self.ffn_size):
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise bad("arch", f"expected one of {list(SUPPORTED_ARCHITECTURES)}, found {self.arch!r}")
+        if self.is_moe:
+            self._validate_moe(bad)
+        elif len(self.ffn_size) != self.n_layer + self.n_mtp or any(f <= 0 for f in self.ffn_size):
             raise bad("ffn_size", f"expected {self.n_layer + self.n_mtp} positive sizes, found {self.ffn_size}")
+
+    def _validate_moe(self, bad) -> None:
+        for name in ("n_expert", "n_expert_used", "expert_ffn_size", "shared_ffn_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > 1 << 24:
+                raise bad(name, f"expected a positive integer below 2^24, found {v!r}")
+        if self.n_expert > _MAX_EXPERTS:
+            raise bad("n_expert", f"expected at most {_MAX_EXPERTS} experts, found {self.n_expert}")
+        if self.n_expert_used > self.n_expert:
+            raise bad("n_expert_used", f"expected at most expert_count ({self.n_expert}) active experts, "
+                                       f"found {self.n_expert_used}")
 
     @classmethod
     def from_gguf(cls, gf) -> "Qwen35Config":
@@ -124,8 +157,12 @@ class Qwen35Config:
             raise MTPEngineError(f"expected 0..{n_block - 1} (block_count {n_block}), found {n_mtp}", file=gf.path,
                                  field=p + "nextn_predict_layers")
         n_layer = n_block - n_mtp
-        ffn = gf.require(p + "feed_forward_length")
-        if isinstance(ffn, list):
+        moe = arch in MOE_ARCHITECTURES
+        # an MoE file has no dense FFN, so llama.cpp's converter writes no feed_forward_length
+        ffn = gf.get(p + "feed_forward_length", []) if moe else gf.require(p + "feed_forward_length")
+        if moe and ffn == []:
+            ffn_size: list[int] = []
+        elif isinstance(ffn, list):
             if len(ffn) != n_block:
                 raise MTPEngineError(f"expected {n_block} per-layer values, found {len(ffn)}", file=gf.path,
                                      field=p + "feed_forward_length")
@@ -193,14 +230,27 @@ class Qwen35Config:
             context_length=opt("context_length", int, 4096),
             tied_embeddings=not gf.has_tensor("output.weight"),
             rope_sections=list(sections) if isinstance(sections, list) else [],
+            arch=arch,
         )
+        if moe:
+            cfg.n_expert = req_int("expert_count")
+            cfg.n_expert_used = req_int("expert_used_count")
+            cfg.expert_ffn_size = req_int("expert_feed_forward_length")
+            # llama.cpp treats the shared width as optional; the tensor itself then says it
+            shexp = "blk.0.ffn_gate_shexp.weight"
+            default = gf.numpy_shape(shexp)[0] if gf.has_tensor(shexp) else cfg.expert_ffn_size
+            cfg.shared_ffn_size = opt("expert_shared_feed_forward_length", int, default)
+            # expert_gating_func / expert_weights_norm are not read: llama.cpp's qwen35moe graph
+            # hard-codes softmax routing with renormalised top-k weights, whatever the file says
         cfg.validate(gf.path, {k: p + v for k, v in _GGUF_KEYS.items()})
         return cfg
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "Qwen35Config":
-        """Builds the config from a transformers `Qwen3_5ForCausalLM` config.json dict."""
+        """Builds the config from a transformers `Qwen3_5ForCausalLM` or `Qwen3_5MoeForCausalLM`
+        config.json dict."""
         c = cfg.get("text_config", cfg)
+        moe = bool(c.get("num_experts"))
 
         def req(key: str):
             if key not in c:
@@ -225,7 +275,7 @@ class Qwen35Config:
             hidden_size=int(req("hidden_size")),
             n_layer=n_layer,
             n_mtp=n_mtp,
-            ffn_size=[int(req("intermediate_size"))] * (n_layer + n_mtp),
+            ffn_size=[] if moe else [int(req("intermediate_size"))] * (n_layer + n_mtp),
             n_head=int(req("num_attention_heads")),
             n_head_kv=int(c.get("num_key_value_heads", req("num_attention_heads"))),
             head_dim=head_dim,
@@ -241,5 +291,11 @@ class Qwen35Config:
             context_length=int(c.get("max_position_embeddings", 4096)),
             tied_embeddings=bool(c.get("tie_word_embeddings", False)),
         )
+        if moe:
+            cfg_.arch = "qwen35moe"
+            cfg_.n_expert = int(req("num_experts"))
+            cfg_.n_expert_used = int(req("num_experts_per_tok"))
+            cfg_.expert_ffn_size = int(req("moe_intermediate_size"))
+            cfg_.shared_ffn_size = int(c.get("shared_expert_intermediate_size", cfg_.expert_ffn_size))
         cfg_.validate(source)
         return cfg_

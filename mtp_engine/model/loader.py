@@ -1,7 +1,9 @@
-"""Loading a Qwen3.5 model from a GGUF file or an HF checkpoint directory.
+"""Loading a Qwen3.5 (dense or MoE) model from a GGUF file or an HF checkpoint directory.
 
 GGUF tensors are repacked one at a time straight from the memory map into MLX arrays, so a
-quantized file is never expanded to floats (except Q6_K tensors in exact mode).
+quantized file is never expanded to floats (except Q6_K tensors in exact mode). Stacked MoE
+experts ([n_expert, out, in]) are repacked as one matrix of n_expert*out rows, then viewed as
+[n_expert, out, packed] for `mx.gather_qmm`.
 """
 from __future__ import annotations
 
@@ -37,37 +39,54 @@ class LoadInfo:
     exact: bool = False
 
 
-def _to_linear(w: QuantizedWeight | np.ndarray) -> Linear:
+def _to_linear(w: QuantizedWeight | np.ndarray, shape: tuple[int, ...]) -> Linear:
+    """`shape`: the logical float shape; its leading axes (the expert axis of stacked experts)
+    are put back on every array."""
+    lead = tuple(shape[:-1])
     if isinstance(w, QuantizedWeight):
-        return Linear(mx.array(w.weight), mx.array(w.scales), mx.array(w.biases), w.bits, w.group_size)
-    return Linear(mx.array(np.ascontiguousarray(w, dtype=np.float32)))
+        return Linear(mx.array(w.weight.reshape(*lead, -1)), mx.array(w.scales.reshape(*lead, -1)),
+                      mx.array(w.biases.reshape(*lead, -1)), w.bits, w.group_size)
+    return Linear(mx.array(np.ascontiguousarray(w, dtype=np.float32).reshape(shape)))
+
+
+def _stored_shape(gf: GGUFFile, name: str, shape: tuple) -> tuple:
+    """The shape to ask the reader for: `shape`, or the stored one when that is `shape` with
+    leading unit axes. ggml drops trailing 1s of `ne`, so llama.cpp reads e.g. the shared-expert
+    gate as [H] whether a file stores it as ne [H] or [H, 1] (numpy [1, H])."""
+    if not gf.has_tensor(name):
+        return shape
+    stored = gf.numpy_shape(name)
+    lead = len(stored) - len(shape)
+    if lead > 0 and all(n == 1 for n in stored[:lead]) and tuple(stored[lead:]) == tuple(shape):
+        return stored
+    return shape
 
 
 def load_gguf(path: str | os.PathLike, exact: bool = False, load_mtp: bool = True,
               progress: Callable[[int, int], None] | None = None) -> tuple[Qwen35Model, GGUFFile, LoadInfo]:
-    """Loads a `qwen35` GGUF file. `exact=True` keeps Q6_K tensors as float32 (bit-exact to
+    """Loads a `qwen35` or `qwen35moe` GGUF file. `exact=True` keeps Q6_K tensors as float32 (bit-exact to
     llama.cpp's dequantization) instead of 8-bit group-32 requantization."""
     gf = GGUFFile(path)
     cfg = Qwen35Config.from_gguf(gf)
     info = LoadInfo(path=gf.path, file_bytes=gf.file_size(), exact=exact)
 
     def fetch(name: str, shape: tuple, matrix: bool):
-        t = gf.tensor(name, shape)
+        t = gf.tensor(name, _stored_shape(gf, name, shape))
         info.tensor_types[t.qtype.name] = info.tensor_types.get(t.qtype.name, 0) + 1
+        # repack takes matrices: vectors travel as one row, stacked experts as E*out rows
+        rows, cols = int(np.prod(t.shape[:-1], dtype=np.int64)), int(t.shape[-1])
         try:
             if t.qtype in _FLOAT_TYPES:
-                # repack_float takes matrices; vectors travel as one row
-                arr = repack_float(t.data, t.qtype, t.shape if len(t.shape) == 2 else (1, int(np.prod(t.shape))))
-                arr = arr.reshape(t.shape)
+                arr = repack_float(t.data, t.qtype, (rows, cols))
                 rep = "float32"
-                out = _to_linear(arr) if matrix else mx.array(np.ascontiguousarray(arr, dtype=np.float32))
+                out = _to_linear(arr, shape) if matrix else mx.array(arr.reshape(shape))
             elif not matrix:
                 raise MTPEngineError(f"expected a float tensor (F32/F16/BF16), found {t.qtype.name}",
                                      file=gf.path, field=name)
             else:
-                w = repack(t.data, t.qtype, t.shape, q6k_mode="f32" if exact else "q8")
+                w = repack(t.data, t.qtype, (rows, cols), q6k_mode="f32" if exact else "q8")
                 rep = f"{w.bits}-bit g{w.group_size}" if isinstance(w, QuantizedWeight) else "float32"
-                out = _to_linear(w)
+                out = _to_linear(w, shape)
         except MTPEngineError as e:
             if e.file:
                 raise

@@ -1,17 +1,23 @@
-"""Qwen3.5 (dense): gated-delta-net and gated full-attention trunk, plus its MTP head.
+"""Qwen3.5: gated-delta-net and gated full-attention trunk, plus its MTP head.
 
 Weights come in GGUF naming and conventions (norms already +1, `ssm_a` = -exp(A_log), value heads
-in tiled order); the HF loader converts to the same form, so there is one forward pass.
+in tiled order); the HF loader converts to the same form, so there is one forward pass. The FFN of
+a block is any `FFN`: the dense `MLP` here, or the mixture of experts of `moe.py` (qwen35moe).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
+from typing import Callable
 
 import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from .layers import Linear, rms_norm
+
+
+# x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
+FFN = Callable[[mx.array], mx.array]
 
 
 @dataclass
@@ -118,7 +124,7 @@ class DecoderLayer:
     attn_norm: mx.array
     mixer: GatedAttention | GatedDeltaNet
     post_norm: mx.array
-    mlp: MLP
+    mlp: FFN
     eps: float
 
     def __call__(self, x: mx.array, cache) -> mx.array:
@@ -178,10 +184,11 @@ class Qwen35Model:
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.embed.rows(ids)
 
-    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False) -> mx.array:
+    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False):
         """Runs ids [1, S] through the trunk, appending to `cache`; returns the hidden state after
         `output_norm` [1, S, H] (what the output head and the MTP head read). With `capture`, the
-        caches keep what `cache.rollback(n)` needs to keep only the first n of these tokens."""
+        caches keep what `cache.rollback(n)` needs to keep only the first n of these tokens. With
+        `return_prenorm`, returns (post-norm, pre-norm) hidden states."""
         x = self.embed_tokens(ids)
         if capture:
             for c in cache.layers:
@@ -191,7 +198,8 @@ class Qwen35Model:
         for layer, c in zip(self.layers, cache.layers):
             x = layer(x, c)
         cache.offset += int(ids.shape[1])
-        return rms_norm(x, self.output_norm, self.cfg.eps)
+        post = rms_norm(x, self.output_norm, self.cfg.eps)
+        return (post, x) if return_prenorm else post
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.lm_head(hidden)
@@ -200,12 +208,14 @@ class Qwen35Model:
         """Bytes of weights held by the trunk and by the MTP head's own tensors."""
         def lin_bytes(obj) -> int:
             total = 0
-            for v in vars(obj).values():
-                if isinstance(v, Linear):
-                    total += v.nbytes()
-                elif isinstance(v, mx.array):
+            for name, v in vars(obj).items():
+                if name.startswith("_"):  # per-forward state (e.g. an MoE's last routing), not weights
+                    continue
+                if isinstance(v, mx.array):
                     total += v.nbytes
-                elif isinstance(v, (GatedAttention, GatedDeltaNet, MLP, DecoderLayer)):
+                elif callable(getattr(v, "nbytes", None)):  # Linear and the MoE's stacked experts
+                    total += v.nbytes()
+                elif is_dataclass(v) and not isinstance(v, Qwen35Config):
                     total += lin_bytes(v)
             return total
 

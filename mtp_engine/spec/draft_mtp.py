@@ -53,7 +53,19 @@ class DraftMTPDecoder(PlainDecoder):
     """Speculative decoding with the model's MTP head as the drafter."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
-                 profiler: Profiler | None = None):
+                 profiler: Profiler | None = None, rollback: str = "capture", feed: str = "post_norm"):
+        """`rollback`: "capture" (pick the per-position state captured in verify) or "redecode"
+        (restore the pre-verify state and run the trunk again over the accepted tokens, as
+        llama.cpp's server does when it cannot snapshot; kept for comparison). `feed`: the trunk
+        state given to the MTP head, "post_norm" (correct) or "pre_norm" (the known bug, kept
+        for the ablation that measures its cost)."""
+        if rollback not in ("capture", "redecode"):
+            raise MTPEngineError(f"expected capture or redecode, found {rollback!r}", field="rollback")
+        if feed not in ("post_norm", "pre_norm"):
+            raise MTPEngineError(f"expected post_norm or pre_norm, found {feed!r}", field="feed")
+        self.rollback_mode, self.feed = rollback, feed
+        self._snapshot: list | None = None
+        self._verify_input: mx.array | None = None
         if model.mtp is None:
             raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
                                  "this model has none", field="spec")
@@ -80,7 +92,7 @@ class DraftMTPDecoder(PlainDecoder):
         round drafts from the last prompt token and its verify yields the first new token."""
         with self.prof.stage("prefill"):
             head = ids[:-1]
-            h = self._prefill_trunk(head)
+            h = self._prefill_trunk(head, prenorm=self.feed == "pre_norm")
             self.last_token = ids[-1]
             self.h_last = h[:, -1:] if head else mx.zeros((1, 1, self.model.cfg.hidden_size))
             # the MTP head sees prompt row t as (token t, hidden t-1), zeros before the first
@@ -112,37 +124,42 @@ class DraftMTPDecoder(PlainDecoder):
         if k == 0:
             return [], None, 0
         mtp, model, cfg = self.model.mtp, self.model, self.sampler.cfg
-        greedy = cfg.greedy
+        if self._owed_tokens and self.prof.mode == "precise":
+            # attribute catch-up honestly: run the owed rows as their own forward (same math)
+            with self.prof.stage("catch_up") as out:
+                out.append(mtp(model.embed_tokens(mx.array([self._owed_tokens])),
+                               mx.concatenate(self._owed_hidden, axis=1), self.mtp_cache))
+                out.extend(self.mtp_cache.state())
+            self._owed_tokens, self._owed_hidden = [], []
+        tok = mx.array([self._owed_tokens + [self.last_token]])
+        h_prev = mx.concatenate(self._owed_hidden + [self.h_last], axis=1)
+        self._owed_tokens, self._owed_hidden = [], []
         drafts: list[mx.array] = []
         qs: list[mx.array] = []
-        with self.prof.stage("draft") as out:
-            tokens = self._owed_tokens + [self.last_token]
-            h_prev = mx.concatenate(self._owed_hidden + [self.h_last], axis=1)
-            self._owed_tokens, self._owed_hidden = [], []
-            tok = mx.array([tokens])
-            steps = 0
-            for i in range(k):
-                steps += 1
+        steps = 0
+        for _ in range(k):
+            steps += 1
+            with self.prof.stage("draft") as out:
                 h_mtp = mtp(model.embed_tokens(tok), h_prev, self.mtp_cache)[:, -1:]
                 logits = model.logits(h_mtp[0, 0])
-                if greedy:
+                if cfg.greedy:
                     d = mx.argmax(logits, axis=-1)
                 else:
                     qi = distribution(logits, cfg)
                     self._draft_rng, sub = mx.random.split(self._draft_rng)
                     d = mx.random.categorical(mx.log(qi), key=sub)
                     qs.append(qi)
-                if self.params.p_min > 0.0:
+                out.append(d)
+            if self.params.p_min > 0.0:
+                with self.prof.stage("sync"):
                     top = mx.topk(logits, min(10, logits.shape[-1]))
-                    p_top = mx.max(mx.softmax(top))  # llama.cpp: top-10 softmax at temperature 1
-                    if p_top.item() < self.params.p_min:
-                        if qs:
-                            qs.pop()
-                        break
-                drafts.append(d)
-                tok, h_prev = d.reshape(1, 1), h_mtp
-            if drafts:
-                out.append(mx.stack(drafts))
+                    p_top = mx.max(mx.softmax(top)).item()  # llama.cpp: top-10 softmax at temperature 1
+                if p_top < self.params.p_min:
+                    if qs:
+                        qs.pop()
+                    break
+            drafts.append(d)
+            tok, h_prev = d.reshape(1, 1), h_mtp
         if not drafts:
             return [], None, steps
         return mx.stack(drafts), (mx.stack(qs) if qs else None), steps
@@ -152,8 +169,11 @@ class DraftMTPDecoder(PlainDecoder):
         with self.prof.stage("verify") as out:
             last = mx.array([self.last_token], dtype=mx.int32)
             inp = mx.concatenate([last, drafts.astype(mx.int32)]) if len(drafts) else last
-            hidden = self.model.forward(inp[None], self.cache, capture=True)
-            logits = self.model.logits(hidden[0])
+            if self.rollback_mode == "redecode":
+                self._snapshot = self.cache.snapshot()
+                self._verify_input = inp
+            post, hidden = self._trunk(inp[None], capture=self.rollback_mode == "capture")
+            logits = self.model.logits(post[0])
             out.append(logits)
         return hidden, logits
 
@@ -161,27 +181,36 @@ class DraftMTPDecoder(PlainDecoder):
         """How many drafts survive, the token after them, and the drafts on the host. Holds the
         round's one host sync."""
         cfg = self.sampler.cfg
+        with self.prof.stage("sample") as out:
+            target = mx.argmax(logits, axis=-1) if cfg.greedy else distribution(logits, cfg)
+            out.append(target)
+        with self.prof.stage("sync"):
+            host_target = np.array(target, dtype=np.float64 if not cfg.greedy else None)
+            d = np.array(drafts) if len(drafts) else np.zeros(0, dtype=np.int64)
+            host_q = np.array(q, dtype=np.float64) if q is not None and len(drafts) else None
         with self.prof.stage("accept"):
             if cfg.greedy:
-                target = mx.argmax(logits, axis=-1)
-                if len(drafts):
-                    mx.eval(target, drafts)
-                    d = np.array(drafts)
-                    return (*accept_greedy(d, np.array(target)), d.tolist())
-                return 0, int(target.item()), []
-            p = distribution(logits, cfg)
-            if len(drafts):
-                mx.eval(p, q, drafts)
-                d = np.array(drafts)
-                return (*accept_sampling(d, np.array(p, dtype=np.float64), np.array(q, dtype=np.float64),
-                                         self.sampler), d.tolist())
-            return 0, self.sampler.categorical(np.array(p[0], dtype=np.float64)), []
+                n, token = accept_greedy(d, host_target)
+            elif len(d):
+                n, token = accept_sampling(d, host_target, host_q, self.sampler)
+            else:
+                n, token = 0, self.sampler.categorical(host_target[0])
+        return n, token, d.tolist()
 
     def rollback(self, steps: int, n: int) -> None:
         """Keeps last token + n accepted drafts in the trunk; drops the MTP rows written by draft
         steps 2.. (their inputs were the head's own guesses; step 1's row is exact and stays)."""
-        with self.prof.stage("rollback"):
-            self.cache.rollback(n + 1)
+        with self.prof.stage("rollback") as out:
+            if self.rollback_mode == "capture":
+                self.cache.rollback(n + 1)
+            else:
+                kept = n + 1
+                if kept < int(self._verify_input.shape[0]):
+                    # restore the pre-verify state and decode the accepted tokens again
+                    self.cache.restore(self._snapshot)
+                    self._trunk(self._verify_input[None, :kept], capture=False)
+                    out.extend(self.cache.arrays())
+                self._snapshot = None
             if steps > 1:
                 self.mtp_cache.truncate(self.mtp_cache.offset - (steps - 1))
 
@@ -196,6 +225,11 @@ class DraftMTPDecoder(PlainDecoder):
             if n:
                 self._owed_hidden.append(hidden[:, :n])
             self.h_last = hidden[:, n:n + 1]
+
+    def _trunk(self, ids: mx.array, capture: bool) -> tuple[mx.array, mx.array]:
+        """Trunk forward: (post-norm hidden for the logits, the state the MTP head is fed)."""
+        post, pre = self.model.forward(ids, self.cache, capture=capture, return_prenorm=True)
+        return post, (pre if self.feed == "pre_norm" else post)
 
     # ---- statistics ---------------------------------------------------------------------------
     def _record(self, k: int, n: int) -> None:

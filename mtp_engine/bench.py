@@ -1,0 +1,251 @@
+"""`mtp-engine bench`: the original report's table as one command.
+
+No speculation, then draft-mtp at each n-max (and p-min), on the same prompts at temperature 0:
+warm-up, timed repeats (profiler off, medians), then one precise-profiled pass for the stage
+breakdown; the cost model's predicted speedup beside the measured one.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import api
+from .costmodel import Costs, expected_tokens, measure, predict_speedup
+
+DEFAULT_PROMPTS = [
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser(",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
+    "# Read a CSV file and print the sum of each column\nimport csv\n",
+]
+ROUND_STAGES = ("draft", "verify", "sample", "sync", "accept", "rollback", "catch_up", "other")
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = None
+    n_max: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)
+    p_min: tuple[float, ...] = (0.0,)
+    tokens: int = 128
+    repeats: int = 3
+    prompts: list | None = None
+    out: str | None = None
+    exact: bool = False
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream, self.t0 = total, 0, stream, time.perf_counter()
+
+    def tick(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / self.total)
+        el = time.perf_counter() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                          f"{label:<24} {el:5.0f}s elapsed, ~{eta:4.0f}s left")
+        self.stream.flush()
+        if self.done == self.total:
+            self.stream.write("\n")
+
+
+def _run_prompts(m, prompts, cfg: BenchConfig, spec: str, n_max: int, p_min: float, profile=None):
+    """Generates on every prompt; returns (decode tok/s over all prompts, stats list)."""
+    tok, sec, stats = 0, 0.0, []
+    for p in prompts:
+        r = api.generate(p, m, max_tokens=cfg.tokens, ignore_eos=True, spec=spec, n_max=n_max, p_min=p_min,
+                         profile=profile)
+        s = r.stats
+        from_prefill = 0 if spec == "draft-mtp" else 1
+        tok += s["generated_tokens"] - from_prefill
+        sec += s["decode_seconds"]
+        stats.append(s)
+    return (tok / sec if sec else 0.0), stats
+
+
+def _stage_ms_per_token(stats: list[dict]) -> dict[str, float]:
+    """Decode-stage milliseconds per generated token, summed over prompts (prefill excluded)."""
+    total: dict[str, float] = {}
+    gen = sum(s["generated_tokens"] for s in stats)
+    for s in stats:
+        for name, v in s["profile"]["stages"].items():
+            if name != "prefill":
+                total[name] = total.get(name, 0.0) + v["seconds"]
+    return {k: v * 1e3 / gen for k, v in total.items()}
+
+
+def _merge_acceptance(stats: list[dict], k: int) -> list[float | None]:
+    """Per-position acceptance over all prompts (weighted by rounds)."""
+    out = []
+    rounds = sum(s["rounds"] for s in stats)
+    for i in range(k):
+        vals = [(s["acceptance_per_position"][i], s["rounds"]) for s in stats
+                if s["acceptance_per_position"][i] is not None]
+        out.append(sum(a * r for a, r in vals) / sum(r for _, r in vals) if vals else None)
+    return out if rounds else [None] * k
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Runs the sweep; returns {"rows": [...], "costs": {...}, "device": str} and writes files to cfg.out."""
+    import mlx.core as mx
+
+    m = api.load(cfg.model, exact=cfg.exact)
+    prompts = cfg.prompts or DEFAULT_PROMPTS
+    configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
+    bar = Progress(len(configs) * (cfg.repeats + 2) + 1)
+    max_k = max(cfg.n_max) if cfg.n_max else 0
+    costs = measure(m.model, max_verify=max_k + 1) if m.model.mtp is not None else Costs(step_ms=0.0)
+    bar.tick("cost model")
+    rows = []
+    base_tps = None
+    for spec, k, p in configs:
+        label = "plain" if spec == "none" else f"n-max {k} p-min {p:g}"
+        _run_prompts(m, prompts[:1], BenchConfig(tokens=16), spec, k, p)  # warm-up
+        bar.tick(label + " warm-up")
+        speeds = []
+        for _ in range(cfg.repeats):
+            tps, stats = _run_prompts(m, prompts, cfg, spec, k, p)
+            speeds.append(tps)
+            bar.tick(label)
+        plain_tps, prof_stats = _run_prompts(m, prompts, cfg, spec, k, p, profile="precise")
+        bar.tick(label + " profiled")
+        tps = statistics.median(speeds)
+        if spec == "none":
+            base_tps = tps
+        row = {"spec": spec, "n_max": k, "p_min": p, "tok_s": tps, "speedup": tps / base_tps,
+               "stage_ms_per_token": _stage_ms_per_token(prof_stats),
+               "profiled_tok_s": plain_tps, "profile_overhead": tps / plain_tps if plain_tps else None}
+        if spec == "draft-mtp":
+            drafted = sum(s["drafted"] for s in stats)
+            accepted = sum(s["accepted"] for s in stats)
+            rounds = sum(s["rounds"] for s in stats)
+            acc_pos = _merge_acceptance(stats, k)
+            row.update(acceptance=accepted / drafted if drafted else None,
+                       mean_accepted_length=accepted / rounds if rounds else 0.0,
+                       acceptance_per_position=acc_pos)
+            # f from the profiled run: per-round time outside draft/verify/catch-up, in steps
+            per_round = {n: sum(s["profile"]["stages"].get(n, {}).get("seconds", 0.0) for s in prof_stats)
+                         for n in ("sample", "sync", "accept", "rollback", "other")}
+            prof_rounds = sum(s["rounds"] for s in prof_stats)
+            f_ms = sum(per_round.values()) * 1e3 / max(prof_rounds, 1)
+            c = Costs(costs.step_ms, costs.verify, costs.draft, f_ms / costs.step_ms if costs.step_ms else 0.0)
+            # the model's unit is its own measured step; rescale to the plain run's per-token time so
+            # prediction and measurement share one baseline
+            unit = (1e3 / base_tps) / costs.step_ms if base_tps and costs.step_ms else 1.0
+            row["predicted_speedup"] = predict_speedup(c, acc_pos, k) * unit if k else 1.0
+            row["expected_tokens_per_round"] = expected_tokens(acc_pos, k)
+            row["explanation"] = _explain(row, c, prof_stats, k)
+        rows.append(row)
+    result = {"device": str(mx.default_device()), "model": m.path, "tokens": cfg.tokens, "repeats": cfg.repeats,
+              "prompts": len(prompts), "costs": costs.to_json(), "rows": rows,
+              "date": time.strftime("%Y-%m-%d")}
+    if cfg.out:
+        write_outputs(result, Path(cfg.out))
+    return result
+
+
+def _explain(row: dict, c: Costs, prof_stats: list[dict], k: int) -> str:
+    """Where the measured round differs most from the model's components (in decode steps)."""
+    if not k or not c.step_ms:
+        return "no drafting: a plain step through the speculative path"
+    rounds = max(sum(s["rounds"] for s in prof_stats), 1)
+
+    def per_round(name: str) -> float:
+        return sum(s["profile"]["stages"].get(name, {}).get("seconds", 0.0) for s in prof_stats) * 1e3 / rounds / c.step_ms
+
+    parts = {"verify": (per_round("verify"), c.verify[k + 1]),
+             "draft": (per_round("draft") + per_round("catch_up"), k * c.draft)}
+    name, (meas, model) = max(parts.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]))
+    gap = row["speedup"] - row["predicted_speedup"]
+    return (f"measured/predicted {row['speedup']:.2f}/{row['predicted_speedup']:.2f} ({gap:+.2f}); largest gap: "
+            f"{name} costs {meas:.2f} steps per round in the run vs {model:.2f} in the model"
+            + (" (includes fused catch-up rows)" if name == "draft" else ""))
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    """bench.json (rows), bench.csv, bench.md and bench.png in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
+    (out / "bench.json").write_text(json.dumps(rows, indent=1))
+    cols = ["spec", "n_max", "p_min", "tok_s", "speedup", "predicted_speedup", "acceptance", "mean_accepted_length",
+            "profile_overhead"]
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols + [f"ms_per_token_{s}" for s in ROUND_STAGES + ("decode",)])
+        for r in rows:
+            st = r["stage_ms_per_token"]
+            w.writerow([r.get(c) for c in cols] + [round(st.get(s, 0.0), 4) for s in ROUND_STAGES + ("decode",)])
+    (out / "bench.md").write_text(format_markdown(result))
+    try:
+        plot(result, out / "bench.png")
+    except ImportError:
+        print("matplotlib not installed: bench.png skipped (pip install matplotlib)", file=sys.stderr)
+
+
+def format_markdown(result: dict) -> str:
+    c = result["costs"]
+    lines = [f"# mtp-engine bench ({result['date']})", "",
+             f"model `{Path(result['model']).name}`, device {result['device']}, {result['prompts']} prompts x "
+             f"{result['tokens']} tokens, temperature 0, median of {result['repeats']}", "",
+             f"cost model: decode step {c['step_ms']:.2f} ms; V(S) = "
+             + ", ".join(f"{s}: {v:.2f}" for s, v in c["verify"].items()) + f"; draft step c = {c['draft']:.2f}", "",
+             "| config | tok/s | speedup | predicted | acceptance | accepted/round | stage ms/token |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        name = "plain" if r["spec"] == "none" else f"draft-mtp n-max {r['n_max']} p-min {r['p_min']:g}"
+        st = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["stage_ms_per_token"].items(), key=lambda kv: -kv[1])
+                       if v >= 0.005)
+        acc = f"{r['acceptance']:.1%}" if r.get("acceptance") is not None else "-"
+        mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
+        pred = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {pred} | {acc} | {mal} | {st} |")
+    notes = [f"- n-max {r['n_max']} p-min {r['p_min']:g}: {r['explanation']}" for r in result["rows"]
+             if r.get("explanation")]
+    if notes:
+        lines += ["", "Prediction vs measurement:"] + notes
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    base = rows[0]["tok_s"]
+    spec_rows = [r for r in rows if r["spec"] != "none"]
+    for p in sorted({r["p_min"] for r in spec_rows}):
+        rs = [r for r in spec_rows if r["p_min"] == p]
+        a1.plot([r["n_max"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"draft-mtp p-min {p:g}")
+        a1.plot([r["n_max"] for r in rs], [base * r["predicted_speedup"] for r in rs], "x:",
+                label=f"predicted p-min {p:g}")
+    a1.axhline(base, color="k", ls="--", label="plain decoding")
+    a1.set_xlabel("n-max")
+    a1.set_ylabel("decode tok/s")
+    a1.set_title("throughput")
+    a1.legend(fontsize=8)
+    labels = ["plain" if r["spec"] == "none" else f"{r['n_max']}/{r['p_min']:g}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for stage in ("decode",) + ROUND_STAGES:
+        vals = [r["stage_ms_per_token"].get(stage, 0.0) for r in rows]
+        if any(vals):
+            a2.bar(labels, vals, bottom=bottom, label=stage)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    a2.set_ylabel("ms per generated token")
+    a2.set_xlabel("n-max / p-min")
+    a2.set_title("where the time goes (precise profile)")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,155 @@
+"""The Qwen3.5-MoE feed-forward block (GGUF `qwen35moe`), as llama.cpp's qwen35moe graph computes it:
+
+    p   = softmax(x @ router^T)                  over all experts
+    sel = the k most probable experts;  w = p[sel] / sum(p[sel])
+    out = sum_j w_j * expert_{sel_j}(x)  +  sigmoid(x . shared_gate) * shared(x)
+
+Each expert and the shared expert are SwiGLU MLPs. The experts stay stacked as the GGUF stores them
+([n_expert, out, in], quantized in their file type) and run through `mx.gather_qmm` (`mx.gather_mm`
+for float experts): every row reads only its own k experts, and a verify batch reads each distinct
+expert once, with no Python loop over experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .layers import Linear
+from .qwen35 import MLP
+
+# Below this many (row, expert) pairs, sorting rows by expert costs more than it saves (mlx-lm's
+# SwitchGLU threshold): decode steps and verify batches stay unsorted, prefill chunks get sorted.
+SORT_THRESHOLD = 64
+
+
+@dataclass
+class ExpertLinear:
+    """`n_expert` stacked matrices W[e] of shape [out, in]: float `weight` [E, out, in], or MLX
+    affine-quantized (`weight` [E, out, in*bits/32] uint32, `scales`/`biases` [E, out, in/group_size])."""
+
+    weight: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    bits: int = 0
+    group_size: int = 0
+
+    @classmethod
+    def from_linear(cls, lin: Linear) -> "ExpertLinear":
+        """Takes over a `Linear` whose arrays carry a leading expert axis (what the loaders' `fetch`
+        returns for a 3-D tensor)."""
+        if lin.weight.ndim != 3:
+            raise ValueError(f"expected stacked [n_expert, out, in] weights, found shape {lin.weight.shape}")
+        return cls(lin.weight, lin.scales, lin.biases, lin.bits, lin.group_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def n_expert(self) -> int:
+        return int(self.weight.shape[0])
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        """x [..., 1, in] times W[indices]^T, broadcast over the leading axes: [..., 1, out]."""
+        if self.quantized:
+            return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
+                                 group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices)
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def nbytes(self) -> int:
+        n = self.weight.nbytes
+        if self.quantized:
+            n += self.scales.nbytes + self.biases.nbytes
+        return int(n)
+
+    def dense(self) -> mx.array:
+        """All experts as a float [E, out, in] array (tests and diagnostics only)."""
+        if self.quantized:
+            return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        return self.weight
+
+
+def _sort_by_expert(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """One row per (token, slot), ordered by expert, so each expert's rows are contiguous."""
+    k = indices.shape[-1]
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    return x.flatten(0, -3)[order // k], flat[order], mx.argsort(order)
+
+
+@dataclass
+class SwitchGLU:
+    """The routed experts: a SwiGLU MLP per expert, applied to the experts each row picked."""
+
+    gate: ExpertLinear
+    up: ExpertLinear
+    down: ExpertLinear
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [..., H], indices [..., k] -> each picked expert's output [..., k, H]."""
+        x = mx.expand_dims(x, (-2, -3))
+        sort = indices.size >= SORT_THRESHOLD
+        idx, inverse = indices, None
+        if sort:
+            x, idx, inverse = _sort_by_expert(x, indices)
+        g = self.gate(x, idx, sort)
+        y = self.down(mx.sigmoid(g) * g * self.up(x, idx, sort), idx, sort)
+        if sort:
+            y = mx.unflatten(y[inverse], 0, indices.shape)
+        return y.squeeze(-2)
+
+
+@dataclass
+class MoE:
+    """Router, routed experts and the sigmoid-gated shared expert of one block."""
+
+    router: Linear  # ffn_gate_inp [E, H]
+    experts: SwitchGLU  # ffn_{gate,up,down}_exps
+    shared: MLP  # ffn_{gate,up,down}_shexp
+    shared_gate: mx.array  # ffn_gate_inp_shexp [H]
+    n_used: int
+    # tests and diagnostics: when a list, each forward appends its routing (see `__call__`)
+    record: list | None = field(default=None, repr=False)
+    # the last forward's chosen experts, kept lazily for the profiler (`distinct_experts`)
+    _last_indices: mx.array | None = field(default=None, init=False, repr=False)
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(router logits [..., E], chosen experts [..., k] in no particular order, their
+        renormalised weights [..., k])."""
+        logits = self.router(x)
+        probs = mx.softmax(logits, axis=-1, precise=True)
+        k = self.n_used
+        # a partial sort: with hundreds of experts a full argsort per token is wasted work
+        indices = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        weights = mx.take_along_axis(probs, indices, axis=-1)
+        return logits, indices, weights / weights.sum(axis=-1, keepdims=True)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        logits, indices, weights = self.route(x)
+        self._last_indices = indices
+        routed = (self.experts(x, indices) * weights[..., None]).sum(axis=-2)
+        gate = mx.sigmoid(x @ self.shared_gate[:, None])  # one scalar per token
+        if self.record is not None:
+            self.record.append({"router_logits": logits, "experts": indices, "weights": weights,
+                                "shexp_gate": gate[..., 0]})
+        return routed + gate * self.shared(x)
+
+    def distinct_experts(self) -> int:
+        """How many different experts the last forward read: n_used for one token, up to n_expert
+        for a batch (each is read once however many rows pick it). 0 before any forward. Evaluates
+        the stored indices, so call it after the forward, not inside a timed stage."""
+        if self._last_indices is None:
+            return 0
+        return int(np.unique(np.array(self._last_indices)).size)
+
+
+def experts_touched(model) -> dict[str, list[int] | int | None]:
+    """Distinct experts read by the last forward of each MoE block: `trunk` (one count per layer,
+    empty for a dense model) and `mtp` (None without an MoE MTP head)."""
+    trunk = [layer.mlp.distinct_experts() for layer in model.layers if isinstance(layer.mlp, MoE)]
+    mtp = None
+    if model.mtp is not None and isinstance(model.mtp.layer.mlp, MoE):
+        mtp = model.mtp.layer.mlp.distinct_experts()
+    return {"trunk": trunk, "mtp": mtp}

@@ -1,0 +1,83 @@
+"""Stage profiler (precise and round modes), profile export, the cost model and `mtp-engine bench`."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from conftest import TINY, need
+from mtp_engine import generate, load
+from mtp_engine.bench import BenchConfig, run_bench
+from mtp_engine.cli import main
+from mtp_engine.costmodel import Costs, expected_tokens, measure, predict_speedup
+
+IDS = [349, 220, 451, 72, 389]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
+
+
+@pytest.mark.parametrize("spec", [None, "draft-mtp"])
+def test_precise_stages_add_up_to_wall_time(tiny, spec):
+    r = generate(IDS, tiny, max_tokens=40, ignore_eos=True, spec=spec, n_max=3, profile="precise")
+    prof = r.stats["profile"]
+    stages = prof["stages"]
+    named = sum(v["seconds"] for k, v in stages.items() if k != "other")
+    assert prof["wall_seconds"] > 0
+    assert abs(named - prof["wall_seconds"]) / prof["wall_seconds"] < 0.05, stages
+    expected = {"prefill", "decode", "sync"} if spec is None else \
+        {"prefill", "draft", "verify", "sample", "sync", "accept", "rollback", "catch_up"}
+    assert expected <= set(stages)
+    if spec:
+        # one draft stage entry per draft step, one verify per round
+        assert stages["draft"]["count"] == r.stats["drafted"]
+        assert stages["verify"]["count"] == r.stats["rounds"]
+
+
+def test_round_mode_and_off_mode(tiny):
+    r = generate(IDS, tiny, max_tokens=20, ignore_eos=True, spec="draft-mtp", profile="round")
+    assert r.stats["profile"]["mode"] == "round"
+    assert "profile" not in generate(IDS, tiny, max_tokens=5, ignore_eos=True).stats
+
+
+def test_profile_export(tmp_path):
+    p = need(TINY / "qwen35-mtp-tiny-f32.gguf")
+    js, cs = tmp_path / "p.json", tmp_path / "p.csv"
+    assert main(["generate", "-m", str(p), "-p", "To be", "-n", "8", "--spec-type", "draft-mtp",
+                 "--profile", "--profile-out", str(js)]) == 0
+    rep = json.loads(js.read_text())
+    assert rep["mode"] == "precise" and "verify" in rep["stages"]
+    assert main(["generate", "-m", str(p), "-p", "To be", "-n", "8", "--profile-out", str(cs), "--json"]) == 0
+    rows = list(csv.reader(cs.open()))
+    assert rows[0] == ["stage", "seconds", "count", "share_of_wall"] and any(r[0] == "decode" for r in rows)
+
+
+def test_cost_model(tiny):
+    c = measure(tiny.model, max_verify=3, context=16, repeats=3)
+    assert c.step_ms > 0 and set(c.verify) == {1, 2, 3} and c.draft > 0
+    assert all(v > 0 for v in c.verify.values())
+    # arithmetic: a = 1 everywhere, free verify and drafts -> speedup = k + 1
+    ideal = Costs(step_ms=1.0, verify={1: 1.0, 2: 1.0, 3: 1.0}, draft=0.0, fixed=0.0)
+    assert predict_speedup(ideal, [1.0, 1.0], 2) == pytest.approx(3.0)
+    assert expected_tokens([0.8, 0.5, None], 3) == pytest.approx(2.3)
+    assert predict_speedup(Costs(1.0, {2: 1.5}, 0.25, 0.1), [0.9], 1) == pytest.approx(1.9 / 1.85)
+
+
+def test_bench_writes_table_csv_json_png(tmp_path):
+    out = tmp_path / "b"
+    res = run_bench(BenchConfig(model=str(need(TINY / "qwen35-mtp-tiny-f32.gguf")), n_max=(0, 1, 2),
+                                tokens=8, repeats=1, prompts=["To be, or", "Once upon"], out=str(out)))
+    rows = json.loads((out / "bench.json").read_text())
+    assert isinstance(rows, list) and [r["n_max"] for r in rows] == [0, 0, 1, 2]
+    assert rows[0]["spec"] == "none" and rows[0]["speedup"] == pytest.approx(1.0)
+    for r in rows[1:]:
+        for k in ("tok_s", "acceptance", "mean_accepted_length", "predicted_speedup", "stage_ms_per_token",
+                  "explanation"):
+            assert k in r
+    assert (out / "bench.png").stat().st_size > 1000
+    assert "| plain |" in (out / "bench.md").read_text()
+    assert len(list(csv.reader((out / "bench.csv").open()))) == 5
+    assert res["costs"]["verify"]
