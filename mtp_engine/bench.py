@@ -101,28 +101,33 @@ def run_bench(cfg: BenchConfig) -> dict:
     m = api.load(cfg.model, exact=cfg.exact)
     prompts = cfg.prompts or DEFAULT_PROMPTS
     configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
-    bar = Progress(len(configs) * (cfg.repeats + 2) + 1)
+    bar = Progress(2 + cfg.repeats + len(configs))
     max_k = max(cfg.n_max) if cfg.n_max else 0
     costs = measure(m.model, max_verify=max_k + 1) if m.model.mtp is not None else Costs(step_ms=0.0)
     bar.tick("cost model")
-    rows = []
-    base_tps = None
+    # repeats are interleaved across configs so slow drifts of the device (clocks, allocator,
+    # other tenants) hit every row alike instead of biasing whichever row ran during them
     for spec, k, p in configs:
-        label = "plain" if spec == "none" else f"n-max {k} p-min {p:g}"
         _run_prompts(m, prompts[:1], BenchConfig(tokens=16), spec, k, p)  # warm-up
-        bar.tick(label + " warm-up")
-        speeds = []
-        for _ in range(cfg.repeats):
-            tps, stats = _run_prompts(m, prompts, cfg, spec, k, p)
-            speeds.append(tps)
-            bar.tick(label)
+    bar.tick("warm-up")
+    speeds: dict = {c: [] for c in configs}
+    last_stats: dict = {}
+    for rep in range(cfg.repeats):
+        for c in configs:
+            tps, last_stats[c] = _run_prompts(m, prompts, cfg, *c)
+            speeds[c].append(tps)
+        bar.tick(f"repeat {rep + 1}/{cfg.repeats}")
+    rows = []
+    base_tps = statistics.median(speeds[configs[0]])
+    for c in configs:
+        spec, k, p = c
+        stats = last_stats[c]
+        label = "plain" if spec == "none" else f"n-max {k} p-min {p:g}"
         plain_tps, prof_stats = _run_prompts(m, prompts, cfg, spec, k, p, profile="precise")
         bar.tick(label + " profiled")
-        tps = statistics.median(speeds)
-        if spec == "none":
-            base_tps = tps
+        tps = statistics.median(speeds[c])
         row = {"spec": spec, "n_max": k, "p_min": p, "tok_s": tps, "speedup": tps / base_tps,
-               "stage_ms_per_token": _stage_ms_per_token(prof_stats),
+               "tok_s_all": speeds[c], "stage_ms_per_token": _stage_ms_per_token(prof_stats),
                "profiled_tok_s": plain_tps, "profile_overhead": tps / plain_tps if plain_tps else None}
         if spec == "draft-mtp":
             drafted = sum(s["drafted"] for s in stats)

@@ -106,12 +106,14 @@ def _trained_prompts(count: int) -> list[list[int]]:
     return out[:count]
 
 
-def test_greedy_parity_trained_model_20_prompts():
-    """>= 20 prompts x 128 tokens. In CI each prompt runs one n-max (rotating 1..6, so every n-max
-    runs on >= 3 prompts); MTP_FULL_PARITY=1 runs every n-max on every prompt."""
+@pytest.mark.parametrize("part", range(4))
+def test_greedy_parity_trained_model_20_prompts(part):
+    """>= 20 prompts x 128 tokens (four parts of five, so parallel workers share them). In CI each
+    prompt runs one n-max (rotating 1..6, so every n-max runs on >= 3 prompts); MTP_FULL_PARITY=1
+    runs every n-max on every prompt."""
     m = _load(TRAINED / "qwen35-mtp-code-Q4_K_M.gguf", exact=False)
     full = os.environ.get("MTP_FULL_PARITY") == "1"
-    for i, ids in enumerate(_trained_prompts(20)):
+    for i, ids in list(enumerate(_trained_prompts(20)))[part * 5:(part + 1) * 5]:
         base = _plain(m, ids, 128)
         for n_max in (range(1, 7) if full else (1 + i % 6,)):
             r = generate(ids, m, max_tokens=128, spec="draft-mtp", n_max=n_max, ignore_eos=True)
