@@ -15,6 +15,7 @@ from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
 from .sampling import Sampler, SamplerConfig
 from .spec.draft_mtp import DraftMTPDecoder, DraftParams
+from .spec.scheduler import DraftLengthScheduler, device_costs
 from .tokenizer import Tokenizer
 
 SPEC_TYPES = ("none", "draft-mtp")
@@ -79,14 +80,16 @@ def _resolve(model) -> Model:
 
 def stream_generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
                     messages: list[dict] | None = None, max_tokens: int = 256, spec: str | None = None,
-                    n_max: int = 3, n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
+                    n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                     stop: list[str] | str | None = None, ignore_eos: bool = False,
                     profile: str | None = None, _prompt_ids_out: list | None = None) -> Iterator[Chunk]:
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
-    `spec` is None/"none" (plain decoding) or "draft-mtp" with llama.cpp's knobs n_max, n_min, p_min.
+    `spec` is None/"none" (plain decoding) or "draft-mtp" with llama.cpp's knobs n_max, n_min, p_min;
+    n_max="auto" (the default) picks the draft length each round from the device's measured costs
+    and the acceptance seen so far.
     `profile` is None, "round" or "precise" (see `mtp_engine.profiler`)."""
     m = _resolve(model)
     if spec is None:
@@ -99,7 +102,9 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     params = DraftParams(n_max, n_min, p_min)
     if (prompt is None) == (messages is None):
         raise MTPEngineError("give exactly one of prompt or messages", field="prompt")
+    stops = _check_stop(stop)
     if messages is not None:
+        _check_messages(messages)
         prompt = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     if isinstance(prompt, str):
         ids = m.tokenizer.encode(prompt)
@@ -111,21 +116,58 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                                  field="prompt")
     else:
         raise MTPEngineError(f"expected text or a list of token ids, found {type(prompt).__name__}", field="prompt")
-    if isinstance(stop, str):
-        stop = [stop]
     prof = Profiler(profile or "off")
     if spec == "draft-mtp":
-        decoder: PlainDecoder = DraftMTPDecoder(m.model, sampler, params, prof)
+        scheduler = None
+        if params.auto:
+            if m.model.mtp is None:
+                raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
+                                     "this model has none", field="spec")
+            scheduler = DraftLengthScheduler(device_costs(m.model, m.path))
+        decoder: PlainDecoder = DraftMTPDecoder(m.model, sampler, params, prof, scheduler=scheduler)
     else:
         decoder = PlainDecoder(m.model, sampler, prof)
     if _prompt_ids_out is not None:
         _prompt_ids_out.extend(ids)
-    yield from run(decoder, m.tokenizer, ids, max_tokens, stop=stop, ignore_eos=ignore_eos, profiler=prof)
+    yield from run(decoder, m.tokenizer, ids, max_tokens, stop=stops, ignore_eos=ignore_eos, profiler=prof)
+
+
+def _check_stop(stop) -> list[str]:
+    """`stop` as a list of strings: None, one string, or a list/tuple of strings."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)):
+        for i, s in enumerate(stop):
+            if not isinstance(s, str):
+                raise MTPEngineError(f"stop[{i}]: expected a string, found {type(s).__name__} {s!r:.40}",
+                                     field="stop")
+        return list(stop)
+    raise MTPEngineError(f"expected a string or a list of strings, found {type(stop).__name__}", field="stop")
+
+
+def _check_messages(messages) -> None:
+    """A chat is a non-empty list of dicts whose `role` and `content` are strings (other keys, such
+    as tool calls, pass through to the template)."""
+    if not isinstance(messages, (list, tuple)):
+        raise MTPEngineError(f"expected a list of {{'role': str, 'content': str}} dicts, found "
+                             f"{type(messages).__name__}", field="messages")
+    if not messages:
+        raise MTPEngineError("expected at least one message, found an empty list", field="messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise MTPEngineError(f"messages[{i}]: expected a dict with 'role' and 'content', found "
+                                 f"{type(msg).__name__}", field="messages")
+        for key in ("role", "content"):
+            if not isinstance(msg.get(key), str):
+                what = "missing" if key not in msg else f"{type(msg[key]).__name__}"
+                raise MTPEngineError(f"messages[{i}].{key}: expected a string, found {what}", field="messages")
 
 
 def generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
              messages: list[dict] | None = None, max_tokens: int = 256, spec: str | None = None,
-             n_max: int = 3, n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0, top_k: int = 0,
+             n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
              stop: list[str] | str | None = None, ignore_eos: bool = False,
              profile: str | None = None) -> GenerationResult:

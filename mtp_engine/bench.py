@@ -250,7 +250,7 @@ def plot(result: dict, path: Path) -> None:
     a2.set_ylabel("ms per generated token")
     a2.set_xlabel("n-max / p-min")
     a2.set_title("where the time goes (precise profile)")
-    a2.legend(fontsize=8)
+    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

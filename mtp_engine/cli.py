@@ -31,7 +31,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--spec-type", default="none", help="none or draft-mtp")
-    g.add_argument("--spec-draft-n-max", type=int, default=3)
+    g.add_argument("--spec-draft-n-max", type=_n_max, default="auto",
+                   help="drafts per round, or auto (default): chosen each round from measured costs")
     g.add_argument("--spec-draft-n-min", type=int, default=0)
     g.add_argument("--spec-draft-p-min", type=float, default=0.0)
     g.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
@@ -39,6 +40,15 @@ def _add_generate(sub) -> None:
                    help="print a per-stage time table")
     g.add_argument("--profile-out", default=None, help="write the stage profile to FILE (.json or .csv)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _n_max(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, found {text!r}") from None
 
 
 def _floats(text: str) -> tuple[float, ...]:

@@ -80,6 +80,9 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
     if not prompt_ids:
         raise MTPEngineError("the prompt is empty: at least one token is needed", field="prompt")
     ctx = decoder.model.cfg.context_length
+    if len(prompt_ids) > ctx:  # the prompt alone is at fault, whatever max_tokens is
+        raise MTPEngineError(f"the prompt ({len(prompt_ids)} tokens) is longer than the model's context length "
+                             f"{ctx}", field="prompt")
     if len(prompt_ids) + max_tokens > ctx:
         raise MTPEngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                              f"context length {ctx}", field="max_tokens")

@@ -74,6 +74,14 @@ _KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
+def _embedding_rows(reader: Any) -> int | None:
+    """Rows of the GGUF's token embedding (GGUF dims are [hidden, rows]); None without one."""
+    for t in getattr(reader, "tensors", None) or []:
+        if t.name == "token_embd.weight" and len(t.shape) >= 2:
+            return int(t.shape[1])
+    return None
+
+
 class Tokenizer:
     """Byte-level BPE tokenizer of a Qwen3.5 model.
 
@@ -161,6 +169,14 @@ class Tokenizer:
                 field=_KEY_TOKEN_TYPE,
             )
         n = len(tokens)
+        rows = _embedding_rows(reader)
+        if rows is not None and n > rows:
+            # a token id past the embedding table would be looked up out of bounds, silently
+            raise MTPEngineError(
+                f"the vocabulary has {n} tokens but token_embd.weight has only {rows} rows",
+                file=file,
+                field=_KEY_TOKENS,
+            )
 
         def check_id(key: str, value: int | None) -> int | None:
             if value is not None and not 0 <= value < n:

@@ -31,3 +31,9 @@ def need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"fixture not found: {path}")
     return path
+
+# measured device costs (n-max auto) are cached on disk; keep the tests' cache out of $HOME
+if "MTP_ENGINE_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["MTP_ENGINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="mtp-engine-test-cache-")

@@ -173,6 +173,11 @@ BAD = [
     ("n -1", ["-p", PROMPT, "-n", "-1"]),
     ("n beyond context", ["-p", PROMPT, "-n", "100000"]),
     ("n not an int", ["-p", PROMPT, "-n", "abc"]),
+    ("prompt beyond context", ["-p", "a " * 5000]),
+    ("top-p nan", ["-p", PROMPT, "--top-p", "nan"]),
+    ("min-p 1", ["-p", PROMPT, "--min-p", "1"]),
+    ("p-min nan", ["-p", PROMPT, "--spec-type", "draft-mtp", "--spec-draft-p-min", "nan"]),
+    ("n-max -1", ["-p", PROMPT, "--spec-type", "draft-mtp", "--spec-draft-n-max", "-1"]),
     ("empty prompt", ["-p", ""]),
     ("no prompt", []),
     ("-p and -f", ["-p", PROMPT, "-f", "x.txt"]),
@@ -196,6 +201,12 @@ def assert_one_error_line(rc, out: str, err: str) -> None:
 def test_bad_input_exits_2(capsys, model_path, args):
     rc, out, err = gen(capsys, model_path, "-n", "4", *args)  # a later -n overrides
     assert_one_error_line(rc, out, err)
+
+
+def test_prompt_beyond_context_names_prompt(capsys, model_path):
+    rc, out, err = gen(capsys, model_path, "-n", "1", "-p", "a " * 5000)
+    assert_one_error_line(rc, out, err)
+    assert "prompt" in err and "context length" in err
 
 
 @pytest.mark.parametrize("path", ["/nonexistent/model.gguf", "DIR", "TEXTFILE"])

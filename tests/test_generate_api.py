@@ -411,6 +411,21 @@ BAD = [
     ("negative max_tokens", dict(max_tokens=-1), "max_tokens"),
     ("float max_tokens", dict(max_tokens=2.5), "max_tokens"),
     ("prompt not text or ids", dict(prompt=3.5), "prompt"),
+    ("nan top_p", dict(top_p=math.nan), "top_p"),
+    ("min_p 1", dict(min_p=1.0), "min_p"),
+    ("float top_k", dict(top_k=2.5), "top_k"),
+    ("nan p_min", dict(spec="draft-mtp", p_min=math.nan), "p_min"),
+    ("negative n_max", dict(spec="draft-mtp", n_max=-1), "n_max"),
+    ("spec empty string", dict(spec=""), "spec"),
+    ("stop list of ints", dict(stop=[1]), "stop"),
+    ("stop int", dict(stop=5), "stop"),
+    ("stop list with None", dict(stop=["a", None]), "stop"),
+    ("messages a string", dict(prompt=None, messages="hello"), "messages"),
+    ("messages empty", dict(prompt=None, messages=[]), "messages"),
+    ("messages of strings", dict(prompt=None, messages=["hello"]), "messages"),
+    ("message without content", dict(prompt=None, messages=[{"role": "user"}]), "messages"),
+    ("message content not str", dict(prompt=None, messages=[{"role": "user", "content": 5}]), "messages"),
+    ("message role not str", dict(prompt=None, messages=[{"role": None, "content": "hi"}]), "messages"),
 ]
 
 
@@ -430,9 +445,13 @@ def test_bad_input(tiny, kwargs, field):
 
 def test_prompt_longer_than_context(tiny):
     ctx = tiny.model.cfg.context_length
+    for max_tokens in (0, 1, 5):  # the prompt alone is too long: its fault, whatever max_tokens is
+        with pytest.raises(MTPEngineError, match="context length") as ei:
+            generate([1] * (ctx + 1), tiny, max_tokens=max_tokens)
+        assert _field(ei.value) == "prompt"
     with pytest.raises(MTPEngineError, match="context length") as ei:
-        generate([1] * (ctx + 1), tiny, max_tokens=0)
-    assert _field(ei.value) in ("prompt", "max_tokens")
+        generate("a " * (ctx + 10), tiny, max_tokens=1)
+    assert _field(ei.value) == "prompt"
     with pytest.raises(MTPEngineError, match="context length") as ei:
         generate([1] * ctx, tiny, max_tokens=1)
     assert _field(ei.value) == "max_tokens"

@@ -278,20 +278,20 @@ def _patched_type(tmp_path: Path, src: GGUFReader, index: int, type_id: int) -> 
 
 
 def test_unknown_tensor_type_id(src, tmp_path):
-    """A type id GGML does not define (99): a clean MTPEngineError naming the file and the id.
-    (gguf.GGUFReader fails before it names the tensor; naming it needs our own header parser.)"""
+    """A type id GGML does not define (99): a clean MTPEngineError naming the file, the tensor and the id
+    (found by our own header parser, before gguf.GGUFReader fails without naming the tensor)."""
     p, name = _patched_type(tmp_path, src, 0, 99)
     try:
-        expect_error(p, "99")
+        expect_error(p, "unknown tensor type id 99", name)
     finally:
         p.unlink()
 
 
 def test_removed_tensor_type_id(src, tmp_path):
-    """Type id 4 (the removed Q4_2): at least a clean MTPEngineError naming the file and the id."""
-    p, _ = _patched_type(tmp_path, src, 0, 4)
+    """Type id 4 (the removed Q4_2): a clean MTPEngineError naming the file, the tensor and the id."""
+    p, name = _patched_type(tmp_path, src, 0, 4)
     try:
-        expect_error(p, "4")
+        expect_error(p, "unknown tensor type id 4", name)
     finally:
         p.unlink()
 

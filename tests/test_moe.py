@@ -19,6 +19,7 @@ from gguf import GGUFReader, GGUFWriter
 from conftest import FIXTURES, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.model.layers import Linear
+from mtp_engine.model.loader import load_hf
 from mtp_engine.model.moe import SORT_THRESHOLD, ExpertLinear, MoE, SwitchGLU, experts_touched
 from mtp_engine.model.qwen35 import MLP
 from mtp_engine.sampling import Sampler, SamplerConfig
@@ -169,6 +170,82 @@ def test_shared_gate_accepted_in_both_stored_shapes(tmp_path, ref):
     bad = {"blk.0.ffn_gate_inp_shexp.weight": np.zeros((2, 128), np.float32)}
     with pytest.raises(MTPEngineError, match="blk.0.ffn_gate_inp_shexp.weight"):
         load(_rewrite(tmp_path / "gate_bad.gguf", tensors=bad))
+
+
+def _untile(x: np.ndarray, axis: int, per_head: int, kh: int, vh: int) -> np.ndarray:
+    """GGUF's tiled value-head order back to HF's grouped order."""
+    x = np.moveaxis(x, axis, 0)
+    rest = x.shape[1:]
+    x = x.reshape(vh // kh, kh, per_head, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest)))
+    return np.moveaxis(x.reshape(vh * per_head, *rest), 0, axis)
+
+
+def _hf_checkpoint(directory, cfg, fused: bool) -> None:
+    """The Q4_K_M fixture's exact weights as an HF Qwen3_5MoeForCausalLM checkpoint. The MoE tensors
+    are named from the fixture README; the others by inverting the (separately tested) dense mapping."""
+    from safetensors.numpy import save_file
+
+    from mtp_engine.model.loader import _hf_to_gguf_names
+
+    reader = GGUFReader(need(Q4KM))
+    gg = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
+        [int(n) for n in reversed(list(t.shape))]) for t in reader.tensors}
+    kh, vh, vd, nqk = cfg.ssm_key_heads, cfg.ssm_value_heads, cfg.ssm_value_dim, 2 * cfg.ssm_key_heads * cfg.ssm_key_dim
+    hf = {}
+    for hf_name, name in _hf_to_gguf_names(cfg).items():
+        if "ffn_" in name or name not in gg:
+            continue
+        w, base = gg[name], name.split(".", 2)[-1]
+        if name.endswith("norm.weight") and base != "ssm_norm.weight":
+            w = w - 1.0
+        elif base == "ssm_a":
+            w = np.log(-_untile(w, 0, 1, kh, vh))
+        elif base in ("ssm_conv1d.weight", "attn_qkv.weight"):
+            w = np.concatenate([w[:nqk], _untile(w[nqk:], 0, vd, kh, vh)])
+            w = w[:, None, :] if base == "ssm_conv1d.weight" else w
+        elif base == "attn_gate.weight":
+            w = _untile(w, 0, vd, kh, vh)
+        elif base in ("ssm_alpha.weight", "ssm_beta.weight", "ssm_dt.bias"):
+            w = _untile(w, 0, 1, kh, vh)
+        elif base == "ssm_out.weight":
+            w = _untile(w, 1, vd, kh, vh)
+        hf[hf_name] = np.ascontiguousarray(w)
+    for i in range(cfg.n_layer + 1):
+        pre, blk = (f"model.layers.{i}." if i < cfg.n_layer else "mtp.layers.0."), f"blk.{i}."
+        hf[pre + "mlp.gate.weight"] = gg[blk + "ffn_gate_inp.weight"]
+        hf[pre + "mlp.shared_expert_gate.weight"] = gg[blk + "ffn_gate_inp_shexp.weight"].reshape(1, -1)
+        for kind in ("gate", "up", "down"):
+            hf[pre + f"mlp.shared_expert.{kind}_proj.weight"] = gg[blk + f"ffn_{kind}_shexp.weight"]
+            if not fused:
+                stacked = gg[blk + f"ffn_{kind}_exps.weight"]
+                for e in range(cfg.n_expert):
+                    hf[pre + f"mlp.experts.{e}.{kind}_proj.weight"] = np.ascontiguousarray(stacked[e])
+        if fused:
+            hf[pre + "mlp.experts.gate_up_proj"] = np.concatenate(
+                [gg[blk + "ffn_gate_exps.weight"], gg[blk + "ffn_up_exps.weight"]], axis=1)
+            hf[pre + "mlp.experts.down_proj"] = gg[blk + "ffn_down_exps.weight"]
+    save_file(hf, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text((need(MOE / "hf" / "qwen35moe-mtp-tiny" / "config.json")).read_text())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_hf_checkpoint_equals_gguf(tmp_path, ref, fused):
+    m = _load()
+    _hf_checkpoint(tmp_path, m.model.cfg, fused)
+    hf = load_hf(tmp_path)
+    fields = ("arch", "n_expert", "n_expert_used", "expert_ffn_size", "shared_ffn_size", "ffn_size")
+    assert [getattr(hf.cfg, f) for f in fields] == [getattr(m.model.cfg, f) for f in fields]
+    tokens = mx.array(ref["tokens_p2"][None])
+    h_gguf = m.model.forward(tokens, m.model.make_cache())
+    h_hf = hf.forward(tokens, hf.make_cache())
+    err = np.abs(np.array(hf.logits(h_hf)) - np.array(m.model.logits(h_gguf))).max()
+    e = m.model.embed_tokens(tokens)
+    a = m.model.logits(m.model.mtp(e, h_gguf, m.model.mtp.make_cache()))
+    b = hf.logits(hf.mtp(hf.embed_tokens(tokens), h_hf, hf.mtp.make_cache()))
+    mtp_err = np.abs(np.array(a) - np.array(b)).max()
+    _report("HF vs GGUF trunk logits", err)
+    _report("HF vs GGUF MTP logits", mtp_err)
+    assert err < TOL and mtp_err < TOL  # float matmuls here, quantized kernels there
 
 
 # ---- the MoE block against the float64 reference, random weights ----------------------------

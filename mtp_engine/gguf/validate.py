@@ -106,6 +106,15 @@ class Header:
         return default if kv is None else kv.value
 
 
+def _show(name: str | None) -> str | None:
+    """A key or tensor name as it may appear in a one-line message: names come from the file, so
+    control characters are escaped and the length is capped."""
+    if name is None or (name.isprintable() and len(name) <= 120):
+        return name
+    shown = repr(name)[1:-1]
+    return shown if len(shown) <= 120 else shown[:117] + "..."
+
+
 class _Cursor:
     """Reads little-endian fields from the map, refusing any read past the end of the file."""
 
@@ -113,7 +122,7 @@ class _Cursor:
         self.buf, self.size, self.path, self.pos = buf, size, path, 0
 
     def fail(self, message: str, field: str | None) -> MTPEngineError:
-        return MTPEngineError(message, file=self.path, field=field)
+        return MTPEngineError(message, file=self.path, field=_show(field))
 
     @property
     def left(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -103,6 +104,28 @@ def load_gguf(path: str | os.PathLike, exact: bool = False, load_mtp: bool = Tru
 
 # ---- HF checkpoints -------------------------------------------------------------------------
 
+# transformers' fused in-memory expert layout: gate_up_proj [E, 2F, H] = cat(gate, up) along dim 1
+_FUSED_GATE_UP = "ffn_gate_up_exps"
+# save_pretrained's per-expert layout
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.|mtp\.layers\.0\.)mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _stack_experts(per_expert: dict[str, dict[int, np.ndarray]], tensors: dict[str, np.ndarray],
+                   cfg: Qwen35Config, source: str) -> None:
+    """Stacks per-expert HF matrices into GGUF's [n_expert, out, in] tensors (expert index
+    outermost, as llama.cpp's converter does) and splits a fused gate_up_proj."""
+    for name, experts in per_expert.items():
+        if sorted(experts) != list(range(cfg.n_expert)):
+            raise MTPEngineError(f"expected experts 0..{cfg.n_expert - 1}, found {sorted(experts)!r:.80}",
+                                 file=source, field=name)
+        tensors[name] = np.stack([experts[e] for e in range(cfg.n_expert)])
+    for name in [n for n in tensors if n.endswith(_FUSED_GATE_UP)]:
+        gate_up = tensors.pop(name)
+        f = gate_up.shape[1] // 2
+        base = name[: -len(_FUSED_GATE_UP)]
+        tensors[base + "ffn_gate_exps.weight"], tensors[base + "ffn_up_exps.weight"] = gate_up[:, :f], gate_up[:, f:]
+
+
 def _hf_to_gguf_names(cfg: Qwen35Config) -> dict[str, str]:
     m = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
          "lm_head.weight": "output.weight"}
@@ -116,7 +139,13 @@ def _hf_to_gguf_names(cfg: Qwen35Config) -> dict[str, str]:
               "attn_gate.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
               "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
               "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
-              "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight"}
+              "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
+              # Qwen3_5Moe; the per-expert tensors are stacked by `_stack_experts`
+              "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert.gate_proj.weight":
+              "ffn_gate_shexp.weight", "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+              "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+              "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+              "mlp.experts.gate_up_proj": _FUSED_GATE_UP, "mlp.experts.down_proj": "ffn_down_exps.weight"}
     for i in range(cfg.n_layer):
         for k, v in common.items():
             m[f"model.layers.{i}.{k}"] = f"blk.{i}.{v}"
@@ -166,7 +195,8 @@ def _hf_convert(name: str, w: np.ndarray, cfg: Qwen35Config) -> np.ndarray:
 
 
 def load_hf(directory: str | os.PathLike, load_mtp: bool = True) -> Qwen35Model:
-    """Loads an HF `Qwen3_5ForCausalLM` checkpoint (config.json + *.safetensors with `mtp.*`)."""
+    """Loads an HF `Qwen3_5ForCausalLM` or `Qwen3_5MoeForCausalLM` checkpoint (config.json +
+    *.safetensors with `mtp.*`)."""
     from safetensors.numpy import load_file
 
     directory = str(directory)
@@ -183,7 +213,9 @@ def load_hf(directory: str | os.PathLike, load_mtp: bool = True) -> Qwen35Model:
     if not files:
         raise MTPEngineError("no *.safetensors files found", file=directory)
     names = _hf_to_gguf_names(cfg)
+    blocks = {f"model.layers.{i}.": f"blk.{i}." for i in range(cfg.n_layer)} | {"mtp.layers.0.": f"blk.{cfg.n_layer}."}
     tensors: dict[str, np.ndarray] = {}
+    per_expert: dict[str, dict[int, np.ndarray]] = {}
     for fn in files:
         try:
             data = _load_safetensors(os.path.join(directory, fn))
@@ -192,12 +224,19 @@ def load_hf(directory: str | os.PathLike, load_mtp: bool = True) -> Qwen35Model:
         for k, v in data.items():
             if k in names:
                 tensors[names[k]] = _hf_convert(names[k], v, cfg)
+            elif (m := _EXPERT_RE.match(k)) and m.group(1) in blocks:
+                name = f"{blocks[m.group(1)]}ffn_{m.group(3)}_exps.weight"
+                per_expert.setdefault(name, {})[int(m.group(2))] = v.astype(np.float32)
+    _stack_experts(per_expert, tensors, cfg, directory)
     del load_file
 
     def fetch(name: str, shape: tuple, matrix: bool):
         if name not in tensors:
             raise MTPEngineError("required tensor is missing", file=directory, field=name)
         w = tensors[name]
+        lead = w.ndim - len(shape)
+        if lead > 0 and all(n == 1 for n in w.shape[:lead]) and tuple(w.shape[lead:]) == tuple(shape):
+            w = w.reshape(shape)  # e.g. shared_expert_gate [1, H], read as [H] as llama.cpp does
         if tuple(w.shape) != tuple(shape):
             raise MTPEngineError(f"unexpected shape: expected {list(shape)}, found {list(w.shape)}",
                                  file=directory, field=name)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .layers import Linear
-from .qwen35 import MLP
+from .qwen35 import MLP, Qwen35Model
 
 # Below this many (row, expert) pairs, sorting rows by expert costs more than it saves (mlx-lm's
 # SwitchGLU threshold): decode steps and verify batches stay unsorted, prefill chunks get sorted.
@@ -145,7 +145,7 @@ class MoE:
         return int(np.unique(np.array(self._last_indices)).size)
 
 
-def experts_touched(model) -> dict[str, list[int] | int | None]:
+def experts_touched(model: Qwen35Model) -> dict[str, list[int] | int | None]:
     """Distinct experts read by the last forward of each MoE block: `trunk` (one count per layer,
     empty for a dense model) and `mtp` (None without an MoE MTP head)."""
     trunk = [layer.mlp.distinct_experts() for layer in model.layers if isinstance(layer.mlp, MoE)]

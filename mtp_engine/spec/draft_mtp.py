@@ -25,6 +25,7 @@ from ..model.qwen35 import Qwen35Model
 from ..profiler import Profiler
 from ..sampling import Sampler, distribution
 from .accept import accept_greedy, accept_sampling
+from .scheduler import AUTO_MAX, DraftLengthScheduler
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,27 @@ class DraftParams:
     surviving drafts discards them and decodes plainly. p_min: stop drafting when the next draft's
     probability (softmax over the head's top-10 logits at temperature 1) is below it."""
 
-    n_max: int = 3
+    n_max: int | str = 3  # or "auto": the scheduler picks k each round (spec/scheduler.py)
     n_min: int = 0
     p_min: float = 0.0
+
+    @property
+    def auto(self) -> bool:
+        return self.n_max == "auto"
+
+    @property
+    def k_max(self) -> int:
+        return AUTO_MAX if self.auto else int(self.n_max)
 
     def __post_init__(self) -> None:
         for name in ("n_max", "n_min"):
             v = getattr(self, name)
+            if name == "n_max" and v == "auto":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 64:
-                raise MTPEngineError(f"expected an integer in 0..64, found {v!r}", field=name.replace("_", "-"))
-        if self.n_min > self.n_max:
+                extra = " or 'auto'" if name == "n_max" else ""
+                raise MTPEngineError(f"expected an integer in 0..64{extra}, found {v!r}", field=name.replace("_", "-"))
+        if self.n_min > self.k_max:
             raise MTPEngineError(f"n-min ({self.n_min}) must not exceed n-max ({self.n_max})", field="n-min")
         p = self.p_min
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
@@ -53,7 +65,8 @@ class DraftMTPDecoder(PlainDecoder):
     """Speculative decoding with the model's MTP head as the drafter."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
-                 profiler: Profiler | None = None, rollback: str = "capture", feed: str = "post_norm"):
+                 profiler: Profiler | None = None, rollback: str = "capture", feed: str = "post_norm",
+                 scheduler: DraftLengthScheduler | None = None):
         """`rollback`: "capture" (pick the per-position state captured in verify) or "redecode"
         (restore the pre-verify state and run the trunk again over the accepted tokens, as
         llama.cpp's server does when it cannot snapshot; kept for comparison). `feed`: the trunk
@@ -64,8 +77,12 @@ class DraftMTPDecoder(PlainDecoder):
         if feed not in ("post_norm", "pre_norm"):
             raise MTPEngineError(f"expected post_norm or pre_norm, found {feed!r}", field="feed")
         self.rollback_mode, self.feed = rollback, feed
+        if params.auto and scheduler is None:
+            raise MTPEngineError("n-max auto needs a scheduler with the device's measured costs", field="n-max")
+        self.scheduler = scheduler if params.auto else None
         self._snapshot: list | None = None
         self._verify_input: mx.array | None = None
+        self._verify_len = 0
         if model.mtp is None:
             raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
                                  "this model has none", field="spec")
@@ -81,8 +98,8 @@ class DraftMTPDecoder(PlainDecoder):
         self.rounds = 0
         self.drafted = 0
         self.accepted = 0
-        self.per_position_drafted: list[int] = [0] * params.n_max
-        self.per_position_accepted: list[int] = [0] * params.n_max
+        self.per_position_drafted: list[int] = [0] * params.k_max
+        self.per_position_accepted: list[int] = [0] * params.k_max
         self.histogram: Counter = Counter()
         self.trace: list[dict] | None = None  # per-round record, when a caller sets it to []
 
@@ -105,7 +122,10 @@ class DraftMTPDecoder(PlainDecoder):
 
     # ---- one round ----------------------------------------------------------------------------
     def step(self) -> list[int]:
-        drafts, q, steps = self.draft(self.params.n_max)
+        k = self.scheduler.next_k() if self.scheduler else int(self.params.n_max)
+        if k == 0:
+            return self.plain_step()
+        drafts, q, steps = self.draft(k)
         if 0 < len(drafts) < self.params.n_min:  # too few survived p-min: decode plainly
             drafts, q = [], None
         hidden, logits = self.verify(drafts)
@@ -114,9 +134,31 @@ class DraftMTPDecoder(PlainDecoder):
         self.catch_up(host_drafts[:n], hidden, n, steps)
         self.last_token = token
         self._record(len(host_drafts), n)
+        if self.scheduler:
+            self.scheduler.update(len(host_drafts), n)
         if self.trace is not None:
             self.trace.append({"draft": host_drafts, "n_accepted": n, "emitted": host_drafts[:n] + [token]})
         return host_drafts[:n] + [token]
+
+    def plain_step(self) -> list[int]:
+        """A round without drafting: exactly a plain decode step (no capture, no MTP work); the
+        MTP head's row for it is owed and caught up when drafting resumes."""
+        with self.prof.stage("decode") as out:
+            post, fed = self.model.forward(mx.array([[self.last_token]]), self.cache, return_prenorm=True)
+            logits = self.model.logits(post[0, -1])
+            out.append(logits)
+        with self.prof.stage("sync"):
+            token = self.sampler.sample(logits)
+        self._owed_tokens.append(self.last_token)
+        self._owed_hidden.append(self.h_last)
+        self.h_last = fed if self.feed == "pre_norm" else post
+        self.last_token = token
+        self._record(0, 0)
+        if self.scheduler:
+            self.scheduler.update(0, 0)
+        if self.trace is not None:
+            self.trace.append({"draft": [], "n_accepted": 0, "emitted": [token]})
+        return [token]
 
     def draft(self, k: int) -> tuple[mx.array | list, mx.array | None, int]:
         """Up to k draft tokens (a device array, so no host sync when p_min = 0), their
@@ -169,10 +211,12 @@ class DraftMTPDecoder(PlainDecoder):
         with self.prof.stage("verify") as out:
             last = mx.array([self.last_token], dtype=mx.int32)
             inp = mx.concatenate([last, drafts.astype(mx.int32)]) if len(drafts) else last
+            self._verify_len = 1 + len(drafts)
             if self.rollback_mode == "redecode":
                 self._snapshot = self.cache.snapshot()
                 self._verify_input = inp
-            post, hidden = self._trunk(inp[None], capture=self.rollback_mode == "capture")
+            # a round without drafts is a plain step: nothing to roll back, so nothing to capture
+            post, hidden = self._trunk(inp[None], capture=self.rollback_mode == "capture" and len(drafts) > 0)
             logits = self.model.logits(post[0])
             out.append(logits)
         return hidden, logits
@@ -202,10 +246,11 @@ class DraftMTPDecoder(PlainDecoder):
         steps 2.. (their inputs were the head's own guesses; step 1's row is exact and stays)."""
         with self.prof.stage("rollback") as out:
             if self.rollback_mode == "capture":
-                self.cache.rollback(n + 1)
+                if self._verify_len > 1:  # captured (a draft-less round is a plain step)
+                    self.cache.rollback(n + 1)
             else:
                 kept = n + 1
-                if kept < int(self._verify_input.shape[0]):
+                if kept < self._verify_len:
                     # restore the pre-verify state and decode the accepted tokens again
                     self.cache.restore(self._snapshot)
                     self._trunk(self._verify_input[None, :kept], capture=False)
@@ -243,7 +288,11 @@ class DraftMTPDecoder(PlainDecoder):
 
     def stats(self) -> dict:
         r = max(self.rounds, 1)
-        return {
+        extra = {}
+        if self.scheduler:
+            ch = self.scheduler.chosen
+            extra = {"n_max": "auto", "draft_length_histogram": {str(k): ch.count(k) for k in sorted(set(ch))}}
+        return {**extra,
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -252,5 +301,5 @@ class DraftMTPDecoder(PlainDecoder):
             "tokens_per_round": (self.accepted + self.rounds) / r,
             "acceptance_per_position": [a / d if d else None for a, d in
                                         zip(self.per_position_accepted, self.per_position_drafted)],
-            "accepted_length_histogram": {str(i): self.histogram.get(i, 0) for i in range(self.params.n_max + 1)},
+            "accepted_length_histogram": {str(i): self.histogram.get(i, 0) for i in range(self.params.k_max + 1)},
         }

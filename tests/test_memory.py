@@ -1,0 +1,109 @@
+"""`mtp_engine.memory`: the load-time memory prediction and the refusal when it cannot fit."""
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from conftest import ROOT, TINY, need
+from mtp_engine import MTPEngineError, generate, load
+from mtp_engine.cli import main as cli_main
+from mtp_engine.memory import ENV_LIMIT, available_memory, check_fits, estimate
+
+FILES = ["qwen35-mtp-tiny-Q4_K_M.gguf", "qwen35-mtp-tiny-Q5_K_M.gguf", "qwen35-mtp-tiny-Q6_K.gguf",
+         "qwen35-mtp-tiny-Q8_0.gguf", "qwen35-mtp-tiny-f16.gguf"]
+TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+@pytest.mark.parametrize("name", FILES)
+def test_weight_estimate_matches_loaded_bytes(monkeypatch, name, exact):
+    monkeypatch.delenv(ENV_LIMIT, raising=False)
+    path = need(TINY / name)
+    est = estimate(path, exact)
+    loaded = load(path, exact=exact)
+    measured = sum(loaded.model.nbytes().values())
+    assert abs(est["weights"] - measured) <= 0.25 * measured, (est["weights"], measured)
+    assert est["total"] == est["weights"] + est["kv_cache"] + est["recurrent_state"] + est["activations"]
+
+
+def test_estimate_without_mtp_drops_its_tensors_and_cache():
+    path = need(TINY_Q8)
+    with_mtp, without = estimate(path), estimate(path, load_mtp=False)
+    assert without["weights"] < with_mtp["weights"] and without["kv_cache"] < with_mtp["kv_cache"]
+    assert without["weights"] == sum(load(path, load_mtp=False).model.nbytes().values())
+
+
+def test_kv_cache_scales_with_context():
+    path = need(TINY_Q8)
+    small, big = estimate(path, context=1024), estimate(path, context=8192)
+    assert big["kv_cache"] == 8 * small["kv_cache"] > 0
+    assert estimate(path)["context"] == 4096  # the model's context_length
+
+
+def test_estimate_bounds_measured_peak():
+    """A 600-token prefill and a few speculative rounds stay within the prediction for that context."""
+    path = need(TINY_Q8)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    model = load(path)
+    generate([5] * 600, model, max_tokens=8, spec="draft-mtp", ignore_eos=True)
+    peak = mx.get_peak_memory()
+    assert peak <= estimate(path, context=608)["total"], peak
+
+
+def test_low_limit_refuses_naming_both_numbers(monkeypatch):
+    path = need(TINY_Q8)
+    need_bytes = estimate(path)["total"]
+    monkeypatch.setenv(ENV_LIMIT, str(need_bytes - 1))
+    with pytest.raises(MTPEngineError) as info:
+        load(path)
+    msg = str(info.value)
+    assert info.value.file == str(path) and info.value.field == "memory"
+    assert str(need_bytes) in msg and str(need_bytes - 1) in msg and ENV_LIMIT in msg, msg
+    monkeypatch.setenv(ENV_LIMIT, str(need_bytes))
+    assert check_fits(path)["total"] == need_bytes
+    load(path)
+
+
+def test_cli_refusal_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv(ENV_LIMIT, "1000")
+    rc = cli_main(["generate", "-m", str(need(TINY_Q8)), "-p", "x", "-n", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "not enough memory" in err, err
+
+
+@pytest.mark.parametrize("value", ["lots", "-5"])
+def test_bad_limit_value(monkeypatch, value):
+    monkeypatch.setenv(ENV_LIMIT, value)
+    with pytest.raises(MTPEngineError) as info:
+        available_memory()
+    assert info.value.field == ENV_LIMIT
+
+
+def test_available_memory_without_override(monkeypatch):
+    monkeypatch.delenv(ENV_LIMIT, raising=False)
+    limit, source = available_memory()
+    assert limit > 0 and source != ENV_LIMIT
+
+
+def test_absurd_metadata_counts_do_not_inflate_the_estimate(tmp_path):
+    """Sizes come from tensor shapes: a block_count of 2^31 in the metadata changes nothing."""
+    import struct
+
+    from mtp_engine.gguf.validate import validate_header
+
+    src = need(TINY_Q8)
+    data = bytearray(src.read_bytes())
+    kv = validate_header(src).kvs["qwen35.block_count"]
+    struct.pack_into("<I", data, kv.value_offset, 1 << 31)
+    p = tmp_path / "blocks.gguf"
+    p.write_bytes(bytes(data))
+    assert estimate(p) == estimate(src)
+
+
+def test_default_model_estimate():
+    path = ROOT / "models" / "qwen35-mtp-code-Q4_K_M.gguf"
+    if not path.exists():
+        pytest.skip("default model not present")
+    est = estimate(path)
+    assert est["weights"] == sum(load(path).model.nbytes().values())
