@@ -46,7 +46,7 @@ def test_round_mode_and_off_mode(tiny):
 def test_profile_export(tmp_path):
     p = need(TINY / "qwen35-mtp-tiny-f32.gguf")
     js, cs = tmp_path / "p.json", tmp_path / "p.csv"
-    assert main(["generate", "-m", str(p), "-p", "To be", "-n", "8", "--spec-type", "draft-mtp",
+    assert main(["generate", "-m", str(p), "-p", "To be", "-n", "8", "--spec-type", "draft-mtp", "--spec-draft-n-max", "2",
                  "--profile", "--profile-out", str(js)]) == 0
     rep = json.loads(js.read_text())
     assert rep["mode"] == "precise" and "verify" in rep["stages"]
