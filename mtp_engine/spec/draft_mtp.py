@@ -66,7 +66,7 @@ class DraftMTPDecoder(PlainDecoder):
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, rollback: str = "capture", feed: str = "post_norm",
-                 scheduler: DraftLengthScheduler | None = None):
+                 scheduler: DraftLengthScheduler | None = None, oracle_acceptance: float | None = None):
         """`rollback`: "capture" (pick the per-position state captured in verify) or "redecode"
         (restore the pre-verify state and run the trunk again over the accepted tokens, as
         llama.cpp's server does when it cannot snapshot; kept for comparison). `feed`: the trunk
@@ -77,6 +77,9 @@ class DraftMTPDecoder(PlainDecoder):
         if feed not in ("post_norm", "pre_norm"):
             raise MTPEngineError(f"expected post_norm or pre_norm, found {feed!r}", field="feed")
         self.rollback_mode, self.feed = rollback, feed
+        # benchmark-only: each draft counts as right with this probability (the drafter still does
+        # all its work), so large random-weight models can be timed at a chosen acceptance
+        self.oracle = oracle_acceptance
         if params.auto and scheduler is None:
             raise MTPEngineError("n-max auto needs a scheduler with the device's measured costs", field="n-max")
         self.scheduler = scheduler if params.auto else None
@@ -233,6 +236,11 @@ class DraftMTPDecoder(PlainDecoder):
             d = np.array(drafts) if len(drafts) else np.zeros(0, dtype=np.int64)
             host_q = np.array(q, dtype=np.float64) if q is not None and len(drafts) else None
         with self.prof.stage("accept"):
+            if self.oracle is not None and cfg.greedy:
+                n = 0
+                while n < len(d) and self.sampler.uniform() < self.oracle:
+                    n += 1
+                return n, int(host_target[n]), [int(t) for t in host_target[:n]] + d.tolist()[n:]
             if cfg.greedy:
                 n, token = accept_greedy(d, host_target)
             elif len(d):
