@@ -97,3 +97,17 @@ def test_cli_accepts_auto_and_rejects_words(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "-m", p, "-p", "x", "--spec-type", "draft-mtp", "--spec-draft-n-max", "many"])
     assert e.value.code == 2
+
+
+def test_probes_back_off_while_plain_steps_stay_right():
+    s = DraftLengthScheduler(_costs(lambda n: float(n), c=0.3))
+    for _ in range(10):
+        s.update(3, 0)
+    probes = []
+    for i in range(2000):
+        k = s.next_k()
+        if k:
+            probes.append(i)
+            s.update(k, 0)  # each probe is rejected
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] < gaps[-1] <= sch._PROBE_MAX + 1 and len(probes) < 2000 / sch._PROBE_EVERY / 2

@@ -19,7 +19,8 @@ from ..model.qwen35 import Qwen35Model
 
 AUTO_MAX = 8  # longest draft auto considers; V(S) is measured up to AUTO_MAX + 1
 _PRIOR = (3.0, 1.0)  # Beta(accepted, rejected) prior per position: optimistic, so drafting is tried
-_PROBE_EVERY = 24  # plain rounds between probes while k = 0, so a change in the text is noticed
+_PROBE_EVERY = 24  # plain rounds before the first probe while k = 0, so a change in the text is noticed
+_PROBE_MAX = 384  # probes that confirm k = 0 double the interval up to this: each costs a catch-up
 _costs_memo: dict[str, Costs] = {}
 
 
@@ -79,6 +80,8 @@ class DraftLengthScheduler:
         self.rej = [_PRIOR[1]] * self.k_max
         self.decay = 0.98  # forget old rounds: acceptance changes with the text
         self._plain_streak = 0
+        self._probe_every = _PROBE_EVERY
+        self._probing = False
         self.chosen: list[int] = []
 
     def alphas(self) -> list[float]:
@@ -97,10 +100,14 @@ class DraftLengthScheduler:
 
     def next_k(self) -> int:
         k = max(range(self.k_max + 1), key=self.expected_rate)
+        if self._probing:  # the last round was a probe: judge it
+            self._probing = False
+            self._probe_every = min(self._probe_every * 2, _PROBE_MAX) if k == 0 else _PROBE_EVERY
         if k == 0:
             self._plain_streak += 1
-            if self._plain_streak >= _PROBE_EVERY:
+            if self._plain_streak >= self._probe_every:
                 self._plain_streak = 0
+                self._probing = True
                 k = 1
         else:
             self._plain_streak = 0
