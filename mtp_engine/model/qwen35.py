@@ -6,6 +6,7 @@ a block is any `FFN`: the dense `MLP` here, or the mixture of experts of `moe.py
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, is_dataclass
 from typing import Callable
 
@@ -81,42 +82,64 @@ class GatedDeltaNet:
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
         c = self.cfg
         b, s, _ = x.shape
-        kh, kd, vh, vd = c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim
+        vh, vd = c.ssm_value_heads, c.ssm_value_dim
         window = mx.concatenate([cache.conv, self.qkv(x)], axis=1)  # [b, K-1+s, C]
-        kernel = c.conv_kernel
-        conv = window[:, 0:s] * self.conv_w[:, 0]
-        for j in range(1, kernel):
-            conv = conv + window[:, j:j + s] * self.conv_w[:, j]
-        conv = conv * mx.sigmoid(conv)
-        q = conv[..., : kh * kd].reshape(b, s, kh, kd)
-        k = conv[..., kh * kd: 2 * kh * kd].reshape(b, s, kh, kd)
-        v = conv[..., 2 * kh * kd:].reshape(b, s, vh, vd)
-        # llama.cpp's l2_norm: x / max(||x||, eps)
-        q = q / mx.maximum(mx.sqrt((q * q).sum(-1, keepdims=True)), c.eps) * (kd ** -0.5)
-        k = k / mx.maximum(mx.sqrt((k * k).sum(-1, keepdims=True)), c.eps)
-        if vh != kh:  # tiled order: value head h reads key head h % kh
-            q = mx.tile(q, (1, 1, vh // kh, 1))
-            k = mx.tile(k, (1, 1, vh // kh, 1))
-        decay = mx.exp(mx.logaddexp(self.alpha(x) + self.dt_bias, 0.0) * self.a)  # [b, s, vh]
-        beta = mx.sigmoid(self.beta(x))
+        prep = _gdn_prepare(c.ssm_key_heads, c.ssm_key_dim, vh, vd, c.conv_kernel, c.eps)
+        q, k, v, decay, beta = prep(window, self.conv_w, self.alpha(x), self.beta(x), self.dt_bias, self.a)
         state = cache.state
         outs = []
         for t in range(s):
-            state = state * decay[:, t, :, None, None]
-            kt = k[:, t, :, :, None]  # [b, vh, kd, 1]
-            kv = (state * kt).sum(-2)  # S^T k: [b, vh, vd]
-            delta = (v[:, t] - kv) * beta[:, t, :, None]
-            state = state + kt * delta[:, :, None, :]
-            outs.append((state * q[:, t, :, :, None]).sum(-2))
+            state, o_t = _delta_rule_step(state, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t])
+            outs.append(o_t)
             cache.record(state)
         cache.state = state
         cache.conv = window[:, s:]
         if cache.capturing:
             cache.end_capture(window)
-        o = mx.stack(outs, axis=1)  # [b, s, vh, vd]
-        z = self.z(x).reshape(b, s, vh, vd)
-        o = rms_norm(o, self.norm, c.eps) * (z * mx.sigmoid(z))
-        return self.out(o.reshape(b, s, vh * vd))
+        o = mx.stack(outs, axis=1) if s > 1 else outs[0][:, None]  # [b, s, vh, vd]
+        return self.out(_gdn_output(o, self.z(x).reshape(b, s, vh, vd), self.norm, c.eps).reshape(b, s, vh * vd))
+
+
+@functools.lru_cache(maxsize=None)
+def _gdn_prepare(kh: int, kd: int, vh: int, vd: int, kernel: int, eps: float):
+    """Compiled (fused) conv, SiLU, q/k L2 norm, head tiling, decay and write strength for one
+    layer shape: dozens of small ops that would each cost a dispatch per token."""
+
+    def prepare(window, conv_w, alpha_x, beta_x, dt_bias, a):
+        b, s = window.shape[0], window.shape[1] - (kernel - 1)
+        conv = window[:, 0:s] * conv_w[:, 0]
+        for j in range(1, kernel):
+            conv = conv + window[:, j:j + s] * conv_w[:, j]
+        conv = conv * mx.sigmoid(conv)
+        q = conv[..., : kh * kd].reshape(b, s, kh, kd)
+        k = conv[..., kh * kd: 2 * kh * kd].reshape(b, s, kh, kd)
+        v = conv[..., 2 * kh * kd:].reshape(b, s, vh, vd)
+        # llama.cpp's l2_norm: x / max(||x||, eps)
+        q = q / mx.maximum(mx.sqrt((q * q).sum(-1, keepdims=True)), eps) * (kd ** -0.5)
+        k = k / mx.maximum(mx.sqrt((k * k).sum(-1, keepdims=True)), eps)
+        if vh != kh:  # tiled order: value head h reads key head h % kh
+            q = mx.tile(q, (1, 1, vh // kh, 1))
+            k = mx.tile(k, (1, 1, vh // kh, 1))
+        decay = mx.exp(mx.logaddexp(alpha_x + dt_bias, 0.0) * a)  # [b, s, vh]
+        return q, k, v, decay, mx.sigmoid(beta_x)
+
+    return mx.compile(prepare)
+
+
+@mx.compile
+def _delta_rule_step(state, q, k, v, decay, beta):
+    """One token of the gated delta rule per value head: S = S*exp(g); d = beta*(v - S^T k);
+    S = S + k d^T; o = S^T q. State [b, vh, kd, vd]."""
+    state = state * decay[:, :, None, None]
+    kt = k[:, :, :, None]
+    delta = (v - (state * kt).sum(-2)) * beta[:, :, None]
+    state = state + kt * delta[:, :, None, :]
+    return state, (state * q[:, :, :, None]).sum(-2)
+
+
+@mx.compile
+def _gdn_output(o, z, norm, eps):
+    return mx.fast.rms_norm(o, norm, eps) * (z * mx.sigmoid(z))
 
 
 @dataclass
