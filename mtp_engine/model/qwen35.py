@@ -28,7 +28,7 @@ class MLP:
     down: Linear
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down(mx.sigmoid(g := self.gate(x)) * g * self.up(x))
+        return self.down(_swiglu(self.gate(x), self.up(x)))
 
 
 @dataclass
@@ -61,7 +61,7 @@ class GatedAttention:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d ** -0.5,
                                                    mask="causal" if s > 1 else None)
         out = out.transpose(0, 2, 1, 3).reshape(b, s, c.n_head * d)
-        return self.o(out * mx.sigmoid(gate))
+        return self.o(_sigmoid_gate(out, gate))
 
 
 @dataclass
@@ -135,6 +135,16 @@ def _delta_rule_step(state, q, k, v, decay, beta):
     delta = (v - (state * kt).sum(-2)) * beta[:, :, None]
     state = state + kt * delta[:, :, None, :]
     return state, (state * q[:, :, :, None]).sum(-2)
+
+
+@mx.compile
+def _swiglu(g, u):
+    return g * mx.sigmoid(g) * u
+
+
+@mx.compile
+def _sigmoid_gate(x, gate):
+    return x * mx.sigmoid(gate)
 
 
 @mx.compile
