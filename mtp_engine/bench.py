@@ -129,6 +129,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         row = {"spec": spec, "n_max": k, "p_min": p, "tok_s": tps, "speedup": tps / base_tps,
                "tok_s_all": speeds[c], "stage_ms_per_token": _stage_ms_per_token(prof_stats),
                "profiled_tok_s": plain_tps, "profile_overhead": tps / plain_tps if plain_tps else None}
+        moe = [st["moe_distinct_experts_per_layer"] for st in prof_stats if "moe_distinct_experts_per_layer" in st]
+        for kind in ("step", "verify"):
+            vals = [d[kind] for d in moe if kind in d]
+            if vals:  # MoE: distinct experts each layer reads per forward (a verify reads more)
+                row[f"moe_experts_per_{kind}"] = sum(vals) / len(vals)
         if spec == "draft-mtp":
             drafted = sum(s["drafted"] for s in stats)
             accepted = sum(s["accepted"] for s in stats)
@@ -212,6 +217,9 @@ def format_markdown(result: dict) -> str:
         acc = f"{r['acceptance']:.1%}" if r.get("acceptance") is not None else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
         pred = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
+        if "moe_experts_per_verify" in r or "moe_experts_per_step" in r:
+            st += "; MoE experts/layer: " + ", ".join(f"{k} {r[f'moe_experts_per_{k}']:.1f}" for k in ("step", "verify")
+                                                      if f"moe_experts_per_{k}" in r)
         lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {pred} | {acc} | {mal} | {st} |")
     notes = [f"- n-max {r['n_max']} p-min {r['p_min']:g}: {r['explanation']}" for r in result["rows"]
              if r.get("explanation")]

@@ -62,8 +62,11 @@ def measure(model: Qwen35Model, max_verify: int, context: int = 64, repeats: int
     """Measures step time, V(1..max_verify) and c on `model` at a context of `context` tokens.
     `fixed_ms` (per-round overhead, e.g. from a profiled run) sets f when given."""
     cache = model.make_cache()
-    mx.eval(model.forward(mx.array([[1] * context]), cache), *cache.arrays())
-    tok = mx.array([[1]])
+    # varied token ids: on MoE models a batch of identical tokens would route to one expert set
+    # and understate what a verify really reads
+    ids_all = mx.random.randint(0, model.cfg.vocab_size, (1, context + max_verify + 1), key=mx.random.key(7))
+    mx.eval(model.forward(ids_all[:, :context], cache), *cache.arrays())
+    tok = ids_all[:, context:context + 1]
 
     def step():
         h = model.forward(tok, cache, capture=True)
@@ -74,7 +77,7 @@ def measure(model: Qwen35Model, max_verify: int, context: int = 64, repeats: int
     step_ms = _median_ms(step, repeats)
     costs = Costs(step_ms=step_ms)
     for s in range(1, max_verify + 1):
-        ids = mx.array([[1] * s])
+        ids = ids_all[:, context:context + s]
 
         def verify():
             h = model.forward(ids, cache, capture=True)
@@ -86,7 +89,7 @@ def measure(model: Qwen35Model, max_verify: int, context: int = 64, repeats: int
     if model.mtp is not None:
         mcache = model.mtp.make_cache()
         h = mx.zeros((1, 1, model.cfg.hidden_size))
-        mx.eval(model.mtp(model.embed_tokens(mx.array([[1] * context])),
+        mx.eval(model.mtp(model.embed_tokens(ids_all[:, :context]),
                           mx.zeros((1, context, model.cfg.hidden_size)), mcache))
 
         def draft():

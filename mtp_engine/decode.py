@@ -23,6 +23,7 @@ class PlainDecoder:
         self.prof = profiler or Profiler("off")
         self.cache = model.make_cache()
         self.last_token: int | None = None
+        self.moe_experts: dict[str, tuple[int, float]] = {}  # kind -> (forwards, sum of per-layer means)
 
     def _prefill_trunk(self, ids: list[int], prenorm: bool = False) -> mx.array:
         """Runs the prompt through the trunk in chunks; returns the post-norm (or, for the
@@ -45,6 +46,18 @@ class PlainDecoder:
             self.last_token = self.sampler.sample(self.model.logits(h[0, -1]))
         return [self.last_token]
 
+    def _count_experts(self, kind: str) -> None:
+        """MoE models, when profiling: distinct experts each layer read in the last forward
+        (verify batches read up to (k+1) x top-k experts, a single step top-k)."""
+        if not self.prof.enabled or not self.model.is_moe:
+            return
+        from .model.moe import experts_touched
+
+        counts = experts_touched(self.model)["trunk"]
+        if counts:
+            n, total = self.moe_experts.get(kind, (0, 0.0))
+            self.moe_experts[kind] = (n + 1, total + sum(counts) / len(counts))
+
     def step(self) -> list[int]:
         """Feeds the last token; returns the next one."""
         with self.prof.stage("decode") as out:
@@ -53,7 +66,13 @@ class PlainDecoder:
             out.append(logits)
         with self.prof.stage("sync"):
             self.last_token = self.sampler.sample(logits)
+        self._count_experts("step")
         return [self.last_token]
 
     def stats(self) -> dict:
-        return {}
+        return self._moe_stats()
+
+    def _moe_stats(self) -> dict:
+        if not self.moe_experts:
+            return {}
+        return {"moe_distinct_experts_per_layer": {k: t / n for k, (n, t) in self.moe_experts.items()}}

@@ -81,3 +81,14 @@ def test_bench_writes_table_csv_json_png(tmp_path):
     assert "| plain |" in (out / "bench.md").read_text()
     assert len(list(csv.reader((out / "bench.csv").open()))) == 5
     assert res["costs"]["verify"]
+
+
+def test_moe_bench_reports_distinct_experts(tmp_path):
+    path = need(TINY.parent / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf")
+    res = run_bench(BenchConfig(model=str(path), n_max=(3,), tokens=8, repeats=1, prompts=["To be, or"],
+                                out=str(tmp_path)))
+    plain, spec = res["rows"]
+    # a single step reads top-k experts per layer; a 4-token verify reads more, up to 4 x top-k
+    assert plain["moe_experts_per_step"] > 0
+    assert spec["moe_experts_per_verify"] > plain["moe_experts_per_step"]
+    assert "MoE experts/layer" in (tmp_path / "bench.md").read_text()

@@ -203,6 +203,10 @@ class Qwen35Model:
         self.lm_head = lm_head
         self.mtp = mtp
 
+    @property
+    def is_moe(self) -> bool:
+        return self.cfg.n_expert > 0 if hasattr(self.cfg, "n_expert") else False
+
     def make_cache(self) -> TrunkCache:
         c = self.cfg
         caches: list[KVCache | RecurrentCache] = []

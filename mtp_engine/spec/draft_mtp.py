@@ -133,6 +133,7 @@ class DraftMTPDecoder(PlainDecoder):
             drafts, q = [], None
         hidden, logits = self.verify(drafts)
         n, token, host_drafts = self.accept(drafts, logits, q)
+        self._count_experts("verify")
         self.rollback(steps, n)
         self.catch_up(host_drafts[:n], hidden, n, steps)
         self.last_token = token
@@ -152,6 +153,7 @@ class DraftMTPDecoder(PlainDecoder):
             out.append(logits)
         with self.prof.stage("sync"):
             token = self.sampler.sample(logits)
+        self._count_experts("step")
         self._owed_tokens.append(self.last_token)
         self._owed_hidden.append(self.h_last)
         self.h_last = fed if self.feed == "pre_norm" else post
@@ -300,6 +302,7 @@ class DraftMTPDecoder(PlainDecoder):
         if self.scheduler:
             ch = self.scheduler.chosen
             extra = {"n_max": "auto", "draft_length_histogram": {str(k): ch.count(k) for k in sorted(set(ch))}}
+        extra.update(self._moe_stats())
         return {**extra,
             "rounds": self.rounds,
             "drafted": self.drafted,
