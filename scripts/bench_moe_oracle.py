@@ -1,0 +1,134 @@
+"""Qwen3.5/3.6-35B-A3B shape (qwen35moe: 256 experts, 8 active, shared expert) with random 4-bit
+group-32 weights built in memory: plain decode vs draft-mtp at oracle acceptance 0.8 (fixed n-max
+and auto), V(S), distinct experts read per verify, and mlx-lm's qwen3_5_moe decode step on the same
+shape when mlx_lm is importable.
+
+Usage (GPU): python3 scripts/bench_moe_oracle.py [--tokens 96] [--layers 40]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from bench_9b_oracle import _Tok, decode_tps  # noqa: F401  (same decode harness)
+from mtp_engine.costmodel import measure
+from mtp_engine.model.build import build_model
+from mtp_engine.model.config import Qwen35Config
+from mtp_engine.model.layers import Linear
+from mtp_engine.model.moe import experts_touched
+
+
+def config_a3b(n: int) -> Qwen35Config:
+    return Qwen35Config(vocab_size=248320, hidden_size=2048, n_layer=n, n_mtp=1, ffn_size=[], n_head=16,
+                        n_head_kv=2, head_dim=256, n_rot=64, rope_base=1e7, eps=1e-6, conv_kernel=4,
+                        ssm_key_dim=128, ssm_key_heads=16, ssm_value_heads=32, ssm_inner=4096,
+                        recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192, arch="qwen35moe",
+                        n_expert=256, n_expert_used=8, expert_ffn_size=512, shared_ffn_size=512)
+
+
+def random_model(cfg: Qwen35Config):
+    def fetch(name, shape, matrix):
+        if matrix and "ffn_gate_inp" in name:
+            return Linear(mx.random.normal(shape) * shape[-1] ** -0.5)  # llama.cpp keeps routers in F32
+        if matrix:
+            rows = 1
+            for d in shape[:-1]:
+                rows *= d
+            w = mx.random.normal((rows, shape[-1])) * (shape[-1] ** -0.5)
+            q = [a.reshape(*shape[:-1], -1) for a in mx.quantize(w, group_size=32, bits=4)]
+            mx.eval(q)
+            return Linear(q[0], q[1], q[2], 4, 32)
+        if name.endswith("ssm_a"):
+            return -mx.exp(mx.random.uniform(-3, 0, shape))
+        if name.endswith("ssm_dt.bias"):
+            return mx.random.uniform(-1, 0, shape)
+        if name.endswith("ssm_conv1d.weight"):
+            return mx.random.normal(shape) * 0.5
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            return mx.random.normal(shape) * shape[-1] ** -0.5
+        return mx.ones(shape)
+
+    return build_model(cfg, fetch, lambda n: True)
+
+
+def mlx_lm_step_ms(cfg: Qwen35Config, prompt_len: int, steps: int) -> float | None:
+    try:
+        import mlx.nn as nn
+        from mlx_lm.models import qwen3_5
+    except Exception as e:
+        print(f"mlx-lm not available: {e}", file=sys.stderr)
+        return None
+    args = qwen3_5.TextModelArgs(
+        model_type="qwen3_5_moe_text", hidden_size=cfg.hidden_size, intermediate_size=cfg.expert_ffn_size,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
+        rms_norm_eps=cfg.eps, vocab_size=cfg.vocab_size, linear_num_value_heads=cfg.ssm_value_heads,
+        linear_num_key_heads=cfg.ssm_key_heads, linear_key_head_dim=cfg.ssm_key_dim,
+        linear_value_head_dim=cfg.ssm_value_dim, linear_conv_kernel_dim=cfg.conv_kernel, head_dim=cfg.head_dim,
+        full_attention_interval=4, partial_rotary_factor=cfg.n_rot / cfg.head_dim, rope_theta=cfg.rope_base,
+        num_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_used, moe_intermediate_size=cfg.expert_ffn_size,
+        shared_expert_intermediate_size=cfg.shared_ffn_size, max_position_embeddings=8192)
+    model = qwen3_5.TextModel(args)
+    nn.quantize(model, group_size=32, bits=4)
+    for layer in model.layers:  # materialise layer by layer: the float init of all experts would not fit
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    cache = model.make_cache()
+    mx.eval(model(mx.array([list(range(100, 100 + prompt_len))]), cache=cache))
+    tok = mx.array([[5]])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[None]
+        tok.item()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[3:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--layers", type=int, default=40)
+    a = ap.parse_args()
+    cfg = config_a3b(a.layers)
+    t = time.perf_counter()
+    model = random_model(cfg)
+    nb = model.nbytes()
+    print(f"built {cfg.n_layer}-layer 35B-A3B-shape model in {time.perf_counter() - t:.0f}s on {mx.default_device()}: "
+          f"{(nb['trunk'] + nb['mtp']) / 2**30:.1f} GiB (MTP {nb['mtp'] / 2**30:.2f})", file=sys.stderr, flush=True)
+    prompt = list(range(100, 164))
+    costs = measure(model, max_verify=6, context=64, repeats=10)
+    costs.fixed = 0.05
+    print(json.dumps({"step_ms": costs.step_ms, "V": costs.verify, "c": costs.draft}), file=sys.stderr, flush=True)
+    # distinct experts per layer: one token vs a 4-token verify of varied tokens
+    cache = model.make_cache()
+    model.forward(mx.array([prompt]), cache)
+    model.forward(mx.array([[7]]), cache)
+    one = experts_touched(model)["trunk"]
+    model.forward(mx.array([[8, 900, 4000, 12000]]), cache)
+    four = experts_touched(model)["trunk"]
+    decode_tps(model, prompt, 16)
+    decode_tps(model, prompt, 16, "draft-mtp", 2, 0.8)
+    plain = statistics.median(decode_tps(model, prompt, a.tokens)[0] for _ in range(3))
+    rows = []
+    for k in (1, 2, 3, "auto"):
+        tps, st = decode_tps(model, prompt, a.tokens, "draft-mtp", k, 0.8, costs)
+        rows.append({"n_max": k, "tok_s": tps, "speedup": tps / plain, "draft_lengths": st.get("draft_length_histogram")})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    del model
+    lm = mlx_lm_step_ms(cfg, 64, 30)
+    print(f"plain: {plain:.1f} tok/s ({1e3 / plain:.2f} ms/token); mlx-lm qwen3_5_moe step: {lm} ms")
+    print(f"V(S) S=1..6: " + ", ".join(f"{v:.2f}" for v in costs.verify.values()) + f"; draft c = {costs.draft:.2f}")
+    print(f"distinct experts per layer: 1 token {sum(one) / len(one):.1f}, 4-token verify {sum(four) / len(four):.1f}")
+    print("| oracle a = 0.8 | " + " | ".join(f"n-max {r['n_max']}" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    print("| speedup vs plain | " + " | ".join(f"{r['speedup']:.2f}x" for r in rows) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
