@@ -137,12 +137,7 @@ class DraftMTPDecoder(PlainDecoder):
         self.rollback(steps, n)
         self.catch_up(host_drafts[:n], hidden, n, steps)
         self.last_token = token
-        self._record(len(host_drafts), n)
-        if self.scheduler:
-            self.scheduler.update(len(host_drafts), n)
-        if self.trace is not None:
-            self.trace.append({"draft": host_drafts, "n_accepted": n, "emitted": host_drafts[:n] + [token]})
-        return host_drafts[:n] + [token]
+        return self._finish_round(host_drafts, n, token)
 
     def plain_step(self) -> list[int]:
         """A round without drafting: exactly a plain decode step (no capture, no MTP work); the
@@ -158,12 +153,17 @@ class DraftMTPDecoder(PlainDecoder):
         self._owed_hidden.append(self.h_last)
         self.h_last = fed if self.feed == "pre_norm" else post
         self.last_token = token
-        self._record(0, 0)
+        return self._finish_round([], 0, token)
+
+    def _finish_round(self, drafts: list[int], n: int, token: int) -> list[int]:
+        """Statistics, the scheduler's observation and the trace of one round; its emitted tokens."""
+        emitted = drafts[:n] + [token]
+        self._record(len(drafts), n)
         if self.scheduler:
-            self.scheduler.update(0, 0)
+            self.scheduler.update(len(drafts), n)
         if self.trace is not None:
-            self.trace.append({"draft": [], "n_accepted": 0, "emitted": [token]})
-        return [token]
+            self.trace.append({"draft": drafts, "n_accepted": n, "emitted": emitted})
+        return emitted
 
     def draft(self, k: int) -> tuple[mx.array | list, mx.array | None, int]:
         """Up to k draft tokens (a device array, so no host sync when p_min = 0), their
