@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import api
 from .costmodel import Costs, expected_tokens, measure, predict_speedup
+from .spec.scheduler import AUTO_MAX
 
 DEFAULT_PROMPTS = [
     "def parse_args(argv):\n    parser = argparse.ArgumentParser(",
@@ -30,7 +31,7 @@ ROUND_STAGES = ("draft", "verify", "sample", "sync", "accept", "rollback", "catc
 @dataclass
 class BenchConfig:
     model: str | None = None
-    n_max: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)
+    n_max: tuple = (0, 1, 2, 3, 4, 5, 6, "auto")
     p_min: tuple[float, ...] = (0.0,)
     tokens: int = 128
     repeats: int = 3
@@ -102,7 +103,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     prompts = cfg.prompts or DEFAULT_PROMPTS
     configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
     bar = Progress(2 + cfg.repeats + len(configs))
-    max_k = max(cfg.n_max) if cfg.n_max else 0
+    fixed = [k for k in cfg.n_max if k != "auto"]
+    max_k = max(fixed) if fixed else 0
     costs = measure(m.model, max_verify=max_k + 1) if m.model.mtp is not None else Costs(step_ms=0.0)
     bar.tick("cost model")
     # repeats are interleaved across configs so slow drifts of the device (clocks, allocator,
@@ -138,7 +140,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             drafted = sum(s["drafted"] for s in stats)
             accepted = sum(s["accepted"] for s in stats)
             rounds = sum(s["rounds"] for s in stats)
-            acc_pos = _merge_acceptance(stats, k)
+            acc_pos = _merge_acceptance(stats, AUTO_MAX if k == "auto" else k)
             row.update(acceptance=accepted / drafted if drafted else None,
                        mean_accepted_length=accepted / rounds if rounds else 0.0,
                        acceptance_per_position=acc_pos)
@@ -151,9 +153,18 @@ def run_bench(cfg: BenchConfig) -> dict:
             # the model's unit is its own measured step; rescale to the plain run's per-token time so
             # prediction and measurement share one baseline
             unit = (1e3 / base_tps) / costs.step_ms if base_tps and costs.step_ms else 1.0
-            row["predicted_speedup"] = predict_speedup(c, acc_pos, k) * unit if k else 1.0
-            row["expected_tokens_per_round"] = expected_tokens(acc_pos, k)
-            row["explanation"] = _explain(row, c, prof_stats, k)
+            if k == "auto":  # k varies per round: report what it chose instead of one prediction
+                hist: dict = {}
+                for st in stats:
+                    for kk, v in st.get("draft_length_histogram", {}).items():
+                        hist[kk] = hist.get(kk, 0) + v
+                row["draft_length_histogram"] = hist
+                row["explanation"] = "auto chose k per round: " + ", ".join(f"k={kk}: {v}" for kk, v in
+                                                                            sorted(hist.items()))
+            else:
+                row["predicted_speedup"] = predict_speedup(c, acc_pos, k) * unit if k else 1.0
+                row["expected_tokens_per_round"] = expected_tokens(acc_pos, k)
+                row["explanation"] = _explain(row, c, prof_stats, k)
         rows.append(row)
     result = {"device": str(mx.default_device()), "model": m.path, "tokens": cfg.tokens, "repeats": cfg.repeats,
               "prompts": len(prompts), "costs": costs.to_json(), "rows": rows,
@@ -237,11 +248,14 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     base = rows[0]["tok_s"]
-    spec_rows = [r for r in rows if r["spec"] != "none"]
+    spec_rows = [r for r in rows if r["spec"] != "none" and r["n_max"] != "auto"]
+    for r in rows:
+        if r["n_max"] == "auto":
+            a1.axhline(r["tok_s"], color="g", ls="-.", label="draft-mtp n-max auto")
     for p in sorted({r["p_min"] for r in spec_rows}):
         rs = [r for r in spec_rows if r["p_min"] == p]
         a1.plot([r["n_max"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"draft-mtp p-min {p:g}")
-        a1.plot([r["n_max"] for r in rs], [base * r["predicted_speedup"] for r in rs], "x:",
+        a1.plot([r["n_max"] for r in rs], [base * r.get("predicted_speedup", 1.0) for r in rs], "x:",
                 label=f"predicted p-min {p:g}")
     a1.axhline(base, color="k", ls="--", label="plain decoding")
     a1.set_xlabel("n-max")

@@ -58,17 +58,18 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, found {text!r}") from None
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _ints(text: str) -> tuple:
+    """Comma-separated n-max values: integers and/or auto."""
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        return tuple(x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers or auto, found {text!r}") from None
 
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="plain decoding vs draft-mtp at each n-max / p-min, with a stage breakdown")
     b.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
-    b.add_argument("--n-max", type=_ints, default=(0, 1, 2, 3, 4, 5, 6))
+    b.add_argument("--n-max", type=_ints, default=(0, 1, 2, 3, 4, 5, 6, "auto"))
     b.add_argument("--p-min", type=_floats, default=(0.0,))
     b.add_argument("-n", "--n-predict", dest="tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
@@ -152,7 +153,7 @@ def _bench(args) -> int:
 
     if args.tokens < 2 or args.repeats < 1:
         raise MTPEngineError("expected -n >= 2 and --repeats >= 1", field="bench")
-    if any(k < 0 for k in args.n_max):
+    if any(k != "auto" and k < 0 for k in args.n_max):
         raise MTPEngineError(f"expected n-max values >= 0, found {args.n_max}", field="n-max")
     cfg = BenchConfig(model=args.model, n_max=args.n_max, p_min=args.p_min, tokens=args.tokens,
                       repeats=args.repeats, prompts=_load_prompts(args.prompts) if args.prompts else None,

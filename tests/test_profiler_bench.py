@@ -68,10 +68,12 @@ def test_cost_model(tiny):
 
 def test_bench_writes_table_csv_json_png(tmp_path):
     out = tmp_path / "b"
-    res = run_bench(BenchConfig(model=str(need(TINY / "qwen35-mtp-tiny-f32.gguf")), n_max=(0, 1, 2),
+    res = run_bench(BenchConfig(model=str(need(TINY / "qwen35-mtp-tiny-f32.gguf")), n_max=(0, 1, 2, "auto"),
                                 tokens=8, repeats=1, prompts=["To be, or", "Once upon"], out=str(out)))
     rows = json.loads((out / "bench.json").read_text())
-    assert isinstance(rows, list) and [r["n_max"] for r in rows] == [0, 0, 1, 2]
+    assert isinstance(rows, list) and [r["n_max"] for r in rows] == [0, 0, 1, 2, "auto"]
+    auto = rows.pop()
+    assert sum(auto["draft_length_histogram"].values()) > 0 and "auto chose" in auto["explanation"]
     assert rows[0]["spec"] == "none" and rows[0]["speedup"] == pytest.approx(1.0)
     for r in rows[1:]:
         for k in ("tok_s", "acceptance", "mean_accepted_length", "predicted_speedup", "stage_ms_per_token",
@@ -79,7 +81,7 @@ def test_bench_writes_table_csv_json_png(tmp_path):
             assert k in r
     assert (out / "bench.png").stat().st_size > 1000
     assert "| plain |" in (out / "bench.md").read_text()
-    assert len(list(csv.reader((out / "bench.csv").open()))) == 5
+    assert len(list(csv.reader((out / "bench.csv").open()))) == 6
     assert res["costs"]["verify"]
 
 
