@@ -61,7 +61,8 @@ class GenerationResult:
 
 def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True) -> Model:
     """Loads a Qwen3.5 GGUF file (default: the model in `models/`). `exact=True` keeps Q6_K tensors in
-    float32 so every weight equals llama.cpp's dequantization."""
+    float32 so every weight equals llama.cpp's dequantization. Refuses (MTPEngineError) a model whose
+    predicted memory (`mtp_engine.memory.estimate`) exceeds what is available."""
     p = Path(path) if path is not None else default_model_path()
     # refuse before any weight is read: a model that cannot fit would otherwise end in the OOM killer
     check_fits(p, exact=exact, load_mtp=load_mtp)

@@ -189,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             return _bench(args)
     except MTPEngineError as e:
-        print(f"mtp-engine: error: {e}", file=sys.stderr)
+        msg = str(e).replace("\r", "\\r").replace("\n", "\\n")  # always one line
+        print(f"mtp-engine: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

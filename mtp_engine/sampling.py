@@ -68,6 +68,14 @@ def distribution(logits: mx.array, cfg: SamplerConfig) -> mx.array:
     return mx.softmax(logits / cfg.temperature, axis=-1)
 
 
+def check_finite(finite: mx.array) -> None:
+    """Refuses to go on from NaN/inf logits: finite but huge weights in a corrupt file overflow,
+    and an argmax of NaN would silently produce text."""
+    if not bool(finite.item()):
+        raise MTPEngineError("the model produced non-finite logits (NaN/inf): its weights are corrupt or out of "
+                             "range", field="logits")
+
+
 class Sampler:
     """Draws tokens for one generation; holds its random generator (seeded for reproducibility)."""
 
@@ -77,10 +85,16 @@ class Sampler:
 
     def sample(self, logits: mx.array) -> int:
         """One token from logits [V]."""
+        finite = mx.all(mx.isfinite(logits))
         if self.cfg.greedy:
-            return int(mx.argmax(logits, axis=-1).item())
-        p = np.array(distribution(logits, self.cfg), dtype=np.float64)
-        return self.categorical(p)
+            tok = mx.argmax(logits, axis=-1)
+            mx.eval(tok, finite)
+            check_finite(finite)
+            return int(tok.item())
+        p = distribution(logits, self.cfg)
+        mx.eval(p, finite)
+        check_finite(finite)
+        return self.categorical(np.array(p, dtype=np.float64))
 
     def categorical(self, p: np.ndarray) -> int:
         p = np.maximum(p, 0.0)

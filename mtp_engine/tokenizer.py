@@ -140,7 +140,8 @@ class Tokenizer:
         Raises MTPEngineError, naming the file and key, when a required key
         (``tokenizer.ggml.model``, ``.pre``, ``.tokens``, ``.merges``, ``.token_type``,
         ``.eos_token_id``) is missing or malformed, when the model is not ``gpt2`` (byte-level
-        BPE), or when the pre-tokenizer is not one of :data:`PRE_TOKENIZER_REGEXES`.
+        BPE), when the pre-tokenizer is not one of :data:`PRE_TOKENIZER_REGEXES`, or when the
+        vocabulary has more tokens than the file's ``token_embd.weight`` has rows.
         """
         file = path or None
         model = read_string(reader, _KEY_MODEL, path, required=True)

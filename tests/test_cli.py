@@ -121,7 +121,8 @@ def test_spec_draft_mtp(capsys, model_path, api_greedy):
 
 @pytest.mark.parametrize("mode", [None, "round"])
 def test_profile_table(capsys, model_path, mode):
-    args = ["-p", PROMPT, "-n", "6", "--spec-type", "draft-mtp", "--profile"] + ([mode] if mode else [])
+    args = ["-p", PROMPT, "-n", "6", "--spec-type", "draft-mtp", "--spec-draft-n-max", "2",
+            "--profile"] + ([mode] if mode else [])
     rc, out, err = gen(capsys, model_path, *args)
     assert rc == 0
     lines = err.strip().splitlines()

@@ -384,7 +384,7 @@ def test_spec_n_max_zero(tiny, tiny_greedy):
 
 
 def test_profile_stats(tiny):
-    r = generate(PROMPT, tiny, max_tokens=6, spec="draft-mtp", profile="precise")
+    r = generate(PROMPT, tiny, max_tokens=6, spec="draft-mtp", n_max=2, profile="precise")
     prof = r.stats["profile"]
     assert prof["mode"] == "precise" and prof["wall_seconds"] > 0
     assert {"prefill", "draft", "verify", "accept"} <= prof["stages"].keys()

@@ -216,6 +216,15 @@ def test_missing_tokenizer_key_via_api_load(make_gguf):
     expect_error(p, "tokenizer.ggml.merges", loader=load)
 
 
+def test_vocabulary_larger_than_embedding(src, make_gguf):
+    """A token id past token_embd.weight's rows would be looked up out of bounds (silently): refused."""
+    tokens = src.fields["tokenizer.ggml.tokens"].contents() + ["<|extra|>"]
+    types = src.fields["tokenizer.ggml.token_type"].contents() + [3]
+    p = make_gguf("vocab513", set_keys={"tokenizer.ggml.tokens": (tokens, VT.ARRAY, VT.STRING),
+                                        "tokenizer.ggml.token_type": (types, VT.ARRAY, VT.INT32)})
+    expect_error(p, "tokenizer.ggml.tokens", "513 tokens", "512 rows", loader=load)
+
+
 # ---- tensors --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,shape", [("blk.3.attn_q.weight", (256, 256)),  # expected [512, 256]

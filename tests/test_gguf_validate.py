@@ -225,3 +225,11 @@ def test_gguf_file_runs_validation_first(write):
     with pytest.raises(MTPEngineError) as info:
         GGUFFile(path)
     assert info.value.field == "a.b" and "corrupt or truncated GGUF (" not in str(info.value)
+
+
+def test_special_files_are_refused(tmp_path):
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer appears
+    refused(fifo, "regular")

@@ -4,21 +4,22 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from conftest import ROOT, TINY, need
+from conftest import FIXTURES, ROOT, TINY, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.cli import main as cli_main
 from mtp_engine.memory import ENV_LIMIT, available_memory, check_fits, estimate
 
-FILES = ["qwen35-mtp-tiny-Q4_K_M.gguf", "qwen35-mtp-tiny-Q5_K_M.gguf", "qwen35-mtp-tiny-Q6_K.gguf",
-         "qwen35-mtp-tiny-Q8_0.gguf", "qwen35-mtp-tiny-f16.gguf"]
+FILES = [TINY / n for n in ("qwen35-mtp-tiny-Q4_K_M.gguf", "qwen35-mtp-tiny-Q5_K_M.gguf",
+                            "qwen35-mtp-tiny-Q6_K.gguf", "qwen35-mtp-tiny-Q8_0.gguf", "qwen35-mtp-tiny-f16.gguf")]
+FILES.append(FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf")  # stacked experts
 TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
-@pytest.mark.parametrize("name", FILES)
-def test_weight_estimate_matches_loaded_bytes(monkeypatch, name, exact):
+@pytest.mark.parametrize("file", FILES, ids=lambda p: p.name)
+def test_weight_estimate_matches_loaded_bytes(monkeypatch, file, exact):
     monkeypatch.delenv(ENV_LIMIT, raising=False)
-    path = need(TINY / name)
+    path = need(file)
     est = estimate(path, exact)
     loaded = load(path, exact=exact)
     measured = sum(loaded.model.nbytes().values())

@@ -149,8 +149,8 @@ class Qwen35Config:
             return [int(x) for x in v]
 
         n_block = req_int("block_count")
-        if n_block <= 0:
-            raise MTPEngineError(f"expected a positive layer count, found {n_block}", file=gf.path,
+        if not 0 < n_block <= 4096 + 16:  # bounded before any per-block list is built from it
+            raise MTPEngineError(f"expected 1..{4096 + 16} blocks, found {n_block}", file=gf.path,
                                  field=p + "block_count")
         n_mtp = opt("nextn_predict_layers", int, 0)
         if n_mtp < 0 or n_mtp >= n_block:

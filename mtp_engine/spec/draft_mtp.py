@@ -23,7 +23,7 @@ from ..decode import PlainDecoder
 from ..errors import MTPEngineError
 from ..model.qwen35 import Qwen35Model
 from ..profiler import Profiler
-from ..sampling import Sampler, distribution
+from ..sampling import Sampler, check_finite, distribution
 from .accept import accept_greedy, accept_sampling
 from .scheduler import AUTO_MAX, DraftLengthScheduler
 
@@ -232,8 +232,11 @@ class DraftMTPDecoder(PlainDecoder):
         cfg = self.sampler.cfg
         with self.prof.stage("sample") as out:
             target = mx.argmax(logits, axis=-1) if cfg.greedy else distribution(logits, cfg)
-            out.append(target)
+            finite = mx.all(mx.isfinite(logits))
+            out.extend([target, finite])
         with self.prof.stage("sync"):
+            mx.eval(target, finite)
+            check_finite(finite)
             host_target = np.array(target, dtype=np.float64 if not cfg.greedy else None)
             d = np.array(drafts) if len(drafts) else np.zeros(0, dtype=np.int64)
             host_q = np.array(q, dtype=np.float64) if q is not None and len(drafts) else None
