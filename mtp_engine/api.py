@@ -9,7 +9,7 @@ from typing import Iterator
 from .decode import PlainDecoder
 from .errors import MTPEngineError
 from .generate import Chunk, run
-from .memory import check_fits
+from .memory import check_fits, estimate
 from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
@@ -59,14 +59,26 @@ class GenerationResult:
                 "finish_reason": self.finish_reason, "stats": self.stats}
 
 
-def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True) -> Model:
+DEFAULT_MAX_CONTEXT = 32768
+
+
+def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True,
+         max_context: int | None = None) -> Model:
     """Loads a Qwen3.5 GGUF file (default: the model in `models/`). `exact=True` keeps Q6_K tensors in
-    float32 so every weight equals llama.cpp's dequantization. Refuses (MTPEngineError) a model whose
-    predicted memory (`mtp_engine.memory.estimate`) exceeds what is available."""
+    float32 so every weight equals llama.cpp's dequantization. `max_context` caps the context a
+    generation may use (default: the model's, up to 32768 positions); the memory check assumes it.
+    Refuses (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that
+    context exceeds what is available."""
     p = Path(path) if path is not None else default_model_path()
-    # refuse before any weight is read: a model that cannot fit would otherwise end in the OOM killer
-    check_fits(p, exact=exact, load_mtp=load_mtp)
+    if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
+                                    or max_context < 1):
+        raise MTPEngineError(f"expected a positive integer, found {max_context!r}", field="max_context")
+    # refuse before any weight is read: a model that cannot fit would otherwise end in the OOM killer;
+    # 262k-context models would be refused on small machines if the check assumed their full context
+    ctx = min(estimate(p, exact, load_mtp=load_mtp)["context"], max_context or DEFAULT_MAX_CONTEXT)
+    check_fits(p, exact=exact, context=ctx, load_mtp=load_mtp)
     model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp)
+    model.cfg.context_length = min(model.cfg.context_length, ctx)
     tok = Tokenizer.from_gguf(gf.reader, gf.path)
     return Model(model, tok, info, gf.path)
 

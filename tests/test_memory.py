@@ -108,3 +108,16 @@ def test_default_model_estimate():
         pytest.skip("default model not present")
     est = estimate(path)
     assert est["weights"] == sum(load(path).model.nbytes().values())
+
+
+def test_max_context_caps_generation_and_the_memory_check(monkeypatch):
+    import mtp_engine as me
+    from conftest import TRAINED
+
+    path = need(TRAINED / "qwen35-mtp-code-Q4_K_M.gguf")
+    m = me.load(path, max_context=300)
+    assert m.model.cfg.context_length == 300
+    with pytest.raises(me.MTPEngineError, match="context length 300"):
+        me.generate("x", m, max_tokens=400)
+    with pytest.raises(me.MTPEngineError, match="max_context"):
+        me.load(path, max_context=0)
