@@ -34,10 +34,17 @@ def config_9b(small: bool) -> Qwen35Config:
 
 
 def random_model(cfg: Qwen35Config):
+    """Random weights in the loaders' conventions: 4-bit group-32 matrices (stacked experts keep
+    their leading axes), F32 routers as llama.cpp keeps them, plausible recurrent parameters."""
     def fetch(name, shape, matrix):
+        if matrix and "ffn_gate_inp" in name:
+            return Linear(mx.random.normal(shape) * shape[-1] ** -0.5)
         if matrix:
-            w = mx.random.normal(shape) * (shape[1] ** -0.5)
-            q = mx.quantize(w, group_size=32, bits=4)
+            rows = 1
+            for d in shape[:-1]:
+                rows *= d
+            w = mx.random.normal((rows, shape[-1])) * (shape[-1] ** -0.5)
+            q = [a.reshape(*shape[:-1], -1) for a in mx.quantize(w, group_size=32, bits=4)]
             mx.eval(q)
             return Linear(q[0], q[1], q[2], 4, 32)
         if name.endswith("ssm_a"):
@@ -46,6 +53,8 @@ def random_model(cfg: Qwen35Config):
             return mx.random.uniform(-1, 0, shape)
         if name.endswith("ssm_conv1d.weight"):
             return mx.random.normal(shape) * 0.5
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            return mx.random.normal(shape) * shape[-1] ** -0.5
         return mx.ones(shape)
 
     return build_model(cfg, fetch, lambda n: True)

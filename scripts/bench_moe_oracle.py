@@ -15,11 +15,9 @@ import time
 
 import mlx.core as mx
 
-from bench_9b_oracle import _Tok, decode_tps  # noqa: F401  (same decode harness)
+from bench_9b_oracle import decode_tps, random_model  # same decode harness and weights
 from mtp_engine.costmodel import measure
-from mtp_engine.model.build import build_model
 from mtp_engine.model.config import Qwen35Config
-from mtp_engine.model.layers import Linear
 from mtp_engine.model.moe import experts_touched
 
 
@@ -29,31 +27,6 @@ def config_a3b(n: int) -> Qwen35Config:
                         ssm_key_dim=128, ssm_key_heads=16, ssm_value_heads=32, ssm_inner=4096,
                         recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192, arch="qwen35moe",
                         n_expert=256, n_expert_used=8, expert_ffn_size=512, shared_ffn_size=512)
-
-
-def random_model(cfg: Qwen35Config):
-    def fetch(name, shape, matrix):
-        if matrix and "ffn_gate_inp" in name:
-            return Linear(mx.random.normal(shape) * shape[-1] ** -0.5)  # llama.cpp keeps routers in F32
-        if matrix:
-            rows = 1
-            for d in shape[:-1]:
-                rows *= d
-            w = mx.random.normal((rows, shape[-1])) * (shape[-1] ** -0.5)
-            q = [a.reshape(*shape[:-1], -1) for a in mx.quantize(w, group_size=32, bits=4)]
-            mx.eval(q)
-            return Linear(q[0], q[1], q[2], 4, 32)
-        if name.endswith("ssm_a"):
-            return -mx.exp(mx.random.uniform(-3, 0, shape))
-        if name.endswith("ssm_dt.bias"):
-            return mx.random.uniform(-1, 0, shape)
-        if name.endswith("ssm_conv1d.weight"):
-            return mx.random.normal(shape) * 0.5
-        if name.endswith("ffn_gate_inp_shexp.weight"):
-            return mx.random.normal(shape) * shape[-1] ** -0.5
-        return mx.ones(shape)
-
-    return build_model(cfg, fetch, lambda n: True)
 
 
 def mlx_lm_step_ms(cfg: Qwen35Config, prompt_len: int, steps: int) -> float | None:
@@ -122,7 +95,7 @@ def main() -> int:
     del model
     lm = mlx_lm_step_ms(cfg, 64, 30)
     print(f"plain: {plain:.1f} tok/s ({1e3 / plain:.2f} ms/token); mlx-lm qwen3_5_moe step: {lm} ms")
-    print(f"V(S) S=1..6: " + ", ".join(f"{v:.2f}" for v in costs.verify.values()) + f"; draft c = {costs.draft:.2f}")
+    print("V(S) S=1..6: " + ", ".join(f"{v:.2f}" for v in costs.verify.values()) + f"; draft c = {costs.draft:.2f}")
     print(f"distinct experts per layer: 1 token {sum(one) / len(one):.1f}, 4-token verify {sum(four) / len(four):.1f}")
     print("| oracle a = 0.8 | " + " | ".join(f"n-max {r['n_max']}" for r in rows) + " |")
     print("|---|" + "---|" * len(rows))

@@ -25,15 +25,10 @@ SORT_THRESHOLD = 64
 
 
 @dataclass
-class ExpertLinear:
+class ExpertLinear(Linear):
     """`n_expert` stacked matrices W[e] of shape [out, in]: float `weight` [E, out, in], or MLX
-    affine-quantized (`weight` [E, out, in*bits/32] uint32, `scales`/`biases` [E, out, in/group_size])."""
-
-    weight: mx.array
-    scales: mx.array | None = None
-    biases: mx.array | None = None
-    bits: int = 0
-    group_size: int = 0
+    affine-quantized (`weight` [E, out, in*bits/32] uint32, `scales`/`biases` [E, out, in/group_size]).
+    Storage, `nbytes` and `dense` are `Linear`'s; only the product gathers by expert."""
 
     @classmethod
     def from_linear(cls, lin: Linear) -> "ExpertLinear":
@@ -42,10 +37,6 @@ class ExpertLinear:
         if lin.weight.ndim != 3:
             raise ValueError(f"expected stacked [n_expert, out, in] weights, found shape {lin.weight.shape}")
         return cls(lin.weight, lin.scales, lin.biases, lin.bits, lin.group_size)
-
-    @property
-    def quantized(self) -> bool:
-        return self.scales is not None
 
     @property
     def n_expert(self) -> int:
@@ -57,18 +48,6 @@ class ExpertLinear:
             return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
                                  group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices)
         return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
-
-    def nbytes(self) -> int:
-        n = self.weight.nbytes
-        if self.quantized:
-            n += self.scales.nbytes + self.biases.nbytes
-        return int(n)
-
-    def dense(self) -> mx.array:
-        """All experts as a float [E, out, in] array (tests and diagnostics only)."""
-        if self.quantized:
-            return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
-        return self.weight
 
 
 def _sort_by_expert(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
