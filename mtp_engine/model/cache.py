@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .delta_rule import state_after
+
 
 class KVCache:
     """Keys/values [1, n_kv, capacity, head_dim], valid up to `offset`; grows in `step` chunks."""
@@ -61,49 +63,44 @@ class KVCache:
 class RecurrentCache:
     """Conv window [1, kernel-1, channels] and recurrent state [1, Vh, Kd, Vd] of one gated-delta-net
     layer. After a forward with `capture=True` over S tokens, `rollback(n)` sets both to the exact
-    state after the first n of those tokens."""
+    state after the first n of those tokens, rebuilt from the pass's keys, delta vectors and decays
+    (a few KB per token) rather than from S stored states (MBs per token at real size)."""
 
     def __init__(self, kernel: int, channels: int, value_heads: int, key_dim: int, value_dim: int,
                  dtype=mx.float32):
         self.conv = mx.zeros((1, kernel - 1, channels), dtype)
         self.state = mx.zeros((1, value_heads, key_dim, value_dim), dtype)
         self.kernel = kernel
-        self._window: mx.array | None = None  # conv inputs of the captured forward, with history
-        self._states: list[mx.array] | None = None  # state after each captured position
-        self._prev_state: mx.array | None = None
+        self.capturing = False
+        self._captured: tuple[mx.array, ...] | None = None  # (window, state0, k, u, g) of the last pass
 
     def begin_capture(self) -> None:
-        self._prev_state = self.state
-        self._states = []
+        self.capturing = True
+        self._captured = None
 
-    def end_capture(self, window: mx.array) -> None:
-        self._window = window
-
-    def record(self, state: mx.array) -> None:
-        if self._states is not None:
-            self._states.append(state)
-
-    @property
-    def capturing(self) -> bool:
-        return self._states is not None
+    def capture(self, window: mx.array, state0: mx.array, k: mx.array, u: mx.array, g: mx.array) -> None:
+        """Keeps what rollback needs from a pass: conv inputs with history, the state before it, and
+        per token its keys k [1, S, Vh, Kd], delta vectors u [1, S, Vh, Vd] and log decays g [1, S, Vh]."""
+        if self.capturing:
+            self._captured = (window, state0, k, u, g)
 
     def rollback(self, n_keep: int) -> None:
         """Keeps the first `n_keep` tokens of the last captured forward."""
-        if self._window is None or self._states is None:
+        if self._captured is None:
             raise RuntimeError("rollback without a captured forward")
-        s = len(self._states)
+        window, state0, k, u, g = self._captured
+        s = int(k.shape[1])
         if not 0 <= n_keep <= s:
             raise ValueError(f"cannot keep {n_keep} of {s} captured tokens")
         if n_keep < s:
             k1 = self.kernel - 1
-            self.conv = self._window[:, n_keep:n_keep + k1]
-            self.state = self._states[n_keep - 1] if n_keep else self._prev_state
+            self.conv = window[:, n_keep:n_keep + k1]
+            self.state = state_after(state0, k, u, g, n_keep)
         self.release()
 
     def release(self) -> None:
-        self._window = None
-        self._states = None
-        self._prev_state = None
+        self.capturing = False
+        self._captured = None
 
     def nbytes(self) -> int:
         return int(self.conv.nbytes + self.state.nbytes)

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
+from .delta_rule import delta_rule_chunked, delta_rule_step
 from .layers import Linear, rms_norm
 
 
@@ -85,18 +86,16 @@ class GatedDeltaNet:
         vh, vd = c.ssm_value_heads, c.ssm_value_dim
         window = mx.concatenate([cache.conv, self.qkv(x)], axis=1)  # [b, K-1+s, C]
         prep = _gdn_prepare(c.ssm_key_heads, c.ssm_key_dim, vh, vd, c.conv_kernel, c.eps)
-        q, k, v, decay, beta = prep(window, self.conv_w, self.alpha(x), self.beta(x), self.dt_bias, self.a)
-        state = cache.state
-        outs = []
-        for t in range(s):
-            state, o_t = _delta_rule_step(state, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t])
-            outs.append(o_t)
-            cache.record(state)
+        q, k, v, g, beta = prep(window, self.conv_w, self.alpha(x), self.beta(x), self.dt_bias, self.a)
+        state0 = cache.state
+        if s == 1:
+            state, o, u = delta_rule_step(state0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+            o, u = o[:, None], u[:, None]
+        else:
+            o, state, u = delta_rule_chunked(q, k, v, g, beta, state0)
+        cache.capture(window, state0, k, u, g)
         cache.state = state
         cache.conv = window[:, s:]
-        if cache.capturing:
-            cache.end_capture(window)
-        o = mx.stack(outs, axis=1) if s > 1 else outs[0][:, None]  # [b, s, vh, vd]
         return self.out(_gdn_output(o, self.z(x).reshape(b, s, vh, vd), self.norm, c.eps).reshape(b, s, vh * vd))
 
 
@@ -120,21 +119,10 @@ def _gdn_prepare(kh: int, kd: int, vh: int, vd: int, kernel: int, eps: float):
         if vh != kh:  # tiled order: value head h reads key head h % kh
             q = mx.tile(q, (1, 1, vh // kh, 1))
             k = mx.tile(k, (1, 1, vh // kh, 1))
-        decay = mx.exp(mx.logaddexp(alpha_x + dt_bias, 0.0) * a)  # [b, s, vh]
-        return q, k, v, decay, mx.sigmoid(beta_x)
+        g = mx.logaddexp(alpha_x + dt_bias, 0.0) * a  # log decay, [b, s, vh]
+        return q, k, v, g, mx.sigmoid(beta_x)
 
     return mx.compile(prepare)
-
-
-@mx.compile
-def _delta_rule_step(state, q, k, v, decay, beta):
-    """One token of the gated delta rule per value head: S = S*exp(g); d = beta*(v - S^T k);
-    S = S + k d^T; o = S^T q. State [b, vh, kd, vd]."""
-    state = state * decay[:, :, None, None]
-    kt = k[:, :, :, None]
-    delta = (v - (state * kt).sum(-2)) * beta[:, :, None]
-    state = state + kt * delta[:, :, None, :]
-    return state, (state * q[:, :, :, None]).sum(-2)
 
 
 @mx.compile

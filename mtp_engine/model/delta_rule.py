@@ -1,0 +1,105 @@
+"""The gated delta rule, per value head, in its two forms.
+
+Recurrence (one token t; state S [Kd, Vd]; g_t = log decay <= 0; beta_t in (0, 1)):
+    S' = exp(g_t) S;   u_t = beta_t (v_t - S'^T k_t);   S_t = S' + k_t u_t^T;   o_t = S_t^T q_t
+
+`delta_rule_step` runs it for one token (decode). `delta_rule_chunked` runs S > 1 tokens without a
+per-token loop: with G_t the cumulative log decay inside a chunk and D[t, j] = exp(G_t - G_j) for
+j <= t (0 above the diagonal), the delta vectors of a chunk solve a unit lower-triangular system
+
+    (I + A) U = diag(beta) (V - diag(exp G) K S0),   A[t, j] = beta_t D[t, j] (k_t . k_j), j < t
+
+(the WY / UT form), after which outputs and the end state are matrix products:
+
+    O = diag(exp G) Q S0 + (D * Q K^T) U,   S_end = exp(G_last) S0 + (K * exp(G_last - G))^T U.
+
+Chunks are chained sequentially, so a prompt of P tokens costs P / chunk dependent steps instead
+of P. The delta vectors U (with K and g) are also what rollback needs: the state after the first n
+tokens is `state_after(S0, K, U, g, n)`, so a verify pass never stores per-position states.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+CHUNK = 32
+
+
+@mx.compile
+def delta_rule_step(state, q, k, v, g, beta):
+    """One token. state [b, h, kd, vd]; q, k [b, h, kd]; v [b, h, vd]; g, beta [b, h].
+    Returns (new state, output [b, h, vd], delta vector u [b, h, vd])."""
+    state = state * mx.exp(g)[:, :, None, None]
+    kt = k[:, :, :, None]
+    u = (v - (state * kt).sum(-2)) * beta[:, :, None]
+    state = state + kt * u[:, :, None, :]
+    return state, (state * q[:, :, :, None]).sum(-2), u
+
+
+def _unit_lower_inverse(a: mx.array) -> mx.array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], by forward substitution over rows:
+    row i of the inverse is e_i - A[i, :] @ (rows before it). Stable for any A with |entries| <= 1
+    (the Neumann-series doubling trick is not: its partial sums grow like binomials)."""
+    c = a.shape[-1]
+    eye = mx.eye(c, dtype=a.dtype)
+    t = mx.broadcast_to(eye, a.shape)
+    for i in range(1, c):
+        row = eye[i] - a[..., i:i + 1, :] @ t  # rows >= i of t are still identity rows; A[i, j>=i] = 0
+        t = mx.concatenate([t[..., :i, :], row, t[..., i + 1:, :]], axis=-2)
+    return t
+
+
+def delta_rule_chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                       state: mx.array, chunk: int = CHUNK) -> tuple[mx.array, mx.array, mx.array]:
+    """S tokens at once. q, k [b, s, h, kd]; v [b, s, h, vd]; g, beta [b, s, h]; state [b, h, kd, vd].
+    Returns (outputs [b, s, h, vd], end state, delta vectors U [b, s, h, vd])."""
+    b, s, h, kd = k.shape
+    vd = v.shape[-1]
+    c = min(chunk, s)
+    n = -(-s // c)
+    pad = n * c - s
+    # heads first: [b, h, s, d]
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
+    if pad:  # padded tokens have decay 1 and beta 0: they leave the state unchanged
+        q, k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (q, k, v))
+        g, beta = (mx.pad(x, [(0, 0), (0, 0), (0, pad)]) for x in (g, beta))
+    q, k, v = (x.reshape(b, h, n, c, -1) for x in (q, k, v))
+    g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
+
+    cum = mx.cumsum(g, axis=-1)
+    idx = mx.arange(c)
+    incl = idx[:, None] >= idx[None, :]
+    decay = mx.exp(mx.where(incl, cum[..., :, None] - cum[..., None, :], -mx.inf))  # D[t, j]
+    strict = idx[:, None] > idx[None, :]
+    a = mx.where(strict, beta[..., :, None] * decay * (k @ k.swapaxes(-1, -2)), 0.0)
+    t = _unit_lower_inverse(a)
+    eg = mx.exp(cum)
+    w = t @ (k * (beta * eg)[..., None])  # U = U0 - W S0
+    u0 = t @ (v * beta[..., None])
+    qk = decay * (q @ k.swapaxes(-1, -2))
+    qg = q * eg[..., None]
+    k_end = k * mx.exp(cum[..., -1:] - cum)[..., None]
+    g_end = mx.exp(cum[..., -1])
+
+    outs, us = [], []
+    for i in range(n):
+        u = u0[:, :, i] - w[:, :, i] @ state
+        outs.append(qg[:, :, i] @ state + qk[:, :, i] @ u)
+        state = g_end[:, :, i, None, None] * state + k_end[:, :, i].swapaxes(-1, -2) @ u
+        us.append(u)
+    o = mx.concatenate(outs, axis=2) if n > 1 else outs[0]
+    u = mx.concatenate(us, axis=2) if n > 1 else us[0]
+    o = o[:, :, :s].transpose(0, 2, 1, 3)
+    u = u[:, :, :s].transpose(0, 2, 1, 3)
+    return o, state, u
+
+
+def state_after(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: int) -> mx.array:
+    """The recurrent state after the first n tokens of a pass that started from state0, from that
+    pass's keys k [b, s, h, kd], delta vectors u [b, s, h, vd] and log decays g [b, s, h]."""
+    if n == 0:
+        return state0
+    cum = mx.cumsum(g[:, :n], axis=1)  # [b, n, h]
+    to_end = mx.exp(cum[:, -1:] - cum)  # decay from token j to token n-1
+    kw = (k[:, :n] * to_end[..., None]).transpose(0, 2, 3, 1)  # [b, h, kd, n]
+    return mx.exp(cum[:, -1])[:, :, None, None] * state0 + kw @ u[:, :n].transpose(0, 2, 1, 3)
