@@ -33,11 +33,12 @@ __all__ = ["estimate", "check_fits", "available_memory", "ENV_LIMIT"]
 ENV_LIMIT = "MTP_ENGINE_MEMORY_LIMIT"
 _F32 = 4
 _KV_STEP = 256  # KVCache.step
+_KV_MAX_STEP = 8192  # KVCache.reserve grows by min(capacity, this)
 _PREFILL_CHUNK = 512  # PlainDecoder.prefill_chunk
-# A speculative verify of n_max drafts keeps n_max + 1 states per recurrent layer; 3 is the default
-# n_max and covers what llama.cpp's draft-mtp usually runs with.
-DEFAULT_CAPTURE_POSITIONS = 4
-_STATE_TRANSIENT = 1.5
+_DELTA_CHUNK = 32  # delta_rule.CHUNK
+# A captured verify keeps the state before it (rollback rebuilds any later one from small per-token
+# vectors), so one extra state per recurrent layer.
+DEFAULT_CAPTURE_POSITIONS = 1
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
@@ -89,7 +90,8 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     ctx = _count(h, p + "context_length", 4096) if context is None else int(context)
     if ctx < 0:
         raise MTPEngineError(f"expected a context of at least 0 positions, found {ctx}", field="context")
-    capacity = -(-ctx // _KV_STEP) * _KV_STEP
+    # growth overshoots the context by at most min(context, _KV_MAX_STEP), rounded up to a step
+    capacity = -(-min(2 * ctx, ctx + _KV_MAX_STEP) // _KV_STEP) * _KV_STEP
     by_suffix: dict[str, list[TensorHeader]] = {}
     for t in tensors:
         by_suffix.setdefault(t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name, []).append(t)
@@ -128,9 +130,10 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
             ffn = max(ffn, min(_count(h, p + "expert_used_count", 8), t.shape[0]) * t.shape[1])
     chunk = min(_PREFILL_CHUNK, max(ctx, 1))
     width = 6 * hidden + 2 * channels_max + 3 * ffn
-    # The per-token delta-rule loop keeps about one state per chunk position alive until the chunk
-    # is evaluated: measured 1.2-1.3x chunk x state above the weights on both fixture models.
-    activations = (chunk * width + n_head * chunk * capacity + vocab + _STATE_TRANSIENT * chunk * state_max) * _F32
+    # The chunked delta rule creates one state per delta-rule chunk of a prefill chunk before the
+    # prefill chunk is evaluated, plus the input and output states.
+    states_alive = -(-chunk // _DELTA_CHUNK) + 2
+    activations = (chunk * width + n_head * chunk * capacity + vocab + states_alive * state_max) * _F32
     total = weights + kv_cache + recurrent_state + activations
     return {"weights": int(weights), "kv_cache": int(kv_cache), "recurrent_state": int(recurrent_state),
             "activations": int(activations), "total": int(total), "context": int(ctx)}

@@ -12,7 +12,9 @@ from .delta_rule import state_after
 
 
 class KVCache:
-    """Keys/values [1, n_kv, capacity, head_dim], valid up to `offset`; grows in `step` chunks."""
+    """Keys/values [1, n_kv, capacity, head_dim], valid up to `offset`. Capacity grows in large
+    steps (at least `step` positions, doubling up to +8192), so a compiled step, whose graph is
+    specialised to the capacity, is retraced rarely."""
 
     def __init__(self, n_kv: int, head_dim: int, step: int = 256, dtype=mx.float32):
         self.n_kv, self.head_dim, self.step, self.dtype = n_kv, head_dim, step, dtype
@@ -25,8 +27,13 @@ class KVCache:
     def capacity(self) -> int:
         return 0 if self.keys is None else int(self.keys.shape[2])
 
-    def _grow(self, needed: int) -> None:
-        new_cap = ((needed + self.step - 1) // self.step) * self.step
+    def reserve(self, needed: int) -> None:
+        """Makes room for `needed` positions."""
+        cap = self.capacity
+        if needed <= cap:
+            return
+        new_cap = max(needed, cap + min(cap, 8192))
+        new_cap = ((new_cap + self.step - 1) // self.step) * self.step
         shape = (1, self.n_kv, new_cap, self.head_dim)
         k = mx.zeros(shape, self.dtype)
         v = mx.zeros(shape, self.dtype)
@@ -35,17 +42,17 @@ class KVCache:
             v[:, :, : self.offset] = self.values[:, :, : self.offset]
         self.keys, self.values = k, v
 
-    def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Appends k, v [1, n_kv, S, D] at `offset`; returns all valid keys and values."""
+    def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, str | None]:
+        """Appends k, v [1, n_kv, S, D] at `offset`; returns all valid keys and values and the
+        attention mask the new queries need."""
         s = int(k.shape[2])
         end = self.offset + s
-        if end > self.capacity:
-            self._grow(end)
+        self.reserve(end)
         self.keys[:, :, self.offset:end] = k
         self.values[:, :, self.offset:end] = v
         self.offset = end
         self._last_len = s
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys[:, :, :end], self.values[:, :, :end], "causal" if s > 1 else None
 
     def truncate(self, length: int) -> None:
         """Forgets everything after the first `length` positions."""

@@ -16,6 +16,7 @@ from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from .delta_rule import delta_rule_chunked, delta_rule_step
 from .layers import Linear, rms_norm
+from . import step as compiled
 
 
 # x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
@@ -58,9 +59,8 @@ class GatedAttention:
         pos = cache.offset
         q = mx.fast.rope(q, c.n_rot, traditional=False, base=c.rope_base, scale=1.0, offset=pos)
         k = mx.fast.rope(k, c.n_rot, traditional=False, base=c.rope_base, scale=1.0, offset=pos)
-        keys, values = cache.update(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d ** -0.5,
-                                                   mask="causal" if s > 1 else None)
+        keys, values, mask = cache.update(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d ** -0.5, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(b, s, c.n_head * d)
         return self.o(_sigmoid_gate(out, gate))
 
@@ -165,6 +165,7 @@ class MTPHead:
     layer: DecoderLayer
     shared_head_norm: mx.array
     cfg: Qwen35Config
+    compile_steps: bool = True  # run forwards of <= step.MAX_TOKENS rows as one compiled graph
 
     def make_cache(self) -> KVCache:
         return KVCache(self.cfg.n_head_kv, self.cfg.head_dim)
@@ -172,11 +173,39 @@ class MTPHead:
     def __call__(self, embeds: mx.array, h_prev: mx.array, cache: KVCache) -> mx.array:
         """embeds [1, S, H] (embedding of token t), h_prev [1, S, H] (post-norm hidden at t-1);
         returns the head's normed hidden state [1, S, H] (feed it back for the next draft step)."""
+        s = int(embeds.shape[1])
+        if self.compile_steps and s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp):
+            side, set_side = _moe_side([self.layer])
+            return compiled.run(self, self._body, [embeds, h_prev], [cache], s, side=side, set_side=set_side)[0]
+        return self._body(embeds, h_prev, [cache])[0]
+
+    def _body(self, embeds: mx.array, h_prev: mx.array, caches: list) -> list[mx.array]:
         eps = self.cfg.eps
         x = self.eh_proj(mx.concatenate([rms_norm(embeds, self.enorm, eps), rms_norm(h_prev, self.hnorm, eps)],
                                         axis=-1))
-        x = self.layer(x, cache)
-        return rms_norm(x, self.shared_head_norm, eps)
+        x = self.layer(x, caches[0])
+        return [rms_norm(x, self.shared_head_norm, eps)]
+
+
+def _compilable_ffn(mlp) -> bool:
+    # a test recording MoE routing wants every forward's values, which a trace cannot hand out
+    return getattr(mlp, "record", None) is None
+
+
+def _moe_side(layers: list[DecoderLayer]):
+    """The MoE blocks' last routing leaves a compiled graph as extra outputs (for the profiler)."""
+    moes = [layer.mlp for layer in layers if hasattr(layer.mlp, "_last_indices")]
+    if not moes:
+        return None, None
+
+    def side() -> list[mx.array]:
+        return [m._last_indices for m in moes]
+
+    def set_side(values: list[mx.array]) -> None:
+        for m, v in zip(moes, values):
+            m._last_indices = v
+
+    return side, set_side
 
 
 class Qwen35Model:
@@ -190,6 +219,19 @@ class Qwen35Model:
         self.output_norm = output_norm
         self.lm_head = lm_head
         self.mtp = mtp
+        self.compile_steps = compiled.default_enabled()
+
+    @property
+    def compile_steps(self) -> bool:
+        """Whether forwards of at most `step.MAX_TOKENS` rows (decode, draft, verify, catch-up) run as
+        one compiled graph each (default); off, every operation is dispatched on its own."""
+        return self._compile_steps
+
+    @compile_steps.setter
+    def compile_steps(self, on: bool) -> None:
+        self._compile_steps = bool(on)
+        if self.mtp is not None:
+            self.mtp.compile_steps = bool(on)
 
     @property
     def is_moe(self) -> bool:
@@ -214,17 +256,26 @@ class Qwen35Model:
         `output_norm` [1, S, H] (what the output head and the MTP head read). With `capture`, the
         caches keep what `cache.rollback(n)` needs to keep only the first n of these tokens. With
         `return_prenorm`, returns (post-norm, pre-norm) hidden states."""
-        x = self.embed_tokens(ids)
+        s = int(ids.shape[1])
         if capture:
             for c in cache.layers:
                 if isinstance(c, RecurrentCache):
                     c.begin_capture()
-            cache._captured = int(ids.shape[1])
-        for layer, c in zip(self.layers, cache.layers):
-            x = layer(x, c)
-        cache.offset += int(ids.shape[1])
-        post = rms_norm(x, self.output_norm, self.cfg.eps)
+            cache._captured = s
+        if self._compile_steps and s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers):
+            side, set_side = _moe_side(self.layers)
+            post, x = compiled.run(self, self._body, [ids], cache.layers, s, capture=capture,
+                                   side=side, set_side=set_side)
+        else:
+            post, x = self._body(ids, cache.layers)
+        cache.offset += s
         return (post, x) if return_prenorm else post
+
+    def _body(self, ids: mx.array, caches: list) -> list[mx.array]:
+        x = self.embed_tokens(ids)
+        for layer, c in zip(self.layers, caches):
+            x = layer(x, c)
+        return [rms_norm(x, self.output_norm, self.cfg.eps), x]
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.lm_head(hidden)

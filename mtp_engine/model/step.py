@@ -1,0 +1,158 @@
+"""Compiled forward passes over a few tokens (decode, draft, verify, catch-up).
+
+An uncompiled step is hundreds of small MLX operations, each a dispatch (about 19 us on the H200,
+6 us on the CPU backend) for arithmetic that takes less. Here a whole trunk (or MTP head) forward
+of S tokens is one `mx.compile`d graph with constant shapes:
+
+- attention caches are fixed-capacity buffers written at a dynamic offset (`mx.slice_update` with
+  the offset as an array input, so a new position is not a new graph) and attention reads the whole
+  buffer under a mask; capacity grows in large steps (`KVCache.reserve`), one retrace per growth;
+- recurrent states go in as inputs and come out as outputs that replace them;
+- no host synchronisation inside: the caller evaluates when it needs a value.
+
+One graph is traced per (S, capture, cache capacities); prompts longer than `MAX_TOKENS` run
+uncompiled, where dispatch cost is amortised over many rows.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from .cache import KVCache, RecurrentCache
+
+MAX_TOKENS = 16
+ENV = "MTP_ENGINE_COMPILE"
+
+
+def default_enabled() -> bool:
+    """On by default on a GPU, where it removes most of a step's time; off on MLX's CPU backend,
+    where a step is almost all matrix products, the fused kernels gain nothing and attention over
+    the whole capacity costs a few percent (measured: docs/benchmarks.md). $MTP_ENGINE_COMPILE=1 or
+    0 overrides."""
+    env = os.environ.get(ENV)
+    if env in ("0", "1"):
+        return env == "1"
+    return mx.default_device() == mx.gpu
+
+
+class _KVView:
+    """A KV cache inside a trace: buffers and offset are graph values, not Python state."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update(self, k: mx.array, v: mx.array):
+        start = mx.reshape(self.offset, (1,))
+        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), start, axes=(2,))
+        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), start, axes=(2,))
+        s, cap = k.shape[2], self.keys.shape[2]
+        # query i (position offset + i) sees cache positions <= offset + i; the rest is stale or empty
+        mask = mx.arange(cap)[None, :] <= (self.offset + mx.arange(s))[:, None]
+        return self.keys, self.values, mask
+
+
+class _RecurrentView:
+    """A gated-delta-net cache inside a trace; `capture` keeps the pass's rollback inputs."""
+
+    def __init__(self, conv: mx.array, state: mx.array, capturing: bool):
+        self.conv, self.state, self.capturing = conv, state, capturing
+        self.captured: tuple[mx.array, ...] | None = None
+
+    def capture(self, window, state0, k, u, g) -> None:
+        if self.capturing:
+            self.captured = (window, k, u, g)  # state0 is the input state, which the host still holds
+
+
+def _flatten(caches: Sequence[KVCache | RecurrentCache]) -> list[mx.array]:
+    arrays: list[mx.array] = []
+    for c in caches:
+        arrays += [c.keys, c.values] if isinstance(c, KVCache) else [c.conv, c.state]
+    return arrays
+
+
+def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
+        n_tokens: int, capture: bool = False, side: Callable[[], list] | None = None,
+        set_side: Callable[[list], None] | None = None) -> list[mx.array]:
+    """Runs `body(*args, views)` (which returns a list of arrays) as one compiled graph over
+    `caches`, then writes the new cache contents back. `owner` keeps the traced graphs (one per
+    shape key). `side()` lists extra per-forward values the body leaves on objects (MoE routing),
+    returned through the graph and handed to `set_side`. Returns the body's outputs."""
+    kinds = tuple(isinstance(c, KVCache) for c in caches)
+    for c in caches:
+        if isinstance(c, KVCache):
+            c.reserve(c.offset + n_tokens)
+    key = (n_tokens, kinds, capture)
+    fns = owner.__dict__.setdefault("_compiled_steps", {})
+    if key not in fns:
+        fns[key] = mx.compile(_traced(body, kinds, capture, side))
+    offsets = mx.array([c.offset for c in caches if isinstance(c, KVCache)] or [0], dtype=mx.int32)
+    arrays = _flatten(caches)
+    # the old buffers must not be referenced once the graph runs, so slice_update can write in place
+    for c in caches:
+        if isinstance(c, KVCache):
+            c.keys = c.values = None
+    try:
+        outs = fns[key](offsets, *args, *arrays)
+    except Exception:
+        _restore(caches, arrays)
+        raise
+    del arrays
+    n_out = len(outs) - _n_cache_outputs(caches, capture) - (len(side()) if side else 0)
+    body_out, rest = outs[:n_out], outs[n_out:]
+    for c in caches:
+        if isinstance(c, KVCache):
+            c.keys, c.values = rest[0], rest[1]
+            c.offset += n_tokens
+            c._last_len = n_tokens
+            rest = rest[2:]
+        else:
+            state0 = c.state
+            c.conv, c.state = rest[0], rest[1]
+            rest = rest[2:]
+            if capture:
+                window, k, u, g = rest[:4]
+                rest = rest[4:]
+                c.capture(window, state0, k, u, g)
+    if set_side:
+        set_side(list(rest))
+    return body_out
+
+
+def _restore(caches, arrays) -> None:
+    for c in caches:
+        if isinstance(c, KVCache):
+            c.keys, c.values = arrays[0], arrays[1]
+        arrays = arrays[2:]
+
+
+def _n_cache_outputs(caches, capture: bool) -> int:
+    return sum(2 if isinstance(c, KVCache) else (6 if capture else 2) for c in caches)
+
+
+def _traced(body: Callable, kinds: tuple[bool, ...], capture: bool, side):
+    def fn(offsets, *flat):
+        n_args = len(flat) - 2 * len(kinds)
+        args, arrays = flat[:n_args], flat[n_args:]
+        views, j, i_kv = [], 0, 0
+        for is_kv in kinds:
+            if is_kv:
+                views.append(_KVView(arrays[j], arrays[j + 1], offsets[i_kv]))
+                i_kv += 1
+            else:
+                views.append(_RecurrentView(arrays[j], arrays[j + 1], capture))
+            j += 2
+        outs = list(body(*args, views))
+        for v in views:
+            if isinstance(v, _KVView):
+                outs += [v.keys, v.values]
+            else:
+                outs += [v.conv, v.state]
+                if capture:
+                    outs += list(v.captured)
+        if side:
+            outs += side()
+        return outs
+
+    return fn
