@@ -68,11 +68,12 @@ def measure(model: Qwen35Model, max_verify: int, context: int = 64, repeats: int
     mx.eval(model.forward(ids_all[:, :context], cache), *cache.arrays())
     tok = ids_all[:, context:context + 1]
 
-    def step():
-        h = model.forward(tok, cache, capture=True)
+    def step():  # a plain decode step: no capture
+        snap = cache.snapshot()
+        h = model.forward(tok, cache)
         lg = model.logits(h[0, -1])
         mx.eval(lg, *cache.arrays())
-        cache.rollback(0)
+        cache.restore(snap)
 
     step_ms = _median_ms(step, repeats)
     costs = Costs(step_ms=step_ms)

@@ -86,3 +86,21 @@ def test_compiled_draft_mtp_equals_plain_greedy(which):
             assert dec.accepted > 0 and dec.accepted < dec.drafted  # rollback was exercised
     finally:
         model.compile_steps = False
+
+
+def test_verify_row_padding_gives_the_unpadded_product(monkeypatch):
+    """On a GPU, 2..7-row quantized products are padded to 8 rows (a faster kernel path there);
+    the rows kept must be the unpadded product's."""
+    from mtp_engine.model import layers
+
+    w = mx.random.normal((96, 64), key=mx.random.key(1))
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    lin = layers.Linear(q, s, b, 4, 32)
+    for rows in (1, 2, 5, 7, 8, 11):
+        x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
+        monkeypatch.setattr(layers, "ROW_PAD", 0)
+        ref = np.array(lin(x))
+        monkeypatch.setattr(layers, "ROW_PAD", 8)
+        got = lin(x)
+        assert got.shape == (1, rows, 96)
+        np.testing.assert_allclose(np.array(got), ref, atol=1e-5)

@@ -53,7 +53,6 @@ def delta_rule_chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta:
     """S tokens at once. q, k [b, s, h, kd]; v [b, s, h, vd]; g, beta [b, s, h]; state [b, h, kd, vd].
     Returns (outputs [b, s, h, vd], end state, delta vectors U [b, s, h, vd])."""
     b, s, h, kd = k.shape
-    vd = v.shape[-1]
     c = min(chunk, s)
     n = -(-s // c)
     pad = n * c - s

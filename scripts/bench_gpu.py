@@ -1,0 +1,194 @@
+"""Decode-step benchmarks at Qwen3.5-9B shape (random 4-bit group-32 weights, built in memory), each
+comparison measured side by side in one process with repeats interleaved:
+
+  plain    ms/token of plain decoding: uncompiled / compiled / compiled + verify-row padding, and
+           mlx-lm's qwen3_5 model on the same shape and weight format (when mlx_lm is importable)
+  verify   the verify curve V(S) = time(S-token forward) / time(1-token step) per configuration
+  oracle   draft-mtp tok/s vs plain at oracle acceptance a in {0.5, 0.7, 0.8, 0.9}
+  prefill  prompt tok/s at 512 and 4096 tokens, ours and mlx-lm's
+  floor    the bandwidth floor: weight bytes read per token / measured copy bandwidth; the MTP
+           head's memory (its weights + its KV cache at 8192 positions)
+
+Usage (GPU): python3 scripts/bench_gpu.py [--sections plain,verify,oracle,prefill,floor] [--layers 32]
+             [--smoke] (a tiny shape, to check the script on a CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_9b_oracle import config_9b, decode_tps, random_model  # noqa: E402
+
+from mtp_engine.costmodel import measure  # noqa: E402
+from mtp_engine.decode import PlainDecoder  # noqa: E402
+from mtp_engine.model import layers  # noqa: E402
+from mtp_engine.model.config import Qwen35Config  # noqa: E402
+from mtp_engine.sampling import Sampler, SamplerConfig  # noqa: E402
+
+CONFIGS = {"eager": (False, 0), "compiled": (True, 0), "compiled+pad8": (True, 8)}
+
+
+def log(obj) -> None:
+    print(json.dumps(obj), file=sys.stderr, flush=True)
+
+
+def use(model, name: str) -> None:
+    compiled, pad = CONFIGS[name]
+    model.compile_steps = compiled
+    layers.ROW_PAD = pad
+
+
+def smoke_config() -> Qwen35Config:
+    n = 4
+    return Qwen35Config(vocab_size=1024, hidden_size=256, n_layer=n, n_mtp=1, ffn_size=[512] * (n + 1),
+                        n_head=4, n_head_kv=2, head_dim=64, n_rot=16, rope_base=1e7, eps=1e-6, conv_kernel=4,
+                        ssm_key_dim=32, ssm_key_heads=2, ssm_value_heads=4, ssm_inner=128,
+                        recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192)
+
+
+def mlx_lm_model(cfg: Qwen35Config):
+    try:
+        import mlx.nn as nn
+        from mlx_lm.models import qwen3_5
+    except Exception as e:  # not installed here
+        log({"mlx_lm": f"not available: {e}"})
+        return None
+    args = qwen3_5.TextModelArgs(
+        model_type="qwen3_5_text", hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size[0],
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
+        rms_norm_eps=cfg.eps, vocab_size=cfg.vocab_size, linear_num_value_heads=cfg.ssm_value_heads,
+        linear_num_key_heads=cfg.ssm_key_heads, linear_key_head_dim=cfg.ssm_key_dim,
+        linear_value_head_dim=cfg.ssm_value_dim, linear_conv_kernel_dim=cfg.conv_kernel, head_dim=cfg.head_dim,
+        full_attention_interval=4, partial_rotary_factor=cfg.n_rot / cfg.head_dim, rope_theta=cfg.rope_base,
+        max_position_embeddings=8192)
+    model = qwen3_5.TextModel(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def mlx_lm_step_ms(model, prompt_len: int = 64, steps: int = 40) -> float:
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[1] * prompt_len]), cache=cache))
+    tok = mx.array([[1]])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[None]
+        tok.item()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[3:])
+
+
+def ours_prefill_s(model, n: int) -> float:
+    dec = PlainDecoder(model, Sampler(SamplerConfig()))
+    ids = [(7 * i) % model.cfg.vocab_size for i in range(n)]
+    t = time.perf_counter()
+    dec.prefill(ids)
+    return time.perf_counter() - t
+
+
+def mlx_lm_prefill_s(model, n: int) -> float:
+    cache = model.make_cache()
+    ids = mx.array([[(7 * i) % 1000 for i in range(n)]])
+    t = time.perf_counter()
+    for s in range(0, n, 2048):  # mlx-lm's default prefill step
+        mx.eval(model(ids[:, s:s + 2048], cache=cache), [c.state for c in cache])
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="plain,verify,oracle,prefill,floor")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    sections = set(a.sections.split(","))
+    cfg = smoke_config() if a.smoke else config_9b(a.layers != 32)
+    t0 = time.perf_counter()
+    model = random_model(cfg)
+    nb = model.nbytes()
+    out: dict = {"device": str(mx.default_device()), "layers": cfg.n_layer, "weights_gib": sum(nb.values()) / 2**30}
+    log({"built_s": round(time.perf_counter() - t0, 1), **out})
+    ref = mlx_lm_model(cfg) if sections & {"plain", "prefill"} else None
+    prompt = list(range(100, 164))
+
+    if "plain" in sections:
+        for name in CONFIGS:  # warm-up: trace and compile every configuration once
+            use(model, name)
+            decode_tps(model, prompt, 8)
+        ms: dict[str, list[float]] = {k: [] for k in list(CONFIGS) + ["mlx-lm"]}
+        for _ in range(a.repeats):
+            for name in CONFIGS:
+                use(model, name)
+                ms[name].append(1e3 / decode_tps(model, prompt, a.tokens)[0])
+            if ref is not None:
+                ms["mlx-lm"].append(mlx_lm_step_ms(ref, steps=a.tokens))
+        out["plain_ms_per_token"] = {k: statistics.median(v) for k, v in ms.items() if v}
+        log({"plain_ms_per_token": out["plain_ms_per_token"], "all": ms})
+
+    if "verify" in sections:
+        out["verify"] = {}
+        for name in CONFIGS:
+            use(model, name)
+            c = measure(model, max_verify=9, context=64, repeats=10)
+            out["verify"][name] = {"step_ms": c.step_ms, "V": c.verify, "draft": c.draft}
+            log({"verify": name, **out["verify"][name]})
+
+    if "oracle" in sections:
+        use(model, "compiled+pad8")
+        costs = measure(model, max_verify=9, context=64, repeats=10)
+        costs.fixed = 0.05
+        decode_tps(model, prompt, 16, "draft-mtp", 2, 0.8)  # warm-up
+        for k in (1, 2, 3, 4, 5, 6, 7, 8):
+            decode_tps(model, prompt, 12, "draft-mtp", k, 0.99)  # trace every verify length once
+        plain = statistics.median(decode_tps(model, prompt, a.tokens)[0] for _ in range(3))
+        out["oracle"] = {"plain_tok_s": plain, "rows": []}
+        for acc in (0.5, 0.7, 0.8, 0.9):
+            for k in (1, 2, 3, 4, "auto"):
+                tps, st = decode_tps(model, prompt, a.tokens, "draft-mtp", k, acc, costs)
+                row = {"a": acc, "n_max": k, "tok_s": tps, "speedup": tps / plain,
+                       "acceptance": st["acceptance_rate"], "draft_lengths": st.get("draft_length_histogram")}
+                out["oracle"]["rows"].append(row)
+                log(row)
+
+    if "prefill" in sections:
+        use(model, "compiled+pad8")
+        out["prefill_tok_s"] = {}
+        for n in (512, 4096):
+            ours_prefill_s(model, n)  # warm-up
+            o = statistics.median(ours_prefill_s(model, n) for _ in range(3))
+            r = statistics.median(mlx_lm_prefill_s(ref, n) for _ in range(3)) if ref is not None else None
+            out["prefill_tok_s"][n] = {"ours": n / o, "mlx-lm": n / r if r else None}
+            log({"prefill": n, **out["prefill_tok_s"][n]})
+
+    if "floor" in sections:
+        big = mx.random.uniform(shape=(256 * 2**20,))  # 1 GiB
+        mx.eval(big)
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            mx.eval(big + 1.0)
+            times.append(time.perf_counter() - t)
+        bw = 2 * big.nbytes / statistics.median(times)  # read + write
+        per_token = nb["trunk"] - model.embed.nbytes() + model.embed.nbytes() // cfg.vocab_size
+        if model.lm_head is model.embed:
+            per_token += model.embed.nbytes()
+        kv = 2 * cfg.n_head_kv * cfg.head_dim * 4 * 8192  # the head's one attention layer, float32
+        out["floor"] = {"copy_GB_s": bw / 1e9, "bytes_per_token": per_token, "floor_ms": per_token / bw * 1e3,
+                        "mtp_weights_gib": nb["mtp"] / 2**30, "mtp_kv_8192_gib": kv / 2**30}
+        log(out["floor"])
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
