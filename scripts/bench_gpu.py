@@ -1,7 +1,8 @@
 """Decode-step benchmarks at Qwen3.5-9B shape (random 4-bit group-32 weights, built in memory), each
 comparison measured side by side in one process with repeats interleaved:
 
-  plain    ms/token of plain decoding: uncompiled / compiled / compiled + verify-row padding, and
+  kernel   the custom few-row kernel against MLX's quantized_matmul: error and ms per row count
+  plain    ms/token of plain decoding: uncompiled / compiled / + verify-row padding / + custom kernel, and
            mlx-lm's qwen3_5 model on the same shape and weight format (when mlx_lm is importable)
   verify   the verify curve V(S) = time(S-token forward) / time(1-token step) per configuration
   oracle   draft-mtp tok/s vs plain at oracle acceptance a in {0.5, 0.7, 0.8, 0.9}
@@ -27,11 +28,14 @@ from bench_9b_oracle import config_9b, decode_tps, random_model  # noqa: E402
 
 from mtp_engine.costmodel import measure  # noqa: E402
 from mtp_engine.decode import PlainDecoder  # noqa: E402
-from mtp_engine.model import layers  # noqa: E402
+from mtp_engine.model import kernels, layers  # noqa: E402
 from mtp_engine.model.config import Qwen35Config  # noqa: E402
 from mtp_engine.sampling import Sampler, SamplerConfig  # noqa: E402
 
-CONFIGS = {"eager": (False, 0), "compiled": (True, 0), "compiled+pad8": (True, 8)}
+# name -> (compiled steps, verify-row padding, custom few-row kernel)
+CONFIGS = {"eager": (False, 0, False), "compiled": (True, 0, False), "compiled+pad8": (True, 8, False),
+           "compiled+kernel": (True, 8, True)}
+BEST = "compiled+kernel"
 
 
 def log(obj) -> None:
@@ -39,9 +43,45 @@ def log(obj) -> None:
 
 
 def use(model, name: str) -> None:
-    compiled, pad = CONFIGS[name]
+    compiled, pad, custom = CONFIGS[name]
     model.compile_steps = compiled
     layers.ROW_PAD = pad
+    kernels.ACTIVE = custom and kernels.enabled()
+
+
+def check_kernel() -> dict:
+    """The custom kernel against MLX's quantized_matmul, every row count, 4 and 8 bits."""
+    worst = {}
+    for bits in (4, 8):
+        for n, k in ((512, 4096), (4096, 12288), (1024, 256)):
+            w = mx.random.normal((n, k)) * k ** -0.5
+            q, sc, bi = mx.quantize(w, group_size=32, bits=bits)
+            for m in range(1, kernels.MAX_ROWS + 1):
+                x = mx.random.normal((m, k))
+                ref = mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=bits)
+                got = kernels.quantized_rows(x, q, sc, bi, bits, 32)
+                err = mx.max(mx.abs(got - ref)).item() / max(mx.max(mx.abs(ref)).item(), 1e-6)
+                worst[f"{bits}bit"] = max(worst.get(f"{bits}bit", 0.0), err)
+    return worst
+
+
+def kernel_times() -> dict:
+    """ms of one 4096x12288 4-bit g32 product per row count: MLX's kernels vs ours."""
+    w = mx.random.normal((12288, 4096)) * 0.02
+    q, sc, bi = mx.quantize(w, group_size=32, bits=4)
+    out = {}
+    for m in (1, 2, 4, 5, 8):
+        x = mx.random.normal((m, 4096))
+        for name, fn in (("mlx", lambda: mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=4)),
+                         ("ours", lambda: kernels.quantized_rows(x, q, sc, bi, 4, 32))):
+            for _ in range(3):
+                mx.eval(fn())
+            t = time.perf_counter()
+            for _ in range(50):
+                y = fn()
+            mx.eval(y)
+            out[f"{name} M={m}"] = (time.perf_counter() - t) / 50 * 1e3
+    return out
 
 
 def smoke_config() -> Qwen35Config:
@@ -105,13 +145,16 @@ def mlx_lm_prefill_s(model, n: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="plain,verify,oracle,prefill,floor")
+    ap.add_argument("--sections", default="kernel,plain,verify,oracle,prefill,floor")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
+    if "kernel" in sections and kernels.enabled():
+        log({"kernel_max_rel_err": check_kernel()})
+        log({"kernel_ms": kernel_times()})
     cfg = smoke_config() if a.smoke else config_9b(a.layers != 32)
     t0 = time.perf_counter()
     model = random_model(cfg)
@@ -144,7 +187,7 @@ def main() -> int:
             log({"verify": name, **out["verify"][name]})
 
     if "oracle" in sections:
-        use(model, "compiled+pad8")
+        use(model, BEST)
         costs = measure(model, max_verify=9, context=64, repeats=10)
         costs.fixed = 0.05
         decode_tps(model, prompt, 16, "draft-mtp", 2, 0.8)  # warm-up
@@ -161,7 +204,7 @@ def main() -> int:
                 log(row)
 
     if "prefill" in sections:
-        use(model, "compiled+pad8")
+        use(model, BEST)
         out["prefill_tok_s"] = {}
         for n in (512, 4096):
             ours_prefill_s(model, n)  # warm-up

@@ -8,6 +8,8 @@ import os
 
 import mlx.core as mx
 
+from . import kernels
+
 ENV_PAD = "MTP_ENGINE_PAD_ROWS"
 
 
@@ -55,6 +57,10 @@ class Linear:
             return self(x[None])[0]
         if self.quantized:
             rows = x.size // x.shape[-1]
+            if kernels.ACTIVE and kernels.supports(self.weight, self.scales, self.bits, self.group_size, rows):
+                y = kernels.quantized_rows(x.reshape(rows, x.shape[-1]), self.weight, self.scales, self.biases,
+                                           self.bits, self.group_size)
+                return y.reshape(*x.shape[:-1], y.shape[-1])
             if 1 < rows < ROW_PAD:
                 flat = mx.pad(x.reshape(rows, x.shape[-1]), [(0, ROW_PAD - rows), (0, 0)])
                 y = mx.quantized_matmul(flat, self.weight, self.scales, self.biases, transpose=True,
