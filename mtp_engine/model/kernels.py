@@ -8,8 +8,9 @@ features for all M <= 8 input rows at once: each weight word is read from memory
 whatever M is, so a verify costs about what a plain step does until arithmetic catches up.
 
 Layout (MLX affine quantization): W [N, K*bits/32] uint32, values packed low bits first; scales and
-biases [N, K/group] float32; w = q * scale + bias. Lane l of a warp takes words l, l+32, ... of its
-rows; x[m, word's columns] is loaded once per word and reused for the warp's R rows.
+biases [N, K/group] float32; w = q * scale + bias. Lane l of a warp takes chunks l, l+32, ... of its
+rows in 16-byte chunks (4 words: one 4-bit group); x[m, a word's columns] is loaded once and reused
+for the warp's R rows.
 """
 from __future__ import annotations
 
@@ -24,50 +25,60 @@ ROWS_PER_WARP = 4
 _SOURCE = """
     constexpr int VPW = 32 / BITS;          // values per uint32 word
     constexpr int KW = K / VPW;             // words per weight row
+    constexpr int KC = KW / 4;              // 16-byte chunks per weight row
     constexpr int G = K / GROUP;            // groups per row
-    constexpr int WPG = GROUP / VPW;        // words per group
+    constexpr int WPG = GROUP / VPW;        // words per group (a chunk never straddles two)
     constexpr unsigned MASK = (1u << BITS) - 1u;
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     const int n0 = gwarp * R;
     if (n0 >= N) return;
+    const uint4* w4 = reinterpret_cast<const uint4*>(wq);
     float acc[R][M];
     #pragma unroll
     for (int r = 0; r < R; ++r) {
         #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
     }
-    for (int w = lane; w < KW; w += 32) {
-        float xv[M][VPW];
-        float xs[M];
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float4* xp = reinterpret_cast<const float4*>(x + (size_t)m * K + (size_t)w * VPW);
-            float s = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < VPW / 4; ++j) {
-                float4 a = xp[j];
-                xv[m][4 * j] = a.x; xv[m][4 * j + 1] = a.y; xv[m][4 * j + 2] = a.z; xv[m][4 * j + 3] = a.w;
-                s += a.x + a.y + a.z + a.w;
-            }
-            xs[m] = s;
-        }
-        const int g = w / WPG;
+    #pragma unroll 2
+    for (int c = lane; c < KC; c += 32) {
+        // issue every row's 16-byte load first: more bytes in flight per lane
+        uint4 words[R];
+        float sc[R], bi[R];
+        const int g = (4 * c) / WPG;
         #pragma unroll
         for (int r = 0; r < R; ++r) {
             const size_t n = (size_t)(n0 + r);
-            const unsigned q = wq[n * KW + w];
-            const float sc = (float)scales[n * G + g];
-            const float bi = (float)biases[n * G + g];
-            float qf[VPW];
-            #pragma unroll
-            for (int j = 0; j < VPW; ++j) qf[j] = (float)((q >> (BITS * j)) & MASK);
+            words[r] = w4[n * KC + c];
+            sc[r] = scales[n * G + g];
+            bi[r] = biases[n * G + g];
+        }
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float xv[M][VPW];
+            float xs[M];
             #pragma unroll
             for (int m = 0; m < M; ++m) {
-                float d = 0.0f;
+                const float4* xp = reinterpret_cast<const float4*>(x + (size_t)m * K + (size_t)(4 * c + j) * VPW);
+                float s = 0.0f;
                 #pragma unroll
-                for (int j = 0; j < VPW; ++j) d += xv[m][j] * qf[j];
-                acc[r][m] += sc * d + bi * xs[m];
+                for (int i = 0; i < VPW / 4; ++i) {
+                    float4 a = xp[i];
+                    xv[m][4 * i] = a.x; xv[m][4 * i + 1] = a.y; xv[m][4 * i + 2] = a.z; xv[m][4 * i + 3] = a.w;
+                    s += a.x + a.y + a.z + a.w;
+                }
+                xs[m] = s;
+            }
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const unsigned q = j == 0 ? words[r].x : j == 1 ? words[r].y : j == 2 ? words[r].z : words[r].w;
+                #pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float d = 0.0f;
+                    #pragma unroll
+                    for (int v = 0; v < VPW; ++v) d += xv[m][v] * (float)((q >> (BITS * v)) & MASK);
+                    acc[r][m] += sc[r] * d + bi[r] * xs[m];
+                }
             }
         }
     }
@@ -104,10 +115,11 @@ ACTIVE = enabled()
 
 def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, rows: int) -> bool:
     """Whether the kernel handles this product: 4- or 8-bit, groups of a multiple of 32, rows
-    1..8, N a multiple of the rows per warp, float32 scales."""
+    1..8, N a multiple of the rows per warp, rows of whole 16-byte chunks, float32 scales."""
     if bits not in (4, 8) or group_size % 32 or not 1 <= rows <= MAX_ROWS:
         return False
-    return weight.ndim == 2 and weight.shape[0] % ROWS_PER_WARP == 0 and scales.dtype == mx.float32
+    return (weight.ndim == 2 and weight.shape[0] % ROWS_PER_WARP == 0 and weight.shape[1] % 4 == 0
+            and scales.dtype == mx.float32)
 
 
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
