@@ -104,3 +104,52 @@ def test_verify_row_padding_gives_the_unpadded_product(monkeypatch):
         got = lin(x)
         assert got.shape == (1, rows, 96)
         np.testing.assert_allclose(np.array(got), ref, atol=1e-5)
+
+
+class _FakeKernel:
+    """Stands in for the CUDA kernel on a CPU: checks how it is called, computes MLX's product."""
+
+    def __init__(self):
+        self.variants = set()
+
+    def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        from mtp_engine.model import kernels
+
+        x, wq, s, b = inputs
+        t = dict(template)
+        assert t["M"] in kernels.ROW_VARIANTS and x.shape[0] == t["M"]
+        assert grid[0] == wq.shape[0] // t["R"] * 32 and output_shapes == [(t["M"], wq.shape[0])]
+        self.variants.add(t["M"])
+        return [mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=t["GROUP"], bits=t["BITS"])]
+
+
+def test_kernel_wrapper_pads_rows_to_few_variants(monkeypatch):
+    from mtp_engine.model import kernels
+
+    fake = _FakeKernel()
+    monkeypatch.setattr(kernels, "_kernel", fake)
+    w = mx.random.normal((64, 256), key=mx.random.key(5))
+    q, s, b = mx.quantize(w, group_size=32, bits=8)
+    assert kernels.supports(q, s, 8, 32, 8) and not kernels.supports(q, s, 8, 32, 9)
+    assert not kernels.supports(q, s, 3, 32, 1) and not kernels.supports(q[:62], s[:62], 8, 32, 1)
+    for m in range(1, 9):
+        x = mx.random.normal((m, 256), key=mx.random.key(m))
+        got = kernels.quantized_rows(x, q, s, b, 8, 32)
+        ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=8)
+        assert got.shape == (m, 64)
+        np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-5)
+    assert fake.variants == set(kernels.ROW_VARIANTS)
+
+
+def test_kernel_self_test_falls_back_when_the_kernel_fails(monkeypatch):
+    from mtp_engine.model import kernels
+
+    def broken(**kwargs):
+        raise RuntimeError("nvrtc: compilation failed")
+
+    monkeypatch.setattr(kernels, "ACTIVE", True)
+    monkeypatch.setattr(kernels, "_tested", None)
+    monkeypatch.setattr(kernels, "_kernel", broken)
+    with pytest.warns(UserWarning, match="custom quantized kernel unavailable"):
+        assert kernels.self_test() is False
+    assert kernels.ACTIVE is False

@@ -15,18 +15,25 @@ for the warp's R rows.
 from __future__ import annotations
 
 import os
+import warnings
 
 import mlx.core as mx
 
 ENV = "MTP_ENGINE_QMV"  # "custom" (default on GPU) or "mlx"
 MAX_ROWS = 8
 ROWS_PER_WARP = 4
+# row counts the kernel is compiled for; others are padded up to the next (each variant is an
+# NVRTC compile of ~1 s at first use, so there are few of them)
+ROW_VARIANTS = (1, 2, 4, 8)
 
 _SOURCE = """
+    // shapes are runtime values: one compiled kernel per (rows, bits, group), not per matrix shape
+    const int K = x_shape[1];
+    const int N = wq_shape[0];
     constexpr int VPW = 32 / BITS;          // values per uint32 word
-    constexpr int KW = K / VPW;             // words per weight row
-    constexpr int KC = KW / 4;              // 16-byte chunks per weight row
-    constexpr int G = K / GROUP;            // groups per row
+    const int KW = K / VPW;                 // words per weight row
+    const int KC = KW / 4;                  // 16-byte chunks per weight row
+    const int G = K / GROUP;                // groups per row
     constexpr int WPG = GROUP / VPW;        // words per group (a chunk never straddles two)
     constexpr unsigned MASK = (1u << BITS) - 1u;
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -95,6 +102,7 @@ _SOURCE = """
 """
 
 _kernel = None
+_tested: bool | None = None
 
 
 def _cuda() -> bool:
@@ -129,11 +137,34 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtp_qmv_rows", input_names=["x", "wq", "scales", "biases"],
                                       output_names=["out"], source=_SOURCE)
-    m, k = x.shape
+    m = x.shape[0]
+    rows = next(r for r in ROW_VARIANTS if r >= m)
+    if rows != m:
+        x = mx.pad(x, [(0, rows - m), (0, 0)])
     n = weight.shape[0]
-    warps = n // ROWS_PER_WARP
-    return _kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
-                   template=[("M", m), ("R", ROWS_PER_WARP), ("K", k), ("N", n), ("BITS", bits),
-                             ("GROUP", group_size)],
-                   grid=(warps * 32, 1, 1), threadgroup=(128, 1, 1),
-                   output_shapes=[(m, n)], output_dtypes=[mx.float32])[0]
+    out = _kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
+                  template=[("M", rows), ("R", ROWS_PER_WARP), ("BITS", bits), ("GROUP", group_size)],
+                  grid=(n // ROWS_PER_WARP * 32, 1, 1), threadgroup=(128, 1, 1),
+                  output_shapes=[(rows, n)], output_dtypes=[mx.float32])[0]
+    return out[:m] if rows != m else out
+
+
+def self_test() -> bool:
+    """Runs the kernel once against MLX's product (outside any compiled graph); on a compile error
+    or a mismatch turns it off for this process, so the engine falls back instead of failing."""
+    global ACTIVE, _tested
+    if not ACTIVE or _tested is not None:
+        return bool(ACTIVE and _tested)
+    try:
+        w = mx.random.normal((64, 256), key=mx.random.key(3))
+        q, s, b = mx.quantize(w, group_size=32, bits=4)
+        x = mx.random.normal((3, 256), key=mx.random.key(4))
+        ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
+        ok = bool(mx.allclose(quantized_rows(x, q, s, b, 4, 32), ref, atol=1e-3, rtol=1e-3).item())
+    except Exception as e:  # NVRTC missing or a toolchain that rejects the source
+        warnings.warn(f"mtp-engine: custom quantized kernel unavailable ({e}); using MLX's")
+        ok = False
+    _tested = ok
+    if not ok:
+        ACTIVE = False
+    return ok

@@ -16,6 +16,7 @@ from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from .delta_rule import delta_rule_chunked, delta_rule_step
 from .layers import Linear, rms_norm
+from . import kernels
 from . import step as compiled
 
 
@@ -229,6 +230,7 @@ class Qwen35Model:
         self.lm_head = lm_head
         self.mtp = mtp
         self.compile_steps = compiled.default_enabled()
+        kernels.self_test()  # once per process; a failing custom kernel falls back to MLX's
 
     @property
     def compile_steps(self) -> bool:
