@@ -234,3 +234,23 @@ def test_draft_mtp_needs_an_mtp_head():
     m = load(need(TINY / "qwen35-mtp-tiny-f32.gguf"), load_mtp=False)
     with pytest.raises(MTPEngineError, match="MTP head"):
         generate([1, 2, 3], m, spec="draft-mtp")
+
+
+def test_long_plain_stretch_catches_up_only_a_window_and_output_is_unchanged():
+    """After many draft-less rounds only the newest `catch_up_window` owed rows reach the MTP head;
+    the dropped rows are counted, and the greedy output is still plain decoding's."""
+    m = _tiny()
+    ids = [349, 220, 451, 12, 77]
+    ref = _plain(m, ids, 40)
+    dec = _decoder(m, 2)
+    out = dec.prefill(ids)
+    for _ in range(20):
+        out += dec.plain_step()
+        assert len(dec._owed_tokens) <= dec.catch_up_window
+    mtp_before = dec.mtp_cache.offset
+    while len(out) < 40:
+        out += dec.step()
+    assert out[:40] == ref
+    assert dec.catch_up_dropped == 20 - dec.catch_up_window  # each plain round owes one row
+    assert dec.mtp_cache.offset > mtp_before
+    assert dec.stats()["catch_up_rows_dropped"] == dec.catch_up_dropped
