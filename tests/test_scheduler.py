@@ -33,6 +33,15 @@ def test_linear_verify_cost_means_plain_steps():
     assert s.next_k() == 0
 
 
+def test_no_probes_where_even_perfect_drafts_cannot_win():
+    """V(2) + c >= 2 (measured on the 2-core CPU: 1.76 + 0.29): no k beats plain even at acceptance
+    1, so the scheduler never drafts, not even a probe, however long it runs."""
+    s = DraftLengthScheduler(_costs(lambda n: 0.9 * n, c=0.29))
+    assert not s.can_win
+    assert all(s.next_k() == 0 for _ in range(1000))
+    assert DraftLengthScheduler(_costs(lambda n: 0.8 * n, c=0.1)).can_win
+
+
 def test_falling_acceptance_shortens_drafts_and_probes_while_plain():
     s = DraftLengthScheduler(_costs(lambda n: 1.0 + 0.15 * n, c=0.15))
     for _ in range(40):
@@ -100,7 +109,8 @@ def test_cli_accepts_auto_and_rejects_words(capsys):
 
 
 def test_probes_back_off_while_plain_steps_stay_right():
-    s = DraftLengthScheduler(_costs(lambda n: float(n), c=0.3))
+    # drafting could win at high acceptance, but every draft is rejected
+    s = DraftLengthScheduler(_costs(lambda n: 1.0 + 0.3 * n, c=0.1))
     for _ in range(10):
         s.update(3, 0)
     probes = []

@@ -83,6 +83,10 @@ class DraftLengthScheduler:
         self._probe_every = _PROBE_EVERY
         self._probing = False
         self.chosen: list[int] = []
+        # if even fully accepted drafts cannot beat a plain step on this device (a verify of S rows
+        # costs about S steps, as on MLX's CPU backend), drafting and its probes only cost time
+        self.can_win = any((k + 1) / (costs.verify[k + 1] + k * costs.draft + costs.fixed) > 1.0
+                           for k in range(1, self.k_max + 1))
 
     def alphas(self) -> list[float]:
         return [a / (a + r) for a, r in zip(self.acc, self.rej)]
@@ -99,6 +103,9 @@ class DraftLengthScheduler:
         return e / (c.verify[k + 1] + k * c.draft + c.fixed)
 
     def next_k(self) -> int:
+        if not self.can_win:
+            self.chosen.append(0)
+            return 0
         k = max(range(self.k_max + 1), key=self.expected_rate)
         if self._probing:  # the last round was a probe: judge it
             self._probing = False
