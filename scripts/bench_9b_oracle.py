@@ -14,6 +14,7 @@ import time
 
 import mlx.core as mx
 
+import mlx_lm_ref  # scripts/ (beside this file)
 from mtp_engine.costmodel import measure
 from mtp_engine.decode import PlainDecoder
 from mtp_engine.generate import run
@@ -88,36 +89,8 @@ def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=Non
 
 
 def mlx_lm_step_ms(cfg: Qwen35Config, prompt_len: int, steps: int) -> float | None:
-    try:
-        import mlx.nn as nn
-        from mlx_lm.models import qwen3_5
-    except Exception as e:  # not installed here
-        print(f"mlx-lm not available: {e}", file=sys.stderr)
-        return None
-    args = qwen3_5.TextModelArgs(
-        model_type="qwen3_5_text", hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size[0],
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
-        rms_norm_eps=cfg.eps, vocab_size=cfg.vocab_size, linear_num_value_heads=cfg.ssm_value_heads,
-        linear_num_key_heads=cfg.ssm_key_heads, linear_key_head_dim=cfg.ssm_key_dim,
-        linear_value_head_dim=cfg.ssm_value_dim, linear_conv_kernel_dim=cfg.conv_kernel, head_dim=cfg.head_dim,
-        full_attention_interval=4, partial_rotary_factor=cfg.n_rot / cfg.head_dim, rope_theta=cfg.rope_base,
-        max_position_embeddings=8192)
-    model = qwen3_5.TextModel(args)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
-    cache = model.make_cache()
-    y = model(mx.array([[1] * prompt_len]), cache=cache)
-    mx.eval(y)
-    tok = mx.array([[1]])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        logits = model(tok, cache=cache)
-        tok = mx.argmax(logits[:, -1], axis=-1)[None]
-        tok.item()
-        times.append((time.perf_counter() - t) * 1e3)
-    del model
-    return statistics.median(times[3:])
+    model = mlx_lm_ref.build(cfg)
+    return None if model is None else mlx_lm_ref.step_ms(model, prompt_len, steps)
 
 
 def main() -> int:

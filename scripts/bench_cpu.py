@@ -19,8 +19,11 @@ from dataclasses import fields, is_dataclass
 import mlx.core as mx
 import numpy as np
 
-from mtp_engine import load
-from mtp_engine.model.layers import Linear
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import mlx_lm_ref  # noqa: E402
+
+from mtp_engine import load  # noqa: E402
+from mtp_engine.model.layers import Linear  # noqa: E402
 
 TRAINED = "models/qwen35-mtp-code-Q4_K_M.gguf"
 
@@ -62,35 +65,14 @@ def ours_ms(model, compiled: bool, tokens: int) -> float:
 
 
 def mlx_lm_model(cfg, bits: int | None):
-    import mlx.nn as nn
-    from mlx_lm.models import qwen3_5
-
-    args = qwen3_5.TextModelArgs(
-        model_type="qwen3_5_text", hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size[0],
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
-        rms_norm_eps=cfg.eps, vocab_size=cfg.vocab_size, linear_num_value_heads=cfg.ssm_value_heads,
-        linear_num_key_heads=cfg.ssm_key_heads, linear_key_head_dim=cfg.ssm_key_dim,
-        linear_value_head_dim=cfg.ssm_value_dim, linear_conv_kernel_dim=cfg.conv_kernel, head_dim=cfg.head_dim,
-        full_attention_interval=4, partial_rotary_factor=cfg.n_rot / cfg.head_dim, rope_theta=cfg.rope_base,
-        max_position_embeddings=4096, tie_word_embeddings=False)
-    model = qwen3_5.TextModel(args)
-    if bits:
-        nn.quantize(model, group_size=32, bits=bits)
-    mx.eval(model.parameters())
+    model = mlx_lm_ref.build(cfg, bits, tie=False)
+    if model is None:
+        raise ImportError("mlx_lm")
     return model
 
 
 def mlx_lm_ms(model, tokens: int) -> float:
-    cache = model.make_cache()
-    mx.eval(model(mx.array([[1] * 16]), cache=cache))
-    tok = mx.array([[1]])
-    times = []
-    for _ in range(tokens):
-        t = time.perf_counter()
-        tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[None]
-        tok.item()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times[2:])
+    return mlx_lm_ref.step_ms(model, 16, tokens)
 
 
 def matvec_us() -> dict:

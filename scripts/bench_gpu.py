@@ -24,6 +24,7 @@ import time
 import mlx.core as mx
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import mlx_lm_ref  # noqa: E402
 from bench_9b_oracle import config_9b, decode_tps, random_model  # noqa: E402
 
 from mtp_engine.costmodel import measure  # noqa: E402
@@ -91,37 +92,11 @@ def smoke_config() -> Qwen35Config:
 
 
 def mlx_lm_model(cfg: Qwen35Config):
-    try:
-        import mlx.nn as nn
-        from mlx_lm.models import qwen3_5
-    except Exception as e:  # not installed here
-        log({"mlx_lm": f"not available: {e}"})
-        return None
-    args = qwen3_5.TextModelArgs(
-        model_type="qwen3_5_text", hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size[0],
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
-        rms_norm_eps=cfg.eps, vocab_size=cfg.vocab_size, linear_num_value_heads=cfg.ssm_value_heads,
-        linear_num_key_heads=cfg.ssm_key_heads, linear_key_head_dim=cfg.ssm_key_dim,
-        linear_value_head_dim=cfg.ssm_value_dim, linear_conv_kernel_dim=cfg.conv_kernel, head_dim=cfg.head_dim,
-        full_attention_interval=4, partial_rotary_factor=cfg.n_rot / cfg.head_dim, rope_theta=cfg.rope_base,
-        max_position_embeddings=8192)
-    model = qwen3_5.TextModel(args)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
-    return model
+    return mlx_lm_ref.build(cfg)
 
 
 def mlx_lm_step_ms(model, prompt_len: int = 64, steps: int = 40) -> float:
-    cache = model.make_cache()
-    mx.eval(model(mx.array([[1] * prompt_len]), cache=cache))
-    tok = mx.array([[1]])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[None]
-        tok.item()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times[3:])
+    return mlx_lm_ref.step_ms(model, prompt_len, steps)
 
 
 def ours_prefill_s(model, n: int) -> float:

@@ -15,6 +15,7 @@ import time
 
 import mlx.core as mx
 
+import mlx_lm_ref
 from bench_9b_oracle import decode_tps, random_model  # same decode harness and weights
 from mtp_engine.costmodel import measure
 from mtp_engine.model.config import Qwen35Config
@@ -30,36 +31,8 @@ def config_a3b(n: int) -> Qwen35Config:
 
 
 def mlx_lm_step_ms(cfg: Qwen35Config, prompt_len: int, steps: int) -> float | None:
-    try:
-        import mlx.nn as nn
-        from mlx_lm.models import qwen3_5
-    except Exception as e:
-        print(f"mlx-lm not available: {e}", file=sys.stderr)
-        return None
-    args = qwen3_5.TextModelArgs(
-        model_type="qwen3_5_moe_text", hidden_size=cfg.hidden_size, intermediate_size=cfg.expert_ffn_size,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
-        rms_norm_eps=cfg.eps, vocab_size=cfg.vocab_size, linear_num_value_heads=cfg.ssm_value_heads,
-        linear_num_key_heads=cfg.ssm_key_heads, linear_key_head_dim=cfg.ssm_key_dim,
-        linear_value_head_dim=cfg.ssm_value_dim, linear_conv_kernel_dim=cfg.conv_kernel, head_dim=cfg.head_dim,
-        full_attention_interval=4, partial_rotary_factor=cfg.n_rot / cfg.head_dim, rope_theta=cfg.rope_base,
-        num_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_used, moe_intermediate_size=cfg.expert_ffn_size,
-        shared_expert_intermediate_size=cfg.shared_ffn_size, max_position_embeddings=8192)
-    model = qwen3_5.TextModel(args)
-    nn.quantize(model, group_size=32, bits=4)
-    for layer in model.layers:  # materialise layer by layer: the float init of all experts would not fit
-        mx.eval(layer.parameters())
-    mx.eval(model.parameters())
-    cache = model.make_cache()
-    mx.eval(model(mx.array([list(range(100, 100 + prompt_len))]), cache=cache))
-    tok = mx.array([[5]])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[None]
-        tok.item()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times[3:])
+    model = mlx_lm_ref.build(cfg)
+    return None if model is None else mlx_lm_ref.step_ms(model, prompt_len, steps)
 
 
 def main() -> int:

@@ -59,7 +59,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     base = rows[0]["tok_s"]
-    print(f"| config | decode tok/s | vs plain | acceptance | greedy = plain |")
+    print("| config | decode tok/s | vs plain | acceptance | greedy = plain |")
     print("|---|---|---|---|---|")
     for r in rows:
         name = "plain" if r["spec"] == "none" else f"draft-mtp n-max {r['n_max']}"

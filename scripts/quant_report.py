@@ -5,7 +5,6 @@ Usage: python scripts/quant_report.py [FIXTURES_DIR]
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -1,0 +1,58 @@
+"""mlx-lm's qwen3_5 model built at one of our configurations' shapes (random weights), and its
+decode step timed: the peer every speed benchmark compares against. mlx-lm is optional: `build`
+returns None when it is not importable."""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from mtp_engine.model.config import Qwen35Config
+
+
+def build(cfg: Qwen35Config, bits: int | None = 4, tie: bool | None = None):
+    """The dense (qwen3_5_text) or MoE (qwen3_5_moe_text) model at cfg's shape, quantized to `bits`
+    with group 32 (None: float32), materialised layer by layer."""
+    try:
+        import mlx.nn as nn
+        from mlx_lm.models import qwen3_5
+    except Exception as e:  # not installed here
+        print(f"mlx-lm not available: {e}", file=sys.stderr)
+        return None
+    moe = getattr(cfg, "n_expert", 0) > 0
+    kw = dict(model_type="qwen3_5_moe_text" if moe else "qwen3_5_text", hidden_size=cfg.hidden_size,
+              intermediate_size=cfg.expert_ffn_size if moe else cfg.ffn_size[0],
+              num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
+              rms_norm_eps=cfg.eps, vocab_size=cfg.vocab_size, linear_num_value_heads=cfg.ssm_value_heads,
+              linear_num_key_heads=cfg.ssm_key_heads, linear_key_head_dim=cfg.ssm_key_dim,
+              linear_value_head_dim=cfg.ssm_value_dim, linear_conv_kernel_dim=cfg.conv_kernel,
+              head_dim=cfg.head_dim, full_attention_interval=4, partial_rotary_factor=cfg.n_rot / cfg.head_dim,
+              rope_theta=cfg.rope_base, max_position_embeddings=8192)
+    if moe:
+        kw.update(num_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_used,
+                  moe_intermediate_size=cfg.expert_ffn_size, shared_expert_intermediate_size=cfg.shared_ffn_size)
+    if tie is not None:
+        kw["tie_word_embeddings"] = tie
+    model = qwen3_5.TextModel(qwen3_5.TextModelArgs(**kw))
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+    for layer in model.layers:  # the float init of all MoE experts at once would not fit
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
+def step_ms(model, prompt_len: int = 64, steps: int = 40) -> float:
+    """Median ms of one greedy decode step (forward, argmax, host read) after a prompt."""
+    cache = model.make_cache()
+    mx.eval(model(mx.array([list(range(100, 100 + prompt_len))]), cache=cache))
+    tok = mx.array([[5]])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[None]
+        tok.item()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[min(3, steps - 1):])
