@@ -254,3 +254,19 @@ def test_long_plain_stretch_catches_up_only_a_window_and_output_is_unchanged():
     assert dec.catch_up_dropped == 20 - dec.catch_up_window  # each plain round owes one row
     assert dec.mtp_cache.offset > mtp_before
     assert dec.stats()["catch_up_rows_dropped"] == dec.catch_up_dropped
+
+
+def test_owed_rows_stay_bounded_over_a_long_plain_stretch():
+    """Hundreds of draft-less rounds keep at most catch_up_window owed rows in at most that many
+    arrays, each one row deep (no lazy chain grows with the stretch)."""
+    m = _tiny()
+    dec = _decoder(m, 2)
+    dec.prefill([349, 220, 451])
+    for _ in range(300):
+        dec.plain_step()
+    assert len(dec._owed_tokens) == dec.catch_up_window
+    assert sum(int(h.shape[1]) for h in dec._owed_hidden) == dec.catch_up_window
+    assert len(dec._owed_hidden) <= dec.catch_up_window
+    before = dec.mtp_cache.offset
+    dec.step()  # the first draft forward carries the window's rows and the last token's
+    assert dec.mtp_cache.offset == before + dec.catch_up_window + 1

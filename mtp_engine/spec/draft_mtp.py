@@ -170,8 +170,16 @@ class DraftMTPDecoder(PlainDecoder):
         if drop <= 0:
             return
         self._owed_tokens = self._owed_tokens[drop:]
-        self._owed_hidden = [mx.concatenate(self._owed_hidden, axis=1)[:, drop:]]
         self.catch_up_dropped += drop
+        # drop whole entries (no concatenation: a lazy concat per plain round would chain forever)
+        while drop:
+            rows = int(self._owed_hidden[0].shape[1])
+            if rows <= drop:
+                self._owed_hidden.pop(0)
+                drop -= rows
+            else:
+                self._owed_hidden[0] = self._owed_hidden[0][:, drop:]
+                drop = 0
 
     def _finish_round(self, drafts: list[int], n: int, token: int) -> list[int]:
         """Statistics, the scheduler's observation and the trace of one round; its emitted tokens."""
