@@ -40,6 +40,9 @@ _DELTA_CHUNK = 32  # delta_rule.CHUNK
 # vectors), so one extra state per recurrent layer.
 DEFAULT_CAPTURE_POSITIONS = 1
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+# products that the loader joins into one (GatedDeltaNet.fuse, MLP.fuse), by tensor suffix -> group
+_FUSED = {"attn_qkv.weight": 0, "attn_gate.weight": 0, "ssm_alpha.weight": 0, "ssm_beta.weight": 0,
+          "ffn_gate.weight": 1, "ffn_up.weight": 1, "ffn_gate_shexp.weight": 2, "ffn_up_shexp.weight": 2}
 
 
 def _header(gguf_file: GGUFFile | Header | str | os.PathLike) -> Header:
@@ -76,16 +79,24 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     Sizes come from the tensors' own shapes (which the file cannot misstate without failing the
     load) rather than from metadata counts such as block_count; only the context length and the
     recurrent key dimension are read from metadata. Returns a dict with `weights`, `kv_cache`,
-    `recurrent_state`, `activations`, `total` (bytes) and `context` (the positions assumed)."""
+    `recurrent_state`, `activations`, `load_transient` (joining products at load), `total` (bytes) and `context` (the positions assumed)."""
     h = _header(gguf_file)
     arch = h.value("general.architecture")
     p = f"{arch}." if isinstance(arch, str) else "\0"
     tensors = _loaded_tensors(h, load_mtp)
     q6k_mode = "f32" if exact else "q8"
     weights = 0
+    fused: dict[tuple[str, int], int] = {}  # (block, group) -> bytes of the products joined at load
     for t in tensors:
         size = mlx_nbytes(t.qtype, t.n_elements, q6k_mode=q6k_mode)
-        weights += t.n_bytes if size is None else size  # unsupported types are refused at load
+        size = t.n_bytes if size is None else size  # unsupported types are refused at load
+        weights += size
+        group = _FUSED.get(t.name.split(".", 2)[-1]) if t.name.startswith("blk.") else None
+        if group is not None:
+            key = (t.name.split(".")[1], group)
+            fused[key] = fused.get(key, 0) + size
+    # joining a block's input products (model/layers.concat_outputs) briefly holds both copies
+    load_transient = max(fused.values(), default=0)
 
     ctx = _count(h, p + "context_length", 4096) if context is None else int(context)
     if ctx < 0:
@@ -134,9 +145,9 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     # prefill chunk is evaluated, plus the input and output states.
     states_alive = -(-chunk // _DELTA_CHUNK) + 2
     activations = (chunk * width + n_head * chunk * capacity + vocab + states_alive * state_max) * _F32
-    total = weights + kv_cache + recurrent_state + activations
+    total = weights + kv_cache + recurrent_state + activations + load_transient
     return {"weights": int(weights), "kv_cache": int(kv_cache), "recurrent_state": int(recurrent_state),
-            "activations": int(activations), "total": int(total), "context": int(ctx)}
+            "activations": int(activations), "load_transient": int(load_transient), "total": int(total), "context": int(ctx)}
 
 
 def available_memory() -> tuple[int, str]:

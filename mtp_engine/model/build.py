@@ -46,13 +46,13 @@ def _delta_net(fetch: Fetch, p: str, cfg: Qwen35Config) -> GatedDeltaNet:
         norm=fetch(p + "ssm_norm.weight", (cfg.ssm_value_dim,), False),
         out=fetch(p + "ssm_out.weight", (h, cfg.ssm_inner), True),
         cfg=cfg,
-    )
+    ).fuse()
 
 
 def _mlp(fetch: Fetch, p: str, h: int, f: int, suffix: str = "") -> MLP:
     return MLP(gate=fetch(f"{p}ffn_gate{suffix}.weight", (f, h), True),
                up=fetch(f"{p}ffn_up{suffix}.weight", (f, h), True),
-               down=fetch(f"{p}ffn_down{suffix}.weight", (h, f), True))
+               down=fetch(f"{p}ffn_down{suffix}.weight", (h, f), True)).fuse()
 
 
 def _moe(fetch: Fetch, p: str, cfg: Qwen35Config) -> MoE:

@@ -90,5 +90,20 @@ class Linear:
         return self.weight
 
 
+def concat_outputs(parts: list[Linear]) -> Linear | None:
+    """One Linear whose output is the parts' outputs side by side (one product instead of several:
+    on a GPU each product is a kernel launch), or None when the parts are not stored alike. Each
+    output row is computed exactly as before."""
+    first = parts[0]
+    if any(type(p) is not Linear or p.weight.ndim != 2 or p.bits != first.bits or p.group_size != first.group_size
+           or p.quantized != first.quantized or p.weight.dtype != first.weight.dtype
+           or p.in_features != first.in_features for p in parts):
+        return None
+    cat = lambda name: mx.concatenate([getattr(p, name) for p in parts], axis=0)  # noqa: E731
+    if first.quantized:
+        return Linear(cat("weight"), cat("scales"), cat("biases"), first.bits, first.group_size)
+    return Linear(cat("weight"))
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, weight, eps)

@@ -15,7 +15,7 @@ import mlx.core as mx
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from .delta_rule import delta_rule_chunked, delta_rule_step
-from .layers import Linear, rms_norm
+from .layers import Linear, concat_outputs, rms_norm
 from . import kernels
 from . import step as compiled
 
@@ -29,12 +29,23 @@ FFN = Callable[[mx.array], mx.array]
 
 @dataclass
 class MLP:
-    gate: Linear
-    up: Linear
+    gate: Linear | None
+    up: Linear | None
     down: Linear
+    gate_up: Linear | None = None  # gate and up as one product, when `fuse` could join them
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.gate_up is not None:
+            gu = self.gate_up(x)
+            f = gu.shape[-1] // 2
+            return self.down(_swiglu(gu[..., :f], gu[..., f:]))
         return self.down(_swiglu(self.gate(x), self.up(x)))
+
+    def fuse(self) -> "MLP":
+        """Joins gate and up into one product when they are stored alike (at load)."""
+        if self.gate is not None and (joined := concat_outputs([self.gate, self.up])) is not None:
+            self.gate_up, self.gate, self.up = joined, None, None
+        return self
 
 
 @dataclass
@@ -73,24 +84,43 @@ class GatedAttention:
 class GatedDeltaNet:
     """Linear-attention mixer: causal depthwise conv, then the gated delta rule per value head."""
 
-    qkv: Linear
-    z: Linear
-    alpha: Linear
-    beta: Linear
+    qkv: Linear | None
+    z: Linear | None
+    alpha: Linear | None
+    beta: Linear | None
     conv_w: mx.array  # [channels, kernel]
     a: mx.array  # -exp(A_log), [Vh]
     dt_bias: mx.array  # [Vh]
     norm: mx.array  # [Vd], plain multiplier
     out: Linear
     cfg: Qwen35Config
+    in_proj: Linear | None = None  # qkv, z, alpha, beta as one product, when `fuse` could join them
+
+    def fuse(self) -> "GatedDeltaNet":
+        """Joins the four input products into one when they are stored alike (at load)."""
+        parts = [self.qkv, self.z, self.alpha, self.beta]
+        if self.qkv is not None and (joined := concat_outputs(parts)) is not None:
+            self.in_proj, self.qkv, self.z, self.alpha, self.beta = joined, None, None, None, None
+        return self
+
+    def _inputs(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        if self.in_proj is None:
+            return self.qkv(x), self.z(x), self.alpha(x), self.beta(x)
+        c = self.cfg
+        y = self.in_proj(x)
+        e1 = c.conv_channels
+        e2 = e1 + c.ssm_inner
+        e3 = e2 + c.ssm_value_heads
+        return y[..., :e1], y[..., e1:e2], y[..., e2:e3], y[..., e3:]
 
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
         c = self.cfg
         b, s, _ = x.shape
         vh, vd = c.ssm_value_heads, c.ssm_value_dim
-        window = mx.concatenate([cache.conv, self.qkv(x)], axis=1)  # [b, K-1+s, C]
+        qkv_x, z_x, alpha_x, beta_x = self._inputs(x)
+        window = mx.concatenate([cache.conv, qkv_x], axis=1)  # [b, K-1+s, C]
         prep = _gdn_prepare(c.ssm_key_heads, c.ssm_key_dim, vh, vd, c.conv_kernel, c.eps)
-        q, k, v, g, beta = prep(window, self.conv_w, self.alpha(x), self.beta(x), self.dt_bias, self.a)
+        q, k, v, g, beta = prep(window, self.conv_w, alpha_x, beta_x, self.dt_bias, self.a)
         state0 = cache.state
         if s <= SEQUENTIAL_MAX:
             # decode, draft and verify: a few fused step kernels per token beat the chunked form's
@@ -106,7 +136,7 @@ class GatedDeltaNet:
         cache.capture(window, state0, k, u, g)
         cache.state = state
         cache.conv = window[:, s:]
-        return self.out(_gdn_output(o, self.z(x).reshape(b, s, vh, vd), self.norm, c.eps).reshape(b, s, vh * vd))
+        return self.out(_gdn_output(o, z_x.reshape(b, s, vh, vd), self.norm, c.eps).reshape(b, s, vh * vd))
 
 
 @functools.lru_cache(maxsize=None)
