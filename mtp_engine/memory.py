@@ -33,7 +33,7 @@ __all__ = ["estimate", "check_fits", "available_memory", "ENV_LIMIT"]
 ENV_LIMIT = "MTP_ENGINE_MEMORY_LIMIT"
 _F32 = 4
 _KV_STEP = 256  # KVCache.step
-_KV_MAX_STEP = 8192  # KVCache.reserve grows by min(capacity, this)
+_KV_MAX_STEP = 8192  # KVCache.max_growth: reserve grows by min(capacity, this)
 _PREFILL_CHUNK = 512  # PlainDecoder.prefill_chunk
 _DELTA_CHUNK = 32  # delta_rule.CHUNK
 # A captured verify keeps the state before it (rollback rebuilds any later one from small per-token

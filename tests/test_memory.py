@@ -123,3 +123,16 @@ def test_max_context_caps_generation_and_the_memory_check(monkeypatch):
         me.generate("x", m, max_tokens=400)
     with pytest.raises(me.MTPEngineError, match="max_context"):
         me.load(path, max_context=0)
+
+
+def test_estimate_constants_follow_the_engine():
+    """memory.py mirrors a few engine constants without importing MLX; they must stay in step."""
+    from mtp_engine import memory
+    from mtp_engine.decode import PlainDecoder
+    from mtp_engine.model import delta_rule
+    from mtp_engine.model.cache import KVCache
+
+    assert memory._KV_STEP == KVCache(1, 1).step
+    assert memory._KV_MAX_STEP == KVCache.max_growth
+    assert memory._DELTA_CHUNK == delta_rule.CHUNK
+    assert memory._PREFILL_CHUNK == PlainDecoder.prefill_chunk

@@ -13,15 +13,16 @@ from .delta_rule import state_after
 
 class KVCache:
     """Keys/values [1, n_kv, capacity, head_dim], valid up to `offset`. Capacity grows in large
-    steps (at least `step` positions, doubling up to +8192), so a compiled step, whose graph is
-    specialised to the capacity, is retraced rarely."""
+    steps (at least `step` positions, doubling up to +`max_growth`), so a compiled step, whose graph
+    is specialised to the capacity, is retraced rarely."""
+
+    max_growth = 8192
 
     def __init__(self, n_kv: int, head_dim: int, step: int = 256, dtype=mx.float32):
         self.n_kv, self.head_dim, self.step, self.dtype = n_kv, head_dim, step, dtype
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
-        self._last_len = 0
 
     @property
     def capacity(self) -> int:
@@ -32,7 +33,7 @@ class KVCache:
         cap = self.capacity
         if needed <= cap:
             return
-        new_cap = max(needed, cap + min(cap, 8192))
+        new_cap = max(needed, cap + min(cap, self.max_growth))
         new_cap = ((new_cap + self.step - 1) // self.step) * self.step
         shape = (1, self.n_kv, new_cap, self.head_dim)
         k = mx.zeros(shape, self.dtype)
@@ -51,7 +52,6 @@ class KVCache:
         self.keys[:, :, self.offset:end] = k
         self.values[:, :, self.offset:end] = v
         self.offset = end
-        self._last_len = s
         return self.keys[:, :, :end], self.values[:, :, :end], "causal" if s > 1 else None
 
     def truncate(self, length: int) -> None:

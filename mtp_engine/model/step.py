@@ -86,7 +86,9 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     key = (n_tokens, kinds, capture)
     fns = owner.__dict__.setdefault("_compiled_steps", {})
     if key not in fns:
-        fns[key] = mx.compile(_traced(body, kinds, capture, side))
+        layout: dict[str, int] = {}  # filled when the graph is traced: how many outputs are the body's
+        fns[key] = (mx.compile(_traced(body, kinds, capture, side, layout)), layout)
+    fn, layout = fns[key]
     offsets = mx.array([c.offset for c in caches if isinstance(c, KVCache)] or [0], dtype=mx.int32)
     arrays = _flatten(caches)
     # the old buffers must not be referenced once the graph runs, so slice_update can write in place
@@ -94,18 +96,16 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
         if isinstance(c, KVCache):
             c.keys = c.values = None
     try:
-        outs = fns[key](offsets, *args, *arrays)
+        outs = fn(offsets, *args, *arrays)
     except Exception:
         _restore(caches, arrays)
         raise
     del arrays
-    n_out = len(outs) - _n_cache_outputs(caches, capture) - (len(side()) if side else 0)
-    body_out, rest = outs[:n_out], outs[n_out:]
+    body_out, rest = outs[:layout["body"]], outs[layout["body"]:]
     for c in caches:
         if isinstance(c, KVCache):
             c.keys, c.values = rest[0], rest[1]
             c.offset += n_tokens
-            c._last_len = n_tokens
             rest = rest[2:]
         else:
             state0 = c.state
@@ -127,11 +127,7 @@ def _restore(caches, arrays) -> None:
         arrays = arrays[2:]
 
 
-def _n_cache_outputs(caches, capture: bool) -> int:
-    return sum(2 if isinstance(c, KVCache) else (6 if capture else 2) for c in caches)
-
-
-def _traced(body: Callable, kinds: tuple[bool, ...], capture: bool, side):
+def _traced(body: Callable, kinds: tuple[bool, ...], capture: bool, side, layout: dict[str, int]):
     def fn(offsets, *flat):
         n_args = len(flat) - 2 * len(kinds)
         args, arrays = flat[:n_args], flat[n_args:]
@@ -144,6 +140,7 @@ def _traced(body: Callable, kinds: tuple[bool, ...], capture: bool, side):
                 views.append(_RecurrentView(arrays[j], arrays[j + 1], capture))
             j += 2
         outs = list(body(*args, views))
+        layout["body"] = len(outs)
         for v in views:
             if isinstance(v, _KVView):
                 outs += [v.keys, v.values]
