@@ -88,11 +88,6 @@ def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=Non
     return s["decode_tokens_per_second"], s
 
 
-def mlx_lm_step_ms(cfg: Qwen35Config, prompt_len: int, steps: int) -> float | None:
-    model = mlx_lm_ref.build(cfg)
-    return None if model is None else mlx_lm_ref.step_ms(model, prompt_len, steps)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
@@ -121,7 +116,7 @@ def main() -> int:
                    "acceptance": st["acceptance_rate"], "draft_lengths": st.get("draft_length_histogram")}
             out["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    out["mlx_lm_step_ms"] = mlx_lm_step_ms(cfg, 64, 40)
+    out["mlx_lm_step_ms"] = mlx_lm_ref.build_and_time(cfg, 64, 40)
     print(json.dumps(out, indent=1))
     print(f"\nplain: {plain:.1f} tok/s ({1e3 / plain:.2f} ms/token); mlx-lm step: {out['mlx_lm_step_ms']} ms")
     print("| a | " + " | ".join(f"n-max {k}" for k in (1, 2, 3, 4, "auto")) + " |")

@@ -91,14 +91,6 @@ def smoke_config() -> Qwen35Config:
                         recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192)
 
 
-def mlx_lm_model(cfg: Qwen35Config):
-    return mlx_lm_ref.build(cfg)
-
-
-def mlx_lm_step_ms(model, prompt_len: int = 64, steps: int = 40) -> float:
-    return mlx_lm_ref.step_ms(model, prompt_len, steps)
-
-
 def ours_prefill_s(model, n: int) -> float:
     dec = PlainDecoder(model, Sampler(SamplerConfig()))
     ids = [(7 * i) % model.cfg.vocab_size for i in range(n)]
@@ -137,7 +129,7 @@ def main() -> int:
     nb = model.nbytes()
     out: dict = {"device": str(mx.default_device()), "layers": cfg.n_layer, "weights_gib": sum(nb.values()) / 2**30}
     log({"built_s": round(time.perf_counter() - t0, 1), **out})
-    ref = mlx_lm_model(cfg) if sections & {"plain", "prefill"} else None
+    ref = mlx_lm_ref.build(cfg) if sections & {"plain", "prefill"} else None
     prompt = list(range(100, 164))
 
     if "plain" in sections:
@@ -150,7 +142,7 @@ def main() -> int:
                 use(model, name)
                 ms[name].append(1e3 / decode_tps(model, prompt, a.tokens)[0])
             if ref is not None:
-                ms["mlx-lm"].append(mlx_lm_step_ms(ref, steps=a.tokens))
+                ms["mlx-lm"].append(mlx_lm_ref.step_ms(ref, steps=a.tokens))
         out["plain_ms_per_token"] = {k: statistics.median(v) for k, v in ms.items() if v}
         log({"plain_ms_per_token": out["plain_ms_per_token"], "all": ms})
 

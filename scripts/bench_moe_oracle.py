@@ -30,11 +30,6 @@ def config_a3b(n: int) -> Qwen35Config:
                         n_expert=256, n_expert_used=8, expert_ffn_size=512, shared_ffn_size=512)
 
 
-def mlx_lm_step_ms(cfg: Qwen35Config, prompt_len: int, steps: int) -> float | None:
-    model = mlx_lm_ref.build(cfg)
-    return None if model is None else mlx_lm_ref.step_ms(model, prompt_len, steps)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=96)
@@ -66,7 +61,7 @@ def main() -> int:
         rows.append({"n_max": k, "tok_s": tps, "speedup": tps / plain, "draft_lengths": st.get("draft_length_histogram")})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     del model
-    lm = mlx_lm_step_ms(cfg, 64, 30)
+    lm = mlx_lm_ref.build_and_time(cfg, 64, 30)
     print(f"plain: {plain:.1f} tok/s ({1e3 / plain:.2f} ms/token); mlx-lm qwen3_5_moe step: {lm} ms")
     print("V(S) S=1..6: " + ", ".join(f"{v:.2f}" for v in costs.verify.values()) + f"; draft c = {costs.draft:.2f}")
     print(f"distinct experts per layer: 1 token {sum(one) / len(one):.1f}, 4-token verify {sum(four) / len(four):.1f}")

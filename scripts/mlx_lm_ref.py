@@ -56,3 +56,9 @@ def step_ms(model, prompt_len: int = 64, steps: int = 40) -> float:
         tok.item()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times[min(3, steps - 1):])
+
+
+def build_and_time(cfg: Qwen35Config, prompt_len: int = 64, steps: int = 40) -> float | None:
+    """`step_ms` of a freshly built 4-bit model at cfg's shape; None without mlx-lm."""
+    model = build(cfg)
+    return None if model is None else step_ms(model, prompt_len, steps)
