@@ -27,6 +27,21 @@ TINY = FIXTURES / "llamacpp"
 TRAINED = FIXTURES / "trained"
 
 
+def copy_metadata(src, writer, set_keys: dict | None = None, drop_keys=()) -> dict:
+    """Copies a GGUFReader's key/values into a GGUFWriter (all but GGUF.* and the architecture,
+    which the writer sets), replacing those in `set_keys` {key: (value, vtype[, subtype])} and
+    skipping `drop_keys`; returns the set_keys the source did not have."""
+    set_keys = dict(set_keys or {})
+    for key, f in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
+            continue
+        if key in set_keys:
+            writer.add_key_value(key, *set_keys.pop(key))
+        else:
+            writer.add_key_value(key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+    return set_keys
+
+
 def need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"fixture not found: {path}")

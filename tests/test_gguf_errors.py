@@ -17,7 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
 
-from conftest import ROOT, TINY, need
+from conftest import ROOT, TINY, copy_metadata, need
 from mtp_engine.api import load
 from mtp_engine.cli import main as cli_main
 from mtp_engine.errors import MTPEngineError
@@ -45,15 +45,7 @@ def make_gguf(src, tmp_path):
         w = GGUFWriter(path, arch)
         if no_arch:
             del w.kv_data[0]["general.architecture"]
-        set_keys = dict(set_keys or {})
-        for key, f in src.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
-                continue
-            if key in set_keys:
-                w.add_key_value(key, *set_keys.pop(key))
-            else:
-                w.add_key_value(key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
-        for key, args in set_keys.items():  # keys the fixture does not have
+        for key, args in copy_metadata(src, w, set_keys, drop_keys).items():  # keys the fixture does not have
             w.add_key_value(key, *args)
         tensors = dict(tensors or {})
         for t in src.tensors:

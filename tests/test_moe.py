@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from conftest import FIXTURES, need
+from conftest import FIXTURES, copy_metadata, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.model.layers import Linear
 from mtp_engine.model.loader import load_hf
@@ -91,14 +91,7 @@ def _rewrite(dst, *, set_keys: dict | None = None, drop_keys=(), tensors: dict |
     """A copy of the Q4_K_M fixture with metadata or float tensors replaced."""
     src = GGUFReader(need(Q4KM))
     w = GGUFWriter(dst, "qwen35moe")
-    set_keys, tensors = dict(set_keys or {}), dict(tensors or {})
-    for key, f in src.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys:
-            continue
-        if key in set_keys:
-            w.add_key_value(key, *set_keys.pop(key))
-        else:
-            w.add_key_value(key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+    set_keys, tensors = copy_metadata(src, w, set_keys, drop_keys), dict(tensors or {})
     for t in src.tensors:
         if t.name in tensors:
             w.add_tensor(t.name, tensors.pop(t.name))

@@ -9,7 +9,6 @@ Run with ``pytest -s`` to see the max errors.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np

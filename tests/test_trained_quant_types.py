@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from conftest import TRAINED, need
