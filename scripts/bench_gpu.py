@@ -29,14 +29,15 @@ from bench_9b_oracle import config_9b, decode_tps, random_model  # noqa: E402
 
 from mtp_engine.costmodel import measure  # noqa: E402
 from mtp_engine.decode import PlainDecoder  # noqa: E402
-from mtp_engine.model import kernels, layers  # noqa: E402
+from mtp_engine.model import gdn_kernel, kernels, layers  # noqa: E402
 from mtp_engine.model.config import Qwen35Config  # noqa: E402
 from mtp_engine.sampling import Sampler, SamplerConfig  # noqa: E402
 
-# name -> (compiled steps, verify-row padding, custom few-row kernel)
-CONFIGS = {"eager": (False, 0, False), "compiled": (True, 0, False), "compiled+pad8": (True, 8, False),
-           "compiled+kernel": (True, 8, True)}
-BEST = "compiled+kernel"
+# name -> (compiled steps, verify-row padding, custom few-row kernel, fused gated-delta-net kernel)
+CONFIGS = {"eager": (False, 0, False, False), "compiled": (True, 0, False, False),
+           "compiled+pad8": (True, 8, False, False), "compiled+kernel": (True, 8, True, False),
+           "fused": (True, 8, True, True)}
+BEST = "fused"
 
 
 def log(obj) -> None:
@@ -44,10 +45,11 @@ def log(obj) -> None:
 
 
 def use(model, name: str) -> None:
-    compiled, pad, custom = CONFIGS[name]
+    compiled, pad, custom, fused_gdn = CONFIGS[name]
     model.compile_steps = compiled
     layers.ROW_PAD = pad
     kernels.ACTIVE = custom and kernels.enabled()
+    gdn_kernel.ACTIVE = fused_gdn and gdn_kernel.self_test()
 
 
 def check_kernel() -> dict:

@@ -79,29 +79,32 @@ class RecurrentCache:
         self.state = mx.zeros((1, value_heads, key_dim, value_dim), dtype)
         self.kernel = kernel
         self.capturing = False
-        self._captured: tuple[mx.array, ...] | None = None  # (window, state0, k, u, g) of the last pass
+        self._captured: tuple[mx.array, ...] | None = None  # (conv0, x, state0, k, u, g) of the last pass
 
     def begin_capture(self) -> None:
         self.capturing = True
         self._captured = None
 
-    def capture(self, window: mx.array, state0: mx.array, k: mx.array, u: mx.array, g: mx.array) -> None:
-        """Keeps what rollback needs from a pass: conv inputs with history, the state before it, and
-        per token its keys k [1, S, Vh, Kd], delta vectors u [1, S, Vh, Vd] and log decays g [1, S, Vh]."""
+    def capture(self, conv0: mx.array, x: mx.array, state0: mx.array, k: mx.array, u: mx.array,
+                g: mx.array) -> None:
+        """Keeps what rollback needs from a pass: the conv state before it and the pass's conv
+        inputs x [1, S, C], the recurrent state before it, and per token its keys k [1, S, Vh, Kd],
+        delta vectors u [1, S, Vh, Vd] and log decays g [1, S, Vh]."""
         if self.capturing:
-            self._captured = (window, state0, k, u, g)
+            self._captured = (conv0, x, state0, k, u, g)
 
     def rollback(self, n_keep: int) -> None:
         """Keeps the first `n_keep` tokens of the last captured forward."""
         if self._captured is None:
             raise RuntimeError("rollback without a captured forward")
-        window, state0, k, u, g = self._captured
+        conv0, x, state0, k, u, g = self._captured
         s = int(k.shape[1])
         if not 0 <= n_keep <= s:
             raise ValueError(f"cannot keep {n_keep} of {s} captured tokens")
         if n_keep < s:
-            k1 = self.kernel - 1
-            self.conv = window[:, n_keep:n_keep + k1]
+            # the conv window is built only when a rollback needs it, not on every pass
+            window = mx.concatenate([conv0, x], axis=1)
+            self.conv = window[:, n_keep:n_keep + self.kernel - 1]
             self.state = state_after(state0, k, u, g, n_keep)
         self.release()
 

@@ -6,7 +6,6 @@ a block is any `FFN`: the dense `MLP` here, or the mixture of experts of `moe.py
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, is_dataclass
 from typing import Callable
 
@@ -14,14 +13,10 @@ import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
-from .delta_rule import delta_rule_chunked, delta_rule_step
+from . import gdn, gdn_kernel
 from .layers import Linear, concat_outputs, rms_norm
 from . import kernels
 from . import step as compiled
-
-
-# up to this many tokens the delta rule runs token by token (inside a compiled step), beyond it chunked
-SEQUENTIAL_MAX = 16
 
 # x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
 FFN = Callable[[mx.array], mx.array]
@@ -116,53 +111,17 @@ class GatedDeltaNet:
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
         c = self.cfg
         b, s, _ = x.shape
-        vh, vd = c.ssm_value_heads, c.ssm_value_dim
+        d = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel, c.eps)
         qkv_x, z_x, alpha_x, beta_x = self._inputs(x)
-        window = mx.concatenate([cache.conv, qkv_x], axis=1)  # [b, K-1+s, C]
-        prep = _gdn_prepare(c.ssm_key_heads, c.ssm_key_dim, vh, vd, c.conv_kernel, c.eps)
-        q, k, v, g, beta = prep(window, self.conv_w, alpha_x, beta_x, self.dt_bias, self.a)
-        state0 = cache.state
-        if s <= SEQUENTIAL_MAX:
-            # decode, draft and verify: a few fused step kernels per token beat the chunked form's
-            # dozens of small kernels (on the H200 the chunked form made V(2) 2.5 instead of ~1.2)
-            state, outs, us = state0, [], []
-            for t in range(s):
-                state, o_t, u_t = delta_rule_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
-                outs.append(o_t)
-                us.append(u_t)
-            o, u = mx.stack(outs, axis=1), mx.stack(us, axis=1)
+        conv0, state0 = cache.conv, cache.state
+        if gdn_kernel.ACTIVE and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
+            r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
+                                                  self.a, self.norm, state0, *d))
         else:
-            o, state, u = delta_rule_chunked(q, k, v, g, beta, state0)
-        cache.capture(window, state0, k, u, g)
-        cache.state = state
-        cache.conv = window[:, s:]
-        return self.out(_gdn_output(o, z_x.reshape(b, s, vh, vd), self.norm, c.eps).reshape(b, s, vh * vd))
-
-
-@functools.lru_cache(maxsize=None)
-def _gdn_prepare(kh: int, kd: int, vh: int, vd: int, kernel: int, eps: float):
-    """Compiled (fused) conv, SiLU, q/k L2 norm, head tiling, decay and write strength for one
-    layer shape: dozens of small ops that would each cost a dispatch per token."""
-
-    def prepare(window, conv_w, alpha_x, beta_x, dt_bias, a):
-        b, s = window.shape[0], window.shape[1] - (kernel - 1)
-        conv = window[:, 0:s] * conv_w[:, 0]
-        for j in range(1, kernel):
-            conv = conv + window[:, j:j + s] * conv_w[:, j]
-        conv = conv * mx.sigmoid(conv)
-        q = conv[..., : kh * kd].reshape(b, s, kh, kd)
-        k = conv[..., kh * kd: 2 * kh * kd].reshape(b, s, kh, kd)
-        v = conv[..., 2 * kh * kd:].reshape(b, s, vh, vd)
-        # llama.cpp's l2_norm: x / max(||x||, eps)
-        q = q / mx.maximum(mx.sqrt((q * q).sum(-1, keepdims=True)), eps) * (kd ** -0.5)
-        k = k / mx.maximum(mx.sqrt((k * k).sum(-1, keepdims=True)), eps)
-        if vh != kh:  # tiled order: value head h reads key head h % kh
-            q = mx.tile(q, (1, 1, vh // kh, 1))
-            k = mx.tile(k, (1, 1, vh // kh, 1))
-        g = mx.logaddexp(alpha_x + dt_bias, 0.0) * a  # log decay, [b, s, vh]
-        return q, k, v, g, mx.sigmoid(beta_x)
-
-    return mx.compile(prepare)
+            r = gdn.mix(d, qkv_x, z_x, alpha_x, beta_x, conv0, state0, self.conv_w, self.dt_bias, self.a, self.norm)
+        cache.capture(conv0, qkv_x, state0, r.k, r.u, r.g)
+        cache.state, cache.conv = r.state, r.conv
+        return self.out(r.y)
 
 
 @mx.compile
@@ -173,11 +132,6 @@ def _swiglu(g, u):
 @mx.compile
 def _sigmoid_gate(x, gate):
     return x * mx.sigmoid(gate)
-
-
-@mx.compile
-def _gdn_output(o, z, norm, eps):
-    return mx.fast.rms_norm(o, norm, eps) * (z * mx.sigmoid(z))
 
 
 @dataclass
@@ -261,6 +215,7 @@ class Qwen35Model:
         self.mtp = mtp
         self.compile_steps = compiled.default_enabled()
         kernels.self_test()  # once per process; a failing custom kernel falls back to MLX's
+        gdn_kernel.self_test()
 
     @property
     def compile_steps(self) -> bool:

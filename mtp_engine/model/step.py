@@ -60,9 +60,9 @@ class _RecurrentView:
         self.conv, self.state, self.capturing = conv, state, capturing
         self.captured: tuple[mx.array, ...] | None = None
 
-    def capture(self, window, state0, k, u, g) -> None:
+    def capture(self, conv0, x, state0, k, u, g) -> None:
         if self.capturing:
-            self.captured = (window, k, u, g)  # state0 is the input state, which the host still holds
+            self.captured = (x, k, u, g)  # conv0 and state0 are inputs, which the host still holds
 
 
 def _flatten(caches: Sequence[KVCache | RecurrentCache]) -> list[mx.array]:
@@ -108,13 +108,13 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
             c.offset += n_tokens
             rest = rest[2:]
         else:
-            state0 = c.state
+            conv0, state0 = c.conv, c.state
             c.conv, c.state = rest[0], rest[1]
             rest = rest[2:]
             if capture:
-                window, k, u, g = rest[:4]
+                x, k, u, g = rest[:4]
                 rest = rest[4:]
-                c.capture(window, state0, k, u, g)
+                c.capture(conv0, x, state0, k, u, g)
     if set_side:
         set_side(list(rest))
     return body_out
