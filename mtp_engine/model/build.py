@@ -30,7 +30,7 @@ def _attention(fetch: Fetch, p: str, cfg: Qwen35Config) -> GatedAttention:
         q_norm=fetch(p + "attn_q_norm.weight", (d,), False),
         k_norm=fetch(p + "attn_k_norm.weight", (d,), False),
         cfg=cfg,
-    )
+    ).fuse()
 
 
 def _delta_net(fetch: Fetch, p: str, cfg: Qwen35Config) -> GatedDeltaNet:

@@ -47,22 +47,39 @@ class MLP:
 class GatedAttention:
     """Full attention with per-head q/k RMSNorm, partial NEOX rope, GQA and a sigmoid output gate."""
 
-    q: Linear  # per head: head_dim query rows then head_dim gate rows
-    k: Linear
-    v: Linear
+    q: Linear | None  # per head: head_dim query rows then head_dim gate rows
+    k: Linear | None
+    v: Linear | None
     o: Linear
     q_norm: mx.array
     k_norm: mx.array
     cfg: Qwen35Config
+    qkv: Linear | None = None  # q, k and v as one product, when `fuse` could join them
+
+    def fuse(self) -> "GatedAttention":
+        """Joins the q, k and v products into one when they are stored alike (at load)."""
+        if self.q is not None and (joined := concat_outputs([self.q, self.k, self.v])) is not None:
+            self.qkv, self.q, self.k, self.v = joined, None, None, None
+        return self
+
+    def _inputs(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if self.qkv is None:
+            return self.q(x), self.k(x), self.v(x)
+        c = self.cfg
+        y = self.qkv(x)
+        e1 = 2 * c.n_head * c.head_dim
+        e2 = e1 + c.n_head_kv * c.head_dim
+        return y[..., :e1], y[..., e1:e2], y[..., e2:]
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         c = self.cfg
         b, s, _ = x.shape
         d = c.head_dim
-        qg = self.q(x).reshape(b, s, c.n_head, 2 * d)
+        q_x, k_x, v_x = self._inputs(x)
+        qg = q_x.reshape(b, s, c.n_head, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(b, s, c.n_head * d)
-        k = self.k(x).reshape(b, s, c.n_head_kv, d)
-        v = self.v(x).reshape(b, s, c.n_head_kv, d)
+        k = k_x.reshape(b, s, c.n_head_kv, d)
+        v = v_x.reshape(b, s, c.n_head_kv, d)
         q = rms_norm(q, self.q_norm, c.eps).transpose(0, 2, 1, 3)
         k = rms_norm(k, self.k_norm, c.eps).transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
