@@ -53,35 +53,63 @@ def use(model, name: str) -> None:
 
 
 def check_kernel() -> dict:
-    """The custom kernel against MLX's quantized_matmul, every row count, 4 and 8 bits."""
+    """The custom kernel against MLX's quantized_matmul, every row count, 4 and 8 bits, every
+    rows-per-warp variant."""
     worst = {}
-    for bits in (4, 8):
-        for n, k in ((512, 4096), (1024, 512)):
-            w = mx.random.normal((n, k)) * k ** -0.5
-            q, sc, bi = mx.quantize(w, group_size=32, bits=bits)
-            for m in (1, 2, 3, 5, 8):
-                x = mx.random.normal((m, k))
-                ref = mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=bits)
-                got = kernels.quantized_rows(x, q, sc, bi, bits, 32)
-                err = mx.max(mx.abs(got - ref)).item() / max(mx.max(mx.abs(ref)).item(), 1e-6)
-                worst[f"{bits}bit"] = max(worst.get(f"{bits}bit", 0.0), err)
+    for rpw in (2, 4, 8):
+        kernels.ROWS_PER_WARP = rpw
+        for bits in (4, 8):
+            for n, k in ((512, 4096), (1024, 512)):
+                w = mx.random.normal((n, k)) * k ** -0.5
+                q, sc, bi = mx.quantize(w, group_size=32, bits=bits)
+                for m in (1, 2, 3, 5, 8):
+                    x = mx.random.normal((m, k))
+                    ref = mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=bits)
+                    got = kernels.quantized_rows(x, q, sc, bi, bits, 32)
+                    err = mx.max(mx.abs(got - ref)).item() / max(mx.max(mx.abs(ref)).item(), 1e-6)
+                    worst[f"{bits}bit"] = max(worst.get(f"{bits}bit", 0.0), err)
+    kernels.ROWS_PER_WARP = 4
     return worst
 
 
+def copy_gb_s() -> float:
+    """Device copy bandwidth (read + write) over 1 GiB, median of 10."""
+    big = mx.random.uniform(shape=(256 * 2**20,))
+    mx.eval(big)
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        mx.eval(big + 1.0)
+        times.append(time.perf_counter() - t)
+    return 2 * big.nbytes / statistics.median(times) / 1e9
+
+
 def kernel_times() -> dict:
-    """ms of one 4096x12288 4-bit g32 product per row count: MLX's kernels vs ours."""
+    """One 4096x12288 4-bit g32 product per row count: ms and achieved GB/s (weights + scales +
+    biases read once) for MLX's kernels and ours (each rows-per-warp variant), interleaved."""
     w = mx.random.normal((12288, 4096)) * 0.02
     q, sc, bi = mx.quantize(w, group_size=32, bits=4)
-    out = {}
-    for m in (1, 4, 8):
+    nbytes = q.nbytes + sc.nbytes + bi.nbytes
+    fns = {"mlx": lambda x: mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=4)}
+    for rpw in (2, 4, 8):
+        fns[f"ours r{rpw}"] = (lambda r: lambda x: (setattr(kernels, "ROWS_PER_WARP", r),
+                                                     kernels.quantized_rows(x, q, sc, bi, 4, 32))[1])(rpw)
+    times: dict[str, list[float]] = {}
+    for m in (1, 2, 4, 8):
         x = mx.random.normal((m, 4096))
-        for name, fn in (("mlx", lambda: mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=4)),
-                         ("ours", lambda: kernels.quantized_rows(x, q, sc, bi, 4, 32))):
-            for _ in range(3):
-                mx.eval(fn())
-            t = time.perf_counter()
-            mx.eval([fn() for _ in range(50)])  # 50 independent products, one evaluation
-            out[f"{name} M={m}"] = (time.perf_counter() - t) / 50 * 1e3
+        for _ in range(3):
+            for name, fn in fns.items():
+                for _ in range(3):
+                    mx.eval(fn(x))
+                t = time.perf_counter()
+                mx.eval([fn(x) for _ in range(50)])  # 50 independent products, one evaluation
+                times.setdefault(f"{name} M={m}", []).append((time.perf_counter() - t) / 50 * 1e3)
+    kernels.ROWS_PER_WARP = 4
+    bw = copy_gb_s()
+    out = {"copy_GB_s": bw, "bytes": nbytes}
+    for key, v in times.items():
+        ms = statistics.median(v)
+        out[key] = {"ms": round(ms, 4), "GB_s": round(nbytes / ms / 1e6, 1)}
     return out
 
 

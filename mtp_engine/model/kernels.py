@@ -21,7 +21,7 @@ import mlx.core as mx
 
 ENV = "MTP_ENGINE_QMV"  # "custom" (default on GPU) or "mlx"
 MAX_ROWS = 8
-ROWS_PER_WARP = 4
+ROWS_PER_WARP = 4  # output features per warp; a benchmark knob (bench_gpu.py --rows-per-warp)
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)
 ROW_VARIANTS = (1, 2, 4, 8)
@@ -62,29 +62,32 @@ _SOURCE = """
         }
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            float xv[M][VPW];
-            float xs[M];
-            #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const float4* xp = reinterpret_cast<const float4*>(x + (size_t)m * K + (size_t)(4 * c + j) * VPW);
-                float s = 0.0f;
-                #pragma unroll
-                for (int i = 0; i < VPW / 4; ++i) {
-                    float4 a = xp[i];
-                    xv[m][4 * i] = a.x; xv[m][4 * i + 1] = a.y; xv[m][4 * i + 2] = a.z; xv[m][4 * i + 3] = a.w;
-                    s += a.x + a.y + a.z + a.w;
-                }
-                xs[m] = s;
-            }
+            // unpack each row's word once, then stream the input rows past it: unpacking per
+            // input row made integer-to-float conversions, not memory, the bound for M > 1
+            float wv[R][VPW];
             #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const unsigned q = j == 0 ? words[r].x : j == 1 ? words[r].y : j == 2 ? words[r].z : words[r].w;
                 #pragma unroll
-                for (int m = 0; m < M; ++m) {
+                for (int v = 0; v < VPW; ++v) wv[r][v] = (float)((q >> (BITS * v)) & MASK);
+            }
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float4* xp = reinterpret_cast<const float4*>(x + (size_t)m * K + (size_t)(4 * c + j) * VPW);
+                float xv[VPW];
+                float xs = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < VPW / 4; ++i) {
+                    const float4 a = xp[i];
+                    xv[4 * i] = a.x; xv[4 * i + 1] = a.y; xv[4 * i + 2] = a.z; xv[4 * i + 3] = a.w;
+                    xs += a.x + a.y + a.z + a.w;
+                }
+                #pragma unroll
+                for (int r = 0; r < R; ++r) {
                     float d = 0.0f;
                     #pragma unroll
-                    for (int v = 0; v < VPW; ++v) d += xv[m][v] * (float)((q >> (BITS * v)) & MASK);
-                    acc[r][m] += sc[r] * d + bi[r] * xs[m];
+                    for (int v = 0; v < VPW; ++v) d = fmaf(xv[v], wv[r][v], d);
+                    acc[r][m] += sc[r] * d + bi[r] * xs;
                 }
             }
         }
@@ -126,7 +129,7 @@ def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, row
     1..8, N a multiple of the rows per warp, rows of whole 16-byte chunks, float32 scales."""
     if bits not in (4, 8) or group_size % 32 or not 1 <= rows <= MAX_ROWS:
         return False
-    return (weight.ndim == 2 and weight.shape[0] % ROWS_PER_WARP == 0 and weight.shape[1] % 4 == 0
+    return (weight.ndim == 2 and weight.shape[0] % 4 == 0 and weight.shape[1] % 4 == 0
             and scales.dtype == mx.float32)
 
 
@@ -142,9 +145,11 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     if rows != m:
         x = mx.pad(x, [(0, rows - m), (0, 0)])
     n = weight.shape[0]
+    # 8 rows per warp with 8 input rows would spill registers
+    r = ROWS_PER_WARP if n % ROWS_PER_WARP == 0 and ROWS_PER_WARP * rows <= 32 else 4
     out = _kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
-                  template=[("M", rows), ("R", ROWS_PER_WARP), ("BITS", bits), ("GROUP", group_size)],
-                  grid=(n // ROWS_PER_WARP * 32, 1, 1), threadgroup=(128, 1, 1),
+                  template=[("M", rows), ("R", r), ("BITS", bits), ("GROUP", group_size)],
+                  grid=(n // r * 32, 1, 1), threadgroup=(128, 1, 1),
                   output_shapes=[(rows, n)], output_dtypes=[mx.float32])[0]
     return out[:m] if rows != m else out
 
