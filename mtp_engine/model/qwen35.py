@@ -14,6 +14,8 @@ import mlx.core as mx
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from . import gdn, gdn_kernel
+from .norm_kernel import add_rms_norm
+from . import norm_kernel
 from .layers import Linear, concat_outputs, rms_norm
 from . import kernels
 from . import step as compiled
@@ -164,6 +166,18 @@ class DecoderLayer:
         return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
 
 
+def run_layers(layers: list[DecoderLayer], x: mx.array, caches: list, final_norm: mx.array,
+               eps: float) -> tuple[mx.array, mx.array]:
+    """The layers over x, returning (rms_norm(out, final_norm), out). Each residual add is joined
+    with the norm that reads its sum (the next sub-block's, or the final one): one kernel on a GPU."""
+    xn = rms_norm(x, layers[0].attn_norm, eps)
+    for i, (layer, c) in enumerate(zip(layers, caches)):
+        h, hn = add_rms_norm(x, layer.mixer(xn, c), layer.post_norm, eps)
+        nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else final_norm
+        x, xn = add_rms_norm(h, layer.mlp(hn), nxt, eps)
+    return xn, x
+
+
 @dataclass
 class MTPHead:
     """One extra decoder layer that, from (token t, trunk hidden at t-1), predicts token t+1.
@@ -194,8 +208,7 @@ class MTPHead:
         eps = self.cfg.eps
         x = self.eh_proj(mx.concatenate([rms_norm(embeds, self.enorm, eps), rms_norm(h_prev, self.hnorm, eps)],
                                         axis=-1))
-        x = self.layer(x, caches[0])
-        return [rms_norm(x, self.shared_head_norm, eps)]
+        return [run_layers([self.layer], x, caches, self.shared_head_norm, eps)[0]]
 
 
 def _compilable_ffn(mlp) -> bool:
@@ -233,6 +246,7 @@ class Qwen35Model:
         self.compile_steps = compiled.default_enabled()
         kernels.self_test()  # once per process; a failing custom kernel falls back to MLX's
         gdn_kernel.self_test()
+        norm_kernel.self_test(kernels.ACTIVE)
 
     @property
     def compile_steps(self) -> bool:
@@ -285,10 +299,8 @@ class Qwen35Model:
         return (post, x) if return_prenorm else post
 
     def _body(self, ids: mx.array, caches: list) -> list[mx.array]:
-        x = self.embed_tokens(ids)
-        for layer, c in zip(self.layers, caches):
-            x = layer(x, c)
-        return [rms_norm(x, self.output_norm, self.cfg.eps), x]
+        post, x = run_layers(self.layers, self.embed_tokens(ids), caches, self.output_norm, self.cfg.eps)
+        return [post, x]
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.lm_head(hidden)
