@@ -87,3 +87,15 @@ def test_model_rollback_every_position(path, s):
         np.testing.assert_allclose(lf, lr, atol=2e-3, rtol=0, err_msg=f"logits, s={s}, keep {n_keep}")
         for a, b in zip(sf + cf, sr + cr):
             np.testing.assert_allclose(a, b, atol=TOL, rtol=0, err_msg=f"cache, s={s}, keep {n_keep}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows,h", [(1, 4096), (5, 4096), (16, 4096), (3, 256), (2, 512)])
+def test_add_rms_norm_kernel(rows, h):
+    from mtp_engine.model import norm_kernel
+    x = mx.random.normal((1, rows, h), key=mx.random.key(rows))
+    d = mx.random.normal((1, rows, h), key=mx.random.key(h))
+    w = mx.random.normal((h,), key=mx.random.key(9))
+    got_h, got_n = norm_kernel._fused(x, d, w, 1e-6)
+    assert float(mx.abs(got_h - (x + d)).max().item()) < 1e-5
+    assert float(mx.abs(got_n - mx.fast.rms_norm(x + d, w, 1e-6)).max().item()) < 1e-4
