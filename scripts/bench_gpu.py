@@ -49,13 +49,13 @@ def use(model, name: str) -> None:
     model.compile_steps = compiled
     layers.ROW_PAD = pad
     kernels.ACTIVE = custom and kernels.enabled()
-    gdn_kernel.ACTIVE = fused_gdn and gdn_kernel.self_test()
+    gdn_kernel.ACTIVE = fused_gdn and gdn_kernel._tested is not False and kernels.enabled()
 
 
 def check_kernel() -> dict:
     """The custom kernel against MLX's quantized_matmul, every row count, 4 and 8 bits, every
     rows-per-warp variant."""
-    worst = {}
+    worst, default = {}, kernels.ROWS_PER_WARP
     for rpw in (2, 4, 8):
         kernels.ROWS_PER_WARP = rpw
         for bits in (4, 8):
@@ -68,7 +68,7 @@ def check_kernel() -> dict:
                     got = kernels.quantized_rows(x, q, sc, bi, bits, 32)
                     err = mx.max(mx.abs(got - ref)).item() / max(mx.max(mx.abs(ref)).item(), 1e-6)
                     worst[f"{bits}bit"] = max(worst.get(f"{bits}bit", 0.0), err)
-    kernels.ROWS_PER_WARP = 4
+    kernels.ROWS_PER_WARP = default
     return worst
 
 
@@ -90,6 +90,7 @@ def kernel_times() -> dict:
     w = mx.random.normal((12288, 4096)) * 0.02
     q, sc, bi = mx.quantize(w, group_size=32, bits=4)
     nbytes = q.nbytes + sc.nbytes + bi.nbytes
+    default = kernels.ROWS_PER_WARP
     fns = {"mlx": lambda x: mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=4)}
     for rpw in (2, 4, 8):
         fns[f"ours r{rpw}"] = (lambda r: lambda x: (setattr(kernels, "ROWS_PER_WARP", r),
@@ -104,7 +105,7 @@ def kernel_times() -> dict:
                 t = time.perf_counter()
                 mx.eval([fn(x) for _ in range(50)])  # 50 independent products, one evaluation
                 times.setdefault(f"{name} M={m}", []).append((time.perf_counter() - t) / 50 * 1e3)
-    kernels.ROWS_PER_WARP = 4
+    kernels.ROWS_PER_WARP = default
     bw = copy_gb_s()
     out = {"copy_GB_s": bw, "bytes": nbytes}
     for key, v in times.items():

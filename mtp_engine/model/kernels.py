@@ -21,7 +21,7 @@ import mlx.core as mx
 
 ENV = "MTP_ENGINE_QMV"  # "custom" (default on GPU) or "mlx"
 MAX_ROWS = 8
-ROWS_PER_WARP = 4  # output features per warp; a benchmark knob (bench_gpu.py --rows-per-warp)
+ROWS_PER_WARP = 8  # output features per warp; a benchmark knob (bench_gpu.py --rows-per-warp)
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)
 ROW_VARIANTS = (1, 2, 4, 8)

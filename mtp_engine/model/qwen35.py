@@ -135,7 +135,7 @@ class GatedDeltaNet:
         conv0, state0 = cache.conv, cache.state
         if gdn_kernel.ACTIVE and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
             r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
-                                                  self.a, self.norm, state0, *d))
+                                                  self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps))
         else:
             r = gdn.mix(d, qkv_x, z_x, alpha_x, beta_x, conv0, state0, self.conv_w, self.dt_bias, self.a, self.norm)
         cache.capture(conv0, qkv_x, state0, r.k, r.u, r.g)
