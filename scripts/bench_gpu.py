@@ -148,6 +148,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--accs", default="0.5,0.7,0.8,0.9", help="oracle acceptances")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
+    ap.add_argument("--no-peer", action="store_true", help="skip mlx-lm (e.g. when sweeping MLX settings)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     configs = a.configs.split(",")
@@ -160,7 +161,7 @@ def main() -> int:
     nb = model.nbytes()
     out: dict = {"device": str(mx.default_device()), "layers": cfg.n_layer, "weights_gib": sum(nb.values()) / 2**30}
     log({"built_s": round(time.perf_counter() - t0, 1), **out})
-    ref = mlx_lm_ref.build(cfg) if sections & {"plain", "prefill"} else None
+    ref = mlx_lm_ref.build(cfg) if sections & {"plain", "prefill"} and not a.no_peer else None
     prompt = list(range(100, 164))
 
     if "plain" in sections:
