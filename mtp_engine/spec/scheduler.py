@@ -23,12 +23,11 @@ from .calibration import MAX_K, default_seed
 AUTO_MAX = MAX_K  # longest draft auto considers
 PROBE_BUDGET = 0.015  # probes' extra time <= 1.5% of the decode time so far
 MARGIN = (0.02, 0.005)  # hysteresis: drafting starts above 1.02x plain's rate, stops below 0.995x
-MIN_SAMPLES = 3  # timed rounds before a k's measured time replaces its seed
+MIN_SAMPLES = 2  # timed rounds before a k's measured time replaces its seed
 _PRIOR = (3.0, 1.0)  # Beta(accepted, rejected) per position: optimistic, so drafting is tried
 _INHERIT = 8.0  # prior strength of position j > 1 around position j-1's estimate
-_DECAY = 0.97  # per observation: a change of text shows within ~30-60 rounds
-_PROBE_EVERY = 16  # plain rounds before the first probe (if the budget allows one)
-_PROBE_MAX = 512  # probes that confirm plain steps double the gap up to this
+_DECAY = 0.95  # per observation: a change of text shows within tens of rounds
+_PROBE_EVERY = 16  # plain rounds between probes at least (the budget usually spaces them more)
 _WINDOW = 32  # timed rounds kept per (context range, k); the median is robust to stalls
 
 
@@ -69,7 +68,6 @@ class DraftLengthScheduler:
         self._bucket = 0
         self._last_k = 0
         self._plain_streak = 0
-        self._probe_every = _PROBE_EVERY
         self.decode_seconds = 0.0
         self.probes = 0
         self.probe_seconds = 0.0  # probes' time beyond the plain step each replaced
@@ -94,11 +92,11 @@ class DraftLengthScheduler:
             e += run
         return e
 
-    def _median(self, k: int, b: int) -> float | None:
+    def _median(self, k: int, b: int, steady: bool = False) -> float | None:
         """Median seconds of a k-round in context range b, or the nearest range that has enough."""
         found = [(abs(bb - b), bb) for (bb, kk), d in self._times.items() if kk == k and len(d) >= MIN_SAMPLES]
         if not found:
-            if k == 1 and len(self._probe_times) >= 1:  # only probes measured it: an upper bound
+            if k == 1 and not steady and len(self._probe_times) >= 1:  # only probes measured it: an upper bound
                 return statistics.median(self._probe_times)
             return None
         return statistics.median(self._times[(min(found)[1], k)])
@@ -127,12 +125,13 @@ class DraftLengthScheduler:
         m = self._median(k, b)
         if t0 is None:
             return self.seed[k]
-        if m is not None:
+        if m is not None and self._median(k, b, True) is not None:
             return m / t0
-        measured = [kk for kk in range(1, self.k_max + 1) if kk != k and self._median(kk, b) is not None]
+        measured = [kk for kk in range(1, self.k_max + 1) if kk != k and self._median(kk, b, True) is not None]
         if not measured:
-            return self.seed[k]
-        err = {kk: self._median(kk, b) / t0 - self.seed[kk] for kk in measured}
+            return self.seed[k] if m is None else max(self.seed[k], m / t0)  # probes: an upper bound
+        r = {kk: self._median(kk, b, True) / t0 for kk in measured}
+        err = {kk: r[kk] - self.seed[kk] for kk in measured}
         below = [kk for kk in measured if kk < k]
         above = [kk for kk in measured if kk > k]
         if below and above:  # interpolate the error between the nearest measured k's
@@ -142,7 +141,9 @@ class DraftLengthScheduler:
         side = below[-2:] if below else above[:2]
         near = side[-1] if below else side[0]
         slope = (err[side[-1]] - err[side[0]]) / (side[-1] - side[0]) if len(side) == 2 else 0.0
-        return max(self.seed[k] + err[near] + slope * (k - near), 1e-3)
+        est = self.seed[k] + err[near] + slope * (k - near)
+        # a longer draft than one measured costs at least as much (and a shorter one at most)
+        return max(est, r[near]) if k > near else min(max(est, 1.0), r[near])
 
     def expected_rate(self, k: int) -> float:
         """Expected tokens per plain-step of time for a round with k drafts (plain: 1)."""
@@ -171,13 +172,12 @@ class DraftLengthScheduler:
         probe = False
         if k == 0:
             self._plain_streak += 1
-            if self._plain_streak >= self._probe_every and self._probe_allowed():
+            if self._plain_streak >= _PROBE_EVERY and self._probe_allowed():
                 k, probe = 1, True
                 self._plain_streak = 0
                 self.probes += 1
         else:
             self._plain_streak = 0
-            self._probe_every = _PROBE_EVERY
         self._last_k = 0 if probe else k
         self.chosen.append(k)
         self._queue.append((k, probe))
@@ -213,9 +213,6 @@ class DraftLengthScheduler:
         time (its time includes compiling and is not a sample of t(k))."""
         k, probe = self._queue.popleft() if self._queue else (drafted, False)
         self.update(drafted, n)
-        if probe:  # a rejected probe: wait longer for the next one
-            if n == 0:
-                self._probe_every = min(self._probe_every * 2, _PROBE_MAX)
         self.decode_seconds += seconds
         b = context_bucket(context)
         if first_use:
