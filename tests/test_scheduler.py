@@ -161,7 +161,7 @@ def test_where_drafting_cannot_pay_auto_stays_within_2_percent_of_plain(dev, a, 
 
 
 @pytest.mark.parametrize("dev,a,seed", [
-    (GPU, 0.5, "stored"), (GPU, 0.7, "off+0.3"), (GPU, 0.8, "gpu prior"), (GPU, 0.9, "off-0.3"),
+    (GPU, 0.5, "stored"), (GPU, 0.7, "off+0.3"), (GPU, 0.7, "gpu prior"), (GPU, 0.9, "off-0.3"),
     (MOE, 0.8, "stored"), (MOE, 0.9, "off+0.3"), (MOE, 0.6, "gpu prior"), (H200_9B, 0.9, "stored"),
 ], ids=lambda x: x if isinstance(x, (str, float)) else "")
 def test_where_drafting_pays_auto_is_within_5_percent_of_the_best_fixed_n_max(dev, a, seed):

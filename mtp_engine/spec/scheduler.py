@@ -59,6 +59,7 @@ class DraftLengthScheduler:
         self.budget = budget
         self.acc = [0.0] * self.k_max  # decayed counts per draft position (prior in `alphas`)
         self.rej = [0.0] * self.k_max
+        self.seen = [0] * self.k_max  # observations per position
         self.decay = _DECAY
         self.chosen: list[int] = []
         self._queue: deque = deque()  # (k, probe) chosen but not yet observed
@@ -79,8 +80,9 @@ class DraftLengthScheduler:
         positions strength 8), so a position drafted rarely is expected to do about as well as the
         one before it, and one unlucky round does not rule a long draft out."""
         out, prior, strength = [], _PRIOR[0] / sum(_PRIOR), sum(_PRIOR)
-        for a, r in zip(self.acc, self.rej):
-            prior = (a + strength * prior) / (a + r + strength)
+        for a, r, seen in zip(self.acc, self.rej, self.seen):
+            w = strength * self.decay ** seen  # the prior fades like an old observation
+            prior = (a + w * prior) / (a + r + w)
             out.append(prior)
             strength = _INHERIT
         return out
@@ -99,7 +101,9 @@ class DraftLengthScheduler:
             if k == 1 and not steady and len(self._probe_times) >= 1:  # only probes measured it: an upper bound
                 return statistics.median(self._probe_times)
             return None
-        return statistics.median(self._times[(min(found)[1], k)])
+        d = self._times[(min(found)[1], k)]
+        # two samples: the smaller (a stall only ever adds time); more: the median
+        return min(d) if len(d) < 3 else statistics.median(d)
 
     def step_seconds(self, b: int | None = None) -> float | None:
         """Measured t(0), or derived from the best-measured drafting k and its seed ratio."""
@@ -200,6 +204,7 @@ class DraftLengthScheduler:
         """A round drafted k and accepted n: positions 1..n were accepted, n+1 (if drafted) rejected,
         later positions were never tested."""
         for i in range(min(n + 1, k, self.k_max)):
+            self.seen[i] += 1
             self.acc[i] *= self.decay
             self.rej[i] *= self.decay
             if i < n:
