@@ -73,7 +73,8 @@ class PlainDecoder:
     """Decodes one token per trunk forward."""
 
     prefill_chunk = 512
-    pipeline = False  # queue the next round before reading the current one (set by generate.run)
+    pipeline: bool | None = None  # queue the next round before reading the current one; None: off,
+    # but the generation loop turns it on (False keeps it off there too)
     budget: int | None = None  # tokens the caller still wants: no round is queued past them
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None):

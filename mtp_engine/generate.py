@@ -102,7 +102,8 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
     # the decoder may queue its next round before the host reads the current one (mx.async_eval), so
     # this loop's detokenization and stop checks overlap device work; `budget` keeps it from queuing
     # rounds past max_tokens
-    decoder.pipeline = True
+    if decoder.pipeline is None:
+        decoder.pipeline = True
     decoder.budget = max_tokens
     pending = decoder.prefill(prompt_ids)
     from_prefill = len(pending)
