@@ -115,15 +115,22 @@ def run_bench(cfg: BenchConfig) -> dict:
         profiled[c] = _run_prompts(m, prompts[:cfg.profile_prompts], cfg, *c, profile="precise")
         bar.tick(_label(c) + " profiled")
     costs = _costs_from_profiles(profiled)
-    # repeats are interleaved across configs so slow drifts of the device (clocks, allocator,
-    # other tenants) hit every row alike instead of biasing whichever row ran during them
+    # repeats are interleaved across configs, prompt by prompt, so slow drifts of the device (clocks,
+    # allocator, other tenants) hit every row alike instead of biasing whichever row ran during them
     speeds: dict = {c: [] for c in configs}
     ttft: dict = {c: [] for c in configs}
     last_stats: dict = {}
     for rep in range(cfg.repeats):
+        per: dict = {c: (0, 0.0, []) for c in configs}
+        for p in prompts:
+            for c in configs:
+                _, st = _run_prompts(m, [p], cfg, *c)
+                tok, sec, sts = per[c]
+                gen = st[0]["generated_tokens"] - (0 if c[0] == "draft-mtp" else 1)
+                per[c] = (tok + gen, sec + st[0]["decode_seconds"], sts + st)
         for c in configs:
-            tps, last_stats[c] = _run_prompts(m, prompts, cfg, *c)
-            speeds[c].append(tps)
+            tok, sec, last_stats[c] = per[c]
+            speeds[c].append(tok / sec if sec else 0.0)
             ttft[c] += [s["time_to_first_token_seconds"] for s in last_stats[c]]
         bar.tick(f"repeat {rep + 1}/{cfg.repeats}")
     rows = []
