@@ -112,8 +112,9 @@ def main() -> int:
     lines = [f"`-n {a.tokens}`, {a.repeats} repeats interleaved, medians (first repeat = first run: no stored costs)",
              "", "| run | wall s | first repeat wall s | TTFT s (from generate) | load s |", "|---|---|---|---|---|"]
     for k, v in res.items():
-        med = {x: statistics.median([r[x] for r in v if r.get(x) is not None] or [0.0]) for x in ("wall", "ttft", "load")}
-        lines.append(f"| {k} | {med['wall']:.2f} | {v[0]['wall']:.2f} | {med['ttft']:.3f} | {med['load']:.2f} |")
+        med = {x: [r[x] for r in v if r.get(x) is not None] for x in ("wall", "ttft", "load")}
+        f = {x: f"{statistics.median(m):.3f}" if m else "-" for x, m in med.items()}
+        lines.append(f"| {k} | {f['wall']} | {v[0]['wall']:.2f} | {f['ttft']} | {f['load']} |")
     print("\n".join(lines))
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
