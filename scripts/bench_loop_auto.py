@@ -106,3 +106,29 @@ def markdown(result: dict) -> str:
                          + f" | {r['auto']:.2f}x | {r['auto_vs_best_fixed']:.2f} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def main() -> int:
+    """The loop section on a GGUF model (e.g. the shipped one, on the CPU): ours pipelined and
+    unpipelined vs mlx-lm's generate_step on a model of the same shape, 4-bit g32."""
+    import argparse
+    import json
+
+    from mtp_engine import load
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="models/qwen35-mtp-code-Q4_K_M.gguf")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    m = load(a.model)
+    ref = mlx_lm_ref.build(m.model.cfg)
+    prompt = m.tokenizer.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser(")
+    out = loop_section(m.model, ref, prompt, a.tokens, a.repeats,
+                       lambda o: print(json.dumps(o), file=sys.stderr, flush=True))
+    print(markdown({"loop": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
