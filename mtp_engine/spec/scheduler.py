@@ -61,7 +61,8 @@ class DraftLengthScheduler:
         self.rej = [0.0] * self.k_max
         self.seen = [0] * self.k_max  # observations per position
         self.decay = _DECAY
-        self.chosen: list[int] = []
+        self.rounds = 0  # choices made
+        self.drafting_rounds = 0  # choices of k > 0 that were not probes
         self._queue: deque = deque()  # (k, probe) chosen but not yet observed
         self._times: dict[tuple[int, int], deque] = {}  # (context bucket, k) -> seconds per round
         self._probe_times: deque = deque(maxlen=_WINDOW)  # one-draft probes (they carry catch-up rows)
@@ -171,7 +172,7 @@ class DraftLengthScheduler:
         best = max(range(1, self.k_max + 1), key=lambda k: rates[k])
         threshold = 1.0 + MARGIN[0] if self._last_k == 0 else 1.0 - MARGIN[1]
         k = best if rates[best] > threshold else 0
-        if k and self._plain_unmeasured() and len(self.chosen) % 4 == 3:
+        if k and self._plain_unmeasured() and self.rounds % 4 == 3:
             k = 0  # every rate is relative to a plain step's time: measure it, whatever the seed says
         probe = False
         if k == 0:
@@ -183,7 +184,8 @@ class DraftLengthScheduler:
         else:
             self._plain_streak = 0
         self._last_k = 0 if probe else k
-        self.chosen.append(k)
+        self.rounds += 1
+        self.drafting_rounds += int(k > 0 and not probe)
         self._queue.append((k, probe))
         return k
 
@@ -218,8 +220,9 @@ class DraftLengthScheduler:
         time (its time includes compiling and is not a sample of t(k))."""
         k, probe = self._queue.popleft() if self._queue else (drafted, False)
         self.update(drafted, n)
-        self.decode_seconds += seconds
         b = context_bucket(context)
+        if not first_use:  # the probe budget is a share of decode time, compiles excluded
+            self.decode_seconds += seconds
         if first_use:
             self._first_use.append((b, k, seconds))
             if probe:  # its compile is reported as compile time; the budget is charged the estimate
@@ -259,11 +262,7 @@ class DraftLengthScheduler:
 
     def message(self) -> str | None:
         """Why auto did not draft, when it did not (shown once, in the stats)."""
-        if any(self.chosen):
-            drafted_rounds = sum(1 for k in self.chosen if k)
-            if drafted_rounds > self.probes:
-                return None
-        if not self.chosen:
+        if self.drafting_rounds or not self.rounds:
             return None
         r1 = self.round_steps(1)
         if not self.can_win:
