@@ -59,7 +59,7 @@ class DraftLengthScheduler:
         self.budget = budget
         self.acc = [0.0] * self.k_max  # decayed counts per draft position (prior in `alphas`)
         self.rej = [0.0] * self.k_max
-        self.seen = [0] * self.k_max  # observations per position
+        self.seen = [0.0] * self.k_max  # decayed observations per position (the prior fades with them)
         self.decay = _DECAY
         self.rounds = 0  # choices made
         self.drafting_rounds = 0  # choices of k > 0 that were not probes
@@ -204,15 +204,21 @@ class DraftLengthScheduler:
     # ---- observations -----------------------------------------------------------------------
     def update(self, k: int, n: int) -> None:
         """A round drafted k and accepted n: positions 1..n were accepted, n+1 (if drafted) rejected,
-        later positions were never tested."""
-        for i in range(min(n + 1, k, self.k_max)):
-            self.seen[i] += 1
+        later positions were never tested: their old counts age all the same, so what a few long
+        drafts once saw fades back to the estimate of the positions before them."""
+        if k <= 0:
+            return
+        tested = min(n + 1, k, self.k_max)
+        for i in range(self.k_max):
             self.acc[i] *= self.decay
             self.rej[i] *= self.decay
-            if i < n:
-                self.acc[i] += 1.0
-            else:
-                self.rej[i] += 1.0
+            self.seen[i] *= self.decay
+            if i < tested:
+                self.seen[i] += 1.0
+                if i < n:
+                    self.acc[i] += 1.0
+                else:
+                    self.rej[i] += 1.0
 
     def observe(self, drafted: int, n: int, seconds: float, context: int = 0, first_use: bool = False) -> None:
         """One finished round: `drafted` drafts (after p-min/n-min), n accepted, `seconds` of wall
