@@ -4,7 +4,7 @@ against mlx-lm's `generate_step` loop on a model of the same shape and weight fo
 random weights saved once as safetensors, loaded from disk in the child like a checkpoint).
 `--baseline DIR`: also an older checkout of this repository (same commands, its own package).
 
-Usage: python scripts/startup_cpu.py [--tokens 64] [--repeats 3] [--baseline DIR] [--out DIR]
+Usage: python scripts/startup.py [--tokens 64] [--repeats 3] [--baseline DIR] [--out DIR]
 """
 from __future__ import annotations
 
