@@ -53,7 +53,6 @@ def prepare_mlx_lm(folder: Path) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     sys.path.insert(0, str(ROOT))
     import mlx_lm_ref
-    from mtp_engine.gguf.reader import GGUFFile  # noqa: F401  (config from the file's metadata)
     from mtp_engine import load
 
     cfg = load(MODEL).model.cfg
