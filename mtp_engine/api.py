@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -15,7 +16,8 @@ from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
 from .sampling import Sampler, SamplerConfig
 from .spec.draft_mtp import DraftMTPDecoder, DraftParams
-from .spec.scheduler import DraftLengthScheduler, device_costs
+from .spec import calibration
+from .spec.scheduler import DraftLengthScheduler
 from .tokenizer import Tokenizer
 
 SPEC_TYPES = ("none", "draft-mtp")
@@ -44,6 +46,7 @@ class Model:
     tokenizer: Tokenizer
     info: LoadInfo
     path: str
+    load_seconds: float = 0.0  # wall time of `load` (reported in every generation's stats)
 
 
 @dataclass
@@ -69,7 +72,9 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     generation may use (default: the model's, up to 32768 positions); the memory check assumes it.
     Refuses (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that
     context exceeds what is available."""
+    t0 = time.perf_counter()
     p = Path(path) if path is not None else default_model_path()
+    calibration.persist_kernel_cache()  # before the first CUDA kernel is compiled
     if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
                                     or max_context < 1):
         raise MTPEngineError(f"expected a positive integer, found {max_context!r}", field="max_context")
@@ -80,7 +85,7 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp)
     model.cfg.context_length = min(model.cfg.context_length, ctx)
     tok = Tokenizer.from_gguf(gf.reader, gf.path)
-    return Model(model, tok, info, gf.path)
+    return Model(model, tok, info, gf.path, time.perf_counter() - t0)
 
 
 def _resolve(model) -> Model:
@@ -101,8 +106,8 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
     `spec` is None/"none" (plain decoding) or "draft-mtp" with llama.cpp's knobs n_max, n_min, p_min;
-    n_max="auto" (the default) picks the draft length each round from the device's measured costs
-    and the acceptance seen so far.
+    n_max="auto" (the default) picks the draft length each round from the time this run measures
+    per round and the acceptance seen so far (docs/spec.md, "n-max auto").
     `profile` is None, "round" or "precise" (see `mtp_engine.profiler`)."""
     m = _resolve(model)
     if spec is None:
@@ -136,13 +141,18 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
             if m.model.mtp is None:
                 raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
                                      "this model has none", field="spec")
-            scheduler = DraftLengthScheduler(device_costs(m.model, m.path))
+            # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
+            scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model))
         decoder: PlainDecoder = DraftMTPDecoder(m.model, sampler, params, prof, scheduler=scheduler)
+        decoder.calibration_path = m.path
     else:
         decoder = PlainDecoder(m.model, sampler, prof)
     if _prompt_ids_out is not None:
         _prompt_ids_out.extend(ids)
-    yield from run(decoder, m.tokenizer, ids, max_tokens, stop=stops, ignore_eos=ignore_eos, profiler=prof)
+    for chunk in run(decoder, m.tokenizer, ids, max_tokens, stop=stops, ignore_eos=ignore_eos, profiler=prof):
+        if chunk.finish_reason is not None:
+            chunk.stats["load_seconds"] = m.load_seconds
+        yield chunk
 
 
 def _check_stop(stop) -> list[str]:

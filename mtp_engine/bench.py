@@ -1,8 +1,12 @@
 """`mtp-engine bench`: the original report's table as one command.
 
 No speculation, then draft-mtp at each n-max (and p-min), on the same prompts at temperature 0:
-warm-up, timed repeats (profiler off, medians), then one precise-profiled pass for the stage
-breakdown; the cost model's predicted speedup beside the measured one.
+per config one precise-profiled pass over the first prompt (the stage breakdown, and the warm-up:
+every shape the timed runs use is compiled there), then timed repeats over all prompts (profiler
+off, interleaved across configs, medians). The cost model's components come from the profiled
+passes themselves (no separate calibration), and its predicted speedup stands beside the measured
+one. The stage column is the profiled shares scaled to the timed row's ms per token, so a row and
+its stages agree; a profiled pass that ran far from the timed speed is flagged.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import api
-from .costmodel import Costs, expected_tokens, measure, predict_speedup
+from .costmodel import Costs, expected_tokens, predict_speedup
 from .spec.scheduler import AUTO_MAX
 
 DEFAULT_PROMPTS = [
@@ -38,6 +42,7 @@ class BenchConfig:
     prompts: list | None = None
     out: str | None = None
     exact: bool = False
+    profile_prompts: int = 1  # prompts in each config's profiled (and warm-up) pass
 
 
 class Progress:
@@ -99,38 +104,51 @@ def run_bench(cfg: BenchConfig) -> dict:
     """Runs the sweep; returns {"rows": [...], "costs": {...}, "device": str} and writes files to cfg.out."""
     import mlx.core as mx
 
+    t_start = time.perf_counter()
     m = api.load(cfg.model, exact=cfg.exact)
     prompts = cfg.prompts or DEFAULT_PROMPTS
     configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
-    bar = Progress(2 + cfg.repeats + len(configs))
-    fixed = [k for k in cfg.n_max if k != "auto"]
-    max_k = max(fixed) if fixed else 0
-    costs = measure(m.model, max_verify=max_k + 1) if m.model.mtp is not None else Costs(step_ms=0.0)
-    bar.tick("cost model")
-    # repeats are interleaved across configs so slow drifts of the device (clocks, allocator,
-    # other tenants) hit every row alike instead of biasing whichever row ran during them
-    for spec, k, p in configs:
-        _run_prompts(m, prompts[:1], BenchConfig(tokens=16), spec, k, p)  # warm-up
-    bar.tick("warm-up")
+    bar = Progress(cfg.repeats + len(configs))
+    # the profiled pass first: it is the warm-up too (first use of each shape compiles there)
+    profiled: dict = {}
+    for c in configs:
+        profiled[c] = _run_prompts(m, prompts[:cfg.profile_prompts], cfg, *c, profile="precise")
+        bar.tick(_label(c) + " profiled")
+    costs = _costs_from_profiles(profiled)
+    # repeats are interleaved across configs, prompt by prompt, so slow drifts of the device (clocks,
+    # allocator, other tenants) hit every row alike instead of biasing whichever row ran during them
     speeds: dict = {c: [] for c in configs}
+    ttft: dict = {c: [] for c in configs}
     last_stats: dict = {}
     for rep in range(cfg.repeats):
+        per: dict = {c: (0, 0.0, []) for c in configs}
+        for p in prompts:
+            for c in configs:
+                _, st = _run_prompts(m, [p], cfg, *c)
+                tok, sec, sts = per[c]
+                gen = st[0]["generated_tokens"] - (0 if c[0] == "draft-mtp" else 1)
+                per[c] = (tok + gen, sec + st[0]["decode_seconds"], sts + st)
         for c in configs:
-            tps, last_stats[c] = _run_prompts(m, prompts, cfg, *c)
-            speeds[c].append(tps)
+            tok, sec, last_stats[c] = per[c]
+            speeds[c].append(tok / sec if sec else 0.0)
+            ttft[c] += [s["time_to_first_token_seconds"] for s in last_stats[c]]
         bar.tick(f"repeat {rep + 1}/{cfg.repeats}")
     rows = []
     base_tps = statistics.median(speeds[configs[0]])
     for c in configs:
         spec, k, p = c
         stats = last_stats[c]
-        label = "plain" if spec == "none" else f"n-max {k} p-min {p:g}"
-        plain_tps, prof_stats = _run_prompts(m, prompts, cfg, spec, k, p, profile="precise")
-        bar.tick(label + " profiled")
+        plain_tps, prof_stats = profiled[c]
         tps = statistics.median(speeds[c])
+        stages = _stage_ms_per_token(prof_stats)
+        total = sum(stages.values())
+        scale = (1e3 / tps) / total if tps and total else 1.0
         row = {"spec": spec, "n_max": k, "p_min": p, "tok_s": tps, "speedup": tps / base_tps,
-               "tok_s_all": speeds[c], "stage_ms_per_token": _stage_ms_per_token(prof_stats),
-               "profiled_tok_s": plain_tps, "profile_overhead": tps / plain_tps if plain_tps else None}
+               "tok_s_all": speeds[c], "stage_ms_per_token": stages,
+               "stage_ms_per_token_timed": {n: v * scale for n, v in stages.items()},
+               "profiled_tok_s": plain_tps, "profile_overhead": tps / plain_tps if plain_tps else None,
+               "ttft_s": statistics.median(ttft[c]) if ttft[c] else None,
+               "compile_seconds": sum(st.get("compile_seconds", 0.0) for st in prof_stats)}
         moe = [st["moe_distinct_experts_per_layer"] for st in prof_stats if "moe_distinct_experts_per_layer" in st]
         for kind in ("step", "verify"):
             vals = [d[kind] for d in moe if kind in d]
@@ -161,17 +179,55 @@ def run_bench(cfg: BenchConfig) -> dict:
                 row["draft_length_histogram"] = hist
                 row["explanation"] = "auto chose k per round: " + ", ".join(f"k={kk}: {v}" for kk, v in
                                                                             sorted(hist.items()))
+                msgs = {st.get("auto_message") for st in stats} - {None}
+                if msgs:
+                    row["auto_message"] = sorted(msgs)[0]
+                    row["explanation"] += "; " + row["auto_message"]
             else:
-                row["predicted_speedup"] = predict_speedup(c, acc_pos, k) * unit if k else 1.0
+                row["predicted_speedup"] = (predict_speedup(c, acc_pos, k) * unit
+                                            if k and k + 1 in c.verify else 1.0)
                 row["expected_tokens_per_round"] = expected_tokens(acc_pos, k)
                 row["explanation"] = _explain(row, c, prof_stats, k)
         rows.append(row)
     result = {"device": str(mx.default_device()), "model": m.path, "tokens": cfg.tokens, "repeats": cfg.repeats,
               "prompts": len(prompts), "costs": costs.to_json(), "rows": rows,
-              "date": time.strftime("%Y-%m-%d")}
+              "date": time.strftime("%Y-%m-%d"), "load_seconds": m.load_seconds,
+              "bench_seconds": time.perf_counter() - t_start}
     if cfg.out:
         write_outputs(result, Path(cfg.out))
     return result
+
+
+def _label(c) -> str:
+    spec, k, p = c
+    return "plain" if spec == "none" else f"n-max {k} p-min {p:g}"
+
+
+def _costs_from_profiles(profiled: dict) -> Costs:
+    """The cost model's components from the profiled passes (no separate calibration): the plain
+    step's ms, V(k+1) = a fixed-k run's verify ms per round over it, c = draft ms per draft step."""
+    def stage(stats, name):
+        sec = sum(s["profile"]["stages"].get(name, {}).get("seconds", 0.0) for s in stats)
+        cnt = sum(s["profile"]["stages"].get(name, {}).get("count", 0) for s in stats)
+        return sec, cnt
+
+    plain = profiled.get(("none", 0, 0.0), (0, []))[1]
+    dec, n = stage(plain, "decode")
+    syn, _ = stage(plain, "sync")
+    step_ms = (dec + syn) * 1e3 / n if n else 0.0
+    costs = Costs(step_ms=step_ms)
+    drafts = []
+    for (spec, k, _), (_, stats) in sorted(profiled.items(), key=lambda kv: str(kv[0][1])):
+        if spec != "draft-mtp" or k == "auto" or not k or not step_ms:
+            continue
+        v, rounds = stage(stats, "verify")
+        d, steps = stage(stats, "draft")
+        if rounds:
+            costs.verify.setdefault(k + 1, v * 1e3 / rounds / step_ms)
+        if steps:
+            drafts.append(d * 1e3 / steps / step_ms)
+    costs.draft = statistics.median(drafts) if drafts else 0.0
+    return costs
 
 
 def _explain(row: dict, c: Costs, prof_stats: list[dict], k: int) -> str:
@@ -183,6 +239,8 @@ def _explain(row: dict, c: Costs, prof_stats: list[dict], k: int) -> str:
     def per_round(name: str) -> float:
         return sum(s["profile"]["stages"].get(name, {}).get("seconds", 0.0) for s in prof_stats) * 1e3 / rounds / c.step_ms
 
+    if k + 1 not in c.verify:
+        return "no verify cost measured for this k"
     parts = {"verify": (per_round("verify"), c.verify[k + 1]),
              "draft": (per_round("draft") + per_round("catch_up"), k * c.draft)}
     name, (meas, model) = max(parts.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]))
@@ -198,7 +256,7 @@ def write_outputs(result: dict, out: Path) -> None:
     rows = result["rows"]
     (out / "bench.json").write_text(json.dumps(rows, indent=1))
     cols = ["spec", "n_max", "p_min", "tok_s", "speedup", "predicted_speedup", "acceptance", "mean_accepted_length",
-            "profile_overhead"]
+            "profile_overhead", "ttft_s", "compile_seconds"]
     with open(out / "bench.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols + [f"ms_per_token_{s}" for s in ROUND_STAGES + ("decode",)])
@@ -216,22 +274,28 @@ def format_markdown(result: dict) -> str:
     c = result["costs"]
     lines = [f"# mtp-engine bench ({result['date']})", "",
              f"model `{Path(result['model']).name}`, device {result['device']}, {result['prompts']} prompts x "
-             f"{result['tokens']} tokens, temperature 0, median of {result['repeats']}", "",
-             f"cost model: decode step {c['step_ms']:.2f} ms; V(S) = "
+             f"{result['tokens']} tokens, temperature 0, median of {result['repeats']}; model load "
+             f"{result.get('load_seconds', 0.0):.2f} s, whole bench {result.get('bench_seconds', 0.0):.0f} s", "",
+             f"cost model (from the profiled passes): decode step {c['step_ms']:.2f} ms; V(S) = "
              + ", ".join(f"{s}: {v:.2f}" for s, v in c["verify"].items()) + f"; draft step c = {c['draft']:.2f}", "",
-             "| config | tok/s | speedup | predicted | acceptance | accepted/round | stage ms/token |",
-             "|---|---|---|---|---|---|---|"]
+             "| config | tok/s | speedup | predicted | acceptance | accepted/round | TTFT ms | compile s "
+             "| stage ms/token (profiled shares of the timed ms/token) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         name = "plain" if r["spec"] == "none" else f"draft-mtp n-max {r['n_max']} p-min {r['p_min']:g}"
-        st = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["stage_ms_per_token"].items(), key=lambda kv: -kv[1])
-                       if v >= 0.005)
+        stages = r.get("stage_ms_per_token_timed") or r["stage_ms_per_token"]
+        st = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+        if r.get("profile_overhead") and not 0.8 <= r["profile_overhead"] <= 1.25:
+            st += f" (noisy: the profiled pass ran at {r['profiled_tok_s']:.1f} tok/s)"
         acc = f"{r['acceptance']:.1%}" if r.get("acceptance") is not None else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
         pred = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
         if "moe_experts_per_verify" in r or "moe_experts_per_step" in r:
             st += "; MoE experts/layer: " + ", ".join(f"{k} {r[f'moe_experts_per_{k}']:.1f}" for k in ("step", "verify")
                                                       if f"moe_experts_per_{k}" in r)
-        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {pred} | {acc} | {mal} | {st} |")
+        ttft = f"{r['ttft_s'] * 1e3:.0f}" if r.get("ttft_s") is not None else "-"
+        comp = f"{r.get('compile_seconds', 0.0):.2f}"
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {pred} | {acc} | {mal} | {ttft} | {comp} | {st} |")
     notes = [f"- n-max {r['n_max']} p-min {r['p_min']:g}: {r['explanation']}" for r in result["rows"]
              if r.get("explanation")]
     if notes:

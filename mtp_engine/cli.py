@@ -169,9 +169,17 @@ def format_stats(s: dict) -> str:
     line = (f"prompt: {s['prompt_tokens']} tok, {s['prompt_tokens_per_second']:.1f} tok/s | "
             f"decode: {s['generated_tokens']} tok, {s['decode_tokens_per_second']:.1f} tok/s | "
             f"peak memory: {s['peak_memory_bytes'] / 2**20:.1f} MiB")
+    if "time_to_first_token_seconds" in s:
+        line += f" | first token after {s['time_to_first_token_seconds']:.2f} s"
+        if s.get("load_seconds"):
+            line += f" (load {s['load_seconds']:.2f} s)"
+        if s.get("compile_seconds"):
+            line += f", compiling {s['compile_seconds']:.2f} s"
     if "rounds" in s:
         line += (f" | draft-mtp: {s['accepted']}/{s['drafted']} accepted ({s['acceptance_rate']:.1%}), "
                  f"{s['tokens_per_round']:.2f} tok/round")
+    if s.get("auto_message"):  # why n-max auto did not draft, once per run
+        line += f" | {s['auto_message']}"
     return line
 
 

@@ -2,20 +2,80 @@
 
 A decoder turns a prompt into a stream of token lists (one list per round: a plain step emits one
 token, a speculative round one or more); the generation loop above handles stopping and text.
+
+Pipelining (`pipeline = True`, set by the generation loop): greedy plain steps queue the next step
+on the device (`mx.async_eval`) before the host reads the current token, as mlx-lm's
+`generate_step` does, so the device never waits for the host's detokenization and stop checks.
+Sampling at temperature > 0 draws on the host and is not pipelined.
 """
 from __future__ import annotations
+
+import statistics
+import time
 
 import mlx.core as mx
 
 from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
-from .sampling import Sampler
+from .sampling import Sampler, check_finite
+
+
+class RoundClock:
+    """Wall time between consecutive rounds' host reads (what a round costs the caller, host work
+    included), and whether a round first used a shape: a forward of a new row count or cache
+    capacity is traced (`mx.compile`) and its kernels JIT-compiled on a GPU, so its time is not a
+    sample of the round's cost. The shapes seen are kept on the model, for the whole process."""
+
+    def __init__(self, model: Qwen35Model):
+        self.seen: set = model.__dict__.setdefault("_shapes_seen", set())
+        # the MLX CPU backend compiles nothing unless steps are compiled: no first use to exclude
+        self.costly = bool(getattr(model, "compile_steps", False)) or mx.default_device() == mx.gpu
+        self._t: float | None = None
+        self.rounds: list[tuple[int, float, bool]] = []  # (k, seconds, first use)
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, k: int, shapes: list) -> tuple[float, bool]:
+        now = time.perf_counter()
+        seconds = now - (self._t if self._t is not None else now)
+        self._t = now
+        first = self.costly and any(s not in self.seen for s in shapes)
+        self.seen.update(shapes)
+        self.rounds.append((k, seconds, first))
+        return seconds, first
+
+    def compile_seconds(self) -> float:
+        """First-use rounds' time beyond the median of the warm rounds of the same k (or of all)."""
+        warm: dict[int, list[float]] = {}
+        for k, s, first in self.rounds:
+            if not first:
+                warm.setdefault(k, []).append(s)
+        every = [s for v in warm.values() for s in v]
+        total = 0.0
+        for k, s, first in self.rounds:
+            if first:
+                ref = warm.get(k) or every
+                total += max(s - statistics.median(ref), 0.0) if ref else 0.0
+        return total
+
+
+def kv_capacity(cache) -> int:
+    """Capacity of a cache's first attention buffer (compiled graphs are specialised to it)."""
+    for c in getattr(cache, "layers", [cache]):
+        cap = getattr(c, "capacity", None)
+        if cap is not None:
+            return int(cap)
+    return 0
 
 
 class PlainDecoder:
     """Decodes one token per trunk forward."""
 
     prefill_chunk = 512
+    pipeline: bool | None = None  # queue the next round before reading the current one; None: off,
+    # but the generation loop turns it on (False keeps it off there too)
+    budget: int | None = None  # tokens the caller still wants: no round is queued past them
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None):
         self.model = model
@@ -24,6 +84,30 @@ class PlainDecoder:
         self.cache = model.make_cache()
         self.last_token: int | None = None
         self.moe_experts: dict[str, tuple[int, float]] = {}  # kind -> (forwards, sum of per-layer means)
+        self.clock = RoundClock(model)
+        self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
+
+    def _pipelined(self) -> bool:
+        # precise profiling must see each stage's own work; sampling draws on the host
+        return self.pipeline and self.sampler.cfg.greedy and not self.prof.enabled
+
+    def _wanted(self) -> int:
+        return self.budget if self.budget is not None else 1 << 30
+
+    def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:
+        """The next greedy step from a token still on the device, evaluated asynchronously."""
+        h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
+        logits = self.model.logits(h[0, -1])
+        nxt = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))
+        mx.async_eval(*nxt)
+        return nxt
+
+    @staticmethod
+    def _read(pair: tuple[mx.array, mx.array]) -> int:
+        tok, finite = pair
+        mx.eval(tok, finite)
+        check_finite(finite)
+        return int(tok.item())
 
     def _prefill_trunk(self, ids: list[int], prenorm: bool = False) -> mx.array:
         """Runs the prompt through the trunk in chunks; returns the post-norm (or, for the
@@ -43,7 +127,16 @@ class PlainDecoder:
         """Processes the prompt; returns the tokens it already produces (here the first one)."""
         with self.prof.stage("prefill"):
             h = self._prefill_trunk(ids)
-            self.last_token = self.sampler.sample(self.model.logits(h[0, -1]))
+            logits = self.model.logits(h[0, -1])
+            if self._pipelined():
+                cur = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))
+                mx.async_eval(*cur)
+                if self._wanted() > 1:
+                    self._next = self._queue_step(cur[0])
+                self.last_token = self._read(cur)
+            else:
+                self.last_token = self.sampler.sample(logits)
+        self.clock.start()
         return [self.last_token]
 
     def _count_experts(self, kind: str) -> None:
@@ -60,6 +153,12 @@ class PlainDecoder:
 
     def step(self) -> list[int]:
         """Feeds the last token; returns the next one."""
+        if self._pipelined():
+            cur = self._next or self._queue_step(mx.array(self.last_token))
+            self._next = self._queue_step(cur[0]) if self._wanted() > 1 else None
+            self.last_token = self._read(cur)
+            self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
+            return [self.last_token]
         with self.prof.stage("decode") as out:
             h = self.model.forward(mx.array([[self.last_token]]), self.cache)
             logits = self.model.logits(h[0, -1])
@@ -67,10 +166,15 @@ class PlainDecoder:
         with self.prof.stage("sync"):
             self.last_token = self.sampler.sample(logits)
         self._count_experts("step")
+        self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
         return [self.last_token]
 
+    def finish(self) -> None:
+        """The generation is over (a queued step, if any, is dropped)."""
+        self._next = None
+
     def stats(self) -> dict:
-        return self._moe_stats()
+        return {"compile_seconds": self.clock.compile_seconds(), **self._moe_stats()}
 
     def _moe_stats(self) -> dict:
         if not self.moe_experts:

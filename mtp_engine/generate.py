@@ -94,13 +94,22 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
     finish = "length"
     t0 = time.perf_counter()
     if max_tokens == 0:
-        yield Chunk("", [], "length", _stats(decoder, len(prompt_ids), 0, 0, 0.0, 0.0, prof))
+        st = _stats(decoder, len(prompt_ids), 0, 0, 0.0, 0.0, prof)
+        st["time_to_first_token_seconds"] = 0.0
+        yield Chunk("", [], "length", st)
         return
     prof.start()
+    # the decoder may queue its next round before the host reads the current one (mx.async_eval), so
+    # this loop's detokenization and stop checks overlap device work; `budget` keeps it from queuing
+    # rounds past max_tokens
+    if decoder.pipeline is None:
+        decoder.pipeline = True
+    decoder.budget = max_tokens
     pending = decoder.prefill(prompt_ids)
     from_prefill = len(pending)
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
+    ttft = None
     done = False
     while not done:
         # token by token, so a round that overshoots EOS, max_tokens or a stop string is cut exactly
@@ -124,14 +133,19 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
         if done and not hit:  # held-back bytes and stop-string prefixes are final text now
             tail, _ = matcher.push(detok.flush())
             text += tail + matcher.flush()
+        if ttft is None and pending:
+            ttft = time.perf_counter() - t0
         if text or out_ids:
             yield Chunk(text, out_ids)
         if not done:
+            decoder.budget = max_tokens - len(generated)
             pending = decoder.step()
     t_decode = time.perf_counter() - t1
     prof.stop()
-    yield Chunk("", [], finish, _stats(decoder, len(prompt_ids), len(generated), from_prefill, t_prefill,
-                                       t_decode, prof))
+    decoder.finish()
+    stats = _stats(decoder, len(prompt_ids), len(generated), from_prefill, t_prefill, t_decode, prof)
+    stats["time_to_first_token_seconds"] = ttft if ttft is not None else t_prefill + t_decode
+    yield Chunk("", [], finish, stats)
 
 
 def _stats(decoder, n_prompt: int, n_gen: int, from_prefill: int, t_prefill: float, t_decode: float,

@@ -9,9 +9,12 @@ comparison measured side by side in one process with repeats interleaved:
   prefill  prompt tok/s at 512 and 4096 tokens, ours and mlx-lm's
   floor    the bandwidth floor: weight bytes read per token / measured copy bandwidth; the MTP
            head's memory (its weights + its KV cache at 8192 positions)
+  loop     our pipelined decode loop vs our unpipelined one vs mlx-lm's generate_step, interleaved
+  auto     fixed n-max and n-max auto at oracle acceptance 0.5..0.9, 9B shape (and with --shapes
+           9b,moe the 35B-A3B MoE shape): issue 13's target table (scripts/bench_loop_auto.py)
 
-Usage (GPU): python3 scripts/bench_gpu.py [--sections plain,verify,oracle,prefill,floor] [--layers 32]
-             [--smoke] (a tiny shape, to check the script on a CPU)
+Usage (GPU): python3 scripts/bench_gpu.py [--sections plain,verify,oracle,prefill,floor,loop,auto] [--layers 32]
+             [--shapes 9b,moe] [--quick] [--out DIR] [--smoke] (a tiny shape, to check the script on a CPU)
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ import time
 import mlx.core as mx
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import bench_loop_auto  # noqa: E402
 import mlx_lm_ref  # noqa: E402
 from bench_9b_oracle import config_9b, decode_tps, random_model  # noqa: E402
+from bench_moe_oracle import config_a3b  # noqa: E402
 
 from mtp_engine.costmodel import measure  # noqa: E402
 from mtp_engine.decode import PlainDecoder  # noqa: E402
@@ -149,7 +154,13 @@ def main() -> int:
     ap.add_argument("--accs", default="0.5,0.7,0.8,0.9", help="oracle acceptances")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
     ap.add_argument("--no-peer", action="store_true", help="skip mlx-lm (e.g. when sweeping MLX settings)")
+    ap.add_argument("--shapes", default="9b", help="auto section: 9b and/or moe")
+    ap.add_argument("--quick", action="store_true", help="loop+auto in a few minutes: 64 tokens, 1 repeat, "
+                                                         "a in 0.5,0.7,0.9, n-max 1..3")
+    ap.add_argument("--out", default=None, help="write result.json and result.md here")
     a = ap.parse_args()
+    if a.quick:
+        a.tokens, a.repeats, a.accs = 64, 1, "0.5,0.7,0.9"
     sections = set(a.sections.split(","))
     configs = a.configs.split(",")
     if "kernel" in sections and kernels.enabled():
@@ -161,8 +172,13 @@ def main() -> int:
     nb = model.nbytes()
     out: dict = {"device": str(mx.default_device()), "layers": cfg.n_layer, "weights_gib": sum(nb.values()) / 2**30}
     log({"built_s": round(time.perf_counter() - t0, 1), **out})
-    ref = mlx_lm_ref.build(cfg) if sections & {"plain", "prefill"} and not a.no_peer else None
+    ref = mlx_lm_ref.build(cfg) if sections & {"plain", "prefill", "loop"} and not a.no_peer else None
     prompt = list(range(100, 164))
+
+    if "loop" in sections:
+        use(model, BEST)
+        out["loop"] = bench_loop_auto.loop_section(model, ref, prompt, a.tokens, max(a.repeats, 3), log)
+        _save(out, a.out)
 
     if "plain" in sections:
         for name in configs:  # warm-up: trace and compile every configuration once
@@ -229,8 +245,37 @@ def main() -> int:
         out["floor"] = {"copy_GB_s": bw / 1e9, "bytes_per_token": per_token, "floor_ms": per_token / bw * 1e3,
                         "mtp_weights_gib": nb["mtp"] / 2**30, "mtp_kv_8192_gib": kv / 2**30}
         log(out["floor"])
-    print(json.dumps(out, indent=1))
+
+    if "auto" in sections:
+        accs = [float(x) for x in a.accs.split(",")]
+        ks = (1, 2, 3) if a.quick else (1, 2, 3, 4)
+        out["auto"] = []
+        for shape in a.shapes.split(","):
+            if shape != "9b":  # one shape's weights at a time
+                del model
+                mx.clear_cache()
+                t0 = time.perf_counter()
+                model = random_model(smoke_config() if a.smoke else config_a3b(40 if a.layers == 32 else a.layers))
+                log({"built": shape, "s": round(time.perf_counter() - t0, 1)})
+            use(model, BEST)
+            out["auto"].append(bench_loop_auto.auto_section(model, prompt, a.tokens, a.repeats, accs, ks, log, shape))
+            _save(out, a.out)
+    _save(out, a.out)
+    print(json.dumps(out, indent=1, default=str))
+    print(bench_loop_auto.markdown(out))
     return 0
+
+
+def _save(out: dict, folder: str | None) -> None:
+    """Results so far (a run cut short by the device's time limit keeps what it measured)."""
+    if not folder:
+        return
+    from pathlib import Path
+
+    d = Path(folder)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "result.json").write_text(json.dumps(out, indent=1, default=str))
+    (d / "result.md").write_text(bench_loop_auto.markdown(out))
 
 
 if __name__ == "__main__":

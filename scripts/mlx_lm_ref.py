@@ -62,3 +62,20 @@ def build_and_time(cfg: Qwen35Config, prompt_len: int = 64, steps: int = 40) -> 
     """`step_ms` of a freshly built 4-bit model at cfg's shape; None without mlx-lm."""
     model = build(cfg)
     return None if model is None else step_ms(model, prompt_len, steps)
+
+
+def generate_step_tps(model, prompt_len: int = 64, tokens: int = 128) -> float | None:
+    """Decode tok/s of mlx-lm's own pipelined loop (`generate_step`, greedy, async_eval of the next
+    step before the host reads the current token): tokens after the first over the time after it."""
+    if model is None:
+        return None
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array(list(range(100, 100 + prompt_len)))
+    t_first, n = None, 0
+    for _tok, _ in generate_step(prompt, model, max_tokens=tokens):
+        if t_first is None:
+            t_first = time.perf_counter()
+        else:
+            n += 1
+    return n / (time.perf_counter() - t_first) if n else None

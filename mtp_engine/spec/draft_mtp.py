@@ -14,17 +14,18 @@ One round, each stage a method named as in the loop that calls it:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
-from ..decode import PlainDecoder
+from ..decode import PlainDecoder, kv_capacity
 from ..errors import MTPEngineError
 from ..model.qwen35 import Qwen35Model
 from ..profiler import Profiler
 from ..sampling import Sampler, check_finite, distribution
 from .accept import accept_greedy, accept_sampling
+from . import calibration
 from .scheduler import AUTO_MAX, DraftLengthScheduler
 
 
@@ -59,6 +60,28 @@ class DraftParams:
         p = self.p_min
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
             raise MTPEngineError(f"expected a number in [0, 1], found {p!r}", field="p-min")
+
+
+@dataclass
+class _Round:
+    """A round queued on the device, completed (host read, accept, rollback) later."""
+
+    k: int  # drafts asked for (the scheduler's choice, or n-max)
+    shapes: list = field(default_factory=list)  # forward shapes it runs (first use = a compile)
+    logits: mx.array | None = None
+    token: mx.array | None = None  # greedy plain step: its argmax, on the device
+    finite: mx.array | None = None
+    post: mx.array | None = None  # plain step: trunk hidden (post-norm, pre-norm)
+    fed: mx.array | None = None
+    drafts: mx.array | list = field(default_factory=list)
+    q: mx.array | None = None
+    steps: int = 0
+    hidden: mx.array | None = None
+    target: mx.array | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.hidden is None
 
 
 class DraftMTPDecoder(PlainDecoder):
@@ -107,7 +130,11 @@ class DraftMTPDecoder(PlainDecoder):
         self.per_position_drafted: list[int] = [0] * params.k_max
         self.per_position_accepted: list[int] = [0] * params.k_max
         self.histogram: Counter = Counter()
+        self.k_histogram: Counter = Counter()  # auto: the draft length chosen, per completed round
         self.trace: list[dict] | None = None  # per-round record, when a caller sets it to []
+        self.calibration_path = ""  # model file whose stored round costs this run's measurements update
+        self._pending: _Round | None = None
+        self._held_k: int | None = None
 
     # ---- prompt -------------------------------------------------------------------------------
     def prefill(self, ids: list[int]) -> list[int]:
@@ -124,40 +151,99 @@ class DraftMTPDecoder(PlainDecoder):
                 e = slice(s, s + self.prefill_chunk)
                 m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.mtp_cache)
                 mx.eval(m, *self.mtp_cache.state())
+        self.clock.start()
         return []
 
     # ---- one round ----------------------------------------------------------------------------
     def step(self) -> list[int]:
-        k = self.scheduler.next_k() if self.scheduler else int(self.params.n_max)
-        if k == 0:
-            return self.plain_step()
+        if not self.pipeline:
+            return self._complete(self._launch(self._choose_k()))
+        cur = self._pending or self._launch(self._choose_k())
+        self._pending = None
+        wanted = self._wanted()
+        if cur.plain and cur.token is not None and wanted > 1:
+            # queue the next round before the host reads this one: another plain step can start
+            # from the token still on the device; a drafting round needs it on the host first
+            k = self._choose_k()
+            if k == 0:
+                self._pending = self._launch_plain(cur)
+            else:
+                self._held_k = k
+        emitted = self._complete(cur)
+        if self._pending is None and wanted > len(emitted):
+            # the next round's device work overlaps the caller's detokenization and stop checks
+            k, self._held_k = (self._held_k if self._held_k is not None else self._choose_k()), None
+            self._pending = self._launch(k)
+        return emitted
+
+    def _choose_k(self) -> int:
+        return self.scheduler.next_k(self.cache.offset) if self.scheduler else int(self.params.n_max)
+
+    def _launch(self, k: int) -> _Round:
+        return self._launch_plain(None, k) if k == 0 else self._launch_draft(k)
+
+    def _complete(self, r: _Round) -> list[int]:
+        return self._complete_plain(r) if r.plain else self._complete_draft(r)
+
+    def _launch_draft(self, k: int) -> _Round:
+        owed = len(self._owed_tokens)
         drafts, q, steps = self.draft(k)
         if 0 < len(drafts) < self.params.n_min:  # too few survived p-min: decode plainly
             drafts, q = [], None
         hidden, logits = self.verify(drafts)
-        n, token, host_drafts = self.accept(drafts, logits, q)
+        cfg = self.sampler.cfg
+        with self.prof.stage("sample") as out:
+            target = mx.argmax(logits, axis=-1) if cfg.greedy else distribution(logits, cfg)
+            finite = mx.all(mx.isfinite(logits))
+            out.extend([target, finite])
+        if self._pipelined_rounds():
+            mx.async_eval(target, finite, *([drafts] if len(drafts) else []))
+        capm = kv_capacity(self.mtp_cache)
+        shapes = [("mtp", owed + 1, capm), ("trunk", 1 + len(drafts), len(drafts) > 0, kv_capacity(self.cache))]
+        if steps > 1:
+            shapes.append(("mtp", 1, capm))
+        return _Round(k, shapes, logits=logits, finite=finite, drafts=drafts, q=q, steps=steps, hidden=hidden,
+                      target=target)
+
+    def _complete_draft(self, r: _Round) -> list[int]:
+        n, token, host_drafts = self.accept(r.drafts, r.logits, r.q, r.target, r.finite)
         self._count_experts("verify")
-        self.rollback(steps, n)
-        self.catch_up(host_drafts[:n], hidden, n, steps)
+        self.rollback(r.steps, n)
+        self.catch_up(host_drafts[:n], r.hidden, n, r.steps)
         self.last_token = token
-        return self._finish_round(host_drafts, n, token)
+        return self._finish_round(host_drafts, n, token, r)
+
+    def _pipelined_rounds(self) -> bool:
+        return self.pipeline and not self.prof.enabled
 
     def plain_step(self) -> list[int]:
         """A round without drafting: exactly a plain decode step (no capture, no MTP work); the
         MTP head's row for it is owed and caught up when drafting resumes."""
+        return self._complete_plain(self._launch_plain(None))
+
+    def _launch_plain(self, prev: _Round | None, k: int = 0) -> _Round:
+        """A plain step from the host's last token, or (pipelined) from `prev`'s token on the device."""
+        inp = prev.token.reshape(1, 1).astype(mx.int32) if prev is not None else mx.array([[self.last_token]])
         with self.prof.stage("decode") as out:
-            post, fed = self.model.forward(mx.array([[self.last_token]]), self.cache, return_prenorm=True)
+            post, fed = self.model.forward(inp, self.cache, return_prenorm=True)
             logits = self.model.logits(post[0, -1])
             out.append(logits)
+        r = _Round(k, [("trunk", 1, False, kv_capacity(self.cache))], logits=logits, post=post, fed=fed)
+        if self._pipelined():
+            r.token, r.finite = mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits))
+            mx.async_eval(r.token, r.finite)
+        return r
+
+    def _complete_plain(self, r: _Round) -> list[int]:
         with self.prof.stage("sync"):
-            token = self.sampler.sample(logits)
+            token = self._read((r.token, r.finite)) if r.token is not None else self.sampler.sample(r.logits)
         self._count_experts("step")
         self._owed_tokens.append(self.last_token)
         self._owed_hidden.append(self.h_last)
         self._trim_owed()
-        self.h_last = fed if self.feed == "pre_norm" else post
+        self.h_last = r.fed if self.feed == "pre_norm" else r.post
         self.last_token = token
-        return self._finish_round([], 0, token)
+        return self._finish_round([], 0, token, r)
 
     def _trim_owed(self) -> None:
         """Keeps only the newest `catch_up_window` owed rows. Every plain round owes the head one
@@ -181,12 +267,14 @@ class DraftMTPDecoder(PlainDecoder):
                 self._owed_hidden[0] = self._owed_hidden[0][:, drop:]
                 drop = 0
 
-    def _finish_round(self, drafts: list[int], n: int, token: int) -> list[int]:
-        """Statistics, the scheduler's observation and the trace of one round; its emitted tokens."""
+    def _finish_round(self, drafts: list[int], n: int, token: int, r: _Round) -> list[int]:
+        """Statistics, the round's time, the scheduler's observation and the trace; its emitted tokens."""
         emitted = drafts[:n] + [token]
+        seconds, first_use = self.clock.lap(r.k, r.shapes)
         self._record(len(drafts), n)
+        self.k_histogram[r.k] += 1
         if self.scheduler:
-            self.scheduler.update(len(drafts), n)
+            self.scheduler.observe(len(drafts), n, seconds, self.cache.offset, first_use)
         if self.trace is not None:
             self.trace.append({"draft": drafts, "n_accepted": n, "emitted": emitted})
         return emitted
@@ -252,14 +340,17 @@ class DraftMTPDecoder(PlainDecoder):
             out.append(logits)
         return hidden, logits
 
-    def accept(self, drafts, logits: mx.array, q: mx.array | None) -> tuple[int, int, list[int]]:
+    def accept(self, drafts, logits: mx.array, q: mx.array | None, target: mx.array | None = None,
+               finite: mx.array | None = None) -> tuple[int, int, list[int]]:
         """How many drafts survive, the token after them, and the drafts on the host. Holds the
-        round's one host sync."""
+        round's one host sync. `target`/`finite`: the argmax (or distribution) and finiteness of
+        `logits` when already queued."""
         cfg = self.sampler.cfg
-        with self.prof.stage("sample") as out:
-            target = mx.argmax(logits, axis=-1) if cfg.greedy else distribution(logits, cfg)
-            finite = mx.all(mx.isfinite(logits))
-            out.extend([target, finite])
+        if target is None:
+            with self.prof.stage("sample") as out:
+                target = mx.argmax(logits, axis=-1) if cfg.greedy else distribution(logits, cfg)
+                finite = mx.all(mx.isfinite(logits))
+                out.extend([target, finite])
         with self.prof.stage("sync"):
             mx.eval(target, finite)
             check_finite(finite)
@@ -315,6 +406,15 @@ class DraftMTPDecoder(PlainDecoder):
         post, pre = self.model.forward(ids, self.cache, capture=capture, return_prenorm=True)
         return post, (pre if self.feed == "pre_norm" else post)
 
+    def finish(self) -> None:
+        """The generation is over: a queued round is dropped, and what this run measured of its
+        rounds' costs is kept for the next run on this model and device."""
+        self._pending = None
+        if self.scheduler and self.calibration_path:
+            t0 = self.scheduler.step_seconds()
+            calibration.save(self.calibration_path, self.model, self.scheduler.measured_round_steps(),
+                             t0 * 1e3 if t0 else None)
+
     # ---- statistics ---------------------------------------------------------------------------
     def _record(self, k: int, n: int) -> None:
         self.rounds += 1
@@ -327,10 +427,11 @@ class DraftMTPDecoder(PlainDecoder):
 
     def stats(self) -> dict:
         r = max(self.rounds, 1)
-        extra = {}
+        extra: dict = {"compile_seconds": self.clock.compile_seconds()}
         if self.scheduler:
-            ch = self.scheduler.chosen
-            extra = {"n_max": "auto", "draft_length_histogram": {str(k): ch.count(k) for k in sorted(set(ch))}}
+            extra.update({"n_max": "auto", "auto_message": self.scheduler.message(),
+                          "draft_length_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
+                          **self.scheduler.stats()})
         extra.update(self._moe_stats())
         return {**extra,
             "rounds": self.rounds,

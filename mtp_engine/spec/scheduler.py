@@ -1,133 +1,284 @@
 """Adaptive draft length (`n-max auto`): each round drafts the k that maximises expected tokens
-per second, from the device's measured costs and the acceptance tracked online.
+per second, from what the current run measures.
 
-Expected tokens of a round with k drafts: E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j, with alpha_j
-the probability that draft j is accepted given drafts 1..j-1 were. Cost in decode steps:
-V(k+1) + k*c + f for k >= 1; k = 0 is a plain step (cost 1, no MTP work at all).
+Expected tokens of a round with k drafts: E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j, alpha_j the
+online probability that draft j is accepted given drafts 1..j-1 were. The time of a round, t(k), is
+measured by the caller (wall time between consecutive rounds' host reads) and kept per k and
+context range; t(0) is a plain step. A k is chosen while E(k) / t(k) beats 1 / t(0), with a margin
+in both directions (hysteresis). Stored costs from earlier runs (spec/calibration.py) only seed
+the k's this run has not measured yet, scaled by what it has measured.
+
+Rounds that first used a shape (a graph compile or kernel JIT) are not timed: their excess is
+reported as compile time. While plain steps win, one-draft probes notice a return of predictable
+text; their extra time is held to `PROBE_BUDGET` of the decode time.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from pathlib import Path
+import statistics
+from collections import deque
 
-import mlx.core as mx
+from ..costmodel import Costs
+from .calibration import MAX_K, default_seed
 
-from ..costmodel import Costs, measure
-from ..model.qwen35 import Qwen35Model
-
-AUTO_MAX = 8  # longest draft auto considers; V(S) is measured up to AUTO_MAX + 1
-_PRIOR = (3.0, 1.0)  # Beta(accepted, rejected) prior per position: optimistic, so drafting is tried
-_PROBE_EVERY = 24  # plain rounds before the first probe while k = 0, so a change in the text is noticed
-_PROBE_MAX = 384  # probes that confirm k = 0 double the interval up to this: each costs a catch-up
-_costs_memo: dict[str, Costs] = {}
-
-
-def _cache_file() -> Path:
-    base = os.environ.get("MTP_ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mtp-engine")
-    return Path(base) / "costs.json"
+AUTO_MAX = MAX_K  # longest draft auto considers
+PROBE_BUDGET = 0.015  # probes' extra time <= 1.5% of the decode time so far
+MARGIN = (0.02, 0.005)  # hysteresis: drafting starts above 1.02x plain's rate, stops below 0.995x
+MIN_SAMPLES = 2  # timed rounds before a k's measured time replaces its seed
+_PRIOR = (3.0, 1.0)  # Beta(accepted, rejected) per position: optimistic, so drafting is tried
+_INHERIT = 8.0  # prior strength of position j > 1 around position j-1's estimate
+_DECAY = 0.95  # per observation: a change of text shows within tens of rounds
+_PROBE_EVERY = 16  # plain rounds between probes at least (the budget usually spaces them more)
+_WINDOW = 32  # timed rounds kept per (context range, k); the median is robust to stalls
 
 
-def costs_key(model_path: str, model: Qwen35Model) -> str:
-    """Per model file (path, size, mtime) and device: costs are properties of both."""
-    try:
-        st = os.stat(model_path)
-        ident = f"{os.path.abspath(model_path)}:{st.st_size}:{int(st.st_mtime)}"
-    except OSError:
-        ident = f"{id(model)}"
-    raw = f"{ident}|{mx.default_device()}|{mx.__version__}|{AUTO_MAX}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+def context_bucket(context: int) -> int:
+    """Context ranges [0, 512), [512, 1024), [1024, 2048), ...: attention cost grows with context."""
+    return max(0, int(context).bit_length() - 9)
 
 
-def device_costs(model: Qwen35Model, model_path: str = "") -> Costs:
-    """The model's costs on this device: from memory, else from the on-disk cache, else measured
-    (a few seconds) and stored."""
-    key = costs_key(model_path, model) if model_path else f"mem-{id(model)}|{mx.default_device()}"
-    if key in _costs_memo:
-        return _costs_memo[key]
-    path = _cache_file()
-    stored = {}
-    if model_path and path.exists():
-        try:
-            stored = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            stored = {}
-    if key in stored:
-        d = stored[key]
-        costs = Costs(d["step_ms"], {int(k): v for k, v in d["verify"].items()}, d["draft"], d["fixed"])
+def _seed_from(costs: Costs | dict | None) -> dict[int, float]:
+    if costs is None:
+        return default_seed()
+    if isinstance(costs, Costs):
+        seed = {k: costs.verify[k + 1] + k * costs.draft + costs.fixed for k in range(1, AUTO_MAX + 1)
+                if k + 1 in costs.verify}
     else:
-        costs = measure(model, max_verify=AUTO_MAX + 1, repeats=5)
-        costs.fixed = 0.05  # sampling, sync, acceptance, rollback: measured ~2-5% of a step (docs/benchmarks.md)
-        if model_path:
-            stored[key] = costs.to_json()
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(stored, indent=1))
-            except OSError:
-                pass  # a read-only home only costs a re-measurement next time
-    _costs_memo[key] = costs
-    return costs
+        seed = {int(k): float(v) for k, v in costs.items() if 1 <= int(k) <= AUTO_MAX}
+    return seed or default_seed()
 
 
 class DraftLengthScheduler:
-    """Chooses k each round; learns acceptance per draft position from the rounds it sees."""
+    """Chooses k each round; learns acceptance per draft position and time per round from the rounds
+    it observes. `costs`: stored round costs {k: plain steps}, the old calibration's `Costs`, or None
+    (a device-class prior)."""
 
-    def __init__(self, costs: Costs, k_max: int = AUTO_MAX):
-        self.costs = costs
-        self.k_max = min(k_max, max(costs.verify) - 1)
-        self.acc = [_PRIOR[0]] * self.k_max
-        self.rej = [_PRIOR[1]] * self.k_max
-        self.decay = 0.98  # forget old rounds: acceptance changes with the text
+    def __init__(self, costs: Costs | dict[int, float] | None = None, k_max: int = AUTO_MAX,
+                 budget: float = PROBE_BUDGET):
+        self.seed = _seed_from(costs)
+        self.k_max = min(k_max, max(self.seed))
+        self.budget = budget
+        self.acc = [0.0] * self.k_max  # decayed counts per draft position (prior in `alphas`)
+        self.rej = [0.0] * self.k_max
+        self.seen = [0.0] * self.k_max  # decayed observations per position (the prior fades with them)
+        self.decay = _DECAY
+        self.rounds = 0  # choices made
+        self.drafting_rounds = 0  # choices of k > 0 that were not probes
+        self._queue: deque = deque()  # (k, probe) chosen but not yet observed
+        self._times: dict[tuple[int, int], deque] = {}  # (context bucket, k) -> seconds per round
+        self._probe_times: deque = deque(maxlen=_WINDOW)  # one-draft probes (they carry catch-up rows)
+        self._first_use: list[tuple[int, int, float]] = []  # (bucket, k, seconds) of untimed rounds
+        self._bucket = 0
+        self._last_k = 0
         self._plain_streak = 0
-        self._probe_every = _PROBE_EVERY
-        self._probing = False
-        self.chosen: list[int] = []
-        # if even fully accepted drafts cannot beat a plain step on this device (a verify of S rows
-        # costs about S steps, as on MLX's CPU backend), drafting and its probes only cost time
-        self.can_win = any((k + 1) / (costs.verify[k + 1] + k * costs.draft + costs.fixed) > 1.0
-                           for k in range(1, self.k_max + 1))
+        self.decode_seconds = 0.0
+        self.probes = 0
+        self.probe_seconds = 0.0  # probes' time beyond the plain step each replaced
 
+    # ---- estimates --------------------------------------------------------------------------
     def alphas(self) -> list[float]:
-        return [a / (a + r) for a, r in zip(self.acc, self.rej)]
+        """Per position j, the probability that draft j is accepted given 1..j-1 were: the decayed
+        counts, with a prior centred on position j-1's estimate (position 1: 0.75, strength 4; later
+        positions strength 8), so a position drafted rarely is expected to do about as well as the
+        one before it, and one unlucky round does not rule a long draft out."""
+        out, prior, strength = [], _PRIOR[0] / sum(_PRIOR), sum(_PRIOR)
+        for a, r, seen in zip(self.acc, self.rej, self.seen):
+            w = strength * self.decay ** seen  # the prior fades like an old observation
+            prior = (a + w * prior) / (a + r + w)
+            out.append(prior)
+            strength = _INHERIT
+        return out
 
-    def expected_rate(self, k: int) -> float:
-        """Expected tokens per decode-step of time for a round with k drafts."""
-        if k == 0:
-            return 1.0
+    def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
         for a in self.alphas()[:k]:
             run *= a
             e += run
-        c = self.costs
-        return e / (c.verify[k + 1] + k * c.draft + c.fixed)
+        return e
 
-    def next_k(self) -> int:
-        if not self.can_win:
-            self.chosen.append(0)
-            return 0
-        k = max(range(self.k_max + 1), key=self.expected_rate)
-        if self._probing:  # the last round was a probe: judge it
-            self._probing = False
-            self._probe_every = min(self._probe_every * 2, _PROBE_MAX) if k == 0 else _PROBE_EVERY
+    def _median(self, k: int, b: int, steady: bool = False) -> float | None:
+        """Median seconds of a k-round in context range b, or the nearest range that has enough."""
+        found = [(abs(bb - b), bb) for (bb, kk), d in self._times.items() if kk == k and len(d) >= MIN_SAMPLES]
+        if not found:
+            if k == 1 and not steady and len(self._probe_times) >= 1:  # only probes measured it: an upper bound
+                return statistics.median(self._probe_times)
+            return None
+        d = self._times[(min(found)[1], k)]
+        # two samples: the smaller (a stall only ever adds time); more: the median
+        return min(d) if len(d) < 3 else statistics.median(d)
+
+    def step_seconds(self, b: int | None = None) -> float | None:
+        """Measured t(0), or derived from the best-measured drafting k and its seed ratio."""
+        b = self._bucket if b is None else b
+        t0 = self._median(0, b)
+        if t0 is not None:
+            return t0
+        for k in range(1, self.k_max + 1):
+            m = self._median(k, b)
+            if m is not None:
+                return m / self.seed[k]
+        return None
+
+    def round_steps(self, k: int, b: int | None = None) -> float:
+        """t(k) / t(0): measured where possible; else the seed plus the measured k's errors against
+        their seeds (interpolated between the nearest measured k's, extrapolated with their trend
+        beyond them): a seed off by 0.3 steps is corrected by one measured k, one with the wrong
+        slope by two, and the seed's shape (e.g. a cheap 8-row verify) is kept."""
+        if k == 0:
+            return 1.0
+        b = self._bucket if b is None else b
+        t0 = self.step_seconds(b)
+        m = self._median(k, b)
+        if t0 is None:
+            return self.seed[k]
+        if m is not None and self._median(k, b, True) is not None:
+            return m / t0
+        measured = [kk for kk in range(1, self.k_max + 1) if kk != k and self._median(kk, b, True) is not None]
+        if not measured:
+            return self.seed[k] if m is None else max(self.seed[k], m / t0)  # probes: an upper bound
+        r = {kk: self._median(kk, b, True) / t0 for kk in measured}
+        err = {kk: r[kk] - self.seed[kk] for kk in measured}
+        below = [kk for kk in measured if kk < k]
+        above = [kk for kk in measured if kk > k]
+        if below and above:  # interpolate the error between the nearest measured k's
+            lo, hi = below[-1], above[0]
+            w = (k - lo) / (hi - lo)
+            return self.seed[k] + (1 - w) * err[lo] + w * err[hi]
+        side = below[-2:] if below else above[:2]
+        near = side[-1] if below else side[0]
+        slope = (err[side[-1]] - err[side[0]]) / (side[-1] - side[0]) if len(side) == 2 else 0.0
+        est = self.seed[k] + err[near] + slope * (k - near)
+        # a longer draft than one measured costs at least as much (and a shorter one at most)
+        return max(est, r[near]) if k > near else min(max(est, 1.0), r[near])
+
+    def expected_rate(self, k: int) -> float:
+        """Expected tokens per plain-step of time for a round with k drafts (plain: 1)."""
+        return self.expected_tokens(k) / self.round_steps(k)
+
+    @property
+    def can_win(self) -> bool:
+        """Whether fully accepted drafts would beat plain steps at some k (else drafting only costs)."""
+        return any((k + 1) / self.round_steps(k) > 1.0 + MARGIN[0] for k in range(1, self.k_max + 1))
+
+    def _plain_unmeasured(self) -> bool:
+        return not any(k == 0 and len(d) >= MIN_SAMPLES for (_, k), d in self._times.items())
+
+    def _measured_drafting(self) -> bool:
+        return any(k > 0 and len(d) >= MIN_SAMPLES for (_, k), d in self._times.items()) or bool(self._probe_times)
+
+    # ---- the choice -------------------------------------------------------------------------
+    def next_k(self, context: int = 0) -> int:
+        self._bucket = context_bucket(context)
+        rates = [self.expected_rate(k) for k in range(self.k_max + 1)]
+        best = max(range(1, self.k_max + 1), key=lambda k: rates[k])
+        threshold = 1.0 + MARGIN[0] if self._last_k == 0 else 1.0 - MARGIN[1]
+        k = best if rates[best] > threshold else 0
+        if k and self._plain_unmeasured() and self.rounds % 4 == 3:
+            k = 0  # every rate is relative to a plain step's time: measure it, whatever the seed says
+        probe = False
         if k == 0:
             self._plain_streak += 1
-            if self._plain_streak >= self._probe_every:
+            if self._plain_streak >= _PROBE_EVERY and self._probe_allowed():
+                k, probe = 1, True
                 self._plain_streak = 0
-                self._probing = True
-                k = 1
+                self.probes += 1
         else:
             self._plain_streak = 0
-        self.chosen.append(k)
+        self._last_k = 0 if probe else k
+        self.rounds += 1
+        self.drafting_rounds += int(k > 0 and not probe)
+        self._queue.append((k, probe))
         return k
 
+    def _probe_allowed(self) -> bool:
+        """A probe costs about t(1) - t(0) (plus its catch-up rows); allowed while probes' extra
+        time stays within the budget share of the decode time so far. Never once drafting was
+        measured unable to pay even at full acceptance."""
+        if self._measured_drafting() and not self.can_win:
+            return False
+        t0 = self.step_seconds()
+        if t0 is None:
+            return False
+        cost = max(self.round_steps(1) - 1.0, 0.0) * t0
+        return self.probe_seconds + cost <= self.budget * self.decode_seconds
+
+    # ---- observations -----------------------------------------------------------------------
     def update(self, k: int, n: int) -> None:
         """A round drafted k and accepted n: positions 1..n were accepted, n+1 (if drafted) rejected,
-        later positions were never tested."""
-        for i in range(min(n + 1, k)):
+        later positions were never tested: their old counts age all the same, so what a few long
+        drafts once saw fades back to the estimate of the positions before them."""
+        if k <= 0:
+            return
+        tested = min(n + 1, k, self.k_max)
+        for i in range(self.k_max):
             self.acc[i] *= self.decay
             self.rej[i] *= self.decay
-            if i < n:
-                self.acc[i] += 1.0
-            else:
-                self.rej[i] += 1.0
+            self.seen[i] *= self.decay
+            if i < tested:
+                self.seen[i] += 1.0
+                if i < n:
+                    self.acc[i] += 1.0
+                else:
+                    self.rej[i] += 1.0
+
+    def observe(self, drafted: int, n: int, seconds: float, context: int = 0, first_use: bool = False) -> None:
+        """One finished round: `drafted` drafts (after p-min/n-min), n accepted, `seconds` of wall
+        time since the previous round's host read; `first_use` when it ran a shape for the first
+        time (its time includes compiling and is not a sample of t(k))."""
+        k, probe = self._queue.popleft() if self._queue else (drafted, False)
+        self.update(drafted, n)
+        b = context_bucket(context)
+        if not first_use:  # the probe budget is a share of decode time, compiles excluded
+            self.decode_seconds += seconds
+        if first_use:
+            self._first_use.append((b, k, seconds))
+            if probe:  # its compile is reported as compile time; the budget is charged the estimate
+                t0 = self.step_seconds(b)
+                self.probe_seconds += max(self.round_steps(1, b) - 1.0, 0.0) * (t0 or 0.0)
+            return
+        if probe:
+            t0 = self.step_seconds(b)
+            self.probe_seconds += max(seconds - (t0 or seconds), 0.0)
+            self._probe_times.append(seconds)
+            return
+        self._times.setdefault((b, k), deque(maxlen=_WINDOW)).append(seconds)
+
+    # ---- reporting --------------------------------------------------------------------------
+    def compile_seconds(self) -> float:
+        """Time of first-use rounds beyond what the same round measured once warm."""
+        total = 0.0
+        for b, k, s in self._first_use:
+            t0 = self.step_seconds(b)
+            if t0 is not None:
+                total += max(s - self.round_steps(k, b) * t0, 0.0)
+        return total
+
+    def measured_round_steps(self) -> dict[int, float]:
+        """{k: t(k)/t(0)} for the k's this run timed (in the context range timed most)."""
+        counts: dict[int, int] = {}
+        for (b, _), d in self._times.items():
+            counts[b] = counts.get(b, 0) + len(d)
+        if not counts:
+            return {}
+        b = max(counts, key=counts.get)
+        t0 = self.step_seconds(b)
+        if t0 is None:
+            return {}
+        out = {k: self._median(k, b) / t0 for k in range(1, self.k_max + 1) if self._median(k, b) is not None}
+        return out
+
+    def message(self) -> str | None:
+        """Why auto did not draft, when it did not (shown once, in the stats)."""
+        if self.drafting_rounds or not self.rounds:
+            return None
+        r1 = self.round_steps(1)
+        if not self.can_win:
+            how = "measured" if self._measured_drafting() else "stored/default estimate"
+            return (f"auto: drafting cannot pay on this device: a round with one draft (2-token verify + draft "
+                    f"step) costs {r1:.2f} plain steps ({how}), more than the 2 tokens it can yield")
+        return (f"auto: drafts were not accepted often enough to pay (draft 1 accepted with p ~ "
+                f"{self.alphas()[0]:.2f}; a one-draft round costs {r1:.2f} plain steps)")
+
+    def stats(self) -> dict:
+        return {"auto_round_steps": {str(k): round(v, 3) for k, v in self.measured_round_steps().items()},
+                "auto_probes": self.probes, "auto_probe_seconds": self.probe_seconds,
+                "auto_probe_share": self.probe_seconds / self.decode_seconds if self.decode_seconds else 0.0}

@@ -1,0 +1,118 @@
+"""Per model and device: what a round with k drafts costs, in plain decode steps, as measured by
+earlier runs (`~/.cache/mtp-engine/costs.json`, or `$MTP_ENGINE_CACHE_DIR`). It seeds n-max auto's
+estimates before the current run has measured anything; nothing is measured before the first token.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+MAX_K = 8  # longest draft n-max auto considers (spec/scheduler.py's AUTO_MAX)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MTP_ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mtp-engine")
+    return Path(base)
+
+
+def cache_file() -> Path:
+    return cache_dir() / "costs.json"
+
+
+def costs_key(model_path: str, model) -> str:
+    """Per model file (path, size, mtime) and device: costs are properties of both."""
+    try:
+        st = os.stat(model_path)
+        ident = f"{os.path.abspath(model_path)}:{st.st_size}:{int(st.st_mtime)}"
+    except OSError:
+        ident = f"{id(model)}"
+    raw = f"{ident}|{mx.default_device()}|{mx.__version__}|{MAX_K}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def _read_all() -> dict:
+    path = cache_file()
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def default_seed(gpu: bool | None = None) -> dict[int, float]:
+    """Round costs in plain steps before anything was measured on this model and device. A GPU runs
+    a few rows for little more than one (V(S) ~ 1 + 0.2 (S-1), a draft step ~0.15, measured on the
+    H200 with the shipped model); MLX's CPU backend costs ~S steps for S rows and ~0.3 per draft
+    step (docs/benchmarks.md), where no draft length can pay."""
+    if gpu is None:
+        gpu = mx.default_device() == mx.gpu
+    if gpu:
+        return {k: 1.0 + 0.2 * k + 0.15 * k + 0.05 for k in range(1, MAX_K + 1)}
+    return {k: 0.95 * (k + 1) + 0.3 * k + 0.05 for k in range(1, MAX_K + 1)}
+
+
+def load_seed(model_path: str, model) -> dict[int, float] | None:
+    """The stored round costs {k: steps} of this model and device, or None. Entries written by the
+    old calibration pass (V(S), c, f) are converted: a round of k drafts costs V(k+1) + k c + f."""
+    if not model_path:
+        return None
+    d = _read_all().get(costs_key(model_path, model))
+    if not isinstance(d, dict):
+        return None
+    try:
+        if isinstance(d.get("round_steps"), dict):
+            seed = {int(k): float(v) for k, v in d["round_steps"].items()}
+        else:
+            verify = {int(s): float(v) for s, v in d["verify"].items()}
+            c, f = float(d.get("draft", 0.0)), float(d.get("fixed", 0.0))
+            seed = {k: verify[k + 1] + k * c + f for k in range(1, MAX_K + 1) if k + 1 in verify}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    seed = {k: v for k, v in seed.items() if 1 <= k <= MAX_K and v > 0}
+    return seed or None
+
+
+def save(model_path: str, model, round_steps: dict[int, float], step_ms: float | None) -> None:
+    """Merges this run's measured round costs into the store (a read-only home only costs the
+    next run its seed)."""
+    if not model_path or not round_steps:
+        return
+    data = _read_all()
+    key = costs_key(model_path, model)
+    entry = data.get(key) if isinstance(data.get(key), dict) else {}
+    merged = {int(k): float(v) for k, v in (entry.get("round_steps") or {}).items()} \
+        if isinstance(entry.get("round_steps"), dict) else {}
+    merged.update({int(k): float(v) for k, v in round_steps.items()})
+    entry["round_steps"] = {str(k): round(v, 4) for k, v in sorted(merged.items())}
+    if step_ms:
+        entry["step_ms"] = round(step_ms, 4)
+    data[key] = entry
+    try:
+        path = cache_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)  # concurrent runs: one of them wins, none sees a half-written file
+    except OSError:
+        pass
+
+
+def persist_kernel_cache() -> None:
+    """MLX's CUDA backend keeps the kernels it compiles (NVRTC) in `$MLX_PTX_CACHE_DIR`, by default
+    under the temp folder, which a reboot or a fresh container empties: the first run then spends
+    most of its time compiling. Keep them beside our costs instead, unless the user chose a place.
+    Must run before the first kernel is compiled (MLX reads the variable once)."""
+    if "MLX_PTX_CACHE_DIR" in os.environ:
+        return
+    try:
+        on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    except Exception:
+        on_cuda = False
+    if on_cuda:
+        os.environ["MLX_PTX_CACHE_DIR"] = str(cache_dir() / "mlx-ptx" / mx.__version__)

@@ -1,0 +1,78 @@
+"""A simulated device and text for n-max auto: round costs per k, catch-up rows, compile on first
+use of a shape, timing noise and stalls, and an acceptance process that can change mid-stream.
+Deterministic (seeded), pure Python, thousands of rounds per second."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SimDevice:
+    verify: dict  # S -> V(S), in plain steps
+    draft: float  # c: one draft step, in plain steps
+    fixed: float = 0.05  # f: per-round overhead of a drafting round
+    row: float = 0.02  # each catch-up row the first draft forward carries, in plain steps
+    step_s: float = 0.01  # t(0) in seconds
+    compile_s: float = 0.5  # added to the first round of each new k
+    noise: float = 0.05  # lognormal sigma per round
+    stall_p: float = 0.01  # share of rounds that stall (another process, GC) ...
+    stall_x: float = 5.0  # ... for this many times their time
+
+    def round_steps(self, k: int) -> float:
+        return 1.0 if k == 0 else self.verify[k + 1] + k * self.draft + self.fixed
+
+    def seed_costs(self, off: float = 0.0) -> dict:
+        """What a stored calibration would say, `off` steps wrong per round."""
+        return {k: self.round_steps(k) + off for k in range(1, 9)}
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    seconds: float = 0.0  # without compile time
+    compile: float = 0.0
+    chosen: list = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def simulate(dev: SimDevice, acceptance, rounds: int, sched=None, fixed_k: int = 0, seed: int = 0) -> Run:
+    """`acceptance(i)`: probability that each draft of round i is right (independent, the chain
+    stops at the first miss). With `sched` it chooses k; else every round drafts `fixed_k`."""
+    rng = random.Random(seed)
+    seen: set = set()
+    owed = 0
+    run = Run()
+    for i in range(rounds):
+        k = sched.next_k(context=run.tokens) if sched else fixed_k
+        n = 0
+        if k:
+            while n < k and rng.random() < acceptance(i):
+                n += 1
+        steps = dev.round_steps(k) + (owed * dev.row if k else 0.0)
+        t = dev.step_s * steps * math.exp(rng.gauss(0.0, dev.noise))
+        if rng.random() < dev.stall_p:
+            t *= dev.stall_x
+        first = k not in seen
+        seen.add(k)
+        c = dev.compile_s if first else 0.0
+        if sched:
+            sched.observe(k, n, t + c, context=run.tokens, first_use=first)
+        owed = min(owed + 1, 8) if k == 0 else n
+        run.tokens += n + 1
+        run.seconds += t
+        run.compile += c
+        run.chosen.append(k)
+    return run
+
+
+CPU = SimDevice(verify={s: 0.95 * s + 0.05 for s in range(1, 10)}, draft=0.3, row=0.3)  # MLX CPU backend
+GPU = SimDevice(verify={s: 1.0 + 0.12 * (s - 1) for s in range(1, 10)}, draft=0.1)  # few rows ~ one
+H200_9B = SimDevice(verify={1: 1.0, 2: 1.84, 3: 2.2, 4: 2.7, 5: 3.14, 6: 3.6, 7: 4.0, 8: 2.79, 9: 3.0},
+                    draft=0.12)  # the 9B shape's measured curve (docs/benchmarks.md)
+MOE = SimDevice(verify={1: 1.0, 2: 1.37, 3: 1.66, 4: 1.96, 5: 2.81, 6: 2.90, 7: 3.2, 8: 3.5, 9: 3.8},
+                draft=0.10)  # 35B-A3B shape, measured
