@@ -1,0 +1,174 @@
+"""`mtp-engine convert`: an HF Qwen3.5 checkpoint to a quantized MLX folder that keeps the MTP head,
+or to a GGUF file.
+
+The MLX folder is in mlx-lm's layout: config.json (model_type `qwen3_5`/`qwen3_5_moe` and a
+`quantization` entry with per-path overrides), `model-0000i-of-0000n.safetensors` shards with their
+`model.safetensors.index.json`, and the tokenizer files. Quantized matrices are stored as
+`<name>.weight` (uint32 codes), `<name>.scales`, `<name>.biases`, quantized by `mx.quantize` in the
+checkpoint's dtype, as `mlx_lm.convert` does. Everything else keeps the HF form (norms without
+the +1, conv [C, 1, K], A_log), which mlx-lm's `sanitize` turns into its own at load time; it also
+drops the `mtp.*` tensors, so mlx-lm runs the trunk and mtp-engine runs trunk and MTP head from
+the same folder. Tensors are read, quantized and written one at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from .errors import MTPEngineError
+from .model.hf import QuantSpec, _quantizable, expected_tensors, hf_source_names
+from .model.hf_checkpoint import INDEX_NAME, HFCheckpoint
+from .model.hf_layout import Quantized
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")
+_MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+DEFAULT_SHARD_BYTES = 2 << 30
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion wrote."""
+
+    out: str
+    tensors: int = 0
+    quantized: int = 0
+    bytes_written: int = 0
+    mtp_tensors: int = 0
+    peak_memory_bytes: int = 0
+
+
+def _prepare_out(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+        raise MTPEngineError("output exists and is not an empty folder (pass overwrite=True / --force)", file=out)
+    os.makedirs(out, exist_ok=True)
+
+
+def _matrix_roles(ckpt: HFCheckpoint) -> dict[str, str]:
+    """Canonical HF name -> GGUF name of every tensor the engine reads as a matrix (the ones to
+    quantize); stacked experts map to their GGUF stack name."""
+    names = hf_source_names(ckpt.cfg)
+    shapes = expected_tensors(ckpt.cfg, True, lambda n: n in names and ckpt.has(names[n]))
+    roles = {names[g]: g for g, (_, matrix) in shapes.items() if matrix and g in names}
+    for h in ckpt.tensors:
+        if ".mlp.experts." in h or ".mlp.switch_mlp." in h:
+            blk = h.split(".")[2] if h.startswith("model.layers.") else str(ckpt.cfg.n_layer)
+            kind = "down" if "down_proj" in h else "up" if ".up_proj" in h else "gate"
+            roles[h] = f"blk.{blk}.ffn_{kind}_exps.weight"
+    return roles
+
+
+def mlx_config(raw: dict, spec: QuantSpec | None) -> dict:
+    """config.json for the MLX folder: mlx-lm's model_type, and its `quantization` entry (with
+    per-module overrides for the output head, and `False` where a head is kept in float)."""
+    cfg = dict(raw)
+    if cfg.get("model_type") in _MLX_MODEL_TYPES:
+        cfg["model_type"] = _MLX_MODEL_TYPES[cfg["model_type"]]
+    if spec is not None:
+        q: dict = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
+        if spec.output != "same":
+            q["language_model.lm_head"] = False if spec.output is None else \
+                {"group_size": spec.output[1], "bits": spec.output[0], "mode": "affine"}
+        # mlx-lm never builds the MTP head; the entry records how it was stored, for readers that do
+        if spec.mtp != "same":
+            q["mtp"] = False if spec.mtp is None else {"group_size": spec.mtp[1], "bits": spec.mtp[0], "mode": "affine"}
+        cfg["quantization"] = q
+        cfg["quantization_config"] = dict(q)
+    return cfg
+
+
+def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quantize: QuantSpec | str | int | None = 4,
+                   *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                   progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+    """Writes `out`: checkpoint `src` quantized per `quantize` (see `QuantSpec.parse`; None copies
+    the floats), MTP tensors included."""
+    spec = QuantSpec.parse(quantize)
+    ckpt = HFCheckpoint(src)
+    if ckpt.quantized or ckpt.norms_offset_applied:
+        raise MTPEngineError("expected an HF float checkpoint; this folder is already in MLX form", file=ckpt.directory)
+    out = str(out)
+    _prepare_out(out, overwrite)
+    roles = _matrix_roles(ckpt)
+    report = ConvertReport(out=out)
+    shard: dict[str, mx.array] = {}
+    shard_size = 0
+    written: list[tuple[str, list[str]]] = []
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+
+    def flush():
+        nonlocal shard, shard_size
+        if not shard:
+            return
+        tmp = os.path.join(out, f"model-part{len(written) + 1:05d}.safetensors")
+        mx.save_safetensors(tmp, shard, metadata={"format": "mlx"})
+        written.append((tmp, list(shard)))
+        report.bytes_written += os.path.getsize(tmp)
+        shard, shard_size = {}, 0
+
+    names = list(ckpt.tensors)
+    for i, name in enumerate(names):
+        if name.endswith((".scales", ".biases")):
+            continue
+        role = roles.get(name)
+        t = ckpt.tensors[name]
+        w = ckpt.read(name)
+        q = spec.for_tensor(role, ckpt.cfg.n_layer) if spec and role else None
+        if q is not None and _quantizable(t.shape, q[1]):
+            wq, s, b = mx.quantize(w, group_size=q[1], bits=q[0])
+            stem = name[: -len(".weight")]
+            arrays = {stem + ".weight": wq, stem + ".scales": s, stem + ".biases": b}
+            report.quantized += 1
+        else:
+            arrays = {name: w}
+        mx.eval(list(arrays.values()))
+        del w
+        report.tensors += 1
+        report.mtp_tensors += name.startswith("mtp.")
+        size = sum(a.nbytes for a in arrays.values())
+        if shard and shard_size + size > shard_bytes:
+            flush()
+        shard.update(arrays)
+        shard_size += size
+        if progress:
+            progress(i + 1, len(names))
+    flush()
+    weight_map = {}
+    for k, (tmp, keys) in enumerate(written):
+        final = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(tmp, os.path.join(out, final))
+        weight_map.update({key: final for key in keys})
+    with open(os.path.join(out, INDEX_NAME), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": report.bytes_written}, "weight_map": dict(sorted(weight_map.items()))},
+                  f, indent=2)
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(mlx_config(ckpt.raw_config, spec), f, indent=2)
+    copy_tokenizer(ckpt.directory, out)
+    report.peak_memory_bytes = int(mx.get_peak_memory() - before)
+    return report
+
+
+def copy_tokenizer(src: str, out: str) -> list[str]:
+    copied = []
+    for fn in TOKENIZER_FILES:
+        p = os.path.join(src, fn)
+        if os.path.isfile(p):
+            shutil.copyfile(p, os.path.join(out, fn))
+            copied.append(fn)
+    return copied
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, quantize: QuantSpec | str | int | None = 4,
+            gguf_type: str | None = None, overwrite: bool = False,
+            progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+    """An MLX folder (default), or with `gguf_type` (F32, F16, BF16, Q8_0, Q4_0, ...) one GGUF file."""
+    if gguf_type is not None:
+        from .gguf.from_hf import write_gguf
+
+        return write_gguf(src, out, gguf_type, overwrite=overwrite, progress=progress)
+    return convert_to_mlx(src, out, quantize, overwrite=overwrite, progress=progress)
