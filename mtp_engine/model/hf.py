@@ -173,8 +173,9 @@ class _Source:
                                  file=t.file, field=t.key)
         q = self.spec.for_tensor(gguf_name, self.cfg.n_layer) if self.spec and matrix else None
         if q is not None and _quantizable(shape, q[1]):
-            wq, s, b = mx.quantize(w, group_size=q[1], bits=q[0])
-            w = Quantized(wq, s, b, q[0], q[1])
+            w = Quantized(*mx.quantize(w, group_size=q[1], bits=q[0]), q[0], q[1])
+            # evaluated here so the float source is freed before the reordering copies the codes
+            mx.eval(w.weight, w.scales, w.biases)
         if isinstance(w, Quantized) and not matrix:
             w = w.dense()
         if not isinstance(w, Quantized) and not matrix:
@@ -291,3 +292,43 @@ def load_checkpoint(directory: str | os.PathLike, quantize: QuantSpec | str | in
     sizes = model.nbytes()
     info.weight_bytes = sizes["trunk"] + sizes["mtp"]
     return model, ckpt, info
+
+
+def estimate_checkpoint(ckpt: HFCheckpoint, spec: QuantSpec | None, load_mtp: bool = True) -> dict[str, int]:
+    """Bytes the loaded weights will take (from the headers alone), and the load's transient: the
+    largest stored tensor, held beside the model while it is converted."""
+    src = _Source(ckpt, spec)
+    weights = 0
+    for name, (shape, matrix) in expected_tensors(ckpt.cfg, load_mtp and ckpt.has_mtp, src.has).items():
+        n = math.prod(shape)
+        t = ckpt.tensors.get(src.names.get(name, ""))
+        q = spec.for_tensor(name, ckpt.cfg.n_layer) if spec and matrix else None
+        if t is not None and t.dtype == "U32":  # stored quantized: codes, then float32 scales and biases
+            scales = ckpt.tensors.get(src.names[name][: -len(".weight")] + ".scales")
+            weights += t.nbytes + (2 * 4 * math.prod(scales.shape) if scales else 0)
+        elif q is not None and _quantizable(shape, q[1]):
+            weights += n * q[0] // 8 + 8 * n // q[1]
+        elif matrix:
+            weights += n * (4 if t is not None and t.dtype == "F32" else 2)
+        else:
+            weights += 4 * n
+    largest = max(t.nbytes for t in ckpt.tensors.values())
+    return {"weights": weights, "load_transient": largest, "total": weights + largest}
+
+
+def check_checkpoint_fits(directory: str | os.PathLike, quantize=None, load_mtp: bool = True) -> dict[str, int]:
+    """`estimate_checkpoint`; raises MTPEngineError with both numbers when it exceeds the memory
+    available (`memory.available_memory`). Context-dependent memory (KV cache, states) is not
+    counted here: a checkpoint load is refused only when its weights cannot fit."""
+    from ..memory import available_memory
+
+    ckpt = HFCheckpoint(directory)
+    est = estimate_checkpoint(ckpt, QuantSpec.parse(quantize), load_mtp)
+    limit, source = available_memory()
+    if source != "unknown" and est["total"] > limit:
+        gib = 1 << 30
+        raise MTPEngineError(f"not enough memory: the weights need an estimated {est['total'] / gib:.2f} GiB "
+                             f"({est['weights'] / gib:.2f} GiB held + {est['load_transient'] / gib:.2f} GiB for the "
+                             f"largest tensor while it loads) but only {limit / gib:.2f} GiB ({source}) are available",
+                             file=ckpt.directory, field="memory")
+    return est
