@@ -89,6 +89,9 @@ def _add_convert(sub) -> None:
     c.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128], help="weights per scale (default 64)")
     c.add_argument("--q-output", default=None, metavar="BITS[gGROUP]|float", help="output head override")
     c.add_argument("--q-mtp", default=None, metavar="BITS[gGROUP]|float", help="MTP head override")
+    c.add_argument("--q-scales", default="float32", choices=["float32", "source"],
+                   help="scale/bias dtype: float32 (default; equals --quantize on load) or the checkpoint's "
+                        "(bf16, as mlx_lm.convert)")
     c.add_argument("--no-quantize", action="store_true", help="copy the float tensors unquantized")
     c.add_argument("--gguf", nargs="?", const="BF16", default=None, metavar="TYPE",
                    help="write one GGUF file instead: F32, F16, BF16 (default), Q8_0, Q4_0, Q4_1, Q5_0, Q5_1")
@@ -113,7 +116,8 @@ def _convert(args) -> int:
         if not args.json and (i == n or i % max(n // 20, 1) == 0):
             print(f"\rconverting: {i}/{n} tensors", end="\n" if i == n else "", file=sys.stderr, flush=True)
 
-    report = convert(args.src, args.out, quantize=spec, gguf_type=args.gguf, overwrite=args.force, progress=progress)
+    report = convert(args.src, args.out, quantize=spec, gguf_type=args.gguf, overwrite=args.force,
+                     scales=args.q_scales, progress=progress)
     if args.json:
         print(json.dumps(asdict(report)))
     else:

@@ -4,8 +4,8 @@ or to a GGUF file.
 The MLX folder is in mlx-lm's layout: config.json (model_type `qwen3_5`/`qwen3_5_moe` and a
 `quantization` entry with per-path overrides), `model-0000i-of-0000n.safetensors` shards with their
 `model.safetensors.index.json`, and the tokenizer files. Quantized matrices are stored as
-`<name>.weight` (uint32 codes), `<name>.scales`, `<name>.biases`, quantized by `mx.quantize` in the
-checkpoint's dtype, as `mlx_lm.convert` does. Everything else keeps the HF form (norms without
+`<name>.weight` (uint32 codes), `<name>.scales`, `<name>.biases` from `mx.quantize` (float32 scales
+by default, the checkpoint's dtype with `scales="source"` as `mlx_lm.convert`). Everything else keeps the HF form (norms without
 the +1, conv [C, 1, K], A_log), which mlx-lm's `sanitize` turns into its own at load time; it also
 drops the `mtp.*` tensors, so mlx-lm runs the trunk and mtp-engine runs trunk and MTP head from
 the same folder. Tensors are read, quantized and written one at a time.
@@ -23,7 +23,7 @@ import mlx.core as mx
 from .errors import MTPEngineError
 from .model.hf import QuantSpec, _quantizable, expected_tensors, hf_source_names
 from .model.hf_checkpoint import INDEX_NAME, HFCheckpoint
-from .model.hf_layout import Quantized
+from .model.hf_layout import quantize
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")
@@ -82,12 +82,17 @@ def mlx_config(raw: dict, spec: QuantSpec | None) -> dict:
     return cfg
 
 
-def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quantize: QuantSpec | str | int | None = 4,
-                   *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quant: QuantSpec | str | int | None = 4,
+                   *, scales: str = "float32", shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
                    progress: Callable[[int, int], None] | None = None) -> ConvertReport:
-    """Writes `out`: checkpoint `src` quantized per `quantize` (see `QuantSpec.parse`; None copies
-    the floats), MTP tensors included."""
-    spec = QuantSpec.parse(quantize)
+    """Writes `out`: checkpoint `src` quantized per `quant` (see `QuantSpec.parse`; None copies
+    the floats), MTP tensors included. `scales="float32"` (default) stores what `load(src,
+    quantize=quant)` holds, bit for bit; `scales="source"` quantizes in the checkpoint's dtype
+    (bf16 scales and biases), exactly as `mlx_lm.convert` does: smaller and native to mlx-lm, but
+    less accurate at 8 bits (see docs/quantization.md)."""
+    if scales not in ("float32", "source"):
+        raise MTPEngineError(f"expected 'float32' or 'source', found {scales!r}", field="scales")
+    spec = QuantSpec.parse(quant)
     ckpt = HFCheckpoint(src)
     if ckpt.quantized or ckpt.norms_offset_applied:
         raise MTPEngineError("expected an HF float checkpoint; this folder is already in MLX form", file=ckpt.directory)
@@ -117,17 +122,16 @@ def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quantize: Qua
             continue
         role = roles.get(name)
         t = ckpt.tensors[name]
-        w = ckpt.read(name)
+        holder = [ckpt.read(name)]
         q = spec.for_tensor(role, ckpt.cfg.n_layer) if spec and role else None
         if q is not None and _quantizable(t.shape, q[1]):
-            wq, s, b = mx.quantize(w, group_size=q[1], bits=q[0])
+            qw = quantize(holder, q[0], q[1], scales)
             stem = name[: -len(".weight")]
-            arrays = {stem + ".weight": wq, stem + ".scales": s, stem + ".biases": b}
+            arrays = {stem + ".weight": qw.weight, stem + ".scales": qw.scales, stem + ".biases": qw.biases}
             report.quantized += 1
         else:
-            arrays = {name: w}
+            arrays = {name: holder.pop()}
         mx.eval(list(arrays.values()))
-        del w
         report.tensors += 1
         report.mtp_tensors += name.startswith("mtp.")
         size = sum(a.nbytes for a in arrays.values())
@@ -164,11 +168,12 @@ def copy_tokenizer(src: str, out: str) -> list[str]:
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, quantize: QuantSpec | str | int | None = 4,
-            gguf_type: str | None = None, overwrite: bool = False,
+            gguf_type: str | None = None, overwrite: bool = False, scales: str = "float32",
             progress: Callable[[int, int], None] | None = None) -> ConvertReport:
-    """An MLX folder (default), or with `gguf_type` (F32, F16, BF16, Q8_0, Q4_0, ...) one GGUF file."""
+    """An MLX folder (default; see `convert_to_mlx`), or with `gguf_type` (F32, F16, BF16, Q8_0,
+    Q4_0, ...) one GGUF file."""
     if gguf_type is not None:
         from .gguf.from_hf import write_gguf
 
         return write_gguf(src, out, gguf_type, overwrite=overwrite, progress=progress)
-    return convert_to_mlx(src, out, quantize, overwrite=overwrite, progress=progress)
+    return convert_to_mlx(src, out, quantize, scales=scales, overwrite=overwrite, progress=progress)

@@ -22,7 +22,7 @@ from ..errors import MTPEngineError
 from .build import build_model
 from .config import Qwen35Config
 from .hf_checkpoint import HFCheckpoint
-from .hf_layout import Quantized, to_engine
+from .hf_layout import Quantized, quantize, to_engine
 from .layers import Linear
 from .loader import LoadInfo, _hf_to_gguf_names
 from .qwen35 import Qwen35Model
@@ -173,9 +173,10 @@ class _Source:
                                  file=t.file, field=t.key)
         q = self.spec.for_tensor(gguf_name, self.cfg.n_layer) if self.spec and matrix else None
         if q is not None and _quantizable(shape, q[1]):
-            w = Quantized(*mx.quantize(w, group_size=q[1], bits=q[0]), q[0], q[1])
-            # evaluated here so the float source is freed before the reordering copies the codes
-            mx.eval(w.weight, w.scales, w.biases)
+            # evaluated here, so the float source is freed before the reordering copies the codes
+            holder = [w]
+            del w
+            w = quantize(holder, q[0], q[1])
         if isinstance(w, Quantized) and not matrix:
             w = w.dense()
         if not isinstance(w, Quantized) and not matrix:
@@ -224,7 +225,7 @@ class _Source:
     def _quantize_experts(self, gguf_name: str, parts: list, shape: tuple):
         q = self.spec.for_tensor(gguf_name, self.cfg.n_layer) if self.spec else None
         if q is not None and _quantizable(shape, q[1]):
-            parts = [Quantized(*mx.quantize(p, group_size=q[1], bits=q[0]), q[0], q[1]) for p in parts]
+            parts = [quantize([p], q[0], q[1]) for p in parts]
         return _stack(parts)
 
     def fetch(self, name: str, shape: tuple, matrix: bool):

@@ -69,6 +69,42 @@ class Quantized:
         return int(self.weight.nbytes + self.scales.nbytes + self.biases.nbytes)
 
 
+QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 rows converted at a time while quantizing
+
+
+def quantize(holder: list, bits: int, group_size: int, scales: str = "float32") -> Quantized:
+    """MLX affine quantization of the float tensor in `holder` (a one-item list, emptied here so
+    that the source is freed before the quantized pieces are joined). `scales="float32"` quantizes
+    the float32 values in row chunks (float32 scales and biases: 1.6x less RMS error than bf16
+    ones at 8 bits); `scales="source"` quantizes in the tensor's own dtype, as `mlx_lm.convert`
+    does (bf16 scales for a bf16 checkpoint)."""
+    w = holder.pop()
+    if scales == "source" or w.dtype == mx.float32:
+        q = Quantized(*mx.quantize(w, group_size=group_size, bits=bits), bits, group_size)
+        mx.eval(q.weight, q.scales, q.biases)
+        return q
+    shape = w.shape
+    flat = w.reshape(-1, shape[-1])
+    # float32 rows per chunk: at most 64 MiB and an eighth of the source, so the load's transient
+    # stays the tensor itself plus a small fraction of it
+    step = max(1, min(QUANTIZE_CHUNK_BYTES, w.nbytes // 8) // (4 * shape[-1]))
+    del w
+    pieces = []
+    for i in range(0, flat.shape[0], step):
+        piece = mx.quantize(flat[i:i + step].astype(mx.float32), group_size=group_size, bits=bits)
+        mx.eval(*piece)
+        pieces.append(piece)
+    del flat
+    if len(pieces) == 1:
+        parts = pieces[0]
+    else:
+        parts = [mx.concatenate([p[k] for p in pieces]) for k in range(3)]
+        del pieces
+        mx.eval(*parts)
+    lead = tuple(shape[:-1])
+    return Quantized(*(a.reshape(*lead, -1) for a in parts), bits, group_size)
+
+
 def head_order(kh: int, vh: int) -> np.ndarray:
     """order[h'] = the HF (grouped) value head that tiled head h' holds."""
     r = vh // kh
