@@ -281,6 +281,8 @@ def load_checkpoint(directory: str | os.PathLike, quantize: QuantSpec | str | in
 
     def fetch(name, shape, matrix):
         out = src.fetch(name, shape, matrix)
+        # freed sources would otherwise stay in MLX's buffer cache, adding to the process's RSS
+        mx.clear_cache()
         rep = (f"{out.bits}-bit g{out.group_size}" if out.quantized else str(out.weight.dtype).split(".")[-1]) \
             if isinstance(out, Linear) else "float32"
         info.representation[rep] = info.representation.get(rep, 0) + 1
