@@ -155,6 +155,27 @@ def test_mlx_lm_loads_the_converted_folder(tmp_path, spec):
     assert isinstance(text, str) and text
 
 
+def test_source_scales_equal_mlx_lm_convert(tmp_path):
+    """`scales="source"` quantizes exactly as `mlx_lm.convert` (bf16 scales for a bf16 checkpoint)."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm import convert as mlx_lm_convert
+
+    src = _copy(tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5"}))  # mlx-lm's name for it
+    theirs_dir, ours_dir = tmp_path / "theirs", tmp_path / "ours"
+    mlx_lm_convert(str(src), mlx_path=str(theirs_dir), quantize=True, q_group_size=64, q_bits=4)
+    convert(need(HF), ours_dir, "4g64", scales="source")
+    theirs, ours = {}, {}
+    for d, into in ((theirs_dir, theirs), (ours_dir, ours)):
+        for f in d.glob("*.safetensors"):
+            into.update(mx.load(str(f)))
+    packed = {k: v for k, v in theirs.items() if k.endswith((".scales", ".biases")) or v.dtype == mx.uint32}
+    assert len(packed) == 3 * 33  # every trunk matrix, embedding and lm_head included
+    for k, v in packed.items():
+        assert mx.array_equal(v, ours[k.replace("language_model.model.", "model.").replace("language_model.", "")]), k
+
+
 def test_gguf_output_matches_llamacpp_converter_and_quantizer(tmp_path):
     ours_f32 = tmp_path / "f32.gguf"
     convert(need(HF), ours_f32, gguf_type="F32")
@@ -277,3 +298,37 @@ def test_cli_convert(tmp_path, capsys):
     assert report["quantized"] == 40 and report["mtp_tensors"] == 15
     assert cli_main(["convert", str(need(HF)), str(out)]) == 2  # exists: refused without --force
     assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_moe_checkpoint_quantized_on_load(tmp_path):
+    """Qwen3.5-MoE: per-expert (save_pretrained) and fused (transformers in-memory) expert layouts
+    quantize to the same stacked experts; greedy draft-mtp equals plain decoding."""
+    from test_moe import MOE, _hf_checkpoint
+    from test_moe import _load as load_moe_gguf
+
+    cfg = load_moe_gguf().model.cfg
+    runs = []
+    for fused in (False, True):
+        d = tmp_path / ("fused" if fused else "per-expert")
+        d.mkdir()
+        _hf_checkpoint(d, cfg, fused)
+        for fn in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(need(MOE / "hf" / "qwen35moe-mtp-tiny" / fn), d / fn)
+        m = api.load(d, quantize="8g64")
+        assert m.info.representation["8-bit g64"] >= 3 * 5  # the stacked experts of every block, MTP included
+        runs.append(m)
+    assert np.array_equal(_logits(runs[0].model), _logits(runs[1].model))
+    plain = api.generate([5, 6, 7, 8], runs[0], max_tokens=24, ignore_eos=True)
+    spec = api.generate([5, 6, 7, 8], runs[0], max_tokens=24, spec="draft-mtp", n_max=3, ignore_eos=True)
+    assert spec.token_ids == plain.token_ids
+
+
+def test_memory_check_refuses_a_checkpoint_that_cannot_fit(monkeypatch):
+    from mtp_engine.memory import ENV_LIMIT
+    from mtp_engine.model.hf import check_checkpoint_fits
+
+    est = check_checkpoint_fits(need(HF), "4g64")
+    assert est["weights"] == api.load(need(HF), quantize="4g64").info.weight_bytes  # exact for this model
+    monkeypatch.setenv(ENV_LIMIT, str(est["total"] - 1))
+    with pytest.raises(MTPEngineError, match=r"qwen35-mtp-tiny: memory: not enough memory"):
+        api.load(need(HF), quantize="4g64")
