@@ -136,9 +136,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, name in zip(axes[0], models):
         sub = [r for r in rows if r["model"] == name and not r["format"].startswith("float")]
-        ax.barh([r["format"] for r in sub], [r["trunk"]["kl_mean"] for r in sub], color="tab:blue", label="trunk")
-        ax.barh([r["format"] for r in sub], [r["mtp"]["kl_mean"] for r in sub], color="tab:orange", alpha=0.5,
-                label="MTP head")
+        y = np.arange(len(sub))
+        ax.barh(y + 0.2, [r["trunk"]["kl_mean"] for r in sub], height=0.4, color="tab:blue", label="trunk")
+        ax.barh(y - 0.2, [r["mtp"]["kl_mean"] for r in sub], height=0.4, color="tab:orange", label="MTP head")
+        ax.set_yticks(y, [r["format"] for r in sub])
         ax.set_xscale("log")
         ax.set_xlabel("mean KL(float || quantized), nats")
         ax.set_title(f"{name}: {sub[0]['positions']} positions")
@@ -152,8 +153,12 @@ def main() -> None:
     ap.add_argument("--fixtures", default=str(ROOT.parent / "shared" / "fixtures"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "hf-quant"))
     ap.add_argument("--loads-only", action="store_true", help="only the load-memory table")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/hf-quant.json")
     args = ap.parse_args()
     fx, out = Path(args.fixtures), Path(args.out)
+    if args.plot_only:
+        plot(json.loads((out / "hf-quant.json").read_text())["rows"], out / "hf-quant.png")
+        return
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hf-quant-"))
     tiny = fx / "llamacpp" / "hf" / "qwen35-mtp-tiny"
