@@ -85,11 +85,12 @@ def _add_convert(sub) -> None:
     c = sub.add_parser("convert", help="HF checkpoint -> quantized MLX folder (mlx-lm layout, MTP kept) or GGUF")
     c.add_argument("src", help="HF checkpoint folder (config.json, safetensors, tokenizer files)")
     c.add_argument("out", help="output folder (or .gguf file with --gguf)")
-    c.add_argument("--q-bits", type=int, default=4, choices=[4, 8], help="bits per weight (default 4)")
-    c.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128], help="weights per scale (default 64)")
+    c.add_argument("--q-bits", type=int, default=None, choices=[4, 8], help="bits per weight (default 4)")
+    c.add_argument("--q-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="weights per scale (default 64)")
     c.add_argument("--q-output", default=None, metavar="BITS[gGROUP]|float", help="output head override")
     c.add_argument("--q-mtp", default=None, metavar="BITS[gGROUP]|float", help="MTP head override")
-    c.add_argument("--q-scales", default="float32", choices=["float32", "source"],
+    c.add_argument("--q-scales", default=None, choices=["float32", "source"],
                    help="scale/bias dtype: float32 (default; equals --quantize on load) or the checkpoint's "
                         "(bf16, as mlx_lm.convert)")
     c.add_argument("--no-quantize", action="store_true", help="copy the float tensors unquantized")
@@ -104,9 +105,15 @@ def _convert(args) -> int:
 
     from .convert import convert
 
+    given = [f"--{k.replace('_', '-')}" for k in ("q_bits", "q_group_size", "q_output", "q_mtp", "q_scales")
+             if getattr(args, k) is not None]
+    if given and (args.gguf is not None or args.no_quantize):
+        raise MTPEngineError(f"{' '.join(given)} set the MLX folder's quantization; they do not apply with "
+                             f"{'--gguf (choose its TYPE)' if args.gguf is not None else '--no-quantize'}",
+                             field="convert")
     spec = None
     if not args.no_quantize and args.gguf is None:
-        spec = f"{args.q_bits}g{args.q_group_size}"
+        spec = f"{args.q_bits or 4}g{args.q_group_size or 64}"
         if args.q_output:
             spec += f",output={args.q_output}"
         if args.q_mtp:
@@ -117,7 +124,7 @@ def _convert(args) -> int:
             print(f"\rconverting: {i}/{n} tensors", end="\n" if i == n else "", file=sys.stderr, flush=True)
 
     report = convert(args.src, args.out, quantize=spec, gguf_type=args.gguf, overwrite=args.force,
-                     scales=args.q_scales, progress=progress)
+                     scales=args.q_scales or "float32", progress=progress)
     if args.json:
         print(json.dumps(asdict(report)))
     else:

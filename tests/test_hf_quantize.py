@@ -298,6 +298,10 @@ def test_cli_convert(tmp_path, capsys):
     assert report["quantized"] == 40 and report["mtp_tensors"] == 15
     assert cli_main(["convert", str(need(HF)), str(out)]) == 2  # exists: refused without --force
     assert "not an empty folder" in capsys.readouterr().err
+    assert cli_main(["convert", str(need(HF)), str(tmp_path / "x.gguf"), "--gguf", "Q8_0", "--q-bits", "8"]) == 2
+    assert "--q-bits" in capsys.readouterr().err
+    assert cli_main(["convert", str(need(HF)), str(tmp_path / "x.gguf"), "--gguf", "Q2_K"]) == 2
+    assert "cannot write 'Q2_K'" in capsys.readouterr().err
 
 
 def test_moe_checkpoint_quantized_on_load(tmp_path):

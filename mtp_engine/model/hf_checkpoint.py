@@ -21,7 +21,8 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                  "Qwen3_5MoeForConditionalGeneration")
 INDEX_NAME = "model.safetensors.index.json"
-_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "F64": 8, "I32": 4, "U8": 1, "I8": 1}
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "U8": 1, "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
@@ -62,6 +63,8 @@ def read_header(path: str) -> dict[str, StoredTensor]:
             s, e = meta["data_offsets"]
             shape = tuple(int(d) for d in meta["shape"])
             t = StoredTensor(path, k, str(meta["dtype"]), shape)
+            if t.dtype not in _DTYPE_BYTES:
+                raise ValueError(f"tensor {k}: unknown dtype {t.dtype!r}")
             if e - s != t.nbytes or 8 + n + e > size:
                 raise ValueError(f"tensor {k}: {e - s} bytes at offset {s} do not hold {t.dtype} {list(shape)} "
                                  f"inside the {size}-byte file")
