@@ -141,7 +141,8 @@ def _f32_copy(directory):
 
 
 @pytest.mark.parametrize("spec", [None, "4g64", "8g128"], ids=lambda s: s or "float")
-def test_mlx_lm_loads_the_converted_folder(tmp_path, spec):
+def test_mlx_lm_loads_the_converted_folder(tmp_path, spec, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # local folders only: never wait on the network
     mlx_lm = pytest.importorskip("mlx_lm")
     src = _f32_copy(tmp_path)
     out = tmp_path / "mlx"
@@ -155,8 +156,9 @@ def test_mlx_lm_loads_the_converted_folder(tmp_path, spec):
     assert isinstance(text, str) and text
 
 
-def test_source_scales_equal_mlx_lm_convert(tmp_path):
+def test_source_scales_equal_mlx_lm_convert(tmp_path, monkeypatch):
     """`scales="source"` quantizes exactly as `mlx_lm.convert` (bf16 scales for a bf16 checkpoint)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pytest.importorskip("mlx_lm")
     from mlx_lm import convert as mlx_lm_convert
 
@@ -200,7 +202,11 @@ def test_gguf_output_matches_llamacpp_converter_and_quantizer(tmp_path):
     hf, _, _ = load_checkpoint(need(HF))
     g, _, _ = load_gguf(ours_f32)
     assert np.abs(_logits(g) - _logits(hf)).max() < 1e-4
-    assert api.load(ours_q8).tokenizer.encode("To be, or not") == api.load(need(HF)).tokenizer.encode("To be, or not")
+    q8 = api.load(ours_q8)
+    assert q8.tokenizer.encode("To be, or not") == api.load(need(HF)).tokenizer.encode("To be, or not")
+    plain = api.generate("To be, or not to be", q8, max_tokens=32)
+    assert api.generate("To be, or not to be", q8, max_tokens=32, spec="draft-mtp", n_max=3).token_ids == \
+        plain.token_ids
 
 
 def test_gguf_to_hf_inverts_the_conversion(tmp_path):

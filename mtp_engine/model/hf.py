@@ -22,7 +22,8 @@ from ..errors import MTPEngineError
 from .build import build_model
 from .config import Qwen35Config
 from .hf_checkpoint import HFCheckpoint
-from .hf_layout import Quantized, quantize, to_engine
+from .hf_layout import Quantized, to_engine
+from .hf_layout import quantize as quantize_tensor
 from .layers import Linear
 from .loader import LoadInfo, _hf_to_gguf_names
 from .qwen35 import Qwen35Model
@@ -176,7 +177,7 @@ class _Source:
             # evaluated here, so the float source is freed before the reordering copies the codes
             holder = [w]
             del w
-            w = quantize(holder, q[0], q[1])
+            w = quantize_tensor(holder, q[0], q[1])
         if isinstance(w, Quantized) and not matrix:
             w = w.dense()
         if not isinstance(w, Quantized) and not matrix:
@@ -225,7 +226,7 @@ class _Source:
     def _quantize_experts(self, gguf_name: str, parts: list, shape: tuple):
         q = self.spec.for_tensor(gguf_name, self.cfg.n_layer) if self.spec else None
         if q is not None and _quantizable(shape, q[1]):
-            parts = [quantize([p], q[0], q[1]) for p in parts]
+            parts = [quantize_tensor([p], q[0], q[1]) for p in parts]
         return _stack(parts)
 
     def fetch(self, name: str, shape: tuple, matrix: bool):
