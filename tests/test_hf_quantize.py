@@ -178,6 +178,26 @@ def test_source_scales_equal_mlx_lm_convert(tmp_path, monkeypatch):
         assert mx.array_equal(v, ours[k.replace("language_model.model.", "model.").replace("language_model.", "")]), k
 
 
+def test_reads_mlx_lm_conversions(tmp_path, monkeypatch):
+    """A folder made by `mlx_lm.convert` (mlx-lm's layout: `language_model.` names, conv [C, K, 1],
+    norms with the 1 added, no `mtp.*`) loads for plain decoding, equal to our own conversion."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("mlx_lm")
+    from mlx_lm import convert as mlx_lm_convert
+
+    src = _f32_copy(tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5"}))
+    mlx_lm_convert(str(src), mlx_path=str(tmp_path / "theirs"), quantize=True, q_group_size=64, q_bits=4,
+                   dtype="float32")
+    convert(src, tmp_path / "ours", "4g64")
+    theirs = api.load(tmp_path / "theirs")
+    assert theirs.model.mtp is None and theirs.info.quantization == "stored"
+    np.testing.assert_allclose(_logits(theirs.model), _logits(api.load(tmp_path / "ours").model), atol=1e-4)
+    with pytest.raises(MTPEngineError, match="no mtp"):
+        api.generate("To be", theirs, max_tokens=2, spec="draft-mtp")
+
+
 def test_gguf_output_matches_llamacpp_converter_and_quantizer(tmp_path):
     ours_f32 = tmp_path / "f32.gguf"
     convert(need(HF), ours_f32, gguf_type="F32")
