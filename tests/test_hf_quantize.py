@@ -106,9 +106,10 @@ def test_float_load_equals_llamacpp_f32_gguf_and_peak_memory_is_bounded():
     assert np.abs(_logits(m) - _logits(g)).max() < 1e-4
     for spec in (None, "4g64", "8g128"):
         _, _, info = load_checkpoint(need(HF), quantize=spec)
-        # the finished model plus the one tensor being converted (and a float32 chunk of an eighth
-        # of its size while it is quantized), nothing more
-        assert 0 < info.peak_memory_bytes <= info.weight_bytes + 1.25 * info.largest_tensor_bytes, (spec, info)
+        # the finished model plus the one tensor being converted (and the float32 chunk of 1/32 of it
+        # being quantized, and a few KiB of index arrays), nothing more
+        largest = info.largest_tensor_bytes
+        assert 0 < info.peak_memory_bytes <= info.weight_bytes + largest + largest // 32 + 4096, (spec, info)
 
 
 @pytest.mark.parametrize("spec", ["4g128", "8g32,output=float,mtp=8g64"])

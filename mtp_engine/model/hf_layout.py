@@ -69,7 +69,7 @@ class Quantized:
         return int(self.weight.nbytes + self.scales.nbytes + self.biases.nbytes)
 
 
-QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 rows converted at a time while quantizing
+QUANTIZE_CHUNK_BYTES = 16 << 20  # float32 rows converted at a time while quantizing (at most)
 
 
 def quantize(holder: list, bits: int, group_size: int, scales: str = "float32") -> Quantized:
@@ -85,9 +85,9 @@ def quantize(holder: list, bits: int, group_size: int, scales: str = "float32") 
         return q
     shape = w.shape
     flat = w.reshape(-1, shape[-1])
-    # float32 rows per chunk: at most 64 MiB and an eighth of the source, so the load's transient
-    # stays the tensor itself plus a small fraction of it
-    step = max(1, min(QUANTIZE_CHUNK_BYTES, w.nbytes // 8) // (4 * shape[-1]))
+    # float32 rows per chunk: at most 16 MiB and 1/32 of the source, so that while a tensor is
+    # quantized the load holds little beyond the tensor itself and its (smaller) quantized form
+    step = max(1, min(QUANTIZE_CHUNK_BYTES, w.nbytes // 32) // (4 * shape[-1]))
     del w
     pieces = []
     for i in range(0, flat.shape[0], step):
