@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -150,7 +151,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--fixtures", default=str(ROOT.parent / "shared" / "fixtures"))
+    ap.add_argument("--fixtures", default=os.environ.get("MTP_FIXTURES", str(ROOT.parent / "shared" / "fixtures")))
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "hf-quant"))
     ap.add_argument("--loads-only", action="store_true", help="only the load-memory table")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/hf-quant.json")
