@@ -141,7 +141,8 @@ def _f32_copy(directory):
     return directory
 
 
-@pytest.mark.parametrize("spec", [None, "4g64", "8g128"], ids=lambda s: s or "float")
+@pytest.mark.parametrize("spec", [None, "4g64", "8g128", "4g32,output=float,mtp=8g64", "4g64,output=8g32"],
+                         ids=lambda s: s or "float")
 def test_mlx_lm_loads_the_converted_folder(tmp_path, spec, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # local folders only: never wait on the network
     mlx_lm = pytest.importorskip("mlx_lm")
