@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Callable
@@ -23,7 +24,7 @@ import mlx.core as mx
 from .errors import MTPEngineError
 from .model.hf import QuantSpec, _quantizable, expected_tensors, hf_source_names
 from .model.hf_checkpoint import INDEX_NAME, HFCheckpoint
-from .model.hf_layout import quantize
+from .model.hf_layout import Quantized, quantize
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")
@@ -49,18 +50,43 @@ def _prepare_out(out: str, overwrite: bool) -> None:
     os.makedirs(out, exist_ok=True)
 
 
-def _matrix_roles(ckpt: HFCheckpoint) -> dict[str, str]:
-    """Canonical HF name -> GGUF name of every tensor the engine reads as a matrix (the ones to
-    quantize); stacked experts map to their GGUF stack name."""
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.|mtp\.layers\.0\.)mlp\.experts\.(?:(\d+)\.(gate|up|down)_proj\.weight|"
+                     r"(gate_up_proj|down_proj))$")
+
+
+def _tensors(ckpt: HFCheckpoint):
+    """(name to write, GGUF name when the engine multiplies by it, lazy float array or, for experts
+    stored one by one, the list of them), one tensor at a time. MoE experts are written stacked as
+    mlx-lm's `mlp.switch_mlp.{gate,up,down}_proj.weight` [E, out, in], whether stored per expert
+    (save_pretrained) or fused (transformers' `gate_up_proj` / `down_proj`)."""
     names = hf_source_names(ckpt.cfg)
     shapes = expected_tensors(ckpt.cfg, True, lambda n: n in names and ckpt.has(names[n]))
     roles = {names[g]: g for g, (_, matrix) in shapes.items() if matrix and g in names}
-    for h in ckpt.tensors:
-        if ".mlp.experts." in h or ".mlp.switch_mlp." in h:
-            blk = h.split(".")[2] if h.startswith("model.layers.") else str(ckpt.cfg.n_layer)
-            kind = "down" if "down_proj" in h else "up" if ".up_proj" in h else "gate"
-            roles[h] = f"blk.{blk}.ffn_{kind}_exps.weight"
-    return roles
+    done = set()
+    for name in list(ckpt.tensors):
+        m = _EXPERT.match(name)
+        if not m:
+            yield name, roles.get(name), ckpt.read(name)
+            continue
+        prefix, index, kind, fused = m.groups()
+        blk = prefix.split(".")[2] if prefix.startswith("model.") else str(ckpt.cfg.n_layer)
+
+        def out(k: str) -> tuple[str, str]:
+            return f"{prefix}mlp.switch_mlp.{k}_proj.weight", f"blk.{blk}.ffn_{k}_exps.weight"
+
+        if fused == "gate_up_proj":
+            w = ckpt.read(name)
+            f = w.shape[1] // 2
+            yield *out("gate"), w[:, :f]
+            yield *out("up"), w[:, f:]
+        elif fused == "down_proj":
+            yield *out("down"), ckpt.read(name)
+        elif (prefix, kind) not in done:
+            done.add((prefix, kind))
+            experts = []
+            while ckpt.has(f"{prefix}mlp.experts.{len(experts)}.{kind}_proj.weight"):
+                experts.append(ckpt.read(f"{prefix}mlp.experts.{len(experts)}.{kind}_proj.weight"))
+            yield *out(kind), experts
 
 
 def mlx_config(raw: dict, spec: QuantSpec | None) -> dict:
@@ -98,7 +124,6 @@ def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quant: QuantS
         raise MTPEngineError("expected an HF float checkpoint; this folder is already in MLX form", file=ckpt.directory)
     out = str(out)
     _prepare_out(out, overwrite)
-    roles = _matrix_roles(ckpt)
     report = ConvertReport(out=out)
     shard: dict[str, mx.array] = {}
     shard_size = 0
@@ -116,22 +141,23 @@ def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quant: QuantS
         report.bytes_written += os.path.getsize(tmp)
         shard, shard_size = {}, 0
 
-    names = list(ckpt.tensors)
-    for i, name in enumerate(names):
-        if name.endswith((".scales", ".biases")):
-            continue
-        role = roles.get(name)
-        t = ckpt.tensors[name]
-        holder = [ckpt.read(name)]
+    n_stored = sum(not n.endswith((".scales", ".biases")) for n in ckpt.tensors)
+    for name, role, w in _tensors(ckpt):
+        parts = w if isinstance(w, list) else [w]  # experts one by one are quantized one by one
+        del w
         q = spec.for_tensor(role, ckpt.cfg.n_layer) if spec and role else None
-        if q is not None and _quantizable(t.shape, q[1]):
-            qw = quantize(holder, q[0], q[1], scales)
+        if q is not None and _quantizable(parts[0].shape, q[1]):
+            qs = [quantize([parts.pop(0)], q[0], q[1], scales) for _ in range(len(parts))]
+            qw = qs[0] if len(qs) == 1 else Quantized(*(mx.stack([getattr(x, k) for x in qs]) for k in
+                                                         ("weight", "scales", "biases")), q[0], q[1])
+            del qs
             stem = name[: -len(".weight")]
             arrays = {stem + ".weight": qw.weight, stem + ".scales": qw.scales, stem + ".biases": qw.biases}
             report.quantized += 1
         else:
-            arrays = {name: holder.pop()}
+            arrays = {name: parts.pop() if len(parts) == 1 else mx.stack(parts)}
         mx.eval(list(arrays.values()))
+        mx.clear_cache()
         report.tensors += 1
         report.mtp_tensors += name.startswith("mtp.")
         size = sum(a.nbytes for a in arrays.values())
@@ -140,7 +166,7 @@ def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quant: QuantS
         shard.update(arrays)
         shard_size += size
         if progress:
-            progress(i + 1, len(names))
+            progress(min(report.tensors, n_stored), n_stored)
     flush()
     weight_map = {}
     for k, (tmp, keys) in enumerate(written):

@@ -332,9 +332,10 @@ def test_cli_convert(tmp_path, capsys):
     assert "cannot write 'Q2_K'" in capsys.readouterr().err
 
 
-def test_moe_checkpoint_quantized_on_load(tmp_path):
+def test_moe_checkpoint_quantized_on_load(tmp_path, monkeypatch):
     """Qwen3.5-MoE: per-expert (save_pretrained) and fused (transformers in-memory) expert layouts
-    quantize to the same stacked experts; greedy draft-mtp equals plain decoding."""
+    quantize to the same stacked experts, on load and through the converter (mlx-lm's stacked
+    `switch_mlp` layout, which mlx-lm loads); greedy draft-mtp equals plain decoding."""
     from test_moe import MOE, _hf_checkpoint
     from test_moe import _load as load_moe_gguf
 
@@ -353,6 +354,16 @@ def test_moe_checkpoint_quantized_on_load(tmp_path):
     plain = api.generate([5, 6, 7, 8], runs[0], max_tokens=24, ignore_eos=True)
     spec = api.generate([5, 6, 7, 8], runs[0], max_tokens=24, spec="draft-mtp", n_max=3, ignore_eos=True)
     assert spec.token_ids == plain.token_ids
+    for layout in ("per-expert", "fused"):
+        out = tmp_path / f"mlx-{layout}"
+        convert(tmp_path / layout, out, "8g64")
+        converted = api.load(out)
+        assert converted.model.mtp is not None
+        assert np.array_equal(_logits(converted.model), _logits(runs[0].model))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    theirs, _ = mlx_lm.load(str(tmp_path / "mlx-fused"))  # float32 checkpoint: mlx-lm computes in float32
+    assert np.abs(np.array(theirs(_tokens())[0]) - _logits(converted.model)).max() < 1e-3
 
 
 def test_memory_check_refuses_a_checkpoint_that_cannot_fit(monkeypatch):

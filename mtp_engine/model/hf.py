@@ -80,9 +80,15 @@ class QuantSpec:
         return cls(bits=main[0], group_size=main[1], **kw)
 
     def for_tensor(self, gguf_name: str, n_layer: int) -> tuple[int, int] | None:
+        """(bits, group_size) for the matrix `gguf_name`, or None to keep it in float. An MoE
+        router (`ffn_gate_inp`: a few rows that pick the experts) gets 8 bits, group 64, as in
+        mlx-lm, unless its head is kept in float."""
         role = self.output if gguf_name == "output.weight" else \
             self.mtp if gguf_name.startswith(f"blk.{n_layer}.") else "same"
-        return (self.bits, self.group_size) if role == "same" else role
+        q = (self.bits, self.group_size) if role == "same" else role
+        if q is not None and gguf_name.endswith("ffn_gate_inp.weight"):
+            return (8, 64)
+        return q
 
     def describe(self) -> str:
         def one(v):
