@@ -360,6 +360,10 @@ def test_moe_checkpoint_quantized_on_load(tmp_path, monkeypatch):
         converted = api.load(out)
         assert converted.model.mtp is not None
         assert np.array_equal(_logits(converted.model), _logits(runs[0].model))
+    convert(tmp_path / "fused", tmp_path / "moe.gguf", gguf_type="F32")  # qwen35moe GGUF: same model
+    g, _, _ = load_gguf(tmp_path / "moe.gguf")
+    f, _, _ = load_checkpoint(tmp_path / "fused")
+    assert np.array_equal(_logits(g), _logits(f))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     mlx_lm = pytest.importorskip("mlx_lm")
     theirs, _ = mlx_lm.load(str(tmp_path / "mlx-fused"))  # float32 checkpoint: mlx-lm computes in float32
