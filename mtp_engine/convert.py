@@ -22,7 +22,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .errors import MTPEngineError
-from .model.hf import QuantSpec, _quantizable, expected_tensors, hf_source_names
+from .model.hf import QuantSpec, expected_tensors, hf_source_names, quantizable
 from .model.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from .model.hf_layout import Quantized, quantize
 
@@ -146,7 +146,7 @@ def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quant: QuantS
         parts = w if isinstance(w, list) else [w]  # experts one by one are quantized one by one
         del w
         q = spec.for_tensor(role, ckpt.cfg.n_layer) if spec and role else None
-        if q is not None and _quantizable(parts[0].shape, q[1]):
+        if q is not None and quantizable(parts[0].shape, q[1]):
             qs = [quantize([parts.pop(0)], q[0], q[1], scales) for _ in range(len(parts))]
             qw = qs[0] if len(qs) == 1 else Quantized(*(mx.stack([getattr(x, k) for x in qs]) for k in
                                                          ("weight", "scales", "biases")), q[0], q[1])

@@ -22,7 +22,7 @@ from mtp_engine.cli import main as cli_main
 from mtp_engine.convert import convert
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.to_hf import gguf_to_hf
-from mtp_engine.model.hf import QuantSpec, _Source, expected_tensors, load_checkpoint
+from mtp_engine.model.hf import QuantSpec, TensorSource, expected_tensors, load_checkpoint
 from mtp_engine.model.hf_checkpoint import HFCheckpoint
 from mtp_engine.model.loader import load_gguf
 
@@ -51,7 +51,7 @@ def test_loaded_tensors_match_llamacpp_conversion(spec):
     quantized, with the codes kept packed."""
     ref = _gguf_tensors(need(F32_GGUF))
     ckpt = HFCheckpoint(need(HF))
-    src = _Source(ckpt, QuantSpec.parse(spec))
+    src = TensorSource(ckpt, QuantSpec.parse(spec))
     n_quantized = 0
     for name, (shape, matrix) in expected_tensors(ckpt.cfg, True, src.has).items():
         out = src.fetch(name, shape, matrix)

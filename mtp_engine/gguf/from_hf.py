@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFile
 from gguf import quants as gq
 
 from ..errors import MTPEngineError
-from ..model.hf import _Source, expected_tensors
+from ..model.hf import TensorSource, expected_tensors
 from ..model.hf_checkpoint import HFCheckpoint
 from ..tokenizer import Tokenizer
 from .writer import _KEEP_F32, WRITABLE
@@ -142,7 +142,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, qtype: str = "BF1
         raise MTPEngineError("output file exists (pass overwrite=True / --force)", file=out)
     target = GGMLQuantizationType[qtype]
     ckpt = HFCheckpoint(src)
-    src_reader = _Source(ckpt, None)
+    src_reader = TensorSource(ckpt, None)
     n_mtp = ckpt.cfg.n_mtp if ckpt.has_mtp else 0
     plan = expected_tensors(ckpt.cfg, n_mtp > 0, src_reader.has)
     for name, (shape, matrix) in plan.items():

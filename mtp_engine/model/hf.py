@@ -117,7 +117,8 @@ class HFLoadInfo(LoadInfo):
     has_mtp_tensors: bool = False
 
 
-def _quantizable(shape: tuple, group: int) -> bool:
+def quantizable(shape: tuple, group: int) -> bool:
+    """A matrix whose rows split into whole groups (MLX's quantized kernels need that)."""
     return len(shape) >= 2 and shape[-1] % group == 0
 
 
@@ -141,8 +142,9 @@ def hf_source_names(cfg: Qwen35Config) -> dict[str, str]:
             and not g.endswith(("_exps.weight", "ffn_gate_up_exps"))}
 
 
-class _Source:
-    """Reads one engine tensor from the checkpoint: quantized as the spec says, in engine order."""
+class TensorSource:
+    """The engine's tensors (GGUF names) read from a checkpoint one at a time: quantized as the
+    spec says, in the engine's conventions; `fetch` is `build_model`'s source."""
 
     def __init__(self, ckpt: HFCheckpoint, spec: QuantSpec | None):
         self.ckpt, self.spec, self.cfg = ckpt, spec, ckpt.cfg
@@ -179,7 +181,7 @@ class _Source:
             raise MTPEngineError("this checkpoint is already quantized; load it without quantize=",
                                  file=t.file, field=t.key)
         q = self.spec.for_tensor(gguf_name, self.cfg.n_layer) if self.spec and matrix else None
-        if q is not None and _quantizable(shape, q[1]):
+        if q is not None and quantizable(shape, q[1]):
             # evaluated here, so the float source is freed before the reordering copies the codes
             holder = [w]
             del w
@@ -231,7 +233,7 @@ class _Source:
 
     def _quantize_experts(self, gguf_name: str, parts: list, shape: tuple):
         q = self.spec.for_tensor(gguf_name, self.cfg.n_layer) if self.spec else None
-        if q is not None and _quantizable(shape, q[1]):
+        if q is not None and quantizable(shape, q[1]):
             parts = [quantize_tensor([p], q[0], q[1]) for p in parts]
         return _stack(parts)
 
@@ -270,7 +272,7 @@ def load_checkpoint(directory: str | os.PathLike, quantize: QuantSpec | str | in
     `QuantSpec.parse`). A checkpoint without `mtp.*` tensors loads without its MTP head."""
     spec = QuantSpec.parse(quantize)
     ckpt = HFCheckpoint(directory)
-    src = _Source(ckpt, spec)
+    src = TensorSource(ckpt, spec)
     info = HFLoadInfo(path=ckpt.directory, file_bytes=ckpt.file_bytes(), has_mtp_tensors=ckpt.has_mtp,
                       quantization=spec.describe() if spec else ("stored" if ckpt.quantized else "none"))
     for t in ckpt.tensors.values():
@@ -307,7 +309,7 @@ def load_checkpoint(directory: str | os.PathLike, quantize: QuantSpec | str | in
 def estimate_checkpoint(ckpt: HFCheckpoint, spec: QuantSpec | None, load_mtp: bool = True) -> dict[str, int]:
     """Bytes the loaded weights will take (from the headers alone), and the load's transient: the
     largest stored tensor, held beside the model while it is converted."""
-    src = _Source(ckpt, spec)
+    src = TensorSource(ckpt, spec)
     weights = 0
     for name, (shape, matrix) in expected_tensors(ckpt.cfg, load_mtp and ckpt.has_mtp, src.has).items():
         n = math.prod(shape)
@@ -316,7 +318,7 @@ def estimate_checkpoint(ckpt: HFCheckpoint, spec: QuantSpec | None, load_mtp: bo
         if t is not None and t.dtype == "U32":  # stored quantized: codes, then float32 scales and biases
             scales = ckpt.tensors.get(src.names[name][: -len(".weight")] + ".scales")
             weights += t.nbytes + (2 * 4 * math.prod(scales.shape) if scales else 0)
-        elif q is not None and _quantizable(shape, q[1]):
+        elif q is not None and quantizable(shape, q[1]):
             weights += n * q[0] // 8 + 8 * n // q[1]
         elif matrix:
             weights += n * (4 if t is not None and t.dtype == "F32" else 2)
