@@ -66,18 +66,27 @@ DEFAULT_MAX_CONTEXT = 32768
 
 
 def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True,
-         max_context: int | None = None) -> Model:
-    """Loads a Qwen3.5 GGUF file (default: the model in `models/`). `exact=True` keeps Q6_K tensors in
-    float32 so every weight equals llama.cpp's dequantization. `max_context` caps the context a
-    generation may use (default: the model's, up to 32768 positions); the memory check assumes it.
-    Refuses (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that
-    context exceeds what is available."""
+         max_context: int | None = None, quantize: str | int | None = None) -> Model:
+    """Loads a Qwen3.5 GGUF file (default: the model in `models/`) or an HF checkpoint folder
+    (config.json + safetensors, or a folder written by `mtp-engine convert`). `exact=True` keeps
+    Q6_K tensors in float32 so every weight equals llama.cpp's dequantization. `quantize` (folders
+    only: `4`, `8`, `"4g32"`, `"4g64,output=8g64,mtp=float"`, a `QuantSpec`; see
+    `mtp_engine.model.hf.QuantSpec`) quantizes float matrices as they are read; unquantized ones
+    keep their dtype (bf16 stays bf16). `max_context` caps the context a generation may use
+    (default: the model's, up to 32768 positions); the memory check assumes it. Refuses
+    (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that context
+    exceeds what is available."""
     t0 = time.perf_counter()
     p = Path(path) if path is not None else default_model_path()
     calibration.persist_kernel_cache()  # before the first CUDA kernel is compiled
     if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
                                     or max_context < 1):
         raise MTPEngineError(f"expected a positive integer, found {max_context!r}", field="max_context")
+    if p.is_dir():
+        return _load_checkpoint(p, quantize, load_mtp, max_context, t0)
+    if quantize is not None:
+        raise MTPEngineError("quantize= applies to HF checkpoint folders; a GGUF file keeps its own tensor types",
+                             file=str(p), field="quantize")
     # refuse before any weight is read: a model that cannot fit would otherwise end in the OOM killer;
     # 262k-context models would be refused on small machines if the check assumed their full context
     ctx = min(estimate(p, exact, load_mtp=load_mtp)["context"], max_context or DEFAULT_MAX_CONTEXT)
@@ -86,6 +95,21 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     model.cfg.context_length = min(model.cfg.context_length, ctx)
     tok = Tokenizer.from_gguf(gf.reader, gf.path)
     return Model(model, tok, info, gf.path, time.perf_counter() - t0)
+
+
+def _load_checkpoint(p: Path, quantize, load_mtp: bool, max_context: int | None, t0: float) -> Model:
+    from .model.hf import check_checkpoint_fits, load_checkpoint
+
+    check_checkpoint_fits(p, quantize, load_mtp)
+    tok_path = p / "tokenizer.json"
+    if not tok_path.is_file():
+        raise MTPEngineError("missing tokenizer.json: a checkpoint folder needs its tokenizer", file=str(tok_path))
+    tok = Tokenizer.from_hf_file(str(tok_path))
+    model, _, info = load_checkpoint(p, quantize=quantize, load_mtp=load_mtp)
+    model.cfg.context_length = min(model.cfg.context_length, max_context or DEFAULT_MAX_CONTEXT)
+    # device costs are cached per model file; a folder quantized on load is its own model
+    path = str(p) if quantize is None else f"{p}?quantize={info.quantization}"
+    return Model(model, tok, info, path, time.perf_counter() - t0)
 
 
 def _resolve(model) -> Model:
@@ -135,6 +159,10 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     else:
         raise MTPEngineError(f"expected text or a list of token ids, found {type(prompt).__name__}", field="prompt")
     prof = Profiler(profile or "off")
+    if spec == "draft-mtp" and m.model.mtp is None and getattr(m.info, "has_mtp_tensors", True) is False:
+        raise MTPEngineError("draft-mtp needs the MTP head, and this checkpoint has no mtp.* tensors (mlx-lm's "
+                             "convert drops them; convert the HF checkpoint with `mtp-engine convert`)",
+                             file=m.info.path, field="spec")
     if spec == "draft-mtp":
         scheduler = None
         if params.auto:

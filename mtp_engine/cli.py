@@ -36,6 +36,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--spec-draft-n-min", type=int, default=0)
     g.add_argument("--spec-draft-p-min", type=float, default=0.0)
     g.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
+    g.add_argument("--quantize", default=None, metavar="SPEC",
+                   help="HF checkpoint folders: quantize while loading, e.g. 4, 8g32, 4g64,output=8g64,mtp=float")
     g.add_argument("--profile", nargs="?", const="precise", default=None, choices=["round", "precise"],
                    help="print a per-stage time table")
     g.add_argument("--profile-out", default=None, help="write the stage profile to FILE (.json or .csv)")
@@ -79,6 +81,59 @@ def _add_bench(sub) -> None:
     b.add_argument("--exact", action="store_true")
 
 
+def _add_convert(sub) -> None:
+    c = sub.add_parser("convert", help="HF checkpoint -> quantized MLX folder (mlx-lm layout, MTP kept) or GGUF")
+    c.add_argument("src", help="HF checkpoint folder (config.json, safetensors, tokenizer files)")
+    c.add_argument("out", help="output folder (or .gguf file with --gguf)")
+    c.add_argument("--q-bits", type=int, default=None, choices=[4, 8], help="bits per weight (default 4)")
+    c.add_argument("--q-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="weights per scale (default 64)")
+    c.add_argument("--q-output", default=None, metavar="BITS[gGROUP]|float", help="output head override")
+    c.add_argument("--q-mtp", default=None, metavar="BITS[gGROUP]|float", help="MTP head override")
+    c.add_argument("--q-scales", default=None, choices=["float32", "source"],
+                   help="scale/bias dtype: float32 (default; equals --quantize on load) or the checkpoint's "
+                        "(bf16, as mlx_lm.convert)")
+    c.add_argument("--no-quantize", action="store_true", help="copy the float tensors unquantized")
+    c.add_argument("--gguf", nargs="?", const="BF16", default=None, metavar="TYPE",
+                   help="write one GGUF file instead: F32, F16, BF16 (default), Q8_0, Q4_0, Q4_1, Q5_0, Q5_1")
+    c.add_argument("--force", action="store_true", help="overwrite an existing output")
+    c.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def _convert(args) -> int:
+    from dataclasses import asdict
+
+    from .convert import convert
+
+    given = [f"--{k.replace('_', '-')}" for k in ("q_bits", "q_group_size", "q_output", "q_mtp", "q_scales")
+             if getattr(args, k) is not None]
+    if given and (args.gguf is not None or args.no_quantize):
+        raise MTPEngineError(f"{' '.join(given)} set the MLX folder's quantization; they do not apply with "
+                             f"{'--gguf (choose its TYPE)' if args.gguf is not None else '--no-quantize'}",
+                             field="convert")
+    spec = None
+    if not args.no_quantize and args.gguf is None:
+        spec = f"{args.q_bits or 4}g{args.q_group_size or 64}"
+        if args.q_output:
+            spec += f",output={args.q_output}"
+        if args.q_mtp:
+            spec += f",mtp={args.q_mtp}"
+
+    def progress(i: int, n: int) -> None:
+        if not args.json and (i == n or i % max(n // 20, 1) == 0):
+            print(f"\rconverting: {i}/{n} tensors", end="\n" if i == n else "", file=sys.stderr, flush=True)
+
+    report = convert(args.src, args.out, quantize=spec, gguf_type=args.gguf, overwrite=args.force,
+                     scales=args.q_scales or "float32", progress=progress)
+    if args.json:
+        print(json.dumps(asdict(report)))
+    else:
+        print(f"wrote {report.out}: {report.tensors} tensors ({report.quantized} quantized, {report.mtp_tensors} "
+              f"of the MTP head), {report.bytes_written / 2**20:.1f} MiB; peak memory "
+              f"{report.peak_memory_bytes / 2**20:.1f} MiB")
+    return 0
+
+
 def _generate(args) -> int:
     from . import api
 
@@ -91,7 +146,7 @@ def _generate(args) -> int:
             raise MTPEngineError(f"cannot read prompt file: {e.strerror}", file=args.file) from None
     if prompt is None:
         raise MTPEngineError("no prompt: give -p TEXT or -f FILE", field="prompt")
-    model = api.load(args.model, exact=args.exact)
+    model = api.load(args.model, exact=args.exact, quantize=args.quantize)
     kwargs = dict(max_tokens=args.max_tokens, spec=args.spec_type, n_max=args.spec_draft_n_max,
                   n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, temperature=args.temp,
                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
@@ -188,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
     _add_bench(sub)
+    _add_convert(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -196,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "convert":
+            return _convert(args)
     except MTPEngineError as e:
         msg = str(e).replace("\r", "\\r").replace("\n", "\\n")  # always one line
         print(f"mtp-engine: error: {msg}", file=sys.stderr)

@@ -75,7 +75,9 @@ class Linear:
         if self.quantized:
             return mx.dequantize(self.weight[ids], self.scales[ids], self.biases[ids],
                                  group_size=self.group_size, bits=self.bits)
-        return self.weight[ids]
+        rows = self.weight[ids]
+        # a bf16 table (HF checkpoints keep bf16) must not turn the float32 hidden stream into bf16
+        return rows if rows.dtype == mx.float32 else rows.astype(mx.float32)
 
     def nbytes(self) -> int:
         n = self.weight.nbytes

@@ -7,9 +7,7 @@ experts ([n_expert, out, in]) are repacked as one matrix of n_expert*out rows, t
 """
 from __future__ import annotations
 
-import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -106,24 +104,6 @@ def load_gguf(path: str | os.PathLike, exact: bool = False, load_mtp: bool = Tru
 
 # transformers' fused in-memory expert layout: gate_up_proj [E, 2F, H] = cat(gate, up) along dim 1
 _FUSED_GATE_UP = "ffn_gate_up_exps"
-# save_pretrained's per-expert layout
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.|mtp\.layers\.0\.)mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
-def _stack_experts(per_expert: dict[str, dict[int, np.ndarray]], tensors: dict[str, np.ndarray],
-                   cfg: Qwen35Config, source: str) -> None:
-    """Stacks per-expert HF matrices into GGUF's [n_expert, out, in] tensors (expert index
-    outermost, as llama.cpp's converter does) and splits a fused gate_up_proj."""
-    for name, experts in per_expert.items():
-        if sorted(experts) != list(range(cfg.n_expert)):
-            raise MTPEngineError(f"expected experts 0..{cfg.n_expert - 1}, found {sorted(experts)!r:.80}",
-                                 file=source, field=name)
-        tensors[name] = np.stack([experts[e] for e in range(cfg.n_expert)])
-    for name in [n for n in tensors if n.endswith(_FUSED_GATE_UP)]:
-        gate_up = tensors.pop(name)
-        f = gate_up.shape[1] // 2
-        base = name[: -len(_FUSED_GATE_UP)]
-        tensors[base + "ffn_gate_exps.weight"], tensors[base + "ffn_up_exps.weight"] = gate_up[:, :f], gate_up[:, f:]
 
 
 def _hf_to_gguf_names(cfg: Qwen35Config) -> dict[str, str]:
@@ -159,112 +139,9 @@ def _hf_to_gguf_names(cfg: Qwen35Config) -> dict[str, str]:
     return m
 
 
-def _hf_convert(name: str, w: np.ndarray, cfg: Qwen35Config) -> np.ndarray:
-    """Applies the converter's conventions so HF tensors equal their GGUF twins."""
-    w = w.astype(np.float32)
-    kh, vh = cfg.ssm_key_heads, cfg.ssm_value_heads
-    r = vh // kh
-
-    def tile_heads(x: np.ndarray, axis: int, per_head: int) -> np.ndarray:
-        # grouped order (head h reads key head h // r) -> tiled order (h reads key head h % kh)
-        x = np.moveaxis(x, axis, 0)
-        rest = x.shape[1:]
-        x = x.reshape(kh, r, per_head, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest)))
-        return np.moveaxis(x.reshape(vh * per_head, *rest), 0, axis)
-
-    base = name.rsplit(".", 1)[-1] if name.endswith("ssm_a") else name.split(".", 2)[-1]
-    if name.endswith("ssm_a"):
-        return tile_heads(-np.exp(w), 0, 1)
-    if name.endswith(("attn_norm.weight", "post_attention_norm.weight", "q_norm.weight", "k_norm.weight",
-                      "output_norm.weight", "enorm.weight", "hnorm.weight", "shared_head_norm.weight")):
-        return w + 1.0
-    vd = cfg.ssm_value_dim
-    nqk = 2 * kh * cfg.ssm_key_dim
-    if base == "ssm_conv1d.weight":
-        w = w.reshape(w.shape[0], -1)
-        return np.concatenate([w[:nqk], tile_heads(w[nqk:], 0, vd)], axis=0)
-    if base == "attn_qkv.weight":
-        return np.concatenate([w[:nqk], tile_heads(w[nqk:], 0, vd)], axis=0)
-    if base == "attn_gate.weight":
-        return tile_heads(w, 0, vd)
-    if base in ("ssm_alpha.weight", "ssm_beta.weight", "ssm_dt.bias"):
-        return tile_heads(w, 0, 1)
-    if base == "ssm_out.weight":
-        return tile_heads(w, 1, vd)
-    return w
-
-
 def load_hf(directory: str | os.PathLike, load_mtp: bool = True) -> Qwen35Model:
-    """Loads an HF `Qwen3_5ForCausalLM` or `Qwen3_5MoeForCausalLM` checkpoint (config.json +
-    *.safetensors with `mtp.*`)."""
-    from safetensors.numpy import load_file
+    """Loads an HF `Qwen3_5ForCausalLM` or `Qwen3_5MoeForCausalLM` checkpoint folder unquantized
+    (bf16 matrices stay bf16); `mtp_engine.model.hf.load_checkpoint` also quantizes on load."""
+    from .hf import load_checkpoint
 
-    directory = str(directory)
-    cfg_path = os.path.join(directory, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise MTPEngineError("expected a config.json in the checkpoint directory", file=directory)
-    try:
-        with open(cfg_path) as f:
-            raw_cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise MTPEngineError(f"unreadable JSON: {e}", file=cfg_path) from None
-    cfg = Qwen35Config.from_hf(raw_cfg, cfg_path)
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    if not files:
-        raise MTPEngineError("no *.safetensors files found", file=directory)
-    names = _hf_to_gguf_names(cfg)
-    blocks = {f"model.layers.{i}.": f"blk.{i}." for i in range(cfg.n_layer)} | {"mtp.layers.0.": f"blk.{cfg.n_layer}."}
-    tensors: dict[str, np.ndarray] = {}
-    per_expert: dict[str, dict[int, np.ndarray]] = {}
-    for fn in files:
-        try:
-            data = _load_safetensors(os.path.join(directory, fn))
-        except Exception as e:
-            raise MTPEngineError(f"unreadable safetensors file ({e})", file=os.path.join(directory, fn)) from None
-        for k, v in data.items():
-            if k in names:
-                tensors[names[k]] = _hf_convert(names[k], v, cfg)
-            elif (m := _EXPERT_RE.match(k)) and m.group(1) in blocks:
-                name = f"{blocks[m.group(1)]}ffn_{m.group(3)}_exps.weight"
-                per_expert.setdefault(name, {})[int(m.group(2))] = v.astype(np.float32)
-    _stack_experts(per_expert, tensors, cfg, directory)
-    del load_file
-
-    def fetch(name: str, shape: tuple, matrix: bool):
-        if name not in tensors:
-            raise MTPEngineError("required tensor is missing", file=directory, field=name)
-        w = tensors[name]
-        lead = w.ndim - len(shape)
-        if lead > 0 and all(n == 1 for n in w.shape[:lead]) and tuple(w.shape[lead:]) == tuple(shape):
-            w = w.reshape(shape)  # e.g. shared_expert_gate [1, H], read as [H] as llama.cpp does
-        if tuple(w.shape) != tuple(shape):
-            raise MTPEngineError(f"unexpected shape: expected {list(shape)}, found {list(w.shape)}",
-                                 file=directory, field=name)
-        return Linear(mx.array(w)) if matrix else mx.array(w)
-
-    return build_model(cfg, fetch, lambda n: n in tensors, load_mtp=load_mtp)
-
-
-def _load_safetensors(path: str) -> dict[str, np.ndarray]:
-    """safetensors' numpy loader cannot hold bf16; read bf16 as its upper-16-bit float32 twin."""
-    import struct
-
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        base = 8 + n
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    out = {}
-    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
-    for k, meta in header.items():
-        if k == "__metadata__":
-            continue
-        dt = dtypes.get(meta["dtype"])
-        if dt is None:
-            raise MTPEngineError(f"unsupported dtype {meta['dtype']}", file=path, field=k)
-        s, e = meta["data_offsets"]
-        arr = mm[base + s: base + e].view(dt).reshape(meta["shape"])
-        if meta["dtype"] == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[k] = np.asarray(arr, dtype=np.float32)
-    return out
+    return load_checkpoint(directory, None, load_mtp)[0]
