@@ -57,7 +57,7 @@ WORKER_MEMORY_CAP = 8 << 30  # address-space cap: a runaway allocation fails in 
 def default_fixtures() -> Path:
     env = os.environ.get("MTP_FIXTURES")
     for c in ([Path(env)] if env else []) + [ROOT.parent / "shared" / "fixtures", ROOT / "shared" / "fixtures",
-                                              Path("/work/shared/fixtures")]:
+                                              ROOT / "tests" / "fixtures"]:
         if (c / "llamacpp").is_dir():
             return c / "llamacpp"
     raise SystemExit("fixtures not found: set MTP_FIXTURES")

@@ -11,11 +11,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+VENDORED = ROOT / "tests" / "fixtures"
+
+
 def fixtures_dir() -> Path:
-    """$MTP_FIXTURES, else the `shared/fixtures` folder beside (or inside) the checkout."""
+    """$MTP_FIXTURES, else the `shared/fixtures` folder beside (or inside) the checkout, else the
+    small set vendored in `tests/fixtures` (a bare clone still checks llama.cpp parity with it)."""
     env = os.environ.get("MTP_FIXTURES")
     candidates = [Path(env)] if env else []
-    candidates += [ROOT.parent / "shared" / "fixtures", ROOT / "shared" / "fixtures", Path("/work/shared/fixtures")]
+    candidates += [ROOT.parent / "shared" / "fixtures", ROOT / "shared" / "fixtures", VENDORED]
     for c in candidates:
         if (c / "llamacpp").is_dir():
             return c

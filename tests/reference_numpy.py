@@ -2,7 +2,7 @@
 (``qwen35``) or mixture-of-experts (``qwen35moe``, see ``moe_ffn``).
 
 This module is a test oracle for the MLX engine. It is written directly from the model
-math (see /work/shared/reference/qwen35-gguf.md), deliberately simple and slow: every
+math (see ../shared/reference/qwen35-gguf.md), deliberately simple and slow: every
 token is processed on its own, in float64, with the model state kept explicit so that a
 test can step token by token and inspect it.
 

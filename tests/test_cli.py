@@ -15,7 +15,9 @@ from conftest import TINY, need
 from mtp_engine import generate, load
 from mtp_engine.cli import main
 
-TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
+# the Q8_0 file of the full fixture set, else the Q4_K_M one vendored in tests/fixtures
+TINY_Q8 = next((p for p in (TINY / "qwen35-mtp-tiny-Q8_0.gguf", TINY / "qwen35-mtp-tiny-Q4_K_M.gguf") if p.exists()),
+               TINY / "qwen35-mtp-tiny-Q8_0.gguf")
 PROMPT = "To be"
 
 

@@ -1,5 +1,5 @@
 """qwen35moe: loading, the MoE block against a float64 NumPy reference, and the whole model against
-llama.cpp on the tiny Qwen3.5-MoE fixture (/work/shared/fixtures/llamacpp-moe, see its README).
+llama.cpp on the tiny Qwen3.5-MoE fixture (../shared/fixtures/llamacpp-moe, see its README).
 
 The fixture's Q4_K_M file is compared with the references of its exact-dequantized twin
 (`.dequant.*`): in exact mode every weight equals llama.cpp's dequantization, so logits, routing,

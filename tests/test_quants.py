@@ -6,7 +6,6 @@ The reference is ``gguf.quants.dequantize``. Every lossless type must match it b
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -22,12 +21,13 @@ try:
 except ImportError:  # pytest run from outside the repo without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from conftest import fixtures_dir
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf import quants
 from mtp_engine.gguf.quants import QuantizedWeight, repack, repack_float
 
 QT = gguf.GGMLQuantizationType
-FIXTURES = Path(os.environ.get("MTP_FIXTURES", "/work/shared/fixtures")) / "llamacpp"
+FIXTURES = fixtures_dir() / "llamacpp"
 
 EXACT_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K]
 EXPECTED_BITS = {QT.Q8_0: 8, QT.Q4_0: 4, QT.Q4_1: 4, QT.Q5_0: 5, QT.Q5_1: 5, QT.Q4_K: 4, QT.Q5_K: 5}

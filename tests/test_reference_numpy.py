@@ -1,6 +1,6 @@
 """Validates the float64 NumPy reference (tests/reference_numpy.py) against llama.cpp.
 
-References: /work/shared/fixtures/llamacpp (see its README). The f32 file is compared with
+References: ../shared/fixtures/llamacpp (see its README). The f32 file is compared with
 qwen35-mtp-tiny-f32.logits.npz (trunk, teacher-forced MTP and the 3-step draft chain); the
 Q4_K_M file with its exact-dequantized reference qwen35-mtp-tiny-Q4_K_M.dequant.logits.npz.
 Run with ``pytest -s`` to see the max errors.

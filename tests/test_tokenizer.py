@@ -15,10 +15,11 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import fixtures_dir
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.tokenizer import StreamingDetokenizer, Tokenizer
 
-FIXTURES = "/work/shared/fixtures"
+FIXTURES = str(fixtures_dir())
 TINY_GGUF = f"{FIXTURES}/llamacpp/qwen35-mtp-tiny-f32.gguf"
 TINY_REF = f"{FIXTURES}/llamacpp/qwen35-mtp-tiny-f32.gguf.ref.json"
 TINY_HF = f"{FIXTURES}/llamacpp/hf/qwen35-mtp-tiny/tokenizer.json"
