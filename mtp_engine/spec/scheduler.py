@@ -263,8 +263,9 @@ class DraftLengthScheduler:
         t0 = self.step_seconds(b)
         if t0 is None:
             return {}
-        out = {k: self._median(k, b) / t0 for k in range(1, self.k_max + 1) if self._median(k, b) is not None}
-        return out
+        # steady rounds only: a probe's time carries the catch-up of a plain stretch
+        return {k: self._median(k, b, True) / t0 for k in range(1, self.k_max + 1)
+                if self._median(k, b, True) is not None}
 
     def message(self) -> str | None:
         """Why auto did not draft, when it did not (shown once, in the stats)."""
