@@ -191,7 +191,7 @@ class DraftLengthScheduler:
 
     def _probe_allowed(self) -> bool:
         """A probe costs about t(1) - t(0) (plus its catch-up rows: once probes were timed, their
-        mean extra time is the estimate); allowed while probes' extra time stays within the budget
+        median extra time is the estimate); allowed while probes' extra time stays within the budget
         share of the decode time so far, so it can exceed it by at most the first probe's excess
         over its estimate. Never once drafting was measured unable to pay even at full acceptance."""
         if self._measured_drafting() and not self.can_win:
@@ -201,7 +201,7 @@ class DraftLengthScheduler:
             return False
         cost = max(self.round_steps(1) - 1.0, 0.0) * t0
         if self._probe_times:  # what probes really cost here (their catch-up rows included)
-            cost = max(cost, self.probe_seconds / len(self._probe_times))
+            cost = max(cost, statistics.median(self._probe_times) - t0)
         return self.probe_seconds + cost <= self.budget * self.decode_seconds
 
     # ---- observations -----------------------------------------------------------------------
