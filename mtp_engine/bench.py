@@ -108,7 +108,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     m = api.load(cfg.model, exact=cfg.exact)
     prompts = cfg.prompts or DEFAULT_PROMPTS
     configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
-    bar = Progress(cfg.repeats + len(configs))
+    bar = Progress(len(configs) + cfg.repeats * len(prompts))
     # the profiled pass first: it is the warm-up too (first use of each shape compiles there)
     profiled: dict = {}
     for c in configs:
@@ -128,11 +128,11 @@ def run_bench(cfg: BenchConfig) -> dict:
                 tok, sec, sts = per[c]
                 gen = st[0]["generated_tokens"] - (0 if c[0] == "draft-mtp" else 1)
                 per[c] = (tok + gen, sec + st[0]["decode_seconds"], sts + st)
+            bar.tick(f"repeat {rep + 1}/{cfg.repeats}")
         for c in configs:
             tok, sec, last_stats[c] = per[c]
             speeds[c].append(tok / sec if sec else 0.0)
             ttft[c] += [s["time_to_first_token_seconds"] for s in last_stats[c]]
-        bar.tick(f"repeat {rep + 1}/{cfg.repeats}")
     rows = []
     base_tps = statistics.median(speeds[configs[0]])
     for c in configs:

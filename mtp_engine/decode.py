@@ -89,7 +89,7 @@ class PlainDecoder:
 
     def _pipelined(self) -> bool:
         # precise profiling must see each stage's own work; sampling draws on the host
-        return self.pipeline and self.sampler.cfg.greedy and not self.prof.enabled
+        return bool(self.pipeline) and self.sampler.argmax_on_device and not self.prof.enabled
 
     def _wanted(self) -> int:
         return self.budget if self.budget is not None else 1 << 30

@@ -83,6 +83,13 @@ class Sampler:
         self.cfg = cfg
         self.rng = np.random.default_rng(None if cfg.seed in (None, -1) else cfg.seed)
 
+    @property
+    def argmax_on_device(self) -> bool:
+        """Whether the next token is just the logits' argmax, with no host-side state (history,
+        random draws): then a decode loop may queue the next step from the token still on the
+        device before the host reads it. Anything that adds such state must return False here."""
+        return self.cfg.greedy
+
     def sample(self, logits: mx.array) -> int:
         """One token from logits [V]."""
         finite = mx.all(mx.isfinite(logits))

@@ -188,3 +188,16 @@ def test_a_change_of_text_mid_stream_is_followed():
     assert sum(k > 1 for k in prose) <= len(prose) * 0.03
     back = next(i for i in range(switch2, len(ch)) if sum(k > 1 for k in ch[i:i + 10]) >= 8)
     assert back - switch2 <= RETURN_ROUNDS, back - switch2
+
+
+def test_probe_times_are_not_stored_as_round_costs():
+    """A probe after a plain stretch carries its catch-up rows: an upper bound on t(1) for this run's
+    choice, not a steady cost to seed the next run with."""
+    s = DraftLengthScheduler(_costs(lambda n: 1.0 + 0.3 * n, c=0.1))
+    for _ in range(10):
+        s.update(3, 0)
+    for _ in range(600):
+        k = s.next_k()
+        s.observe(k, 0, 0.01 * (1.0 if k == 0 else 3.0))
+    assert s.probes > 0 and s.measured_round_steps() == {}
+    assert s.round_steps(1) == pytest.approx(3.0, rel=0.01)  # ... but this run does use it

@@ -190,15 +190,18 @@ class DraftLengthScheduler:
         return k
 
     def _probe_allowed(self) -> bool:
-        """A probe costs about t(1) - t(0) (plus its catch-up rows); allowed while probes' extra
-        time stays within the budget share of the decode time so far. Never once drafting was
-        measured unable to pay even at full acceptance."""
+        """A probe costs about t(1) - t(0) (plus its catch-up rows: once probes were timed, their
+        median extra time is the estimate); allowed while probes' extra time stays within the budget
+        share of the decode time so far, so it can exceed it by at most the first probe's excess
+        over its estimate. Never once drafting was measured unable to pay even at full acceptance."""
         if self._measured_drafting() and not self.can_win:
             return False
         t0 = self.step_seconds()
         if t0 is None:
             return False
         cost = max(self.round_steps(1) - 1.0, 0.0) * t0
+        if self._probe_times:  # what probes really cost here (their catch-up rows included)
+            cost = max(cost, statistics.median(self._probe_times) - t0)
         return self.probe_seconds + cost <= self.budget * self.decode_seconds
 
     # ---- observations -----------------------------------------------------------------------
@@ -263,8 +266,9 @@ class DraftLengthScheduler:
         t0 = self.step_seconds(b)
         if t0 is None:
             return {}
-        out = {k: self._median(k, b) / t0 for k in range(1, self.k_max + 1) if self._median(k, b) is not None}
-        return out
+        # steady rounds only: a probe's time carries the catch-up of a plain stretch
+        return {k: self._median(k, b, True) / t0 for k in range(1, self.k_max + 1)
+                if self._median(k, b, True) is not None}
 
     def message(self) -> str | None:
         """Why auto did not draft, when it did not (shown once, in the stats)."""
