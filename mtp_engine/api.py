@@ -17,7 +17,7 @@ from .profiler import Profiler
 from .sampling import Sampler, SamplerConfig
 from .spec.draft_mtp import DraftMTPDecoder, DraftParams
 from .spec import calibration
-from .spec.scheduler import DraftLengthScheduler
+from .spec.scheduler import AUTO_MAX, COMPILED_AUTO_MAX, DraftLengthScheduler
 from .tokenizer import Tokenizer
 
 SPEC_TYPES = ("none", "draft-mtp")
@@ -170,7 +170,8 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                 raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
                                      "this model has none", field="spec")
             # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
-            scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model))
+            k_max = COMPILED_AUTO_MAX if m.model.compile_steps else AUTO_MAX
+            scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model), k_max=k_max)
         decoder: PlainDecoder = DraftMTPDecoder(m.model, sampler, params, prof, scheduler=scheduler)
         decoder.calibration_path = m.path
     else:

@@ -201,3 +201,13 @@ def test_probe_times_are_not_stored_as_round_costs():
         s.observe(k, 0, 0.01 * (1.0 if k == 0 else 3.0))
     assert s.probes > 0 and s.measured_round_steps() == {}
     assert s.round_steps(1) == pytest.approx(3.0, rel=0.01)  # ... but this run does use it
+
+
+
+def test_compiled_auto_cap_bounds_the_draft_length():
+    # the same device that drafts 6+ uncapped stops at the cap the API sets for compiled steps
+    from mtp_engine.spec.scheduler import COMPILED_AUTO_MAX
+    s = DraftLengthScheduler(_costs(lambda n: 1.0 + 0.02 * n, c=0.02), k_max=COMPILED_AUTO_MAX)
+    for _ in range(50):
+        s.update(COMPILED_AUTO_MAX, COMPILED_AUTO_MAX)
+    assert s.next_k() == COMPILED_AUTO_MAX
