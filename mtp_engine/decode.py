@@ -24,6 +24,20 @@ class PlainDecoder:
         self.cache = model.make_cache()
         self.last_token: int | None = None
         self.moe_experts: dict[str, tuple[int, float]] = {}  # kind -> (forwards, sum of per-layer means)
+        # what the last prefill/step emitted, for the generation loop: per token whether it was an
+        # accepted draft, its logprobs (when asked for), and how many drafts the round proposed
+        self.round_drafted: list[bool] = []
+        self.round_logprobs: list[dict] | None = None
+        self.round_n_drafted = 0
+
+    def _emitted(self, tokens: list[int], n_accepted: int, n_drafted: int, logits: mx.array | None) -> list[int]:
+        """Records a round's provenance and logprobs (rows of `logits` score `tokens`) and adds
+        the tokens to the sampler's penalty history."""
+        self.round_drafted = [True] * n_accepted + [False] * (len(tokens) - n_accepted)
+        self.round_n_drafted = n_drafted
+        self.round_logprobs = self.sampler.token_logprobs(logits, tokens) if logits is not None else None
+        self.sampler.accept(tokens)
+        return tokens
 
     def _prefill_trunk(self, ids: list[int], prenorm: bool = False) -> mx.array:
         """Runs the prompt through the trunk in chunks; returns the post-norm (or, for the
@@ -41,10 +55,12 @@ class PlainDecoder:
 
     def prefill(self, ids: list[int]) -> list[int]:
         """Processes the prompt; returns the tokens it already produces (here the first one)."""
+        self.sampler.begin(ids)
         with self.prof.stage("prefill"):
             h = self._prefill_trunk(ids)
-            self.last_token = self.sampler.sample(self.model.logits(h[0, -1]))
-        return [self.last_token]
+            logits = self.model.logits(h[0, -1])
+            self.last_token = self.sampler.sample(logits)
+        return self._emitted([self.last_token], 0, 0, logits)
 
     def _count_experts(self, kind: str) -> None:
         """MoE models, when profiling: distinct experts each layer read in the last forward
@@ -67,7 +83,7 @@ class PlainDecoder:
         with self.prof.stage("sync"):
             self.last_token = self.sampler.sample(logits)
         self._count_experts("step")
-        return [self.last_token]
+        return self._emitted([self.last_token], 0, 0, logits)
 
     def stats(self) -> dict:
         return self._moe_stats()

@@ -113,6 +113,8 @@ class DraftMTPDecoder(PlainDecoder):
     def prefill(self, ids: list[int]) -> list[int]:
         """Prefills all but the last prompt token (as llama.cpp's draft-mtp does), so the first
         round drafts from the last prompt token and its verify yields the first new token."""
+        self.sampler.begin(ids)
+        self._emitted([], 0, 0, None)
         with self.prof.stage("prefill"):
             head = ids[:-1]
             h = self._prefill_trunk(head, prenorm=self.feed == "pre_norm")
@@ -140,7 +142,7 @@ class DraftMTPDecoder(PlainDecoder):
         self.rollback(steps, n)
         self.catch_up(host_drafts[:n], hidden, n, steps)
         self.last_token = token
-        return self._finish_round(host_drafts, n, token)
+        return self._finish_round(host_drafts, n, token, logits)
 
     def plain_step(self) -> list[int]:
         """A round without drafting: exactly a plain decode step (no capture, no MTP work); the
@@ -157,7 +159,7 @@ class DraftMTPDecoder(PlainDecoder):
         self._trim_owed()
         self.h_last = fed if self.feed == "pre_norm" else post
         self.last_token = token
-        return self._finish_round([], 0, token)
+        return self._finish_round([], 0, token, logits)
 
     def _trim_owed(self) -> None:
         """Keeps only the newest `catch_up_window` owed rows. Every plain round owes the head one
@@ -181,9 +183,10 @@ class DraftMTPDecoder(PlainDecoder):
                 self._owed_hidden[0] = self._owed_hidden[0][:, drop:]
                 drop = 0
 
-    def _finish_round(self, drafts: list[int], n: int, token: int) -> list[int]:
-        """Statistics, the scheduler's observation and the trace of one round; its emitted tokens."""
-        emitted = drafts[:n] + [token]
+    def _finish_round(self, drafts: list[int], n: int, token: int, logits: mx.array | None = None) -> list[int]:
+        """Statistics, the scheduler's observation and the trace of one round; its emitted tokens
+        (`logits`: the rows that scored them, for logprobs)."""
+        emitted = self._emitted(drafts[:n] + [token], n, len(drafts), logits)
         self._record(len(drafts), n)
         if self.scheduler:
             self.scheduler.update(len(drafts), n)
@@ -214,7 +217,9 @@ class DraftMTPDecoder(PlainDecoder):
             steps += 1
             with self.prof.stage("draft") as out:
                 h_mtp = mtp(model.embed_tokens(tok), h_prev, self.mtp_cache)[:, -1:]
-                logits = model.logits(h_mtp[0, 0])
+                # the drafter sees the penalties its chain would meet (history + earlier drafts)
+                logits = self.sampler.penalize(model.logits(h_mtp[0, 0]),
+                                               mx.stack(drafts).reshape(-1) if drafts else None, len(drafts))
                 if cfg.greedy:
                     d = mx.argmax(logits, axis=-1)
                 else:
@@ -257,7 +262,9 @@ class DraftMTPDecoder(PlainDecoder):
         round's one host sync."""
         cfg = self.sampler.cfg
         with self.prof.stage("sample") as out:
-            target = mx.argmax(logits, axis=-1) if cfg.greedy else distribution(logits, cfg)
+            # row i scores the position after drafts 1..i: its penalties count them as generated
+            scored = self.sampler.penalize(logits, drafts if len(drafts) else None)
+            target = mx.argmax(scored, axis=-1) if cfg.greedy else distribution(scored, cfg)
             finite = mx.all(mx.isfinite(logits))
             out.extend([target, finite])
         with self.prof.stage("sync"):
