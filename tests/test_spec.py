@@ -178,16 +178,18 @@ def _chi_square_same(plain: dict, spec: dict) -> None:
         assert chi2 < dof + 3.1 * np.sqrt(2 * dof) + 7, (chi2, dof)
 
 
-# penalised: repeat_penalty < 1 over a 2-token window rewards repeating the first token, which
+# penalised: repeat_penalty < 1 over a 1-token window rewards repeating the first token, which
 # draft-mtp drafted, so the second token's distribution depends on the verify row's own history
-@pytest.mark.parametrize("penalties", [{}, dict(repeat_penalty=0.4, presence_penalty=-1.0, repeat_last_n=2)],
+# (penalising every row with the round's starting history fails this: chi2 71 for 12 dof, checked)
+@pytest.mark.parametrize("settings", [dict(temperature=1.5),
+                                      dict(temperature=8.0, repeat_penalty=0.45, repeat_last_n=1)],
                          ids=["plain", "penalised"])
-def test_sampling_distribution_equals_plain_sampling(penalties):
+def test_sampling_distribution_equals_plain_sampling(settings):
     """Lossless speculative sampling: the distribution of the first two generated tokens with
     draft-mtp equals plain sampling (chi-square over the joint outcomes of many seeds)."""
     m = _tiny("f32")
     ids = [349, 220, 451]
-    kw = dict(max_tokens=2, ignore_eos=True, temperature=1.5, top_k=6, **penalties)
+    kw = dict(max_tokens=2, ignore_eos=True, top_k=6, **settings)
     n = 400
     plain, spec = {}, {}
     for s in range(n):
@@ -196,13 +198,8 @@ def test_sampling_distribution_equals_plain_sampling(penalties):
         plain[a] = plain.get(a, 0) + 1
         spec[b] = spec.get(b, 0) + 1
     _chi_square_same(plain, spec)
-    if penalties:  # the penalty really reshapes the distribution: repeats are far more frequent
-        repeats = sum(v for k, v in plain.items() if k[0] == k[1]) / n
-        base = {}
-        for s in range(100):
-            t = generate(ids, m, seed=s, max_tokens=2, ignore_eos=True, temperature=1.5, top_k=6).token_ids
-            base[tuple(t)] = 1
-        assert repeats > 0.2 and repeats > sum(1 for k in base if k[0] == k[1]) / len(base) + 0.1, repeats
+    if "repeat_penalty" in settings:  # the penalty really ties the second token to the first
+        assert sum(v for k, v in plain.items() if k[0] == k[1]) / n > 0.15
     # and the speculative path really drafted and accepted some tokens
     r = generate(ids, m, seed=1, spec="draft-mtp", n_max=2, **{**kw, "max_tokens": 40})
     assert r.stats["drafted"] > 0
