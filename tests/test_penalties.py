@@ -3,6 +3,8 @@ draft-mtp's per-row verify histories (greedy parity here; the chi-square on a pe
 distribution is in test_spec.py), logprobs equal between plain and draft-mtp, provenance of emitted tokens."""
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -123,3 +125,23 @@ def test_chunks_carry_provenance():
     assert all(c.n_drafted in (0, 3) for c in chunks[:-1])
     plain = list(stream_generate(IDS, m, max_tokens=5, ignore_eos=True))
     assert not any(f for c in plain for f in c.drafted)
+
+
+def test_cli_penalty_flags_and_n_probs(capsys):
+    """`generate --repeat-penalty ... --n-probs N --json` equals the API; `serve` refuses bad flags
+    with one line and exit 2 before loading anything."""
+    from mtp_engine.cli import main
+
+    path = str(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
+    kw = dict(repeat_penalty=0.5, repeat_last_n=4, presence_penalty=0.2, frequency_penalty=0.1)
+    ref = generate("To be", load(path), max_tokens=8, logprobs=2, **kw)
+    rc = main(["generate", "-m", path, "-p", "To be", "-n", "8", "--json", "--n-probs", "2", "--repeat-penalty", "0.5",
+               "--repeat-last-n", "4", "--presence-penalty", "0.2", "--frequency-penalty", "0.1"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["token_ids"] == ref.token_ids
+    assert [e["token"] for e in out["logprobs"]] == ref.token_ids and all(len(e["top"]) == 2 for e in out["logprobs"])
+    for flags, field in [(["--queue-size", "0"], "queue-size"), (["--repeat-penalty", "0"], "repeat_penalty"),
+                         (["--spec-type", "eagle"], "spec-type"), (["--port", "70000"], "port")]:
+        rc = main(["serve", "-m", path, *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and field in err and err.count("\n") == 1, err
