@@ -79,6 +79,7 @@ class GenerationWorker:
         self.ready = threading.Event()
         self.busy = False
         self.completed = 0
+        self._stopping = False
         self._thread = threading.Thread(target=self._main, name="mtp-engine-generation", daemon=True)
 
     def start(self) -> None:
@@ -91,11 +92,20 @@ class GenerationWorker:
         except queue.Full:
             raise QueueFull from None
 
-    def stop(self) -> None:
-        try:
-            self.jobs.put_nowait(None)
-        except queue.Full:
-            pass
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ends the running generation at its next chunk, drops waiting jobs, joins the thread
+        (a thread left inside MLX while the interpreter exits aborts the process)."""
+        self._stopping = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        self.jobs.put_nowait(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     @property
     def waiting(self) -> int:
@@ -123,7 +133,7 @@ class GenerationWorker:
             job = self.jobs.get()
             if job is None:
                 return
-            if job.cancelled.is_set():
+            if job.cancelled.is_set() or self._stopping:
                 continue  # its client left while it waited: the slot is free
             self.busy = True
             try:
@@ -163,7 +173,7 @@ class GenerationWorker:
             detok = self.model.tokenizer.detokenizer() if job.trace else None
             gen = api.stream_generate(ids, self.model, **kw)
             for chunk in gen:
-                if job.cancelled.is_set():
+                if job.cancelled.is_set() or self._stopping:
                     log.info("client gone: generation stopped")
                     return
                 pieces = [detok.add(t) for t in chunk.token_ids] if detok else []
