@@ -27,6 +27,12 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+# MLX keeps freed buffers for reuse; the worker returns them once no request has come for this
+# long, not after every job: back-to-back requests would pay fresh allocations (page faults on
+# the CPU, device allocations on a GPU) that generate() in a loop does not
+IDLE_CLEAR_S = 2.0
+
+
 @dataclass
 class Event:
     """What a job reports: a chunk (with each token's text when traced), the end, or an error."""
@@ -129,20 +135,25 @@ class GenerationWorker:
             self.ready.set()
             return
         self.ready.set()
+        dirty = False
         while True:
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get(timeout=IDLE_CLEAR_S)
+            except queue.Empty:
+                if dirty:  # idle for a while: hand the allocator's cached buffers back
+                    mx.clear_cache()
+                    dirty = False
+                continue
             if job is None:
                 return
             if job.cancelled.is_set() or self._stopping:
                 continue  # its client left while it waited: the slot is free
-            self.busy = True
+            self.busy = dirty = True
             try:
                 self._run(job)
             finally:
                 self.busy = False
                 self.completed += 1
-                if self.jobs.empty():
-                    mx.clear_cache()  # idle: hand the allocator's cached buffers back
 
     def _prompt_ids(self, kw: dict) -> list[int]:
         tok = self.model.tokenizer
