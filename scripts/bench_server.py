@@ -161,7 +161,7 @@ def concurrency(model, host, port, args) -> dict:
     wall = time.perf_counter() - t0
     done.set()
     w.join()
-    time.sleep(3.0)  # the server hands cached buffers back after 2 s idle (server/worker.py)
+    time.sleep(0.5)
     h1 = health(host, port)
     errors = sum(g is None for g in got)
     mixed = sum(g is not None and g != e for g, e in zip(got, expected))

@@ -31,4 +31,6 @@ def add_serve_parser(sub, n_max_type) -> None:
     s.add_argument("--spec-draft-n-min", type=int, default=0)
     s.add_argument("--spec-draft-p-min", type=float, default=0.0)
     s.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
+    s.add_argument("--idle-release", type=float, default=0.0,
+                   help="seconds without requests after which MLX's cached buffers are freed (0: never)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

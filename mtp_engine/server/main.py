@@ -25,6 +25,8 @@ def defaults_from_args(args) -> ServerDefaults:
         raise MTPEngineError(f"expected an integer >= 0, found {args.max_tokens}", field="n-predict")
     if not 1 <= args.queue_size <= 100_000:
         raise MTPEngineError(f"expected an integer in 1..100000, found {args.queue_size}", field="queue-size")
+    if not 0 <= args.idle_release < 1e9:
+        raise MTPEngineError(f"expected seconds >= 0, found {args.idle_release}", field="idle-release")
     if not 0 <= args.port <= 65535:
         raise MTPEngineError(f"expected a port in 0..65535, found {args.port}", field="port")
     return ServerDefaults(args.max_tokens, args.temp, args.top_k, args.top_p, args.min_p, args.seed, args.spec_type,
@@ -41,7 +43,7 @@ def run_serve(args) -> int:
     defaults = defaults_from_args(args)
     warm = defaults.spec == "draft-mtp" and defaults.n_max == "auto"
     worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
-                              warm_auto=warm)
+                              warm_auto=warm, idle_release_s=args.idle_release)
     worker.start()
     model = wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main
     if defaults.spec == "draft-mtp" and model.model.mtp is None:

@@ -27,12 +27,6 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-# MLX keeps freed buffers for reuse; the worker returns them once no request has come for this
-# long, not after every job: back-to-back requests would pay fresh allocations (page faults on
-# the CPU, device allocations on a GPU) that generate() in a loop does not
-IDLE_CLEAR_S = 2.0
-
-
 @dataclass
 class Event:
     """What a job reports: a chunk (with each token's text when traced), the end, or an error."""
@@ -76,10 +70,15 @@ class GenerationWorker:
     """Loads the model in its own thread, then runs queued jobs one by one."""
 
     def __init__(self, model_path: str | None, queue_size: int, exact: bool = False,
-                 max_context: int | None = None, warm_auto: bool = False):
+                 max_context: int | None = None, warm_auto: bool = False, idle_release_s: float = 0.0):
+        """`idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
+        long. Off by default: MLX keeps freed buffers for reuse, as generate() in a loop does, and
+        clearing them makes the next request pay fresh allocations (page faults on the CPU, device
+        allocations on a GPU)."""
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.queue_size = queue_size
         self._path, self._exact, self._max_context, self._warm_auto = model_path, exact, max_context, warm_auto
+        self._idle_release = idle_release_s if idle_release_s and idle_release_s > 0 else None
         self.model: api.Model | None = None
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
@@ -138,7 +137,7 @@ class GenerationWorker:
         dirty = False
         while True:
             try:
-                job = self.jobs.get(timeout=IDLE_CLEAR_S)
+                job = self.jobs.get(timeout=self._idle_release)
             except queue.Empty:
                 if dirty:  # idle for a while: hand the allocator's cached buffers back
                     mx.clear_cache()
