@@ -4,9 +4,10 @@
    repeats interleaved (server, in-process, server, ...), medians and their ratio. Two rates:
    end-to-end (tokens / time from sending the request to the last token, prefill and HTTP
    included) and decode (tokens after the first chunk / time from the first chunk to the last).
-2. C concurrent streaming clients x T tokens (default 16 x 64, greedy, a different prompt each):
-   errors, answers that differ from `generate()`'s (mixed-up outputs), the server's resident
-   memory after load, after a warm-up request, at its peak during the run and after it.
+2. C concurrent streaming clients x T tokens (default 16 x 64, greedy, a different prompt each),
+   in 3 bursts: errors, answers that differ from `generate()`'s (mixed-up outputs), the server's
+   resident memory before (after the warm-up requests of part 1), at its peak and after each
+   burst (a plateau, not a climb, is what "no leak" looks like).
 
 The server runs as a subprocess on a free port (`mtp-engine serve --port 0`); only the standard
 library talks HTTP, so the client costs little next to the server.
@@ -144,10 +145,6 @@ def concurrency(model, host, port, args) -> dict:
             peak.append(health(host, port)["rss_bytes"])
             time.sleep(0.2)
 
-    w = threading.Thread(target=watch, daemon=True)
-    w.start()
-    errors, got = 0, []
-
     def one(p):
         try:
             return stream(host, port, {"prompt": p, "max_tokens": args.client_tokens, "ignore_eos": True})["text"]
@@ -155,20 +152,27 @@ def concurrency(model, host, port, args) -> dict:
             print(f"  error: {e}", file=sys.stderr)
             return None
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(args.clients) as ex:
-        got = list(ex.map(one, prompts))
-    wall = time.perf_counter() - t0
+    w = threading.Thread(target=watch, daemon=True)
+    w.start()
+    errors = mixed = 0
+    walls, rss_after = [], []
+    for burst in range(args.bursts):  # repeated bursts tell a plateau from a leak
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as ex:
+            got = list(ex.map(one, prompts))
+        walls.append(time.perf_counter() - t0)
+        time.sleep(0.5)
+        rss_after.append(health(host, port)["rss_bytes"])
+        errors += sum(g is None for g in got)
+        mixed += sum(g is not None and g != e for g, e in zip(got, expected))
+        print(f"  burst {burst + 1}/{args.bursts}: {walls[-1]:.1f} s, RSS {rss_after[-1] / 2**20:.1f} MiB", file=sys.stderr)
     done.set()
     w.join()
-    time.sleep(0.5)
-    h1 = health(host, port)
-    errors = sum(g is None for g in got)
-    mixed = sum(g is not None and g != e for g, e in zip(got, expected))
-    return {"clients": args.clients, "tokens_each": args.client_tokens, "errors": errors, "mixed_up": mixed,
-            "wall_seconds": wall, "aggregate_tokens_per_second": args.clients * args.client_tokens / wall,
-            "rss_before": h0["rss_bytes"], "rss_peak": max(peak), "rss_after": h1["rss_bytes"],
-            "distinct_answers": len(set(expected))}
+    return {"clients": args.clients, "tokens_each": args.client_tokens, "bursts": args.bursts, "errors": errors,
+            "mixed_up": mixed, "wall_seconds": walls,
+            "aggregate_tokens_per_second": args.clients * args.client_tokens / statistics.median(walls),
+            "rss_before": h0["rss_bytes"], "rss_peak": max(peak), "rss_after": rss_after[-1],
+            "rss_after_each_burst": rss_after, "distinct_answers": len(set(expected))}
 
 
 def main() -> int:
@@ -180,6 +184,7 @@ def main() -> int:
     ap.add_argument("--n-max", default="3", help="auto or an integer (draft-mtp only)")
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients (0: skip that part)")
     ap.add_argument("--client-tokens", type=int, default=64)
+    ap.add_argument("--bursts", type=int, default=3, help="rounds of the concurrent clients")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     args.n_max = args.n_max if args.n_max == "auto" else int(args.n_max)
@@ -210,7 +215,8 @@ def main() -> int:
           f"decode {o['decode']['server']:.1f} vs {o['decode']['generate']:.1f} = {o['decode']['ratio']:.3f}x "
           f"(pairs {o['decode']['pair_ratio_median']:.3f}x) | "
           f"{c['clients']}x{c['tokens_each']}: {c['errors']} errors, {c['mixed_up']} mixed up, RSS "
-          f"{c['rss_before'] / mib:.0f} -> peak {c['rss_peak'] / mib:.0f} -> {c['rss_after'] / mib:.0f} MiB |")
+          f"{c['rss_before'] / mib:.1f} -> peak {c['rss_peak'] / mib:.1f} -> after each burst "
+          f"{', '.join(f'{r / mib:.1f}' for r in c.get('rss_after_each_burst', []))} MiB |")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
