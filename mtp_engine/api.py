@@ -14,6 +14,7 @@ from .memory import check_fits, estimate
 from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
+from .penalties import PenaltyConfig
 from .sampling import Sampler, SamplerConfig
 from .spec.draft_mtp import DraftMTPDecoder, DraftParams
 from .spec import calibration
@@ -56,10 +57,14 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: dict
+    logprobs: list[dict] | None = None  # per token, when asked for (see Sampler.token_logprobs)
 
     def to_json(self) -> dict:
-        return {"text": self.text, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "stats": self.stats}
+        out = {"text": self.text, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
+               "finish_reason": self.finish_reason, "stats": self.stats}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
 
 
 DEFAULT_MAX_CONTEXT = 32768
@@ -125,14 +130,21 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                     n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                     stop: list[str] | str | None = None, ignore_eos: bool = False,
-                    profile: str | None = None, _prompt_ids_out: list | None = None) -> Iterator[Chunk]:
+                    profile: str | None = None, _prompt_ids_out: list | None = None,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                    repeat_last_n: int = 64, logprobs: int | None = None) -> Iterator[Chunk]:
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
     `spec` is None/"none" (plain decoding) or "draft-mtp" with llama.cpp's knobs n_max, n_min, p_min;
     n_max="auto" (the default) picks the draft length each round from the time this run measures
     per round and the acceptance seen so far (docs/spec.md, "n-max auto").
-    `profile` is None, "round" or "precise" (see `mtp_engine.profiler`)."""
+    `profile` is None, "round" or "precise" (see `mtp_engine.profiler`).
+    Penalties as llama.cpp applies them, over the last `repeat_last_n` tokens (prompt included; 0
+    disables, -1 = whole context): `repeat_penalty` divides positive logits (multiplies negative
+    ones) of tokens seen, `frequency_penalty` subtracts per occurrence, `presence_penalty` once.
+    draft-mtp stays lossless under them. `logprobs`: None, or report each token's log-probability
+    plus that many alternatives (0..20) in `Chunk.logprobs`."""
     m = _resolve(model)
     if spec is None:
         spec = "none"
@@ -140,7 +152,8 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
         raise MTPEngineError(f"unknown spec type {spec!r}: expected one of {list(SPEC_TYPES)}", field="spec")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         raise MTPEngineError(f"expected an integer >= 0, found {max_tokens!r}", field="max_tokens")
-    sampler = Sampler(SamplerConfig(temperature, top_k, top_p, min_p, seed))
+    penalties = PenaltyConfig(presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n)
+    sampler = Sampler(SamplerConfig(temperature, top_k, top_p, min_p, seed, penalties, logprobs))
     params = DraftParams(n_max, n_min, p_min)
     if (prompt is None) == (messages is None):
         raise MTPEngineError("give exactly one of prompt or messages", field="prompt")
@@ -222,18 +235,24 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
              n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
              stop: list[str] | str | None = None, ignore_eos: bool = False,
-             profile: str | None = None) -> GenerationResult:
+             profile: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None) -> GenerationResult:
     """Generates up to `max_tokens` tokens; returns text, token ids and statistics.
 
     Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`."""
     ids: list[int] = []
     text, tokens = [], []
+    lps: list[dict] | None = [] if logprobs is not None else None
     last = None
     for chunk in stream_generate(prompt, model, messages=messages, max_tokens=max_tokens, spec=spec, n_max=n_max,
                                  n_min=n_min, p_min=p_min, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
-                                 _prompt_ids_out=ids):
+                                 _prompt_ids_out=ids, presence_penalty=presence_penalty,
+                                 frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
+                                 repeat_last_n=repeat_last_n, logprobs=logprobs):
         text.append(chunk.text)
         tokens.extend(chunk.token_ids)
+        if lps is not None and chunk.logprobs:
+            lps.extend(chunk.logprobs)
         last = chunk
-    return GenerationResult("".join(text), ids, tokens, last.finish_reason, last.stats)
+    return GenerationResult("".join(text), ids, tokens, last.finish_reason, last.stats, lps)

@@ -30,6 +30,12 @@ def _add_generate(sub) -> None:
     g.add_argument("-s", "--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a seen token's logit")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a seen token")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="divides a seen token's logit (1 = off)")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="window of the penalties (0 off, -1 whole context)")
+    g.add_argument("--n-probs", dest="logprobs", type=int, default=None,
+                   help="with --json: each token's logprob and this many alternatives (0..20)")
     g.add_argument("--spec-type", default="none", help="none or draft-mtp")
     g.add_argument("--spec-draft-n-max", type=_n_max, default="auto",
                    help="drafts per round, or auto (default): chosen each round from measured costs")
@@ -150,7 +156,9 @@ def _generate(args) -> int:
     kwargs = dict(max_tokens=args.max_tokens, spec=args.spec_type, n_max=args.spec_draft_n_max,
                   n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, temperature=args.temp,
                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
-                  ignore_eos=args.ignore_eos, profile=args.profile)
+                  ignore_eos=args.ignore_eos, profile=args.profile, presence_penalty=args.presence_penalty,
+                  frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
+                  repeat_last_n=args.repeat_last_n, logprobs=args.logprobs)
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -244,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_generate(sub)
     _add_bench(sub)
     _add_convert(sub)
+    from .server.flags import add_serve_parser
+    add_serve_parser(sub, _n_max)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -254,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "serve":
+            from .server.main import run_serve
+            return run_serve(args)
     except MTPEngineError as e:
         msg = str(e).replace("\r", "\\r").replace("\n", "\\n")  # always one line
         print(f"mtp-engine: error: {msg}", file=sys.stderr)

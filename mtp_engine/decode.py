@@ -86,6 +86,11 @@ class PlainDecoder:
         self.moe_experts: dict[str, tuple[int, float]] = {}  # kind -> (forwards, sum of per-layer means)
         self.clock = RoundClock(model)
         self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
+        # what the last prefill/step emitted, for the generation loop: per token whether it was an
+        # accepted draft, its logprobs (when asked for), and how many drafts the round proposed
+        self.round_drafted: list[bool] = []
+        self.round_logprobs: list[dict] | None = None
+        self.round_n_drafted = 0
 
     def _pipelined(self) -> bool:
         # precise profiling must see each stage's own work; sampling draws on the host
@@ -109,6 +114,15 @@ class PlainDecoder:
         check_finite(finite)
         return int(tok.item())
 
+    def _emitted(self, tokens: list[int], n_accepted: int, n_drafted: int, logits: mx.array | None) -> list[int]:
+        """Records a round's provenance and logprobs (rows of `logits` score `tokens`) and adds
+        the tokens to the sampler's penalty history."""
+        self.round_drafted = [True] * n_accepted + [False] * (len(tokens) - n_accepted)
+        self.round_n_drafted = n_drafted
+        self.round_logprobs = self.sampler.token_logprobs(logits, tokens) if logits is not None else None
+        self.sampler.accept(tokens)
+        return tokens
+
     def _prefill_trunk(self, ids: list[int], prenorm: bool = False) -> mx.array:
         """Runs the prompt through the trunk in chunks; returns the post-norm (or, for the
         ablation, pre-norm) hidden state of every row."""
@@ -125,6 +139,7 @@ class PlainDecoder:
 
     def prefill(self, ids: list[int]) -> list[int]:
         """Processes the prompt; returns the tokens it already produces (here the first one)."""
+        self.sampler.begin(ids)
         with self.prof.stage("prefill"):
             h = self._prefill_trunk(ids)
             logits = self.model.logits(h[0, -1])
@@ -134,10 +149,11 @@ class PlainDecoder:
                 if self._wanted() > 1:
                     self._next = self._queue_step(cur[0])
                 self.last_token = self._read(cur)
+                logits = None  # pipelined means no logprobs were asked for (argmax_on_device)
             else:
                 self.last_token = self.sampler.sample(logits)
         self.clock.start()
-        return [self.last_token]
+        return self._emitted([self.last_token], 0, 0, logits)
 
     def _count_experts(self, kind: str) -> None:
         """MoE models, when profiling: distinct experts each layer read in the last forward
@@ -158,7 +174,7 @@ class PlainDecoder:
             self._next = self._queue_step(cur[0]) if self._wanted() > 1 else None
             self.last_token = self._read(cur)
             self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
-            return [self.last_token]
+            return self._emitted([self.last_token], 0, 0, None)
         with self.prof.stage("decode") as out:
             h = self.model.forward(mx.array([[self.last_token]]), self.cache)
             logits = self.model.logits(h[0, -1])
@@ -167,7 +183,7 @@ class PlainDecoder:
             self.last_token = self.sampler.sample(logits)
         self._count_experts("step")
         self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
-        return [self.last_token]
+        return self._emitted([self.last_token], 0, 0, logits)
 
     def finish(self) -> None:
         """The generation is over (a queued step, if any, is dropped)."""

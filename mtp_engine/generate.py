@@ -27,6 +27,9 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict = field(default_factory=dict)
+    drafted: list[bool] = field(default_factory=list)  # per token: an accepted draft (else trunk-sampled)
+    logprobs: list[dict] | None = None  # per token, when asked for: {"token", "logprob", "top": [(id, lp)]}
+    n_drafted: int = 0  # drafts proposed by the round(s) this chunk came from (accepted or not)
 
 
 class _StopMatcher:
@@ -106,6 +109,7 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
         decoder.pipeline = True
     decoder.budget = max_tokens
     pending = decoder.prefill(prompt_ids)
+    meta = _round_meta(decoder, pending)
     from_prefill = len(pending)
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -116,6 +120,7 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
         out_ids: list[int] = []
         text = ""
         hit = False
+        drafted, logprobs, n_drafted = meta
         for tok in pending:
             if tok in eos:
                 finish, done = "stop", True
@@ -136,16 +141,27 @@ def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_
         if ttft is None and pending:
             ttft = time.perf_counter() - t0
         if text or out_ids:
-            yield Chunk(text, out_ids)
+            yield Chunk(text, out_ids, drafted=drafted[:len(out_ids)], n_drafted=n_drafted,
+                        logprobs=logprobs[:len(out_ids)] if logprobs is not None else None)
         if not done:
             decoder.budget = max_tokens - len(generated)
             pending = decoder.step()
+            meta = _round_meta(decoder, pending)
     t_decode = time.perf_counter() - t1
     prof.stop()
     decoder.finish()
     stats = _stats(decoder, len(prompt_ids), len(generated), from_prefill, t_prefill, t_decode, prof)
     stats["time_to_first_token_seconds"] = ttft if ttft is not None else t_prefill + t_decode
     yield Chunk("", [], finish, stats)
+
+
+def _round_meta(decoder, pending: list[int]) -> tuple[list[bool], list[dict] | None, int]:
+    """What the decoder recorded about the round that emitted `pending`: per-token provenance,
+    logprobs and the number of drafts it proposed (defaults for a decoder that records none)."""
+    drafted = getattr(decoder, "round_drafted", None)
+    if drafted is None or len(drafted) != len(pending):
+        drafted = [False] * len(pending)
+    return drafted, getattr(decoder, "round_logprobs", None), getattr(decoder, "round_n_drafted", 0)
 
 
 def _stats(decoder, n_prompt: int, n_gen: int, from_prefill: int, t_prefill: float, t_decode: float,

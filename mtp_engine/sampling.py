@@ -13,6 +13,9 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import MTPEngineError
+from .penalties import PenaltyConfig, PenaltyHistory
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,8 @@ class SamplerConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None  # None or -1: a fresh random seed (llama.cpp's -s -1)
+    penalties: PenaltyConfig = PenaltyConfig()  # applied to the logits first (llama.cpp's chain)
+    logprobs: int | None = None  # report the chosen token's logprob and this many alternatives
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -41,6 +46,11 @@ class SamplerConfig:
         if sd is not None and (not isinstance(sd, int) or isinstance(sd, bool) or not -1 <= sd < 2**63):
             raise MTPEngineError(f"expected an integer in 0..2^63-1, or -1 / None for a random seed, found {sd!r}",
                                  field="seed")
+        if not isinstance(self.penalties, PenaltyConfig):
+            raise MTPEngineError(f"expected a PenaltyConfig, found {type(self.penalties).__name__}", field="penalties")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+            raise MTPEngineError(f"expected an integer in 0..{MAX_LOGPROBS} or None, found {lp!r}", field="logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -82,17 +92,60 @@ class Sampler:
     def __init__(self, cfg: SamplerConfig):
         self.cfg = cfg
         self.rng = np.random.default_rng(None if cfg.seed in (None, -1) else cfg.seed)
+        self.history = PenaltyHistory(cfg.penalties)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Starts the penalty history with the prompt (llama.cpp penalises prompt tokens too)."""
+        self.history.tokens = list(prompt_ids)
+
+    def accept(self, tokens: list[int]) -> None:
+        """Emitted tokens join the penalty history."""
+        if self.cfg.penalties.active:
+            self.history.tokens.extend(int(t) for t in tokens)
+
+    def penalize(self, logits: mx.array, extra: mx.array | None = None, offset: int = 0) -> mx.array:
+        """Logits with the repetition penalties applied (row r's history: the generation's plus
+        extra[:offset + r]); unchanged when no penalty is set."""
+        return self.history.penalize(logits, extra, offset)
+
+    def token_logprobs(self, logits: mx.array, tokens: list[int]) -> list[dict] | None:
+        """Per row of logits [R, V] (R = len(tokens)): the log-probability of `tokens[r]` and the
+        `cfg.logprobs` most likely alternatives, from the model's raw distribution (before
+        penalties, temperature and filters, as vLLM and llama.cpp's server report them).
+        None when logprobs were not asked for."""
+        n = self.cfg.logprobs
+        if n is None or not tokens:
+            return None
+        rows = logits.reshape(-1, logits.shape[-1])[: len(tokens)].astype(mx.float32)
+        lse = mx.logsumexp(rows, axis=-1, keepdims=True)
+        lp = rows - lse
+        chosen = mx.take_along_axis(lp, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+        parts = [chosen]
+        if n:
+            part = mx.argpartition(-lp, kth=n - 1, axis=-1)[:, :n]  # a full sort of V is wasted work
+            vals = mx.take_along_axis(lp, part, axis=-1)
+            order = mx.argsort(-vals, axis=-1)
+            parts += [mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
+        mx.eval(*parts)
+        ch = np.array(parts[0], dtype=np.float64)
+        ti = np.array(parts[1]) if n else None
+        tv = np.array(parts[2], dtype=np.float64) if n else None
+        return [{"token": int(t), "logprob": float(ch[r]),
+                 "top": [(int(ti[r, j]), float(tv[r, j])) for j in range(n)] if n else []}
+                for r, t in enumerate(tokens)]
 
     @property
     def argmax_on_device(self) -> bool:
         """Whether the next token is just the logits' argmax, with no host-side state (history,
         random draws): then a decode loop may queue the next step from the token still on the
-        device before the host reads it. Anything that adds such state must return False here."""
-        return self.cfg.greedy
+        device before the host reads it. Anything that adds such state must return False here:
+        penalties read the emitted history, logprobs need the logits on the host."""
+        return self.cfg.greedy and not self.cfg.penalties.active and self.cfg.logprobs is None
 
     def sample(self, logits: mx.array) -> int:
-        """One token from logits [V]."""
+        """One token from logits [V] (penalised first when penalties are set)."""
         finite = mx.all(mx.isfinite(logits))
+        logits = self.penalize(logits)
         if self.cfg.greedy:
             tok = mx.argmax(logits, axis=-1)
             mx.eval(tok, finite)

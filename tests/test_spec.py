@@ -157,20 +157,8 @@ def test_rollback_leaves_caches_equal_to_plain_run():
         np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)
 
 
-def test_sampling_distribution_equals_plain_sampling():
-    """Lossless speculative sampling: the distribution of the first two generated tokens with
-    draft-mtp equals plain sampling (chi-square over the joint outcomes of many seeds)."""
-    m = _tiny("f32")
-    ids = [349, 220, 451]
-    kw = dict(max_tokens=2, ignore_eos=True, temperature=1.5, top_k=6)
-    n = 400
-    plain, spec = {}, {}
-    for s in range(n):
-        a = tuple(generate(ids, m, seed=s, **kw).token_ids)
-        b = tuple(generate(ids, m, seed=10_000 + s, spec="draft-mtp", n_max=2, **kw).token_ids)
-        plain[a] = plain.get(a, 0) + 1
-        spec[b] = spec.get(b, 0) + 1
-    # first-token marginals and the joint, as a two-sample chi-square with pooled rare outcomes
+def _chi_square_same(plain: dict, spec: dict) -> None:
+    """Two-sample chi-square on the first-token marginals and the joint outcomes, pooling rare ones."""
     for key in (lambda t: t[0], lambda t: t):
         pa, pb = {}, {}
         for d, out in ((plain, pa), (spec, pb)):
@@ -189,6 +177,30 @@ def test_sampling_distribution_equals_plain_sampling():
         dof = len(rows) - 1
         # 99.9th percentile of chi-square ~ dof + 3.1*sqrt(2*dof) + 7 (generous normal approximation)
         assert chi2 < dof + 3.1 * np.sqrt(2 * dof) + 7, (chi2, dof)
+
+
+# penalised: repeat_penalty < 1 over a 1-token window rewards repeating the first token, which
+# draft-mtp drafted, so the second token's distribution depends on the verify row's own history
+# (penalising every row with the round's starting history fails this: chi2 71 for 12 dof, checked)
+@pytest.mark.parametrize("settings", [dict(temperature=1.5),
+                                      dict(temperature=8.0, repeat_penalty=0.45, repeat_last_n=1)],
+                         ids=["plain", "penalised"])
+def test_sampling_distribution_equals_plain_sampling(settings):
+    """Lossless speculative sampling: the distribution of the first two generated tokens with
+    draft-mtp equals plain sampling (chi-square over the joint outcomes of many seeds)."""
+    m = _tiny("f32")
+    ids = [349, 220, 451]
+    kw = dict(max_tokens=2, ignore_eos=True, top_k=6, **settings)
+    n = 400
+    plain, spec = {}, {}
+    for s in range(n):
+        a = tuple(generate(ids, m, seed=s, **kw).token_ids)
+        b = tuple(generate(ids, m, seed=10_000 + s, spec="draft-mtp", n_max=2, **kw).token_ids)
+        plain[a] = plain.get(a, 0) + 1
+        spec[b] = spec.get(b, 0) + 1
+    _chi_square_same(plain, spec)
+    if "repeat_penalty" in settings:  # the penalty really ties the second token to the first
+        assert sum(v for k, v in plain.items() if k[0] == k[1]) / n > 0.15
     # and the speculative path really drafted and accepted some tokens
     r = generate(ids, m, seed=1, spec="draft-mtp", n_max=2, **{**kw, "max_tokens": 40})
     assert r.stats["drafted"] > 0

@@ -140,6 +140,8 @@ class DraftMTPDecoder(PlainDecoder):
     def prefill(self, ids: list[int]) -> list[int]:
         """Prefills all but the last prompt token (as llama.cpp's draft-mtp does), so the first
         round drafts from the last prompt token and its verify yields the first new token."""
+        self.sampler.begin(ids)
+        self._emitted([], 0, 0, None)
         with self.prof.stage("prefill"):
             head = ids[:-1]
             h = self._prefill_trunk(head, prenorm=self.feed == "pre_norm")
@@ -193,7 +195,9 @@ class DraftMTPDecoder(PlainDecoder):
         hidden, logits = self.verify(drafts)
         cfg = self.sampler.cfg
         with self.prof.stage("sample") as out:
-            target = mx.argmax(logits, axis=-1) if cfg.greedy else distribution(logits, cfg)
+            # row i scores the position after drafts 1..i: its penalties count them as generated
+            scored = self.sampler.penalize(logits, drafts if len(drafts) else None)
+            target = mx.argmax(scored, axis=-1) if cfg.greedy else distribution(scored, cfg)
             finite = mx.all(mx.isfinite(logits))
             out.extend([target, finite])
         if self._pipelined_rounds():
@@ -214,7 +218,8 @@ class DraftMTPDecoder(PlainDecoder):
         return self._finish_round(host_drafts, n, token, r)
 
     def _pipelined_rounds(self) -> bool:
-        return self.pipeline and not self.prof.enabled
+        # a queued round would be scored against a penalty history that lacks this round's tokens
+        return self.pipeline and not self.prof.enabled and not self.sampler.cfg.penalties.active
 
     def plain_step(self) -> list[int]:
         """A round without drafting: exactly a plain decode step (no capture, no MTP work); the
@@ -268,8 +273,9 @@ class DraftMTPDecoder(PlainDecoder):
                 drop = 0
 
     def _finish_round(self, drafts: list[int], n: int, token: int, r: _Round) -> list[int]:
-        """Statistics, the round's time, the scheduler's observation and the trace; its emitted tokens."""
-        emitted = drafts[:n] + [token]
+        """Statistics, the round's time, the scheduler's observation and the trace; its emitted
+        tokens (`r.logits`: the rows that scored them, for logprobs)."""
+        emitted = self._emitted(drafts[:n] + [token], n, len(drafts), r.logits)
         seconds, first_use = self.clock.lap(r.k, r.shapes)
         self._record(len(drafts), n)
         self.k_histogram[r.k] += 1
@@ -302,7 +308,9 @@ class DraftMTPDecoder(PlainDecoder):
             steps += 1
             with self.prof.stage("draft") as out:
                 h_mtp = mtp(model.embed_tokens(tok), h_prev, self.mtp_cache)[:, -1:]
-                logits = model.logits(h_mtp[0, 0])
+                # the drafter sees the penalties its chain would meet (history + earlier drafts)
+                logits = self.sampler.penalize(model.logits(h_mtp[0, 0]),
+                                               mx.stack(drafts).reshape(-1) if drafts else None, len(drafts))
                 if cfg.greedy:
                     d = mx.argmax(logits, axis=-1)
                 else:
@@ -348,7 +356,9 @@ class DraftMTPDecoder(PlainDecoder):
         cfg = self.sampler.cfg
         if target is None:
             with self.prof.stage("sample") as out:
-                target = mx.argmax(logits, axis=-1) if cfg.greedy else distribution(logits, cfg)
+                # row i scores the position after drafts 1..i: its penalties count them as generated
+                scored = self.sampler.penalize(logits, drafts if len(drafts) else None)
+                target = mx.argmax(scored, axis=-1) if cfg.greedy else distribution(scored, cfg)
                 finite = mx.all(mx.isfinite(logits))
                 out.extend([target, finite])
         with self.prof.stage("sync"):

@@ -1,0 +1,261 @@
+"""The ASGI application (Starlette): OpenAI's chat/completions endpoints, /v1/models, /health
+and the page at `/`. Handlers run on the event loop; generation runs on the worker thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import MTPEngineError
+from . import responses as R
+from .schemas import MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, parse_chat, parse_completion, parse_json
+from .worker import Event, GenerationWorker, Job, QueueFull
+
+log = logging.getLogger("mtp_engine.server")
+STATIC = Path(__file__).resolve().parent / "static"
+POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+
+
+@dataclass
+class ServerState:
+    worker: GenerationWorker
+    defaults: ServerDefaults
+    model_name: str
+    started: int
+
+
+class ClientGone(Exception):
+    pass
+
+
+def rss_bytes() -> int:
+    """Resident memory now (Linux /proc), else the peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, MTPEngineError):
+        code = "context_length_exceeded" if "context" in str(e) else None
+        return APIError(400, str(e), e.field, code)
+    return APIError(500, f"generation failed: {type(e).__name__}: {e}")
+
+
+async def _read_body(request: Request) -> bytes:
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(400, f"request body exceeds {MAX_BODY_BYTES} bytes")
+    return bytes(raw)
+
+
+async def _next_event(job: Job, request: Request) -> Event:
+    """The job's next event; cancels the job and raises ClientGone if the client disconnects."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                raise ClientGone from None
+
+
+def _trace(ev: Event, counters: dict) -> dict:
+    """The `mtp` extension of a chunk: each token's text and provenance, live figures."""
+    c = ev.chunk
+    counters["drafted"] += c.n_drafted
+    counters["accepted"] += sum(c.drafted)
+    counters["tokens"] += len(c.token_ids)
+    if counters["t0"] is None:
+        counters["t0"] = time.perf_counter()
+    dt = time.perf_counter() - counters["t0"]
+    toks = [{"id": t, "text": p, "drafted": bool(d)} for t, p, d in zip(c.token_ids, ev.pieces, c.drafted)]
+    if len(ev.pieces) > len(c.token_ids) and ev.pieces[-1]:  # bytes held back until the end
+        toks.append({"id": None, "text": ev.pieces[-1], "drafted": False})
+    return {"tokens": toks, "round_drafted": c.n_drafted,
+            "acceptance_rate": counters["accepted"] / counters["drafted"] if counters["drafted"] else None,
+            "tokens_per_second": (counters["tokens"] - 1) / dt if dt > 0.05 and counters["tokens"] > 1 else None}
+
+
+class Generation:
+    """One request's answer, built from the worker's events."""
+
+    def __init__(self, state: ServerState, req: GenRequest, job: Job):
+        self.state, self.req, self.job = state, req, job
+        self.kind = req.kind
+        self.rid, self.created = R.new_id(req.kind), R.now()
+        self.tok = state.worker.model.tokenizer
+        self.offset = 0  # completions' text_offset
+        self.counters = {"drafted": 0, "accepted": 0, "tokens": 0, "t0": None}
+
+    def logprobs(self, lps: list[dict] | None) -> dict | None:
+        if self.req.logprobs is None or lps is None:
+            return None
+        if self.kind == "chat":
+            return R.chat_logprobs(self.tok, lps)
+        out, self.offset = R.completion_logprobs(self.tok, lps, self.offset)
+        return out
+
+    def final_usage(self, ev: Event, last) -> dict:
+        return R.usage(last.stats, ev.prompt_tokens, last.stats.get("generated_tokens", 0))
+
+    async def collect(self, first: Event, request: Request) -> dict:
+        text, lps, ev, last = [], [], first, None
+        while ev.kind == "chunk":
+            text.append(ev.chunk.text)
+            lps.extend(ev.chunk.logprobs or [])
+            last = ev.chunk
+            ev = await _next_event(self.job, request)
+        if ev.kind == "error":
+            raise _engine_error(ev.error)
+        lp = self.logprobs(lps)
+        u = self.final_usage(ev, last)
+        body = R.envelope(self.kind, self.rid, self.state.model_name, self.created,
+                          [R.choice(self.kind, "".join(text), last.finish_reason, lp, stream=False)], stream=False)
+        body["usage"] = u
+        body["timings"] = u["timings"]
+        return body
+
+    async def stream(self, first: Event, request: Request) -> AsyncIterator[str]:
+        ev, last, opened = first, None, False
+        try:
+            while ev.kind == "chunk":
+                c = last = ev.chunk
+                last_ev = ev
+                if c.text or c.token_ids:  # the final chunk only carries the finish reason and stats
+                    body = R.envelope(self.kind, self.rid, self.state.model_name, self.created,
+                                      [R.choice(self.kind, c.text, None, self.logprobs(c.logprobs), True,
+                                                not opened)], True)
+                    if self.req.mtp_trace:
+                        body["mtp"] = _trace(ev, self.counters)
+                    opened = True
+                    yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+                ev = await _next_event(self.job, request)
+            if ev.kind == "error":  # headers are sent: the error travels as an event
+                yield f"data: {json.dumps(_engine_error(ev.error).body())}\n\n"
+                return
+            u = self.final_usage(ev, last)
+            end = R.envelope(self.kind, self.rid, self.state.model_name, self.created,
+                             [R.choice(self.kind, None if self.kind == "chat" else "", last.finish_reason, None,
+                                       True, not opened)], True)
+            end["timings"] = u["timings"]
+            if self.req.mtp_trace:
+                end["mtp"] = {**_trace(last_ev, self.counters), "usage": u}
+            yield f"data: {json.dumps(end)}\n\n"
+            if self.req.include_usage:
+                tail = R.envelope(self.kind, self.rid, self.state.model_name, self.created, [], True)
+                tail["usage"] = u
+                yield f"data: {json.dumps(tail)}\n\n"
+            yield "data: [DONE]\n\n"
+        except ClientGone:
+            return
+        finally:
+            self.job.cancel()  # closed early (client gone) or done: either way nothing more to run
+
+
+async def _generate(request: Request, parse) -> Response:
+    state: ServerState = request.app.state.mtp
+    try:
+        req = parse(parse_json(await _read_body(request)), state.defaults)
+    except APIError as e:
+        return _error(e)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    req.kwargs["logprobs"] = req.logprobs
+    job = Job(req.kwargs, req.max_tokens_given, state.defaults.max_tokens, req.mtp_trace, asyncio.get_running_loop())
+    try:
+        state.worker.submit(job)
+    except QueueFull:
+        return _error(APIError(503, f"the server is busy: {state.worker.queue_size} requests are already waiting; "
+                                    "retry later", code="queue_full"))
+    gen = Generation(state, req, job)
+    try:
+        first = await _next_event(job, request)
+        if first.kind == "error":
+            return _error(_engine_error(first.error))
+        if req.stream:
+            return StreamingResponse(gen.stream(first, request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(await gen.collect(first, request))
+    except ClientGone:
+        return Response(status_code=499)
+    except APIError as e:
+        return _error(e)
+    finally:
+        if not req.stream:
+            job.cancel()
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, parse_chat)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, parse_completion)
+
+
+async def models(request: Request) -> Response:
+    s: ServerState = request.app.state.mtp
+    m = s.worker.model
+    return JSONResponse({"object": "list", "data": [{
+        "id": s.model_name, "object": "model", "created": s.started, "owned_by": "mtp-engine",
+        "meta": {"path": m.path, "context_length": m.model.cfg.context_length, "vocab_size": m.model.cfg.vocab_size,
+                 "mtp_head": m.model.mtp is not None}}]})
+
+
+async def health(request: Request) -> Response:
+    s: ServerState = request.app.state.mtp
+    w = s.worker
+    return JSONResponse({"status": "ok", "busy": w.busy, "waiting": w.waiting, "queue_size": w.queue_size,
+                         "completed": w.completed, "rss_bytes": rss_bytes()})
+
+
+async def page(request: Request) -> Response:
+    return FileResponse(STATIC / "index.html", media_type="text/html")
+
+
+async def _not_found(request: Request, exc) -> Response:
+    return _error(APIError(404, f"no route {request.method} {request.url.path}"))
+
+
+async def _internal(request: Request, exc) -> Response:
+    log.exception("unhandled error")
+    return _error(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+async def _method(request: Request, exc) -> Response:
+    return JSONResponse(APIError(405, f"method {request.method} not allowed on {request.url.path}").body(),
+                        status_code=405)
+
+
+def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: str) -> Starlette:
+    """The application around a started worker whose model is loaded."""
+    app = Starlette(routes=[
+        Route("/", page),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+    ], exception_handlers={404: _not_found, 405: _method, Exception: _internal})
+    app.state.mtp = ServerState(worker, defaults, model_name, R.now())
+    return app

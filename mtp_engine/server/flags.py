@@ -1,0 +1,36 @@
+"""`mtp-engine serve`'s flags: the generation and draft-mtp flags of `generate` (llama.cpp's
+names), as the server's defaults, plus the server's own. Kept free of heavy imports so that the
+command line parses fast."""
+from __future__ import annotations
+
+
+def add_serve_parser(sub, n_max_type) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions, SSE) with a live page")
+    s.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port; the URL printed says which)")
+    s.add_argument("--queue-size", type=int, default=64,
+                   help="requests allowed to wait while one generates; more are answered 503")
+    s.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")
+    s.add_argument("-c", "--ctx-size", dest="max_context", type=int, default=None,
+                   help="context length cap (default: the model's, up to 32768)")
+    s.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=256,
+                   help="max_tokens when a request gives none (capped by the context left)")
+    s.add_argument("--temp", type=float, default=0.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("-s", "--seed", type=int, default=None)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--repeat-penalty", type=float, default=1.0)
+    s.add_argument("--repeat-last-n", type=int, default=64)
+    s.add_argument("--spec-type", default="draft-mtp", help="none or draft-mtp (default; none for a model without "
+                                                            "an MTP head)")
+    s.add_argument("--spec-draft-n-max", type=n_max_type, default="auto")
+    s.add_argument("--spec-draft-n-min", type=int, default=0)
+    s.add_argument("--spec-draft-p-min", type=float, default=0.0)
+    s.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
+    s.add_argument("--idle-release", type=float, default=0.0,
+                   help="seconds without requests after which MLX's cached buffers are freed (0: never)")
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

@@ -1,0 +1,72 @@
+"""`mtp-engine serve`'s start-up: check the flags, load the model on the worker thread, then run
+uvicorn and print the URL once the socket listens."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from ..errors import MTPEngineError
+from ..penalties import PenaltyConfig
+from ..sampling import SamplerConfig
+from ..spec.draft_mtp import DraftParams
+from .schemas import ServerDefaults
+
+
+def defaults_from_args(args) -> ServerDefaults:
+    """The flags checked with the engine's own validators (a bad flag exits 2 before loading)."""
+    pen = PenaltyConfig(args.presence_penalty, args.frequency_penalty, args.repeat_penalty, args.repeat_last_n)
+    SamplerConfig(args.temp, args.top_k, args.top_p, args.min_p, args.seed, pen)
+    DraftParams(args.spec_draft_n_max, args.spec_draft_n_min, args.spec_draft_p_min)
+    if args.spec_type not in ("none", "draft-mtp"):
+        raise MTPEngineError(f"expected none or draft-mtp, found {args.spec_type!r}", field="spec-type")
+    if args.max_tokens < 0:
+        raise MTPEngineError(f"expected an integer >= 0, found {args.max_tokens}", field="n-predict")
+    if not 1 <= args.queue_size <= 100_000:
+        raise MTPEngineError(f"expected an integer in 1..100000, found {args.queue_size}", field="queue-size")
+    if not 0 <= args.idle_release < 1e9:
+        raise MTPEngineError(f"expected seconds >= 0, found {args.idle_release}", field="idle-release")
+    if not 0 <= args.port <= 65535:
+        raise MTPEngineError(f"expected a port in 0..65535, found {args.port}", field="port")
+    return ServerDefaults(args.max_tokens, args.temp, args.top_k, args.top_p, args.min_p, args.seed, args.spec_type,
+                          args.spec_draft_n_max, args.spec_draft_n_min, args.spec_draft_p_min, pen)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .worker import GenerationWorker, wait_ready
+
+    logging.basicConfig(level=args.log_level.upper(), format="mtp-engine: %(message)s", stream=sys.stderr)
+    defaults = defaults_from_args(args)
+    warm = defaults.spec == "draft-mtp" and defaults.n_max == "auto"
+    worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
+                              warm_auto=warm, idle_release_s=args.idle_release)
+    worker.start()
+    model = wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main
+    if defaults.spec == "draft-mtp" and model.model.mtp is None:
+        logging.getLogger("mtp_engine.server").warning("%s has no MTP head: serving with spec-type none", model.path)
+        defaults.spec = "none"
+    name = args.alias or Path(model.path).name
+    app = create_app(worker, defaults, name)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            print(f"mtp-engine: serving {name} at http://{host}:{port}/ (OpenAI API under /v1)", flush=True)
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.stop()
+    return 0 if server.started else 1

@@ -1,0 +1,234 @@
+"""Request bodies of the OpenAI-compatible endpoints: checked field by field into the keyword
+arguments of `stream_generate`, or refused with an OpenAI-style error naming the field.
+
+Unknown fields are ignored (as OpenAI-compatible servers do, so clients that send extras work);
+known fields of the wrong type or out of range, and features this engine cannot honour (n > 1,
+tools, JSON response formats, logit_bias), are refused with 400.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from ..penalties import PenaltyConfig
+from ..sampling import MAX_LOGPROBS
+
+MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused before it is parsed
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 404: "not_found_error",
+                              503: "server_overloaded"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ServerDefaults:
+    """Generation settings a request does not give (the `serve` command's flags)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    spec: str = "draft-mtp"
+    n_max: int | str = "auto"
+    n_min: int = 0
+    p_min: float = 0.0
+    penalties: PenaltyConfig = field(default_factory=PenaltyConfig)
+
+
+@dataclass
+class GenRequest:
+    """One checked request: what to generate and how to answer."""
+
+    kind: str  # "chat" or "completion"
+    kwargs: dict  # for stream_generate (prompt or messages, sampling and draft settings)
+    max_tokens_given: bool
+    stream: bool = False
+    include_usage: bool = False
+    mtp_trace: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no logprobs in the answer
+
+
+def parse_json(raw: bytes) -> dict:
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(400, f"request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"expected a JSON object, found {type(body).__name__}")
+    return body
+
+
+def _type_name(v) -> str:
+    return "null" if v is None else {bool: "boolean", int: "integer", float: "number", str: "string",
+                                      list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default, lo_open: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise APIError(400, f"{name}: expected a number, found {_type_name(v)}", name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise APIError(400, f"{name}: expected a number in {'(' if lo_open else '['}{lo}, {hi}], found {v}", name)
+    return v
+
+
+def _integer(body: dict, name: str, lo: int, hi: int, default):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise APIError(400, f"{name}: expected an integer, found {_type_name(v)}", name)
+    if not lo <= v <= hi:
+        raise APIError(400, f"{name}: expected an integer in [{lo}, {hi}], found {v}", name)
+    return v
+
+
+def _boolean(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise APIError(400, f"{name}: expected a boolean, found {_type_name(v)}", name)
+    return v
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = _integer(body, "n", 1, 2**31, 1)
+    if n != 1:
+        raise APIError(400, f"n: only n = 1 is supported (one choice per request), found {n}", "n")
+    if _integer(body, "best_of", 1, 2**31, 1) != 1:
+        raise APIError(400, "best_of: only 1 is supported", "best_of")
+    if body.get("tools") or body.get("functions"):
+        raise APIError(400, "tools: tool calling is not supported by this server", "tools")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
+    if body.get("logit_bias"):
+        raise APIError(400, "logit_bias: not supported", "logit_bias")
+    if body.get("echo") or body.get("suffix"):
+        raise APIError(400, "echo/suffix: not supported", "echo" if body.get("echo") else "suffix")
+
+
+def _stop(body: dict):
+    v = body.get("stop")
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    raise APIError(400, f"stop: expected a string or an array of strings, found {_type_name(v)}", "stop")
+
+
+def _draft(body: dict, d: ServerDefaults) -> dict:
+    spec = body.get("spec_type", d.spec)
+    if spec not in ("none", "draft-mtp"):
+        raise APIError(400, f"spec_type: expected \"none\" or \"draft-mtp\", found {spec!r:.60}", "spec_type")
+    n_max = body.get("spec_draft_n_max", d.n_max)
+    if n_max != "auto" and (not isinstance(n_max, int) or isinstance(n_max, bool) or not 0 <= n_max <= 64):
+        raise APIError(400, f"spec_draft_n_max: expected an integer in [0, 64] or \"auto\", found {n_max!r:.60}",
+                       "spec_draft_n_max")
+    n_min = _integer(body, "spec_draft_n_min", 0, 64, d.n_min)
+    if n_min > (8 if n_max == "auto" else n_max):
+        raise APIError(400, f"spec_draft_n_min ({n_min}) must not exceed spec_draft_n_max ({n_max})",
+                       "spec_draft_n_min")
+    return dict(spec=spec, n_max=n_max, n_min=n_min, p_min=_number(body, "spec_draft_p_min", 0.0, 1.0, d.p_min))
+
+
+def _sampling(body: dict, d: ServerDefaults) -> dict:
+    p = d.penalties
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return dict(
+        max_tokens=_integer({name: max_tokens}, name, 0, 2**31, None),
+        temperature=_number(body, "temperature", 0.0, 100.0, d.temperature),
+        top_p=_number(body, "top_p", 0.0, 1.0, d.top_p, lo_open=True),
+        top_k=_integer(body, "top_k", 0, 2**31, d.top_k),
+        min_p=_number(body, "min_p", 0.0, 0.999999, d.min_p),
+        seed=_integer(body, "seed", -1, 2**63 - 1, d.seed),
+        stop=_stop(body),
+        ignore_eos=_boolean(body, "ignore_eos"),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, p.presence_penalty),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, p.frequency_penalty),
+        repeat_penalty=_number(body, "repeat_penalty", 0.0, 10.0, p.repeat_penalty, lo_open=True),
+        repeat_last_n=_integer(body, "repeat_last_n", -1, 2**31, p.repeat_last_n),
+        **_draft(body, d),
+    )
+
+
+def _stream_options(body: dict) -> bool:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise APIError(400, f"stream_options: expected an object, found {_type_name(so)}", "stream_options")
+    return _boolean(so, "include_usage")
+
+
+def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
+    """POST /v1/chat/completions."""
+    _refuse_unsupported(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, f"messages: expected a non-empty array of messages, found {_type_name(msgs)}", "messages")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}]: expected an object, found {_type_name(m)}", "messages")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise APIError(400, f"messages[{i}].role: expected system, user, assistant or tool, found {role!r:.40}",
+                           "messages")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content: expected a string, found {_type_name(content)}", "messages")
+        clean.append({"role": "system" if role == "developer" else role, "content": content})
+    kw = _sampling(body, d)
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS, None)
+    want = _boolean(body, "logprobs")
+    if top is not None and not want:
+        raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+    kw["messages"] = clean
+    return GenRequest("chat", kw, kw["max_tokens"] is not None, _boolean(body, "stream"), _stream_options(body),
+                      _boolean(body, "mtp_trace"), (top or 0) if want else None)
+
+
+def parse_completion(body: dict, d: ServerDefaults) -> GenRequest:
+    """POST /v1/completions: a prompt string, an array of token ids, or a one-element array of either."""
+    _refuse_unsupported(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        pass
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(t, (str, list)) for t in prompt):
+        raise APIError(400, "prompt: batches of prompts are not supported; send one prompt per request", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise APIError(400, f"prompt: expected a non-empty string or array of token ids, found {_type_name(prompt)}",
+                       "prompt")
+    kw = _sampling(body, d)
+    kw["prompt"] = prompt
+    lp = _integer(body, "logprobs", 0, MAX_LOGPROBS, None)
+    return GenRequest("completion", kw, kw["max_tokens"] is not None, _boolean(body, "stream"),
+                      _stream_options(body), _boolean(body, "mtp_trace"), lp)

@@ -1,0 +1,212 @@
+"""The generation worker: one thread owns the model (loads it and runs every generation, since
+MLX streams belong to the thread that made them) and takes jobs from a bounded queue, one at a
+time, so that no two requests ever share a cache. Each job's events travel back to the event
+loop through `loop.call_soon_threadsafe`; a job's cancel flag (set when its client goes away) is
+checked between chunks and before the job starts.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .. import api
+from ..errors import MTPEngineError
+from ..generate import Chunk
+
+log = logging.getLogger("mtp_engine.server")
+
+# llama.cpp's built-in "chatml" template, its fallback for a model without a chat template
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@dataclass
+class Event:
+    """What a job reports: a chunk (with each token's text when traced), the end, or an error."""
+
+    kind: str  # "chunk", "done", "error"
+    chunk: Chunk | None = None
+    pieces: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+    prompt_tokens: int = 0
+
+
+class Job:
+    """One request's generation; created on the event loop, run on the worker thread."""
+
+    def __init__(self, kwargs: dict, max_tokens_given: bool, default_max_tokens: int, trace: bool,
+                 loop: asyncio.AbstractEventLoop):
+        self.kwargs = kwargs
+        self.max_tokens_given = max_tokens_given
+        self.default_max_tokens = default_max_tokens
+        self.trace = trace
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.started = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def put(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            self.cancel()
+
+
+class QueueFull(Exception):
+    pass
+
+
+class GenerationWorker:
+    """Loads the model in its own thread, then runs queued jobs one by one."""
+
+    def __init__(self, model_path: str | None, queue_size: int, exact: bool = False,
+                 max_context: int | None = None, warm_auto: bool = False, idle_release_s: float = 0.0):
+        """`idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
+        long. Off by default: MLX keeps freed buffers for reuse, as generate() in a loop does, and
+        clearing them makes the next request pay fresh allocations (page faults on the CPU, device
+        allocations on a GPU)."""
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        self._path, self._exact, self._max_context, self._warm_auto = model_path, exact, max_context, warm_auto
+        self._idle_release = idle_release_s if idle_release_s and idle_release_s > 0 else None
+        self.model: api.Model | None = None
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()
+        self.busy = False
+        self.completed = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name="mtp-engine-generation", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queues a job, or raises QueueFull when `queue_size` jobs are already waiting."""
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ends the running generation at its next chunk, drops waiting jobs, joins the thread
+        (a thread left inside MLX while the interpreter exits aborts the process)."""
+        self._stopping = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        self.jobs.put_nowait(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        return self.jobs.qsize()
+
+    # ---- the worker thread ----------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.model = api.load(self._path, exact=self._exact, max_context=self._max_context)
+            tok = self.model.tokenizer
+            if tok.chat_template is None:
+                tok.chat_template = CHATML
+                log.warning("%s has no chat template: using ChatML (<|im_start|>role ... <|im_end|>), as "
+                            "llama.cpp does", self.model.path)
+            if self._warm_auto and self.model.model.mtp is not None:
+                from ..spec.scheduler import device_costs
+
+                device_costs(self.model.model, self.model.path)  # n-max auto's costs, before any request
+        except BaseException as e:  # reported by the main thread, which exits cleanly
+            self.load_error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        dirty = False
+        while True:
+            try:
+                job = self.jobs.get(timeout=self._idle_release)
+            except queue.Empty:
+                if dirty:  # idle for a while: hand the allocator's cached buffers back
+                    mx.clear_cache()
+                    dirty = False
+                continue
+            if job is None:
+                return
+            if job.cancelled.is_set() or self._stopping:
+                continue  # its client left while it waited: the slot is free
+            self.busy = dirty = True
+            try:
+                self._run(job)
+            finally:
+                self.busy = False
+                self.completed += 1
+
+    def _prompt_ids(self, kw: dict) -> list[int]:
+        tok = self.model.tokenizer
+        if "messages" in kw:
+            text = tok.apply_chat_template(kw.pop("messages"), add_generation_prompt=True)
+            return tok.encode(text)
+        prompt = kw.pop("prompt")
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        vocab = self.model.model.cfg.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise MTPEngineError(f"token id {bad[0]} outside the vocabulary 0..{vocab - 1}", field="prompt")
+        return list(prompt)
+
+    def _run(self, job: Job) -> None:
+        job.started.set()
+        gen = None
+        try:
+            kw = dict(job.kwargs)
+            ids = self._prompt_ids(kw)
+            ctx = self.model.model.cfg.context_length
+            if len(ids) >= ctx:
+                raise MTPEngineError(f"the prompt ({len(ids)} tokens) does not fit the context ({ctx} tokens, "
+                                     "one of them for the answer)", field="prompt")
+            if not job.max_tokens_given:  # the server's default shrinks to what the context holds
+                kw["max_tokens"] = min(job.default_max_tokens, ctx - len(ids))
+            detok = self.model.tokenizer.detokenizer() if job.trace else None
+            gen = api.stream_generate(ids, self.model, **kw)
+            for chunk in gen:
+                if job.cancelled.is_set() or self._stopping:
+                    log.info("client gone: generation stopped")
+                    return
+                pieces = [detok.add(t) for t in chunk.token_ids] if detok else []
+                if detok and chunk.finish_reason is not None:
+                    pieces.append(detok.flush())
+                job.put(Event("chunk", chunk, pieces, prompt_tokens=len(ids)))
+            job.put(Event("done", prompt_tokens=len(ids)))
+        except MTPEngineError as e:
+            job.put(Event("error", error=e))
+        except Exception as e:  # a bug must not kill the worker: answer 500 and go on
+            log.error("generation failed:\n%s", traceback.format_exc())
+            job.put(Event("error", error=e))
+        finally:
+            if gen is not None:
+                gen.close()  # a generation left early frees its caches here
+
+
+def wait_ready(worker: GenerationWorker, timeout: float | None = None) -> api.Model:
+    """Blocks until the worker has loaded the model; re-raises a load error."""
+    t0 = time.monotonic()
+    while not worker.ready.wait(0.2):
+        if timeout is not None and time.monotonic() - t0 > timeout:
+            raise TimeoutError("the model did not load in time")
+    if worker.load_error is not None:
+        raise worker.load_error
+    return worker.model

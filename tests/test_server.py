@@ -1,0 +1,212 @@
+"""`mtp-engine serve` against a live server process on 127.0.0.1 (tiny fixture model, short
+generations): the official `openai` client (chat and completions, streaming and not), greedy output
+equal to `generate()`'s, 16 concurrent streams, a disconnect mid-stream, 400 and 503 answers."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import TINY, need
+from mtp_engine import generate, load
+from server_helpers import LiveServer, sse_events
+
+openai = pytest.importorskip("openai", reason="the server tests need the openai client (pip install -e '.[test]')")
+pytest.importorskip("starlette", reason="the server needs starlette and uvicorn (pip install -e .)")
+
+MODEL = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
+PROMPT = "To be"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LiveServer(need(MODEL), "--spec-draft-n-max", "3", "--queue-size", "32")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from mtp_engine.server.worker import CHATML
+
+    m = load(need(MODEL))
+    m.tokenizer.chat_template = CHATML  # what the server falls back to for this template-less model
+    return m
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_models_health_and_page(server, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL.name]
+    h = server.health()
+    assert h["status"] == "ok" and h["queue_size"] == 32
+    status, page = server.request("GET", "/")
+    assert status == 200 and "<html" in page.lower() and "/v1/chat/completions" in page
+    assert server.request("GET", "/nope")[0] == 404
+    assert "ChatML" in "".join(server.stderr)  # the fallback template is said once in the log
+    assert "".join(server.stderr).count("ChatML") == 1
+
+
+def test_chat_equals_generate_stream_and_not(client, tiny):
+    ref = generate(messages=_chat("Hello there"), model=tiny, max_tokens=12)
+    r = client.chat.completions.create(model="x", messages=_chat("Hello there"), max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 12)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    extra = r.usage.model_extra
+    assert extra["timings"]["draft_n"] >= extra["timings"]["draft_n_accepted"] >= 0
+    sd = extra["spec_decode"]
+    assert sd["num_draft_tokens"] == 3 * sd["num_drafts"] and 0 <= sd["draft_acceptance_rate"] <= 1
+    assert sd["decode_tokens_per_second"] > 0
+    parts, chunks = [], []
+    for c in client.chat.completions.create(model="x", messages=_chat("Hello there"), max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}):
+        chunks.append(c)
+        if c.choices and c.choices[0].delta.content:
+            parts.append(c.choices[0].delta.content)
+    assert "".join(parts) == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert "mtp" not in (chunks[1].model_extra or {})  # the extension only when asked for
+
+
+def test_completions_with_penalties_and_logprobs_equal_generate(client, tiny):
+    kw = dict(repeat_penalty=0.5, repeat_last_n=4, presence_penalty=0.3)
+    ref = generate(PROMPT, tiny, max_tokens=10, logprobs=2, **kw)
+    assert ref.text != generate(PROMPT, tiny, max_tokens=10).text
+    r = client.completions.create(model="x", prompt=PROMPT, max_tokens=10, logprobs=2, extra_body=kw)
+    assert r.choices[0].text == ref.text
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-3)
+    assert "".join(lp.tokens) == ref.text and all(len(t) == 2 for t in lp.top_logprobs)
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="x", prompt=PROMPT, max_tokens=10, stream=True, extra_body={**kw, "spec_type": "none"}))
+    assert text == ref.text
+    # per-request draft settings: plain decoding has no draft figures
+    r0 = client.completions.create(model="x", prompt=PROMPT, max_tokens=4, extra_body={"spec_type": "none"})
+    assert "spec_decode" not in r0.usage.model_extra
+
+
+def test_stream_trace_reports_provenance(server, tiny):
+    ref = generate(PROMPT, tiny, max_tokens=24, spec="draft-mtp", n_max=3, repeat_penalty=0.5, repeat_last_n=4)
+    c, resp = server.open_stream("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "mtp_trace": True,
+                                                     "repeat_penalty": 0.5, "repeat_last_n": 4})
+    events = sse_events(resp)
+    c.close()
+    assert events[-1] == "[DONE]"
+    tokens = [t for e in events[:-1] for t in e["mtp"]["tokens"]]
+    assert "".join(t["text"] for t in tokens) == ref.text
+    assert [t["id"] for t in tokens] == ref.token_ids
+    assert sum(t["drafted"] for t in tokens) > 0 and not all(t["drafted"] for t in tokens)
+    final = events[-2]
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["timings"]["draft_n_accepted"] == ref.stats["accepted"]
+    assert final["mtp"]["usage"]["spec_decode"]["num_accepted_tokens"] == ref.stats["accepted"]
+
+
+def test_16_concurrent_streaming_clients(client, tiny):
+    """Sampled (seed per client) so that the 16 answers differ and a mix-up would show."""
+    prompts = [f"Client {i} says" for i in range(16)]
+    expected = [generate(messages=_chat(p), model=tiny, max_tokens=8, temperature=3.0, seed=i, spec="draft-mtp",
+                         n_max=3).text for i, p in enumerate(prompts)]
+    assert len(set(expected)) == 16
+
+    def one(i):
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="x", messages=_chat(prompts[i]), max_tokens=8, temperature=3.0, seed=i, stream=True) if c.choices)
+
+    with ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(one, range(16)))
+    assert got == expected
+
+
+def test_disconnect_mid_stream_stops_generation(server, client, tiny):
+    before = server.wait_idle()["completed"]
+    c, resp = server.open_stream("/v1/completions", {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True})
+    assert resp.status == 200
+    resp.fp.readline()  # the first event has arrived: the generation runs
+    t0 = time.monotonic()
+    c.sock.close()
+    c.close()
+    h = server.wait_idle(timeout=20)
+    # 3000 tokens take ~40 s here: finishing this soon means the generation stopped
+    assert time.monotonic() - t0 < 15 and h["completed"] == before + 1
+    # the generation left early leaves nothing behind: the next answer is still generate()'s
+    r = client.completions.create(model="x", prompt=PROMPT, max_tokens=6)
+    assert r.choices[0].text == generate(PROMPT, tiny, max_tokens=6).text
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": "x", ', None),
+    (b'[1, 2]', None),
+    (b'{"prompt": "x", "max_tokens": "6"}', "max_tokens"),
+    (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+    (b'{"prompt": "x", "top_p": 0}', "top_p"),
+    (b'{"prompt": "x", "stop": 5}', "stop"),
+    (b'{"prompt": "x", "n": 2}', "n"),
+    (b'{"prompt": "x", "seed": 1.5}', "seed"),
+    (b'{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
+    (b'{"prompt": "x", "spec_type": "eagle"}', "spec_type"),
+    (b'{"prompt": "x", "spec_draft_n_max": "many"}', "spec_draft_n_max"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream"),
+    (b'{"prompt": [600]}', "prompt"),
+    (b'{"prompt": ""}', "prompt"),
+    (b'{"prompt": "x", "max_tokens": 5000}', "max_tokens"),
+])
+def test_bad_completion_requests_answer_400(server, raw, param):
+    status, body = server.request("POST", "/v1/completions", raw=raw)
+    assert status == 400, body
+    err = body["error"]
+    assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+
+
+def test_bad_chat_requests_and_over_context(server, client):
+    for body, param in [({"messages": "hi"}, "messages"), ({"messages": [{"role": "user"}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+                        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools")]:
+        status, out = server.request("POST", "/v1/chat/completions", body)
+        assert status == 400 and out["error"]["param"] == param, out
+    with pytest.raises(openai.BadRequestError, match="n = 1"):
+        client.chat.completions.create(model="x", messages=_chat("x"), n=2)
+    long = "word " * 5000  # > 4096 tokens of context
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="x", messages=_chat(long), max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="x", prompt=long, max_tokens=4, stream=True)
+    assert client.completions.create(model="x", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_full_queue_answers_503():
+    s = LiveServer(need(MODEL), "--queue-size", "1", "--spec-type", "none")
+    try:
+        running, resp = s.open_stream("/v1/completions", {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True})
+        resp.fp.readline()  # it generates: the worker is busy
+        waiting = threading.Thread(target=lambda: s.request("POST", "/v1/completions",
+                                                            {"prompt": PROMPT, "max_tokens": 2}), daemon=True)
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while s.health()["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        status, body = s.request("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert status == 503 and body["error"]["code"] == "queue_full"
+        running.sock.close()
+        running.close()
+        waiting.join(20)  # the queued one runs once the first is cancelled
+        assert not waiting.is_alive()
+        assert s.request("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+    finally:
+        s.stop()
