@@ -13,9 +13,11 @@ from .memory import check_fits, estimate
 from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
+from .prompt_encode import encode_prompt
 from .sampling import Sampler, SamplerConfig
 from .spec.draft_mtp import DraftMTPDecoder, DraftParams
 from .spec.scheduler import DraftLengthScheduler, device_costs
+from .text_input import check_messages, check_stop
 from .tokenizer import Tokenizer
 
 SPEC_TYPES = ("none", "draft-mtp")
@@ -103,7 +105,12 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     `spec` is None/"none" (plain decoding) or "draft-mtp" with llama.cpp's knobs n_max, n_min, p_min;
     n_max="auto" (the default) picks the draft length each round from the device's measured costs
     and the acceptance seen so far.
-    `profile` is None, "round" or "precise" (see `mtp_engine.profiler`)."""
+    `profile` is None, "round" or "precise" (see `mtp_engine.profiler`).
+
+    Text (`prompt`, message `role`/`content`, `stop`) must be valid Unicode: a lone surrogate is
+    refused (MTPEngineError naming the argument and the index), never replaced; a prompt longer
+    than the context is refused after tokenizing about one context of it. The chat template renders
+    under the budget of `mtp_engine.chat_template.RenderLimits`."""
     m = _resolve(model)
     if spec is None:
         spec = "none"
@@ -119,8 +126,9 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     if messages is not None:
         _check_messages(messages)
         prompt = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if isinstance(prompt, str):
-        ids = m.tokenizer.encode(prompt)
+    if isinstance(prompt, str):  # in pieces: a prompt past the context is refused early
+        ids = encode_prompt(m.tokenizer, prompt, m.model.cfg.context_length,
+                            "messages" if messages is not None else "prompt")
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < m.model.cfg.vocab_size]
@@ -146,36 +154,13 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
 
 
 def _check_stop(stop) -> list[str]:
-    """`stop` as a list of strings: None, one string, or a list/tuple of strings."""
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, (list, tuple)):
-        for i, s in enumerate(stop):
-            if not isinstance(s, str):
-                raise MTPEngineError(f"stop[{i}]: expected a string, found {type(s).__name__} {s!r:.40}",
-                                     field="stop")
-        return list(stop)
-    raise MTPEngineError(f"expected a string or a list of strings, found {type(stop).__name__}", field="stop")
+    """`stop` as a list of strings (see `text_input.check_stop`)."""
+    return check_stop(stop)
 
 
 def _check_messages(messages) -> None:
-    """A chat is a non-empty list of dicts whose `role` and `content` are strings (other keys, such
-    as tool calls, pass through to the template)."""
-    if not isinstance(messages, (list, tuple)):
-        raise MTPEngineError(f"expected a list of {{'role': str, 'content': str}} dicts, found "
-                             f"{type(messages).__name__}", field="messages")
-    if not messages:
-        raise MTPEngineError("expected at least one message, found an empty list", field="messages")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise MTPEngineError(f"messages[{i}]: expected a dict with 'role' and 'content', found "
-                                 f"{type(msg).__name__}", field="messages")
-        for key in ("role", "content"):
-            if not isinstance(msg.get(key), str):
-                what = "missing" if key not in msg else f"{type(msg[key]).__name__}"
-                raise MTPEngineError(f"messages[{i}].{key}: expected a string, found {what}", field="messages")
+    """See `text_input.check_messages`."""
+    check_messages(messages)
 
 
 def generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,

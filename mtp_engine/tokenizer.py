@@ -40,9 +40,10 @@ from mtp_engine.bpe import (
     build_byte_level_bpe,
     bytes_to_unicode,
 )
-from mtp_engine.chat_template import compile_chat_template, render_chat_template
+from mtp_engine.chat_template import RenderLimits, compile_chat_template, render_chat_template
 from mtp_engine.detokenizer import StreamingDetokenizer
 from mtp_engine.errors import MTPEngineError
+from mtp_engine.text_input import check_text
 from mtp_engine.gguf.fields import read_int_array, read_scalar, read_string, read_string_array
 
 __all__ = [
@@ -80,6 +81,27 @@ def _embedding_rows(reader: Any) -> int | None:
         if t.name == "token_embd.weight" and len(t.shape) >= 2:
             return int(t.shape[1])
     return None
+
+
+# Longest vocabulary entry accepted, in UTF-8 bytes. Byte-level BPE entries are merges of words and
+# whitespace runs, far below this (the shipped model's longest: 64 bytes); one 32 MiB control token took
+# 2.88 GB in the tokenizer backend (77x the file).
+MAX_TOKEN_BYTES = 1024
+# llama.cpp's llama_token_type: 0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined,
+# 5 unused, 6 byte
+_TOKEN_TYPES = range(0, 7)
+
+
+def _check_entries(tokens: list[str], token_types: list[int], file: str | None) -> None:
+    """Every vocabulary entry at most MAX_TOKEN_BYTES long, every token type a known one."""
+    for i, t in enumerate(tokens):
+        if len(t) > MAX_TOKEN_BYTES // 4 and len(t.encode("utf-8")) > MAX_TOKEN_BYTES:
+            raise MTPEngineError(f"token {i} is {len(t.encode('utf-8'))} bytes long: expected at most "
+                                 f"{MAX_TOKEN_BYTES}", file=file, field=_KEY_TOKENS)
+    for i, tt in enumerate(token_types):
+        if tt not in _TOKEN_TYPES:
+            raise MTPEngineError(f"token {i} has type {tt}: expected 0..6 (llama_token_type)",
+                                 file=file, field=_KEY_TOKEN_TYPE)
 
 
 class Tokenizer:
@@ -127,6 +149,11 @@ class Tokenizer:
         self._template_field = template_field
         self._chat_template: str | None = chat_template
         self._compiled_template: Any = None
+        # bounds for mtp_engine.prompt_encode: the most bytes one token stands for, and the special
+        # tokens whose text could span a cut before a space
+        self.max_token_bytes: int = max((len(b) for b in token_bytes), default=1)
+        # (byte-level vocabulary entries spell a space "Ġ": a literal space marks an added token)
+        self.spaced_special_texts: list[str] = [t for t in token_texts if t and len(t) > 1 and " " in t]
 
     # ---------------------------------------------------------------------------- builders
 
@@ -169,6 +196,7 @@ class Tokenizer:
                 file=file,
                 field=_KEY_TOKEN_TYPE,
             )
+        _check_entries(tokens, token_types, file)
         n = len(tokens)
         rows = _embedding_rows(reader)
         if rows is not None and n > rows:
@@ -335,8 +363,7 @@ class Tokenizer:
         """Token ids of ``text``. Control and user-defined tokens written literally in the
         text (e.g. ``<|im_start|>``) become their ids. A BOS id is prepended only when the
         model asks for it (``add_bos_token`` true and a BOS id exists)."""
-        if not isinstance(text, str):
-            raise MTPEngineError(f"expected a str to encode, found {type(text).__name__}", field="text")
+        check_text(text, "text")  # a lone surrogate would make the backend raise a bare TypeError
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
@@ -419,7 +446,8 @@ class Tokenizer:
         return self._token_bytes[token_id].decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, *,
+        render_limits: RenderLimits | None = None, **kwargs: Any
     ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat
         template into prompt text (to be passed to :meth:`encode`).
@@ -430,8 +458,11 @@ class Tokenizer:
         ``enable_thinking``), the helpers ``raise_exception(msg)`` and ``strftime_now(fmt)``
         and a ``tojson`` filter that keeps non-ASCII text.
 
+        The render runs under ``render_limits`` (default :class:`RenderLimits`: loop iterations
+        and calls, characters produced, wall-clock seconds).
+
         Raises MTPEngineError (naming the template key) when there is no template, when it does
-        not compile, or when it calls ``raise_exception``.
+        not compile, when it calls ``raise_exception``, goes past its limits or fails in any way.
         """
         template = self._template()
         variables = dict(kwargs)
@@ -445,4 +476,5 @@ class Tokenizer:
             variables,
             file=self.source or None,
             field=self._template_field,
+            limits=render_limits,
         )
