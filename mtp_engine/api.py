@@ -18,6 +18,7 @@ from .sampling import Sampler, SamplerConfig
 from .spec.draft_mtp import DraftMTPDecoder, DraftParams
 from .spec.scheduler import DraftLengthScheduler, device_costs
 from .text_input import check_messages, check_stop
+from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
 from .tokenizer import Tokenizer
 
 SPEC_TYPES = ("none", "draft-mtp")
@@ -64,13 +65,15 @@ class GenerationResult:
 DEFAULT_MAX_CONTEXT = 32768
 
 
+@run_on_engine_thread
 def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True,
          max_context: int | None = None) -> Model:
     """Loads a Qwen3.5 GGUF file (default: the model in `models/`). `exact=True` keeps Q6_K tensors in
     float32 so every weight equals llama.cpp's dequantization. `max_context` caps the context a
     generation may use (default: the model's, up to 32768 positions); the memory check assumes it.
     Refuses (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that
-    context exceeds what is available."""
+    context exceeds what is available. The returned model may be used from any thread (every array
+    it holds is evaluated here); generations in several threads at once are independent."""
     p = Path(path) if path is not None else default_model_path()
     if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
                                     or max_context < 1):
@@ -81,6 +84,9 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     check_fits(p, exact=exact, context=ctx, load_mtp=load_mtp)
     model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp)
     model.cfg.context_length = min(model.cfg.context_length, ctx)
+    # usable from any thread, first use included: no lazy graph may be left for another thread
+    evaluate_all(model)
+    release_at_exit()
     tok = Tokenizer.from_gguf(gf.reader, gf.path)
     return Model(model, tok, info, gf.path)
 
@@ -93,6 +99,7 @@ def _resolve(model) -> Model:
     raise MTPEngineError(f"expected a path or a loaded Model, found {type(model).__name__}", field="model")
 
 
+@engine_thread
 def stream_generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
                     messages: list[dict] | None = None, max_tokens: int = 256, spec: str | None = None,
                     n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
