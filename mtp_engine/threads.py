@@ -65,7 +65,7 @@ def evaluate_all(obj: Any) -> int:
 
 
 _registered = False
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 def _release() -> None:
