@@ -21,7 +21,6 @@ These functions are what any entry point (API, CLI, server request bodies) calls
 from __future__ import annotations
 
 import os
-import stat
 import sys
 from typing import Any, BinaryIO
 
@@ -134,9 +133,7 @@ def read_prompt_file(path: str, field: str = "file", *, limit: int = MAX_PROMPT_
         src = stdin if stdin is not None else sys.stdin.buffer
         return decode_utf8(_read_limited(src, limit, "<stdin>", field), field, file="<stdin>")
     try:
-        with open(path, "rb") as f:
-            if stat.S_ISDIR(os.fstat(f.fileno()).st_mode):
-                raise MTPEngineError("cannot read prompt file: is a directory", file=path, field=field)
+        with open(path, "rb") as f:  # a directory fails here (IsADirectoryError)
             data = _read_limited(f, limit, path, field)
     except OSError as e:
         raise MTPEngineError(f"cannot read prompt file: {e.strerror or e}", file=path, field=field) from None
