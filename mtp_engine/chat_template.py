@@ -39,7 +39,8 @@ class RenderLimits:
     """The budget of one render. Real templates use a tiny part of it (Qwen3's: ~200 steps and
     ~2 KB for a short chat): the limits only stop templates that would hang or fill memory.
 
-    * ``max_steps``: loop iterations plus calls (filters, methods, macros, functions);
+    * ``max_steps``: loop iterations, calls (filters, methods, macros, functions) and attribute
+      or item lookups;
     * ``max_chars``: characters produced in all (output and captured text), and the size of any
       one string or list the template builds; the budget grows by ``chars_per_input_char`` for
       every character of the messages and variables, so long chats always fit;
@@ -74,15 +75,15 @@ class _Budget:
 
     def step(self, n: int = 1) -> None:
         self.steps_left -= n
-        if self.steps_left < 0:
-            raise _OverBudget(f"more than {self.limits.max_steps} loop iterations and calls")
-        self._clock()
+        if self.steps_left & 63 == 0 or self.steps_left < 0:  # the clock every 64 steps: a step is ~0.1 us
+            if self.steps_left < 0:
+                raise _OverBudget(f"more than {self.limits.max_steps} steps (loop iterations, calls and lookups)")
+            self._clock()
 
     def emit(self, n: int) -> None:
         self.chars_left -= n
         if self.chars_left < 0:
             raise _OverBudget(f"more than {self.max_chars} characters of output")
-        self._clock()
 
     def size(self, n: int, what: str) -> None:
         if n > self.max_chars:
@@ -102,14 +103,27 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
             separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                               sort_keys=sort_keys)
+    b = _budget()
+    if b is None:
+        return encoder.encode(value)
+    # streamed, so that an indent of 10^6 on a nested value is refused before its text exists
+    parts, size = [], 0
+    for chunk in encoder.iterencode(value):
+        size += len(chunk)
+        b.size(size, "the filter tojson")
+        parts.append(chunk)
+    return "".join(parts)
 
 
 def _strftime_now(fmt: str) -> str:
     import datetime
 
     return datetime.datetime.now().strftime(fmt)
+
+
+_SIZED = (str, list, tuple, dict)
 
 
 def _len(x: Any) -> int:
@@ -151,16 +165,18 @@ def _replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
 
 
 def _guard_filter(name: str, f: Any) -> Any:
+    from jinja2.environment import Environment
+    from jinja2.nodes import EvalContext
+    from jinja2.runtime import Context
+
+    special = (Context, EvalContext, Environment)
+
     @functools.wraps(f)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        b = _budget()
-        if b is not None:
+        b = _CURRENT.get()
+        if b is not None and (len(args) > 1 or kwargs):  # a filter without parameters cannot inflate
             b.step()
-            from jinja2.nodes import EvalContext
-            from jinja2.runtime import Context
-            from jinja2.environment import Environment
-
-            rest = [a for a in args if not isinstance(a, (Context, EvalContext, Environment))]
+            rest = [a for a in args if not isinstance(a, special)]
             value, params = (rest[0], rest[1:]) if rest else (None, [])
             what = f"the filter {name}"
             _check_ints(b, list(params) + list(kwargs.values()), what)
@@ -177,7 +193,9 @@ def _guard_filter(name: str, f: Any) -> Any:
                 _check_format_string(b, value, what)
         out = f(*args, **kwargs)
         if b is not None:
-            b.size(_len(out), f"the filter {name}")
+            b.step()
+            if type(out) in _SIZED and len(out) > b.max_chars:
+                b.size(len(out), f"the filter {name}")
         return out
 
     return guarded
@@ -188,6 +206,8 @@ def _jinja_env() -> Any:
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    _getattr, _getitem = ImmutableSandboxedEnvironment.getattr, ImmutableSandboxedEnvironment.getitem
+
     class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
 
@@ -196,7 +216,11 @@ def _jinja_env() -> Any:
             return _instrument(tree, nodes)
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            b = _budget()
+            b = _CURRENT.get()
+            if operator == "+" and type(left) is str and type(right) is str:  # the common case, kept cheap
+                if b is not None and len(left) + len(right) > b.max_chars:
+                    b.size(len(left) + len(right), "the operator +")
+                return left + right
             if b is not None:
                 what = f"the operator {operator}"
                 if operator == "*":
@@ -218,6 +242,20 @@ def _jinja_env() -> Any:
             if b is not None:
                 b.size(_len(out), f"the operator {operator}")
             return out
+
+        # attribute and item lookups count as steps too: a filter such as selectattr can walk a
+        # million-character string without a loop or a call of the template's own
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            b = _CURRENT.get()
+            if b is not None:
+                b.step()
+            return _getattr(self, obj, attribute)
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            b = _CURRENT.get()
+            if b is not None:
+                b.step()
+            return _getitem(self, obj, argument)
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             b = _budget()
@@ -246,19 +284,19 @@ def _jinja_env() -> Any:
     env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
+    # the hooks _instrument puts in: filters, because a filter is called directly where a call
+    # goes through the sandbox's checks; pass_context keeps Jinja from running them at compile time
+    for name, hook in (("mtp_loop", _loop), ("mtp_out", _out), ("mtp_emit", _emit), ("mtp_concat", _concat)):
+        env.filters[name] = jinja2.pass_context(hook)
     # lipsum(n) writes n paragraphs in one call: no chat template needs it
     env.globals.pop("lipsum", None)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    env.mtp_loop = _loop
-    env.mtp_out = _out
-    env.mtp_emit = _emit
-    env.mtp_concat = _concat
     return env
 
 
-def _loop(iterable: Any) -> Any:
-    b = _budget()
+def _loop(_context: Any, iterable: Any) -> Any:
+    b = _CURRENT.get()
     if b is None:
         yield from iterable
         return
@@ -267,21 +305,23 @@ def _loop(iterable: Any) -> Any:
         yield x
 
 
-def _out(value: Any) -> Any:
-    b = _budget()
+def _out(_context: Any, value: Any) -> Any:
+    b = _CURRENT.get()
     if b is not None:
-        b.emit(len(value) if isinstance(value, str) else len(str(value)))
+        b.chars_left -= len(value) if type(value) is str else len(str(value))
+        if b.chars_left < 0:
+            b.emit(0)
     return value
 
 
-def _emit(n: int) -> str:
+def _emit(_context: Any, _value: Any, n: int) -> str:
     b = _budget()
     if b is not None:
         b.emit(n)
     return ""
 
 
-def _concat(*parts: Any) -> str:
+def _concat(_context: Any, *parts: Any) -> str:
     strings = [p if isinstance(p, str) else str(p) for p in parts]
     b = _budget()
     if b is not None:
@@ -293,8 +333,8 @@ def _instrument(tree: Any, nodes: Any) -> Any:
     """Routes every loop, output and ``~`` of the template through the budget hooks."""
     from jinja2.visitor import NodeTransformer
 
-    def hook(name: str, *args: Any, lineno: int) -> Any:
-        return nodes.Call(nodes.EnvironmentAttribute(name), list(args), [], None, None, lineno=lineno)
+    def hook(name: str, value: Any, *args: Any, lineno: int) -> Any:
+        return nodes.Filter(value, name, list(args), [], None, None, lineno=lineno)
 
     class Instrument(NodeTransformer):
         def visit_For(self, node: Any) -> Any:
@@ -304,14 +344,14 @@ def _instrument(tree: Any, nodes: Any) -> Any:
 
         def visit_Concat(self, node: Any) -> Any:
             node = self.generic_visit(node)
-            return hook("mtp_concat", *node.nodes, lineno=node.lineno)
+            return hook("mtp_concat", node.nodes[0], *node.nodes[1:], lineno=node.lineno)
 
         def visit_Output(self, node: Any) -> Any:
             node = self.generic_visit(node)
             literal = sum(len(c.data) for c in node.nodes if isinstance(c, nodes.TemplateData))
             wrapped = [c if isinstance(c, nodes.TemplateData) else hook("mtp_out", c, lineno=c.lineno)
                        for c in node.nodes]
-            head = [hook("mtp_emit", nodes.Const(literal), lineno=node.lineno)] if literal else []
+            head = [hook("mtp_emit", nodes.Const(""), nodes.Const(literal), lineno=node.lineno)] if literal else []
             node.nodes = head + wrapped
             return node
 
@@ -344,11 +384,29 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _input_chars(messages: Any, variables: dict) -> int:
-    try:
-        return len(json.dumps([messages, variables], default=str))
-    except Exception:  # circular or exotic values: no allowance for them
-        return 0
+def _input_chars(messages: Any, variables: dict, max_nodes: int = 100_000) -> int:
+    """Characters of text in the messages and variables (walked, at most `max_nodes` values)."""
+    total, seen = 0, 0
+    stack: list = list(variables.values())
+    for m in messages if isinstance(messages, (list, tuple)) else [messages]:
+        if type(m) is dict and type(m.get("content")) is str and len(m) <= 3:  # most messages: one pass
+            total += len(m["content"]) + sum(len(k) + (len(v) if type(v) is str else 8) for k, v in m.items())
+            seen += 1
+        else:
+            stack.append(m)
+    while stack and seen < max_nodes:
+        o = stack.pop()
+        seen += 1
+        if isinstance(o, str):
+            total += len(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+            stack.extend(k for k in o if isinstance(k, str))
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        else:
+            total += 8
+    return total
 
 
 def render_chat_template(

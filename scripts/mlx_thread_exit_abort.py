@@ -4,7 +4,8 @@ the engine's workaround (`mtp_engine.threads.release_at_exit`).
 
     python scripts/mlx_thread_exit_abort.py --runs 20            # pure MLX, no workaround
     python scripts/mlx_thread_exit_abort.py --runs 20 --workaround
-    python scripts/mlx_thread_exit_abort.py --runs 12 --engine   # mtp-engine generate in threads
+    python scripts/mlx_thread_exit_abort.py --runs 12 --engine   # mtp-engine generate in threads, workaround off
+    python scripts/mlx_thread_exit_abort.py --runs 12 --engine --workaround  # ... as shipped
 
 Each run is a fresh interpreter (the abort happens at its exit); the table counts exit statuses.
 """
@@ -47,6 +48,10 @@ CHILD_ENGINE = r"""
 import sys, threading
 sys.path.insert(0, sys.argv[-1])
 import mtp_engine as me
+if sys.argv[-3] == "baseline":  # the engine without its workaround: MLX work in the callers' threads
+    import mtp_engine.api, mtp_engine.threads
+    mtp_engine.threads._engine_thread = lambda: None
+    mtp_engine.api.release_at_exit = lambda: None
 m = me.load(sys.argv[-2])
 out = {}
 def work(k):
@@ -62,14 +67,15 @@ print("ok", flush=True)
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--workaround", action="store_true", help="register mtp_engine.threads.release_at_exit")
+    ap.add_argument("--workaround", action="store_true", help="pure MLX: register mtp_engine.threads.release_at_exit; "
+                    "--engine: the engine as shipped (else its engine thread and exit release are switched off)")
     ap.add_argument("--engine", action="store_true", help="run mtp-engine generations instead of pure MLX")
     ap.add_argument("--model", default=None, help="GGUF for --engine (default: the tiny Q8_0 fixture)")
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if args.engine:
         model = args.model or os.path.join(root, "..", "shared", "fixtures", "llamacpp", "qwen35-mtp-tiny-Q8_0.gguf")
-        cmd = [sys.executable, "-c", CHILD_ENGINE, model, root]
+        cmd = [sys.executable, "-c", CHILD_ENGINE, "baseline" if not args.workaround else "engine", model, root]
     else:
         cmd = [sys.executable, "-c", CHILD_MLX] + (["--workaround"] if args.workaround else []) + [root]
     counts: collections.Counter = collections.Counter()
@@ -78,7 +84,7 @@ def main() -> int:
         tail = (p.stderr.strip().splitlines() or [""])[-1][:80]
         counts[p.returncode] += 1
         print(f"run {i + 1}/{args.runs}: exit {p.returncode} {tail}", file=sys.stderr, flush=True)
-    what = "engine" if args.engine else ("pure MLX + workaround" if args.workaround else "pure MLX")
+    what = ("engine" if args.engine else "pure MLX") + (" + workaround" if args.workaround else "")
     print(f"{what}: {args.runs} runs, exit statuses {dict(sorted(counts.items()))}")
     return 0
 
