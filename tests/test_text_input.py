@@ -263,3 +263,15 @@ def test_unexpected_error_is_one_line_with_debug_hint(cli, monkeypatch):
     assert "RuntimeError: boom\\nsecond line" in err and "--debug" in err
     with pytest.raises(RuntimeError, match="boom"):
         main(["generate", "-p", "hi", "-n", "1", "--debug"])
+
+
+@pytest.mark.parametrize("template", ["{{ 'a' * 3000000000 }}", "{{ 'x'.ljust(5000000000) }}", "{{ 1/0 }}",
+                                      "{% include 'x' %}", "{{ range(10**9) }}"])
+def test_cli_chat_with_hostile_template(cli, tiny, template):
+    tiny.tokenizer.chat_template = template
+    try:
+        rc, out, err = cli("generate", "--chat", "-p", "hi", "-n", "1")
+    finally:
+        tiny.tokenizer.chat_template = CHATML
+    _clean(rc, err)
+    assert rc == 2 and "tokenizer.chat_template" in err and str(TINY_Q8) in err
