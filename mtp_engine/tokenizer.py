@@ -29,6 +29,7 @@ import gguf
 import tokenizers
 
 from mtp_engine.bpe import (
+    MAX_TOKEN_BYTES,
     PRE_TOKENIZER_REGEXES,
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
@@ -39,6 +40,7 @@ from mtp_engine.bpe import (
     byte_level_decode,
     build_byte_level_bpe,
     bytes_to_unicode,
+    check_vocabulary,
 )
 from mtp_engine.chat_template import RenderLimits, compile_chat_template, render_chat_template
 from mtp_engine.detokenizer import StreamingDetokenizer
@@ -48,6 +50,7 @@ from mtp_engine.gguf.fields import read_int_array, read_scalar, read_string, rea
 
 __all__ = [
     "Tokenizer",
+    "MAX_TOKEN_BYTES",
     "StreamingDetokenizer",
     "PRE_TOKENIZER_REGEXES",
     "TOKEN_TYPE_NORMAL",
@@ -81,27 +84,6 @@ def _embedding_rows(reader: Any) -> int | None:
         if t.name == "token_embd.weight" and len(t.shape) >= 2:
             return int(t.shape[1])
     return None
-
-
-# Longest vocabulary entry accepted, in UTF-8 bytes. Byte-level BPE entries are merges of words and
-# whitespace runs, far below this (the shipped model's longest: 64 bytes); one 32 MiB control token took
-# 2.88 GB in the tokenizer backend (77x the file).
-MAX_TOKEN_BYTES = 1024
-# llama.cpp's llama_token_type: 0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined,
-# 5 unused, 6 byte
-_TOKEN_TYPES = range(0, 7)
-
-
-def _check_entries(tokens: list[str], token_types: list[int], file: str | None) -> None:
-    """Every vocabulary entry at most MAX_TOKEN_BYTES long, every token type a known one."""
-    for i, t in enumerate(tokens):
-        if len(t) > MAX_TOKEN_BYTES // 4 and len(t.encode("utf-8")) > MAX_TOKEN_BYTES:
-            raise MTPEngineError(f"token {i} is {len(t.encode('utf-8'))} bytes long: expected at most "
-                                 f"{MAX_TOKEN_BYTES}", file=file, field=_KEY_TOKENS)
-    for i, tt in enumerate(token_types):
-        if tt not in _TOKEN_TYPES:
-            raise MTPEngineError(f"token {i} has type {tt}: expected 0..6 (llama_token_type)",
-                                 file=file, field=_KEY_TOKEN_TYPE)
 
 
 class Tokenizer:
@@ -196,7 +178,7 @@ class Tokenizer:
                 file=file,
                 field=_KEY_TOKEN_TYPE,
             )
-        _check_entries(tokens, token_types, file)
+        check_vocabulary(tokens, token_types, file=file, tokens_field=_KEY_TOKENS, types_field=_KEY_TOKEN_TYPE)
         n = len(tokens)
         rows = _embedding_rows(reader)
         if rows is not None and n > rows:
