@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import functools
 import queue
+import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import fields, is_dataclass
@@ -113,6 +114,8 @@ class _EngineThread:
                     fut.set_exception(e)
 
     def call(self, fn: Callable[[], Any]) -> Any:
+        if sys.is_finalizing() or not self.thread.is_alive():  # at exit the thread may be frozen
+            return fn()
         fut: Future = Future()
         self._jobs.put((fn, fut))
         return fut.result()
