@@ -278,3 +278,20 @@ def test_cli_chat_with_hostile_template(cli, tiny, template):
         tiny.tokenizer.chat_template = CHATML
     _clean(rc, err)
     assert rc == 2 and "tokenizer.chat_template" in err and str(TINY_Q8) in err
+
+
+@FAST
+@given(parts=st.lists(st.sampled_from(["hello", " ", "world", "o w", "x", "\n"]), max_size=40), piece=st.integers(1, 12))
+def test_encode_in_pieces_keeps_spaced_special_tokens(tokenizers_, parts, piece):
+    # an added token whose text holds a space ("o w") must never be cut in two
+    from types import SimpleNamespace
+
+    import tokenizers
+
+    base = tokenizers_[0]
+    backend = tokenizers.Tokenizer.from_str(base._backend.to_str())
+    backend.add_special_tokens([tokenizers.AddedToken("o w", special=True, normalized=False)])
+    tok = SimpleNamespace(_backend=backend, bos_token_id=None, add_bos_token=False,
+                          max_token_bytes=base.max_token_bytes, spaced_special_texts=["o w"])
+    text = "".join(parts)
+    assert encode_prompt(tok, text, 10**9, piece_chars=piece) == backend.encode(text, add_special_tokens=False).ids
