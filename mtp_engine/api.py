@@ -15,10 +15,13 @@ from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
 from .penalties import PenaltyConfig
+from .prompt_encode import encode_prompt
 from .sampling import Sampler, SamplerConfig
 from .spec.draft_mtp import DraftMTPDecoder, DraftParams
 from .spec import calibration
 from .spec.scheduler import AUTO_MAX, COMPILED_AUTO_MAX, DraftLengthScheduler
+from .text_input import check_messages, check_stop
+from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
 from .tokenizer import Tokenizer
 
 SPEC_TYPES = ("none", "draft-mtp")
@@ -70,6 +73,7 @@ class GenerationResult:
 DEFAULT_MAX_CONTEXT = 32768
 
 
+@run_on_engine_thread
 def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True,
          max_context: int | None = None, quantize: str | int | None = None) -> Model:
     """Loads a Qwen3.5 GGUF file (default: the model in `models/`) or an HF checkpoint folder
@@ -80,7 +84,8 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     keep their dtype (bf16 stays bf16). `max_context` caps the context a generation may use
     (default: the model's, up to 32768 positions); the memory check assumes it. Refuses
     (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that context
-    exceeds what is available."""
+    exceeds what is available. The returned model may be used from any thread (every array it
+    holds is evaluated here); generations in several threads at once are independent."""
     t0 = time.perf_counter()
     p = Path(path) if path is not None else default_model_path()
     calibration.persist_kernel_cache()  # before the first CUDA kernel is compiled
@@ -98,6 +103,9 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     check_fits(p, exact=exact, context=ctx, load_mtp=load_mtp)
     model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp)
     model.cfg.context_length = min(model.cfg.context_length, ctx)
+    # usable from any thread, first use included: no lazy graph may be left for another thread
+    evaluate_all(model)
+    release_at_exit()
     tok = Tokenizer.from_gguf(gf.reader, gf.path)
     return Model(model, tok, info, gf.path, time.perf_counter() - t0)
 
@@ -112,6 +120,8 @@ def _load_checkpoint(p: Path, quantize, load_mtp: bool, max_context: int | None,
     tok = Tokenizer.from_hf_file(str(tok_path))
     model, _, info = load_checkpoint(p, quantize=quantize, load_mtp=load_mtp)
     model.cfg.context_length = min(model.cfg.context_length, max_context or DEFAULT_MAX_CONTEXT)
+    evaluate_all(model)  # usable from any thread, as a GGUF load is
+    release_at_exit()
     # device costs are cached per model file; a folder quantized on load is its own model
     path = str(p) if quantize is None else f"{p}?quantize={info.quantization}"
     return Model(model, tok, info, path, time.perf_counter() - t0)
@@ -125,6 +135,7 @@ def _resolve(model) -> Model:
     raise MTPEngineError(f"expected a path or a loaded Model, found {type(model).__name__}", field="model")
 
 
+@engine_thread
 def stream_generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
                     messages: list[dict] | None = None, max_tokens: int = 256, spec: str | None = None,
                     n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
@@ -144,7 +155,12 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     disables, -1 = whole context): `repeat_penalty` divides positive logits (multiplies negative
     ones) of tokens seen, `frequency_penalty` subtracts per occurrence, `presence_penalty` once.
     draft-mtp stays lossless under them. `logprobs`: None, or report each token's log-probability
-    plus that many alternatives (0..20) in `Chunk.logprobs`."""
+    plus that many alternatives (0..20) in `Chunk.logprobs`.
+
+    Text (`prompt`, message `role`/`content`, `stop`) must be valid Unicode: a lone surrogate is
+    refused (MTPEngineError naming the argument and the index), never replaced; a prompt longer
+    than the context is refused after tokenizing about one context of it. The chat template renders
+    under the budget of `mtp_engine.chat_template.RenderLimits`."""
     m = _resolve(model)
     if spec is None:
         spec = "none"
@@ -161,8 +177,9 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     if messages is not None:
         _check_messages(messages)
         prompt = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    if isinstance(prompt, str):
-        ids = m.tokenizer.encode(prompt)
+    if isinstance(prompt, str):  # in pieces: a prompt past the context is refused early
+        ids = encode_prompt(m.tokenizer, prompt, m.model.cfg.context_length,
+                            "messages" if messages is not None else "prompt")
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < m.model.cfg.vocab_size]
@@ -198,36 +215,13 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
 
 
 def _check_stop(stop) -> list[str]:
-    """`stop` as a list of strings: None, one string, or a list/tuple of strings."""
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, (list, tuple)):
-        for i, s in enumerate(stop):
-            if not isinstance(s, str):
-                raise MTPEngineError(f"stop[{i}]: expected a string, found {type(s).__name__} {s!r:.40}",
-                                     field="stop")
-        return list(stop)
-    raise MTPEngineError(f"expected a string or a list of strings, found {type(stop).__name__}", field="stop")
+    """`stop` as a list of strings (see `text_input.check_stop`)."""
+    return check_stop(stop)
 
 
 def _check_messages(messages) -> None:
-    """A chat is a non-empty list of dicts whose `role` and `content` are strings (other keys, such
-    as tool calls, pass through to the template)."""
-    if not isinstance(messages, (list, tuple)):
-        raise MTPEngineError(f"expected a list of {{'role': str, 'content': str}} dicts, found "
-                             f"{type(messages).__name__}", field="messages")
-    if not messages:
-        raise MTPEngineError("expected at least one message, found an empty list", field="messages")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise MTPEngineError(f"messages[{i}]: expected a dict with 'role' and 'content', found "
-                                 f"{type(msg).__name__}", field="messages")
-        for key in ("role", "content"):
-            if not isinstance(msg.get(key), str):
-                what = "missing" if key not in msg else f"{type(msg[key]).__name__}"
-                raise MTPEngineError(f"messages[{i}].{key}: expected a string, found {what}", field="messages")
+    """See `text_input.check_messages`."""
+    check_messages(messages)
 
 
 def generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,

@@ -12,6 +12,8 @@ from .errors import MTPEngineError
 
 __all__ = [
     "ByteLevelBPE",
+    "MAX_TOKEN_BYTES",
+    "check_vocabulary",
     "build_byte_level_bpe",
     "PRE_TOKENIZER_REGEXES",
     "TOKEN_TYPE_NORMAL",
@@ -31,6 +33,29 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_UNUSED = 5
 TOKEN_TYPE_BYTE = 6
+
+# Longest vocabulary entry accepted, in UTF-8 bytes. Byte-level BPE entries are merges of words and
+# whitespace runs, far below this (the shipped model's longest: 64 bytes); one 32 MiB control token took
+# 2.88 GB in the tokenizer backend (77x the file).
+MAX_TOKEN_BYTES = 1024
+# llama.cpp's llama_token_type: 0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined,
+# 5 unused, 6 byte
+_TOKEN_TYPES = range(0, 7)
+
+
+def check_vocabulary(tokens: list[str], token_types: list[int], *, file: str | None, tokens_field: str,
+                     types_field: str) -> None:
+    """Every vocabulary entry at most MAX_TOKEN_BYTES long, every token type a known one;
+    MTPEngineError naming the file, the field and the token otherwise."""
+    for i, t in enumerate(tokens):
+        if len(t) > MAX_TOKEN_BYTES // 4 and len(t.encode("utf-8")) > MAX_TOKEN_BYTES:
+            raise MTPEngineError(f"token {i} is {len(t.encode('utf-8'))} bytes long: expected at most "
+                                 f"{MAX_TOKEN_BYTES}", file=file, field=tokens_field)
+    for i, tt in enumerate(token_types):
+        if tt not in _TOKEN_TYPES:
+            raise MTPEngineError(f"token {i} has type {tt}: expected 0..6 (llama_token_type)",
+                                 file=file, field=types_field)
+
 
 # The pre-tokenizer regexes, exactly as llama.cpp spells them (src/llama-vocab.cpp).
 # HF's tokenizer.json writes the contraction alternatives as ``(?i:'s|'t|'re|'ve|'m|'ll|'d)``;

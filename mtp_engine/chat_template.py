@@ -1,6 +1,17 @@
 """Chat templates: compiling and rendering a model's Jinja chat template the way transformers
 does (sandboxed, trim_blocks, lstrip_blocks, ``raise_exception``, ``strftime_now``, a
-``tojson`` that keeps non-ASCII text).
+``tojson`` that keeps non-ASCII text), under a budget.
+
+A chat template comes from the model file, so it is untrusted code. Jinja's sandbox already
+stops attribute escapes (``__class__``, ``__globals__``); on top of it every render has a budget
+(:class:`RenderLimits`): loop iterations plus calls, characters produced (everything output,
+including text captured by ``{% set %}`` blocks and macros), the size of any one string or list
+built by ``*``, ``+``, ``~``, ``%``, ``format``, ``join``, ``replace``, ``ljust``, ``center``,
+``indent``..., checked *before* it is built, and a wall-clock deadline checked at each of those
+points. The hooks are put into the compiled template by rewriting its syntax tree (every
+``for`` iterates through a counting wrapper, every output goes through a counter), so no
+template can skip them, and any exception a template raises becomes MTPEngineError naming the
+field the template came from.
 
 jinja2 is imported only when a template is actually used, so that loading a model for plain
 text generation does not pay for it.
@@ -11,8 +22,15 @@ import json
 from typing import Any
 
 from .errors import MTPEngineError
+from .template_budget import (
+    CURRENT, HOOKS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, guard_filter,
+    input_chars, instrument, joined_size, replaced_size,
+)
 
-__all__ = ["compile_chat_template", "render_chat_template"]
+__all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS"]
+
+# A template source longer than this is refused before compiling: real chat templates are 1-20 KB.
+MAX_TEMPLATE_CHARS = 1 << 20
 
 
 class _TemplateRaised(Exception):
@@ -25,8 +43,18 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
             separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                               sort_keys=sort_keys)
+    b = CURRENT.get()
+    if b is None:
+        return encoder.encode(value)
+    # streamed, so that an indent of 10^6 on a nested value is refused before its text exists
+    parts, size = [], 0
+    for chunk in encoder.iterencode(value):
+        size += len(chunk)
+        b.size(size, "the filter tojson")
+        parts.append(chunk)
+    return "".join(parts)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -37,12 +65,93 @@ def _strftime_now(fmt: str) -> str:
 
 def _jinja_env() -> Any:
     import jinja2.ext
+    from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    _getattr, _getitem = ImmutableSandboxedEnvironment.getattr, ImmutableSandboxedEnvironment.getitem
+
+    class BudgetedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
+
+        def _parse(self, source: str, name: str | None, filename: str | None) -> Any:
+            tree = super()._parse(source, name, filename)
+            return instrument(tree, nodes)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            b = CURRENT.get()
+            if operator == "+" and type(left) is str and type(right) is str:  # the common case, kept cheap
+                if b is not None and len(left) + len(right) > b.max_chars:
+                    b.size(len(left) + len(right), "the operator +")
+                return left + right
+            if b is not None:
+                what = f"the operator {operator}"
+                if operator == "*":
+                    for seq, n in ((left, right), (right, left)):
+                        if isinstance(n, int) and isinstance(seq, (str, list, tuple)):
+                            b.size(len(seq) * max(n, 0), what)
+                    if isinstance(left, int) and isinstance(right, int):
+                        b.size((abs(left).bit_length() + abs(right).bit_length()) // 4, what)
+                elif operator == "**":
+                    if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+                        b.size(right * abs(left).bit_length() // 4, what)
+                elif operator == "+":
+                    if isinstance(left, (str, list, tuple)) and type(left) is type(right):
+                        b.size(len(left) + len(right), what)
+                elif operator == "%" and isinstance(left, str):
+                    check_format_string(b, left, what)
+                    check_ints(b, right if isinstance(right, tuple) else (right,), what)
+            out = super().call_binop(context, operator, left, right)
+            if b is not None:
+                b.size((len(out) if type(out) in SIZED else 0), f"the operator {operator}")
+            return out
+
+        # attribute and item lookups count as steps too: a filter such as selectattr can walk a
+        # million-character string without a loop or a call of the template's own
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            b = CURRENT.get()
+            if b is not None:
+                b.step()
+            return _getattr(self, obj, attribute)
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            b = CURRENT.get()
+            if b is not None:
+                b.step()
+            return _getitem(self, obj, argument)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            b = CURRENT.get()
+            if b is not None:
+                b.step()
+                target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+                owner = getattr(target, "__self__", None)
+                if isinstance(owner, str):
+                    what = f"str.{getattr(target, '__name__', '?')}"
+                    check_ints(b, list(args) + list(kwargs.values()), what)
+                    name = getattr(target, "__name__", "")
+                    if name in ("format", "format_map"):
+                        check_format_string(b, owner, what)
+                    elif name == "join" and args:
+                        b.size(joined_size(owner, args[0]), what)
+                    elif name == "replace" and len(args) >= 2:
+                        b.size(replaced_size(owner, *args[:3]), what)
+                    elif name == "expandtabs":
+                        size = args[0] if args else kwargs.get("tabsize", 8)
+                        b.size(len(owner) + owner.count("\t") * (size if isinstance(size, int) else 8), what)
+            out = super().call(__context, __obj, *args, **kwargs)
+            if b is not None:
+                b.size((len(out) if type(out) in SIZED else 0), "a call")
+            return out
+
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: guard_filter(name, f) for name, f in env.filters.items()}
+    # the hooks `instrument` puts in: filters, because a filter is called directly where a call
+    # goes through the sandbox's checks; pass_context keeps Jinja from running them at compile time
+    for name, hook in HOOKS.items():
+        env.filters[name] = jinja2.pass_context(hook)
+    # lipsum(n) writes n paragraphs in one call: no chat template needs it
+    env.globals.pop("lipsum", None)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -50,14 +159,28 @@ def _jinja_env() -> Any:
 
 def compile_chat_template(source: str, *, file: str | None, field: str) -> Any:
     """The compiled Jinja template of ``source``; MTPEngineError (naming ``file`` and
-    ``field``) when it does not compile."""
-    import jinja2
-
+    ``field``) when it does not compile or is longer than MAX_TEMPLATE_CHARS."""
+    if not isinstance(source, str):
+        raise MTPEngineError(f"expected a string, found {type(source).__name__}", file=file, field=field)
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise MTPEngineError(f"chat template of {len(source)} characters: expected at most {MAX_TEMPLATE_CHARS}",
+                             file=file, field=field)
     env = _jinja_env()
+    # Jinja folds constant filter calls at compile time ('x'|center(5000000000)): under a budget, a
+    # fold that goes past it is left to the render, which refuses it
+    token = CURRENT.set(Budget(RenderLimits(), 0))
     try:
         return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise MTPEngineError(f"invalid chat template: {e}", file=file, field=field) from e
+    except Exception as e:  # TemplateSyntaxError, and RecursionError/MemoryError on absurd nesting
+        raise MTPEngineError(f"invalid chat template: {_one_line(e)}", file=file, field=field) from None
+    finally:
+        CURRENT.reset(token)
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = f"{e}" or type(e).__name__
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def render_chat_template(
@@ -68,22 +191,33 @@ def render_chat_template(
     *,
     file: str | None,
     field: str,
+    limits: RenderLimits | None = None,
 ) -> str:
     """Render a template from :func:`compile_chat_template` with ``messages``,
-    ``add_generation_prompt`` and the extra ``variables``.
+    ``add_generation_prompt`` and the extra ``variables``, within ``limits`` (default
+    :class:`RenderLimits`).
 
     Raises MTPEngineError (naming ``file`` and ``field``) when the template calls
-    ``raise_exception`` or fails while rendering.
+    ``raise_exception``, goes past its budget, or fails in any other way while rendering.
     """
     import jinja2
 
+    budget = Budget(limits or RenderLimits(), input_chars(messages, variables))
+    token = CURRENT.set(budget)
     try:
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables
-        )
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except _TemplateRaised as e:
-        raise MTPEngineError(
-            f"chat template refused the input: {e}", file=file, field=field
-        ) from e
+        raise MTPEngineError(f"chat template refused the input: {_one_line(e)}", file=file, field=field) from None
+    except OverBudget as e:
+        raise MTPEngineError(f"chat template stopped: {e}", file=file, field=field) from None
     except jinja2.TemplateError as e:
-        raise MTPEngineError(f"chat template failed: {e}", file=file, field=field) from e
+        raise MTPEngineError(f"chat template failed: {_one_line(e)}", file=file, field=field) from None
+    except RecursionError:
+        raise MTPEngineError("chat template failed: recursion too deep", file=file, field=field) from None
+    except MemoryError:
+        raise MTPEngineError("chat template failed: out of memory", file=file, field=field) from None
+    except Exception as e:  # ZeroDivisionError, TypeError, OverflowError...: the template's fault
+        raise MTPEngineError(f"chat template failed: {type(e).__name__}: {_one_line(e)}",
+                             file=file, field=field) from None
+    finally:
+        CURRENT.reset(token)

@@ -20,7 +20,7 @@ def _add_generate(sub) -> None:
     g.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file", help="read the prompt from this file")
+    src.add_argument("-f", "--file", help="read the prompt from this file (UTF-8, at most 16 MiB; - reads standard input)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=256, help="tokens to generate")
     g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
@@ -48,6 +48,11 @@ def _add_generate(sub) -> None:
                    help="print a per-stage time table")
     g.add_argument("--profile-out", default=None, help="write the stage profile to FILE (.json or .csv)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_debug(g)
+
+
+def _add_debug(p) -> None:
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an unexpected error")
 
 
 def _n_max(text: str):
@@ -85,6 +90,7 @@ def _add_bench(sub) -> None:
                                      "list of strings / {'prompts': [{'prompt': ...}]}")
     b.add_argument("--out", default="bench-out", help="folder for bench.md/.csv/.json/.png")
     b.add_argument("--exact", action="store_true")
+    _add_debug(b)
 
 
 def _add_convert(sub) -> None:
@@ -143,13 +149,14 @@ def _convert(args) -> int:
 def _generate(args) -> int:
     from . import api
 
-    prompt = args.prompt
+    from .text_input import argv_text, check_output_file, read_prompt_file
+
+    if args.profile_out:  # before any work: a bad path would otherwise lose the whole generation
+        check_output_file(args.profile_out, "--profile-out")
+    prompt = None if args.prompt is None else argv_text(args.prompt, "prompt")
+    args.stop = [argv_text(s, f"stop[{i}]") for i, s in enumerate(args.stop)]
     if args.file:
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                prompt = f.read()
-        except OSError as e:
-            raise MTPEngineError(f"cannot read prompt file: {e.strerror}", file=args.file) from None
+        prompt = read_prompt_file(args.file, "file")
     if prompt is None:
         raise MTPEngineError("no prompt: give -p TEXT or -f FILE", field="prompt")
     model = api.load(args.model, exact=args.exact, quantize=args.quantize)
@@ -191,10 +198,9 @@ def _write_profile(stats: dict, path: str | None) -> None:
 
 
 def _load_prompts(path: str) -> list:
-    try:
-        text = open(path, encoding="utf-8").read()
-    except OSError as e:
-        raise MTPEngineError(f"cannot read prompts: {e.strerror}", file=path) from None
+    from .text_input import read_prompt_file
+
+    text = read_prompt_file(path, "prompts")
     if path.endswith(".json"):
         try:
             data = json.loads(text)
@@ -218,6 +224,10 @@ def _bench(args) -> int:
         raise MTPEngineError("expected -n >= 2 and --repeats >= 1", field="bench")
     if any(k != "auto" and k < 0 for k in args.n_max):
         raise MTPEngineError(f"expected n-max values >= 0, found {args.n_max}", field="n-max")
+    if args.out:
+        from .text_input import check_output_dir
+
+        check_output_dir(args.out, "--out")
     cfg = BenchConfig(model=args.model, n_max=args.n_max, p_min=args.p_min, tokens=args.tokens,
                       repeats=args.repeats, prompts=_load_prompts(args.prompts) if args.prompts else None,
                       out=args.out, exact=args.exact)
@@ -273,6 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug or an unforeseen input: one line, never a traceback (unless --debug)
+        if getattr(args, "debug", False):
+            raise
+        msg = f"{type(e).__name__}: {e}".replace("\r", "\\r").replace("\n", "\\n")
+        msg = msg if len(msg) <= 500 else msg[:500] + "..."
+        print(f"mtp-engine: error: unexpected {msg} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
     return 0
 
 

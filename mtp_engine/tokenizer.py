@@ -29,6 +29,7 @@ import gguf
 import tokenizers
 
 from mtp_engine.bpe import (
+    MAX_TOKEN_BYTES,
     PRE_TOKENIZER_REGEXES,
     TOKEN_TYPE_BYTE,
     TOKEN_TYPE_CONTROL,
@@ -39,14 +40,17 @@ from mtp_engine.bpe import (
     byte_level_decode,
     build_byte_level_bpe,
     bytes_to_unicode,
+    check_vocabulary,
 )
-from mtp_engine.chat_template import compile_chat_template, render_chat_template
+from mtp_engine.chat_template import RenderLimits, compile_chat_template, render_chat_template
 from mtp_engine.detokenizer import StreamingDetokenizer
 from mtp_engine.errors import MTPEngineError
+from mtp_engine.text_input import check_text
 from mtp_engine.gguf.fields import read_int_array, read_scalar, read_string, read_string_array
 
 __all__ = [
     "Tokenizer",
+    "MAX_TOKEN_BYTES",
     "StreamingDetokenizer",
     "PRE_TOKENIZER_REGEXES",
     "TOKEN_TYPE_NORMAL",
@@ -127,6 +131,11 @@ class Tokenizer:
         self._template_field = template_field
         self._chat_template: str | None = chat_template
         self._compiled_template: Any = None
+        # bounds for mtp_engine.prompt_encode: the most bytes one token stands for, and the special
+        # tokens whose text could span a cut before a space
+        self.max_token_bytes: int = max((len(b) for b in token_bytes), default=1)
+        # (byte-level vocabulary entries spell a space "Ġ": a literal space marks an added token)
+        self.spaced_special_texts: list[str] = [t for t in token_texts if t and len(t) > 1 and " " in t]
 
     # ---------------------------------------------------------------------------- builders
 
@@ -169,6 +178,7 @@ class Tokenizer:
                 file=file,
                 field=_KEY_TOKEN_TYPE,
             )
+        check_vocabulary(tokens, token_types, file=file, tokens_field=_KEY_TOKENS, types_field=_KEY_TOKEN_TYPE)
         n = len(tokens)
         rows = _embedding_rows(reader)
         if rows is not None and n > rows:
@@ -335,8 +345,7 @@ class Tokenizer:
         """Token ids of ``text``. Control and user-defined tokens written literally in the
         text (e.g. ``<|im_start|>``) become their ids. A BOS id is prepended only when the
         model asks for it (``add_bos_token`` true and a BOS id exists)."""
-        if not isinstance(text, str):
-            raise MTPEngineError(f"expected a str to encode, found {type(text).__name__}", field="text")
+        check_text(text, "text")  # a lone surrogate would make the backend raise a bare TypeError
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
@@ -419,7 +428,8 @@ class Tokenizer:
         return self._token_bytes[token_id].decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, *,
+        render_limits: RenderLimits | None = None, **kwargs: Any
     ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat
         template into prompt text (to be passed to :meth:`encode`).
@@ -430,8 +440,11 @@ class Tokenizer:
         ``enable_thinking``), the helpers ``raise_exception(msg)`` and ``strftime_now(fmt)``
         and a ``tojson`` filter that keeps non-ASCII text.
 
+        The render runs under ``render_limits`` (default :class:`RenderLimits`: loop iterations
+        and calls, characters produced, wall-clock seconds).
+
         Raises MTPEngineError (naming the template key) when there is no template, when it does
-        not compile, or when it calls ``raise_exception``.
+        not compile, when it calls ``raise_exception``, goes past its limits or fails in any way.
         """
         template = self._template()
         variables = dict(kwargs)
@@ -445,4 +458,5 @@ class Tokenizer:
             variables,
             file=self.source or None,
             field=self._template_field,
+            limits=render_limits,
         )

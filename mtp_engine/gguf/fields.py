@@ -44,10 +44,12 @@ def read_string_array(reader: Any, key: str, path: str) -> list[str]:
             file=path or None,
             field=key,
         )
+    strings = getattr(field.parts, "strings", None)  # reader.BulkArrayParts: read in bulk
+    raw = strings() if strings else [bytes(field.parts[i]) for i in field.data]
     out = []
-    for n, i in enumerate(field.data):
+    for n, b in enumerate(raw):
         try:
-            out.append(bytes(field.parts[i]).decode("utf-8"))
+            out.append(b.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise MTPEngineError(
                 f"element {n} is not valid UTF-8 ({e})", file=path or None, field=key
@@ -73,6 +75,9 @@ def read_int_array(reader: Any, key: str, path: str) -> list[int]:
             file=path or None,
             field=key,
         )
+    values = getattr(field.parts, "values", None)  # reader.BulkArrayParts: read in bulk
+    if values is not None:
+        return [int(v) for v in values.tolist()]
     return [int(field.parts[i][0]) for i in field.data]
 
 

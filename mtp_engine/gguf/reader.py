@@ -9,11 +9,13 @@ repack copies them into their MLX layout.
 from __future__ import annotations
 
 import os
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.constants import GGML_QUANT_SIZES
 
 from ..errors import MTPEngineError
@@ -41,6 +43,106 @@ class TensorInfo:
         return int(self.data.nbytes)
 
 
+class BulkArrayParts(Sequence):
+    """The `parts` of a metadata array field, in the layout GGUFReader gives (the field's prefix,
+    then one 1-element view per number, or a length view and a bytes view per string), built on
+    access instead of up front. GGUFReader builds a numpy view per element: ~700 bytes of memory
+    per byte of a UINT8 array, ~1.6 KB per empty string, so an unused 1 MB array cost 690 MB and
+    24 s to load. Here an array costs its element offsets (16 bytes per string) and `values` /
+    `strings()` read it in bulk."""
+
+    def __init__(self, prefix: list, buf: np.ndarray, etype: GGUFValueType, start: int, count: int,
+                 values: np.ndarray | None, str_starts: np.ndarray | None, str_lens: np.ndarray | None):
+        self.prefix, self.buf, self.etype, self.count = prefix, buf, etype, count
+        self.start = start
+        self.values = values  # numeric arrays: a read-only view of all the elements
+        self._starts, self._lens = str_starts, str_lens
+
+    def __len__(self) -> int:
+        per = 2 if self.etype == GGUFValueType.STRING else 1
+        return len(self.prefix) + per * self.count
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        if i < len(self.prefix):
+            return self.prefix[i]
+        k = i - len(self.prefix)
+        if self.etype != GGUFValueType.STRING:
+            return self.values[k:k + 1]
+        j, is_data = divmod(k, 2)
+        s = int(self._starts[j])
+        if is_data:
+            return self.buf[s:s + int(self._lens[j])]
+        return self.buf[s - 8:s].view(np.uint64)
+
+    def data_indices(self) -> range:
+        p = len(self.prefix)
+        if self.etype == GGUFValueType.STRING:
+            return range(p + 1, p + 2 * self.count, 2)
+        return range(p, p + self.count)
+
+    def strings(self) -> list[bytes]:
+        """Every element of a string array as bytes."""
+        buf = memoryview(self.buf)
+        return [bytes(buf[s:s + n]) for s, n in zip(self._starts.tolist(), self._lens.tolist())]
+
+
+class _BulkReader(GGUFReader):
+    """GGUFReader with metadata arrays read in bulk (see `BulkArrayParts`); tensors as before."""
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        for _ in range(count):
+            orig_offs = offs
+            kv_klen, kv_kdata = self._get_str(offs)
+            offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+            raw_kv_type = self._get(offs, np.uint32)
+            offs += int(raw_kv_type.nbytes)
+            parts: list = [kv_klen, kv_kdata, raw_kv_type]
+            name = str(bytes(kv_kdata), encoding="utf-8")
+            if GGUFValueType(raw_kv_type[0]) == GGUFValueType.ARRAY:
+                size, field = self._bulk_array(orig_offs, name, parts, offs)
+            else:
+                size, field_parts, field_idxs, field_types = self._get_field_parts(offs, raw_kv_type[0])
+                field = ReaderField(orig_offs, name, parts + field_parts,
+                                    [idx + len(parts) for idx in field_idxs], field_types)
+            self._push_field(field, skip_sum=True)
+            offs += size
+        return offs
+
+    def _bulk_array(self, orig_offs: int, name: str, parts: list, offs: int) -> tuple[int, ReaderField]:
+        start = offs
+        raw_itype = self._get(offs, np.uint32)
+        alen = self._get(offs + 4, np.uint64)
+        offs += 12
+        etype = GGUFValueType(raw_itype[0])
+        n = int(alen[0])
+        types = [GGUFValueType.ARRAY] + ([etype] if n else [])
+        values = starts = lens = None
+        if etype == GGUFValueType.STRING:
+            starts = np.empty(n, dtype=np.int64)
+            lens = np.empty(n, dtype=np.int64)
+            unpack, buf = struct.Struct("<Q").unpack_from, self.data
+            for j in range(n):  # validate_header has bounded every length against the file
+                ln = unpack(buf, offs)[0]
+                starts[j] = offs + 8
+                lens[j] = ln
+                offs += 8 + ln
+        else:
+            nptype = self.gguf_scalar_to_np.get(etype)
+            if nptype is None:
+                raise ValueError(f"Unknown/unhandled array element type {etype}")
+            values = self._get(offs, nptype, n) if n else np.empty(0, dtype=nptype)
+            offs += int(values.nbytes)
+        bulk = BulkArrayParts(parts + [raw_itype, alen], self.data, etype, start, n, values, starts, lens)
+        return offs - start, ReaderField(orig_offs, name, bulk, bulk.data_indices(), types)
+
+
 def open_header(path: str | os.PathLike) -> Header:
     """The checked header of the GGUF file at `path` (see `validate.validate_header`), without
     parsing it with GGUFReader: cheap enough to run before deciding whether to load."""
@@ -61,7 +163,7 @@ class GGUFFile:
         # header could make it loop for hours or allocate without limit before failing.
         self.header: Header = open_header(self.path)
         try:
-            self.reader = GGUFReader(self.path, "r")
+            self.reader = _BulkReader(self.path, "r")
         except MTPEngineError:
             raise
         except Exception as e:  # a corruption validate_header does not know of yet: still a clean error
@@ -102,11 +204,15 @@ class GGUFFile:
         if types[0] == GGUFValueType.ARRAY:
             if len(types) < 2:
                 return []
+            bulk = field.parts if isinstance(field.parts, BulkArrayParts) else None
             if types[1] == GGUFValueType.STRING:
-                return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+                raw = bulk.strings() if bulk else [bytes(field.parts[i]) for i in field.data]
+                return [b.decode("utf-8", errors="replace") for b in raw]
             conv = _SCALAR_KINDS.get(types[1])
             if conv is None:
                 raise ValueError(f"unsupported array element type {types[1]!r}")
+            if bulk is not None:
+                return [conv(v) for v in bulk.values.tolist()]
             return [conv(field.parts[i][0]) for i in field.data]
         conv = _SCALAR_KINDS.get(types[0])
         if conv is None:

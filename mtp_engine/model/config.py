@@ -21,7 +21,7 @@ _GGUF_KEYS = {
     "ssm_key_dim": "ssm.state_size", "ssm_key_heads": "ssm.group_count", "ssm_value_heads": "ssm.time_step_rank",
     "ssm_inner": "ssm.inner_size", "recurrent": "attention.recurrent_layers", "n_expert": "expert_count",
     "n_expert_used": "expert_used_count", "expert_ffn_size": "expert_feed_forward_length",
-    "shared_ffn_size": "expert_shared_feed_forward_length",
+    "shared_ffn_size": "expert_shared_feed_forward_length", "context_length": "context_length",
 }
 
 
@@ -85,6 +85,9 @@ class Qwen35Config:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0 or v > 1 << 24:
                 raise bad(name, f"expected a positive integer below 2^24, found {v!r}")
+        if isinstance(self.context_length, bool) or not isinstance(self.context_length, int) \
+                or not 1 <= self.context_length <= 1 << 24:
+            raise bad("context_length", f"expected 1..2^24 positions, found {self.context_length!r}")
         if self.n_layer <= 0 or self.n_layer > 4096:
             raise bad("n_layer", f"expected 1..4096 trunk layers, found {self.n_layer}")
         if self.n_mtp < 0 or self.n_mtp > 16:

@@ -1,0 +1,182 @@
+"""Using a loaded model from any thread.
+
+MLX keeps its streams per thread: an array that is still a lazy graph when another thread first
+evaluates it fails with ``RuntimeError: There is no Stream(cpu, 0) in current thread`` (the
+joined products of `model.layers.concat_outputs` were such arrays: `generate` in a server worker
+failed on a model loaded in the main thread). `evaluate_all` makes everything a model holds
+concrete at load, so any thread may use it first.
+
+The interpreter-exit abort after generating in worker threads ("terminate called without an
+active exception", exit 134) is MLX's: `scripts/mlx_thread_exit_abort.py` reproduces it without
+this engine, and `docs/reliability.md` has the report for upstream. It happens when threads that
+ran MLX work have ended before the interpreter exits. The engine's workaround has two parts:
+`engine_thread` runs the MLX work of calls made from threads other than the main one on one
+long-lived engine thread (so no thread that touched MLX ends before exit), and `release_at_exit`
+finishes and drops MLX's pending work and compiled functions while the runtime is intact.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import queue
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import fields, is_dataclass
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+
+__all__ = ["arrays_of", "evaluate_all", "release_at_exit", "engine_thread", "run_on_engine_thread"]
+
+
+def arrays_of(obj: Any) -> list[mx.array]:
+    """Every `mx.array` reachable from `obj` through attributes, dataclass fields, lists,
+    tuples and dicts (each object visited once)."""
+    out: list[mx.array] = []
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or o is None or isinstance(o, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, mx.array):
+            out.append(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif is_dataclass(o) and not isinstance(o, type):
+            stack.extend(getattr(o, f.name, None) for f in fields(o))
+            stack.extend(v for k, v in vars(o).items() if k not in {f.name for f in fields(o)})
+        elif hasattr(o, "__dict__") and not isinstance(o, type) and not callable(o):
+            stack.extend(vars(o).values())
+        elif hasattr(o, "__dict__") and type(o).__module__.startswith("mtp_engine"):
+            stack.extend(vars(o).values())  # engine objects that define __call__ (layers)
+    return out
+
+
+def evaluate_all(obj: Any) -> int:
+    """Evaluates every array `obj` holds (see `arrays_of`); returns how many there were."""
+    arrays = arrays_of(obj)
+    if arrays:
+        mx.eval(*arrays)
+    return len(arrays)
+
+
+_registered = False
+_lock = threading.RLock()
+
+
+def _release() -> None:
+    # Compiled functions and cached buffers freed by interpreter teardown after worker threads
+    # ended is where MLX aborts; finishing the work and dropping them while the runtime is intact
+    # avoids it.
+    try:
+        mx.synchronize()
+    except Exception:  # nothing to wait for, or MLX already shutting down
+        pass
+    try:
+        mx.clear_cache()
+    except Exception:
+        pass
+    try:
+        mx.disable_compile()
+    except Exception:
+        pass
+
+
+def release_at_exit() -> None:
+    """Registers (once) the exit-time release of MLX state described in the module docstring."""
+    global _registered
+    with _lock:
+        if not _registered:
+            atexit.register(_release)
+            _registered = True
+
+
+class _EngineThread:
+    """One daemon thread that runs submitted calls in order, for the life of the process."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="mtp-engine-mlx", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to the caller's thread, raised there
+                    fut.set_exception(e)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        if sys.is_finalizing() or not self.thread.is_alive():  # at exit the thread may be frozen
+            return fn()
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut.result()
+
+
+_engine: _EngineThread | None = None
+
+
+def _engine_thread() -> _EngineThread | None:
+    """The engine thread, or None when the caller should run MLX work itself (the main thread,
+    or the engine thread)."""
+    global _engine
+    current = threading.current_thread()
+    if current is threading.main_thread():
+        return None
+    with _lock:
+        if _engine is None:
+            _engine = _EngineThread()
+            release_at_exit()
+    return None if current is _engine.thread else _engine
+
+
+def run_on_engine_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: a call of `fn` from a thread other than the main one runs on the engine thread
+    (the caller waits; exceptions are raised in the caller)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        engine = _engine_thread()
+        if engine is None:
+            return fn(*args, **kwargs)
+        return engine.call(lambda: fn(*args, **kwargs))
+
+    return wrapper
+
+
+_DONE = object()
+
+
+def engine_thread(genfunc: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """Decorator for a generator function: iterated from a thread other than the main one, each
+    step of the generator runs on the engine thread. Generations of several threads interleave
+    there step by step (each keeps its own decoder and cache, as when they ran in their threads)."""
+
+    @functools.wraps(genfunc)
+    def wrapper(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        engine = _engine_thread()
+        if engine is None:
+            return genfunc(*args, **kwargs)
+        return _proxy(engine, genfunc, args, kwargs)
+
+    return wrapper
+
+
+def _proxy(engine: _EngineThread, genfunc: Callable[..., Iterator[Any]], args: tuple, kwargs: dict) -> Iterator[Any]:
+    gen = genfunc(*args, **kwargs)  # runs nothing yet: a generator's body starts at the first next()
+    try:
+        while True:
+            item = engine.call(lambda: next(gen, _DONE))
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        engine.call(gen.close)

@@ -1,0 +1,166 @@
+"""Chat templates render under a budget: real-shaped templates give exactly what a plain Jinja
+sandbox gives, hostile ones end in MTPEngineError naming the GGUF field, in bounded time and
+memory, and a sample of the fragment fuzzer (scripts/fuzz_chat_template.py) holds the same
+property."""
+from __future__ import annotations
+
+import json
+import sys
+import tracemalloc
+
+import pytest
+
+from chat_templates import TEMPLATES
+from conftest import ROOT
+from mtp_engine.chat_template import RenderLimits, compile_chat_template, render_chat_template
+from mtp_engine.errors import MTPEngineError
+
+FIELD = "tokenizer.chat_template"
+FILE = "model.gguf"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CHATS = {
+    "one user": [{"role": "user", "content": "Hello"}],
+    "system + turns": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi  "},
+                       {"role": "assistant", "content": "<think>\nplan\n</think>\n\nHello!"},
+                       {"role": "user", "content": "naïve 漢字 🙂 'x' * 3 {{ not code }}"}],
+    "tools": [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                             "arguments": {"city": "Paris"}}}]},
+              {"role": "tool", "content": "18C"}, {"role": "user", "content": "Thanks"}],
+    "long": [m for i in range(100) for m in ({"role": "user", "content": f"question {i} " + "word " * 400},
+                                              {"role": "assistant", "content": f"answer {i} " + "text " * 400})]
+            + [{"role": "user", "content": "x " * 200_000}],
+}
+
+
+def _reference_env():
+    """The environment transformers renders with: a plain immutable sandbox, no budget."""
+    import datetime
+
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Raised(Exception):
+        pass
+
+    def raise_exception(msg):
+        raise Raised(msg)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda v, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        v, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env, Raised
+
+
+def _render(source: str, messages, gen: bool, variables, limits=None) -> str:
+    t = compile_chat_template(source, file=FILE, field=FIELD)
+    return render_chat_template(t, messages, gen, variables, file=FILE, field=FIELD, limits=limits)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_real_templates_render_unchanged(name):
+    env, raised = _reference_env()
+    ref_t = env.from_string(TEMPLATES[name])
+    for chat_name, chat in CHATS.items():
+        for gen in (True, False):
+            variables = {"bos_token": "<s>", "eos_token": "</s>", "tools": TOOLS if chat_name == "tools" else None}
+            try:
+                expected = ref_t.render(messages=chat, add_generation_prompt=gen, **variables)
+            except raised as e:
+                with pytest.raises(MTPEngineError, match="refused the input") as ei:
+                    _render(TEMPLATES[name], chat, gen, variables)
+                assert str(e) in str(ei.value) and FIELD in str(ei.value)
+                continue
+            got = _render(TEMPLATES[name], chat, gen, variables)
+            assert got == expected, (name, chat_name, gen)
+            assert chat[-1]["content"].strip()[:20] in got or chat_name == "tools"
+
+
+HOSTILE = [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "characters of output|loop iterations|longer than"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "loop iterations|longer than"),
+    ("{{ 'a' * 3000000000 }}", "would build"),
+    ("{{ 'x'.ljust(5000000000) }}", "would build"),
+    ("{{ 'x'|center(5000000000) }}", "would build"),
+    ("{{ '{:>9999999999}'.format(1) }}", "would build"),
+    ("{{ '%9999999999s' % 'a' }}", "would build"),
+    ("{{ (['x' * 1000000] * 1000)|join }}", "would build"),
+    ("{{ ('a' * 1000000)|replace('a', 'bbbbbbbbbbbbbbbb') }}", "would build"),
+    ("{{ 'a\tb'.expandtabs(10**8) }}", "would build"),
+    ("{{ messages|batch(10**12)|list }}", "would build"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "would build"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "would build"),
+    ("{% set x %}{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}{% endset %}", "characters of output"),
+    ("{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}", "loop iterations|longer than"),
+    ("{% for c in 'x' * 1000000 %}{% for d in 'y' * 1000000 %}{% endfor %}{% endfor %}", "loop iterations|longer than"),
+    ("{{ 1/0 }}", "ZeroDivisionError"),
+    ("{{ 1 + 'a' }}", "TypeError"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursion"),
+    ("{% for x in messages recursive %}{{ loop(messages) }}{% endfor %}", "recursion"),
+    ("{{ range(10**9) }}", "OverflowError"),
+    ("{% include 'x' %}", "TypeError"),
+    ("{% extends 'base' %}", "TypeError"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe|undefined"),
+    ("{{ cycler.__init__.__globals__ }}", "unsafe"),
+    ("{{ lipsum(10**6) }}", "undefined"),
+    ("{{ raise_exception('nope') }}", "refused the input: nope"),
+    ("{% if %}", "invalid chat template"),
+    ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "invalid chat template"),
+]
+
+
+@pytest.mark.parametrize("source,needle", HOSTILE, ids=[h[0][:40] for h in HOSTILE])
+def test_hostile_templates_are_refused(source, needle):
+    # small step and time limits keep the test fast; the default limits are exercised by the fuzz run
+    limits = RenderLimits(max_steps=20_000, timeout_s=1.0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MTPEngineError, match=needle) as ei:
+            _render(source, CHATS["one user"], True, {}, limits)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ei.value.field == FIELD and ei.value.file == FILE
+    assert "\n" not in str(ei.value)
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"
+
+
+def test_default_limits_stop_a_hang():
+    # the issue's nested loop with the shipped limits: refused (steps or output), not hanging
+    with pytest.raises(MTPEngineError, match=FIELD):
+        _render(HOSTILE[0][0], CHATS["one user"], True, {})
+
+
+def test_time_limit():
+    src = "{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(40) }}"
+    with pytest.raises(MTPEngineError, match="longer than the limit of 0.2 s"):
+        _render(src, CHATS["one user"], True, {}, RenderLimits(timeout_s=0.2))
+
+
+def test_template_source_size_limit():
+    with pytest.raises(MTPEngineError, match="expected at most") as ei:
+        compile_chat_template("x" * (2 << 20), file=FILE, field=FIELD)
+    assert ei.value.field == FIELD
+
+
+def test_budget_grows_with_the_input():
+    # a 3 MB message through a template that outputs it twice still renders (limits scale with input)
+    big = [{"role": "user", "content": "z" * 3_000_000}]
+    out = _render("{{ messages[0].content }}{{ messages[0].content }}", big, True, {})
+    assert len(out) == 6_000_000
+
+
+def test_fuzz_sample():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from fuzz_chat_template import make_template, run_case
+
+    limits = RenderLimits(max_steps=50_000, timeout_s=2.0)
+    outcomes = {}
+    for i in range(150):
+        out = run_case(make_template(7, i), limits)
+        assert out["outcome"] in ("rendered", "clean_error"), (i, out)
+        outcomes[out["outcome"]] = outcomes.get(out["outcome"], 0) + 1
+    assert outcomes.get("rendered", 0) > 5 and outcomes.get("clean_error", 0) > 5
