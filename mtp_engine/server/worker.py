@@ -18,6 +18,8 @@ import mlx.core as mx
 
 from .. import api
 from ..errors import MTPEngineError
+from ..prompt_encode import encode_prompt
+from ..text_input import check_messages
 from ..generate import Chunk
 
 log = logging.getLogger("mtp_engine.server")
@@ -155,13 +157,18 @@ class GenerationWorker:
                 self.completed += 1
 
     def _prompt_ids(self, kw: dict) -> list[int]:
+        # the same bounded, strict paths as generate(): invalid Unicode refused naming the field,
+        # a prompt past the context refused after tokenizing about one context of it
         tok = self.model.tokenizer
+        ctx = self.model.model.cfg.context_length
         if "messages" in kw:
-            text = tok.apply_chat_template(kw.pop("messages"), add_generation_prompt=True)
-            return tok.encode(text)
+            messages = kw.pop("messages")
+            check_messages(messages)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            return encode_prompt(tok, text, ctx, "messages")
         prompt = kw.pop("prompt")
         if isinstance(prompt, str):
-            return tok.encode(prompt)
+            return encode_prompt(tok, prompt, ctx, "prompt")
         vocab = self.model.model.cfg.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
