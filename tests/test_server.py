@@ -166,7 +166,7 @@ def test_disconnect_mid_stream_stops_generation(server, client, tiny):
     (b'{"prompt": "x", "max_tokens": 5000}', "max_tokens"),
     (b'{"prompt": "a\\ud800b"}', "prompt"),  # a lone surrogate (valid JSON, not valid Unicode)
     (b'{"prompt": "a\\ud800b", "stream": true}', "prompt"),
-    (b'{"prompt": "x", "stop": ["\\udfff"]}', "stop"),
+    (b'{"prompt": "x", "stop": ["\\udfff"]}', "stop[0]"),
 ])
 def test_bad_completion_requests_answer_400(server, raw, param):
     status, body = server.request("POST", "/v1/completions", raw=raw)
