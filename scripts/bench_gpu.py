@@ -34,15 +34,19 @@ from bench_moe_oracle import config_a3b  # noqa: E402
 
 from mtp_engine.costmodel import measure  # noqa: E402
 from mtp_engine.decode import PlainDecoder  # noqa: E402
-from mtp_engine.model import gdn_kernel, kernels, layers  # noqa: E402
+from mtp_engine.model import attn_kernel, gdn_kernel, kernels, layers  # noqa: E402
 from mtp_engine.model.config import Qwen35Config  # noqa: E402
 from mtp_engine.sampling import Sampler, SamplerConfig  # noqa: E402
 
-# name -> (compiled steps, verify-row padding, custom few-row kernel, fused gated-delta-net kernel)
-CONFIGS = {"eager": (False, 0, False, False), "compiled": (True, 0, False, False),
-           "compiled+pad8": (True, 8, False, False), "compiled+kernel": (True, 8, True, False),
-           "fused": (True, 8, True, True)}
-BEST = "fused"
+# name -> (compiled steps, verify-row padding, custom few-row kernel, fused gated-delta-net kernel,
+#          SwiGLU inside the down product, fused attention kernels)
+CONFIGS = {"eager": (False, 0, False, False, False, False), "compiled": (True, 0, False, False, False, False),
+           "compiled+pad8": (True, 8, False, False, False, False),
+           "compiled+kernel": (True, 8, True, False, False, False),
+           "fused": (True, 8, True, True, False, False),
+           "fused+swiglu": (True, 8, True, True, True, False),
+           "fused+attn": (True, 8, True, True, True, True)}
+BEST = "fused+attn"
 
 
 def log(obj) -> None:
@@ -50,11 +54,20 @@ def log(obj) -> None:
 
 
 def use(model, name: str) -> None:
-    compiled, pad, custom, fused_gdn = CONFIGS[name]
+    compiled, pad, custom, fused_gdn, swiglu, attn = CONFIGS[name]
+    # a compiled step is traced with the switches of its first call, so each configuration keeps its
+    # own traced graphs (sharing them would measure the first configuration under every name)
+    for owner in (model, model.mtp):
+        if owner is not None:
+            owner.__dict__["_compiled_steps"] = owner.__dict__.setdefault("_steps_by_config", {}).setdefault(name, {})
     model.compile_steps = compiled
+    if model.mtp is not None:
+        model.mtp.compile_steps = compiled
     layers.ROW_PAD = pad
     kernels.ACTIVE = custom and kernels.enabled()
+    kernels.SWIGLU = swiglu
     gdn_kernel.ACTIVE = fused_gdn and gdn_kernel._tested is not False and kernels.enabled()
+    attn_kernel.ACTIVE = attn and attn_kernel._tested is not False and kernels.enabled()
 
 
 def check_kernel() -> dict:

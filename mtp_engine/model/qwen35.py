@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
-from . import gdn, gdn_kernel
+from . import attn_kernel, gdn, gdn_kernel
 from .norm_kernel import add_rms_norm
 from . import norm_kernel
 from .layers import Linear, concat_outputs, rms_norm
@@ -34,6 +34,8 @@ class MLP:
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up is not None:
             gu = self.gate_up(x)
+            if type(self.down) is Linear and kernels.ACTIVE and kernels.SWIGLU:
+                return self.down.after_swiglu(gu)
             f = gu.shape[-1] // 2
             return self.down(_swiglu(gu[..., :f], gu[..., f:]))
         return self.down(_swiglu(self.gate(x), self.up(x)))
@@ -76,6 +78,9 @@ class GatedAttention:
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         c = self.cfg
         b, s, _ = x.shape
+        if (self.qkv is not None and attn_kernel.ACTIVE
+                and attn_kernel.supports(c.n_head, c.n_head_kv, c.head_dim, c.n_rot, b, s, cache.dtype)):
+            return self._fused(x, cache)
         d = c.head_dim
         q_x, k_x, v_x = self._inputs(x)
         qg = q_x.reshape(b, s, c.n_head, 2 * d)
@@ -92,6 +97,20 @@ class GatedAttention:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d ** -0.5, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(b, s, c.n_head * d)
         return self.o(_sigmoid_gate(out, gate))
+
+    def _fused(self, x: mx.array, cache: KVCache) -> mx.array:
+        """The same layer as two CUDA kernels around the cache append (`attn_kernel`)."""
+        c = self.cfg
+        s = int(x.shape[1])
+        y = self.qkv(x).reshape(s, -1)
+        start = cache.offset  # a Python int, or an array inside a compiled step
+        pos = (start.reshape(1) if isinstance(start, mx.array) else mx.array([start])).astype(mx.int32)
+        dims = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.eps, c.rope_base)
+        k, v = attn_kernel.new_kv(y, self.k_norm, pos, *dims)
+        cache.update(k, v)
+        # the whole buffers: the kernel reads positions < pos + S itself (a slice would be copied)
+        out = attn_kernel.attend(y, self.q_norm, cache.keys, cache.values, pos, *dims)
+        return self.o(out.reshape(1, s, -1))
 
 
 @dataclass
@@ -247,6 +266,7 @@ class Qwen35Model:
         kernels.self_test()  # once per process; a failing custom kernel falls back to MLX's
         gdn_kernel.self_test()
         norm_kernel.self_test(kernels.ACTIVE)
+        attn_kernel.self_test(kernels.ACTIVE)
 
     @property
     def compile_steps(self) -> bool:

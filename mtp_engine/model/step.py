@@ -43,6 +43,10 @@ class _KVView:
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
         self.keys, self.values, self.offset = keys, values, offset
 
+    @property
+    def dtype(self):
+        return self.keys.dtype
+
     def update(self, k: mx.array, v: mx.array):
         start = mx.reshape(self.offset, (1,))
         self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), start, axes=(2,))

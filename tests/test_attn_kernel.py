@@ -1,0 +1,143 @@
+"""The fused attention kernels (`model/attn_kernel.py`) against the MLX operations they replace:
+on random layers (every token count 1..16, GQA, partial rope, positions with and without a filled
+cache) and through whole models (greedy decode and a draft-mtp run with rollbacks, kernel on and
+off). CUDA only: elsewhere the kernels are never selected and these tests skip."""
+from __future__ import annotations
+
+import pytest
+
+import mlx.core as mx
+
+from mtp_engine.model import attn_kernel, kernels
+
+GPU = kernels._cuda()
+gpu_only = pytest.mark.skipif(not GPU, reason="the fused attention kernels run on a CUDA GPU only")
+
+
+def test_supports_rejects_shapes_the_kernels_cannot_hold():
+    assert attn_kernel.supports(16, 4, 256, 64, 1, 1)
+    assert attn_kernel.supports(4, 2, 64, 16, 1, 16)
+    assert not attn_kernel.supports(16, 4, 256, 64, 2, 1)      # a batch
+    assert not attn_kernel.supports(16, 4, 256, 64, 1, 17)     # more tokens than a verify
+    assert not attn_kernel.supports(16, 4, 512, 64, 1, 1)      # a head wider than a block
+    assert not attn_kernel.supports(16, 4, 80, 64, 1, 1)       # not whole warps
+    assert not attn_kernel.supports(16, 3, 256, 64, 1, 1)      # not whole GQA groups
+    assert not attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.float16)
+
+
+def test_reference_is_the_layer_computation_on_any_device():
+    """The reference the kernels are held to is itself checked against a plain NumPy attention
+    (so a wrong reference cannot make a wrong kernel pass)."""
+    import numpy as np
+    nh, nkv, d, nrot, s, pos = 4, 2, 32, 8, 3, 5
+    ks = mx.random.split(mx.random.key(0), 5)
+    y = mx.random.normal((s, (2 * nh + 2 * nkv) * d), key=ks[0])
+    qn = 1.0 + 0.1 * mx.random.normal((d,), key=ks[1])
+    kn = 1.0 + 0.1 * mx.random.normal((d,), key=ks[2])
+    keys = mx.random.normal((1, nkv, pos + s, d), key=ks[3])
+    values = mx.random.normal((1, nkv, pos + s, d), key=ks[4])
+    out, k_new, v_new = attn_kernel.reference(y, qn, kn, keys, values, pos, nh, nkv, d, nrot, 1e-6, 10000.0)
+
+    Y, QN, KN = (np.array(a, dtype=np.float64) for a in (y, qn, kn))
+    K0, V0 = np.array(keys, dtype=np.float64)[0], np.array(values, dtype=np.float64)[0]
+    rms = lambda a, w: a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * w  # noqa: E731
+
+    def rope(a, p):
+        half = nrot // 2
+        inv = 10000.0 ** (-np.arange(half) * 2.0 / nrot)
+        c, sn = np.cos(p * inv), np.sin(p * inv)
+        r = a.copy()
+        r[:half] = a[:half] * c - a[half:nrot] * sn
+        r[half:nrot] = a[:half] * sn + a[half:nrot] * c
+        return r
+
+    e1 = 2 * nh * d
+    K = np.concatenate([K0[:, :pos], np.zeros((nkv, s, d))], axis=1)
+    V = np.concatenate([V0[:, :pos], np.zeros((nkv, s, d))], axis=1)
+    for t in range(s):
+        for j in range(nkv):
+            K[j, pos + t] = rope(rms(Y[t, e1 + j * d:e1 + (j + 1) * d], KN), pos + t)
+            V[j, pos + t] = Y[t, e1 + nkv * d + j * d:e1 + nkv * d + (j + 1) * d]
+    want = np.zeros((s, nh * d))
+    for t in range(s):
+        for h in range(nh):
+            q = rope(rms(Y[t, h * 2 * d:h * 2 * d + d], QN), pos + t) * d ** -0.5
+            g = Y[t, h * 2 * d + d:(h + 1) * 2 * d]
+            j = h // (nh // nkv)
+            sc = K[j, :pos + t + 1] @ q
+            p = np.exp(sc - sc.max())
+            want[t, h * d:(h + 1) * d] = (p / p.sum()) @ V[j, :pos + t + 1] / (1 + np.exp(-g))
+    np.testing.assert_allclose(np.array(out), want, atol=2e-4)
+    np.testing.assert_allclose(np.array(k_new)[0], K[:, pos:], atol=2e-4)
+    np.testing.assert_allclose(np.array(v_new)[0], V[:, pos:], atol=1e-6)
+
+
+@gpu_only
+@pytest.mark.parametrize("shape", [(16, 4, 256, 64), (4, 2, 64, 16), (8, 8, 128, 128), (2, 1, 32, 32)])
+@pytest.mark.parametrize("pos", [0, 1, 37, 300])
+def test_kernels_equal_the_mlx_layer_for_every_token_count(shape, pos):
+    for s in range(1, attn_kernel.MAX_TOKENS + 1):
+        err = attn_kernel.max_error(*shape, s=s, pos=pos, seed=s + pos)
+        assert err < 2e-4, (shape, pos, s, err)
+
+
+@gpu_only
+def test_self_test_turns_the_kernels_on():
+    attn_kernel._tested = None
+    assert attn_kernel.self_test(True) is True
+    assert attn_kernel.ACTIVE
+
+
+def _models():
+    from conftest import FIXTURES, TINY
+    return [TINY / "qwen35-mtp-tiny-Q4_K_M.gguf", FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf"]
+
+
+def _logits_after(model, ids, chunks, fused: bool, compiled: bool):
+    """Forwards `ids` in chunks of the given sizes (a prompt, then decode/verify-sized pieces, one
+    rolled back by two positions) and returns every chunk's last logits."""
+    import numpy as np
+    attn_kernel.ACTIVE = fused
+    saved = model.compile_steps
+    model.compile_steps = compiled
+    try:
+        cache, out, i = model.make_cache(), [], 0
+        for n in chunks:
+            h = model.forward(mx.array([ids[i:i + n]]), cache, capture=True)
+            out.append(np.array(model.logits(h[0, -1])))
+            i += n
+            if n > 2:  # reject the last two positions, as a verify would
+                cache.rollback(n - 2)
+                i -= 2
+        return out
+    finally:
+        attn_kernel.ACTIVE = GPU and attn_kernel._tested is not False
+        model.compile_steps = saved
+
+
+@gpu_only
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
+def test_model_with_kernels_equals_model_without(which, compiled):
+    import numpy as np
+    from conftest import need
+    from mtp_engine import load
+    m = load(need(_models()[which])).model
+    ids = [(13 * i + 7) % 200 + 10 for i in range(80)]
+    chunks = [20, 1, 1, 4, 1, 16, 3, 1, 8, 2, 1]
+    got = _logits_after(m, ids, chunks, fused=True, compiled=compiled)
+    want = _logits_after(m, ids, chunks, fused=False, compiled=compiled)
+    for j, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0, err_msg=f"chunk {j} ({chunks[j]} tokens)")
+
+
+@gpu_only
+def test_draft_mtp_greedy_equals_plain_with_kernels():
+    from conftest import need
+    from mtp_engine import generate, load
+    mdl = load(need(_models()[0]))
+    assert attn_kernel.ACTIVE
+    plain = generate("def f(x):", model=mdl, max_tokens=40, spec="none")
+    for n_max in (1, 3, 6):
+        spec = generate("def f(x):", model=mdl, max_tokens=40, spec="draft-mtp", n_max=n_max)
+        assert spec.token_ids == plain.token_ids
