@@ -260,7 +260,8 @@ def self_test(enabled: bool) -> bool:
     ok = False
     if enabled:
         try:
-            ok = all(max_error(4, 2, 64, 16, s, pos, seed=s) < 1e-3 for s, pos in ((1, 9), (5, 3)))
+            # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
+            ok = all(max_error(4, 2, 64, 16, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3)))
         except Exception as e:  # NVRTC missing or a toolchain that rejects the source
             import warnings
             warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")

@@ -22,17 +22,13 @@ import mlx.core as mx
 ENV = "MTP_ENGINE_QMV"  # "custom" (default on GPU) or "mlx"
 MAX_ROWS = 8
 ROWS_PER_WARP = 8  # output features per warp; a benchmark knob (bench_gpu.py --rows-per-warp)
-SWIGLU = True  # the FFN's SiLU(gate) * up formed inside the down product; a benchmark knob
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)
 ROW_VARIANTS = (1, 2, 4, 8)
 
 _SOURCE = """
     // shapes are runtime values: one compiled kernel per (rows, bits, group), not per matrix shape
-    // with SWIGLU the input rows are [gate | up] (2K wide) and the product's x is silu(gate) * up,
-    // formed as it is loaded: the FFN's down product then needs no separate elementwise kernel
-    const int K = SWIGLU ? x_shape[1] / 2 : x_shape[1];
-    const size_t XS = SWIGLU ? 2 * (size_t)K : (size_t)K;
+    const int K = x_shape[1];
     const int N = wq_shape[0];
     constexpr int VPW = 32 / BITS;          // values per uint32 word
     const int KW = K / VPW;                 // words per weight row
@@ -77,18 +73,12 @@ _SOURCE = """
             }
             #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const float* xr = x + (size_t)m * XS + (size_t)(4 * c + j) * VPW;
-                const float4* xp = reinterpret_cast<const float4*>(xr);
+                const float4* xp = reinterpret_cast<const float4*>(x + (size_t)m * K + (size_t)(4 * c + j) * VPW);
                 float xv[VPW];
                 float xs = 0.0f;
                 #pragma unroll
                 for (int i = 0; i < VPW / 4; ++i) {
-                    float4 a = xp[i];
-                    if (SWIGLU) {
-                        const float4 u = reinterpret_cast<const float4*>(xr + K)[i];
-                        a.x = a.x / (1.0f + expf(-a.x)) * u.x; a.y = a.y / (1.0f + expf(-a.y)) * u.y;
-                        a.z = a.z / (1.0f + expf(-a.z)) * u.z; a.w = a.w / (1.0f + expf(-a.w)) * u.w;
-                    }
+                    const float4 a = xp[i];
                     xv[4 * i] = a.x; xv[4 * i + 1] = a.y; xv[4 * i + 2] = a.z; xv[4 * i + 3] = a.w;
                     xs += a.x + a.y + a.z + a.w;
                 }
@@ -144,9 +134,8 @@ def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, row
 
 
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
-                   bits: int, group_size: int, swiglu: bool = False) -> mx.array:
-    """x [M, K] (M <= 8) times W^T: [M, N] float32. With `swiglu`, x is [M, 2K] = [gate | up]
-    and the product is (silu(gate) * up) times W^T."""
+                   bits: int, group_size: int) -> mx.array:
+    """x [M, K] (M <= 8) times W^T: [M, N] float32."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtp_qmv_rows", input_names=["x", "wq", "scales", "biases"],
@@ -159,8 +148,7 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     # 8 rows per warp with 8 input rows would spill registers
     r = ROWS_PER_WARP if n % ROWS_PER_WARP == 0 and ROWS_PER_WARP * rows <= 32 else 4
     out = _kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
-                  template=[("M", rows), ("R", r), ("BITS", bits), ("GROUP", group_size),
-                            ("SWIGLU", int(swiglu))],
+                  template=[("M", rows), ("R", r), ("BITS", bits), ("GROUP", group_size)],
                   grid=(n // r * 32, 1, 1), threadgroup=(128, 1, 1),
                   output_shapes=[(rows, n)], output_dtypes=[mx.float32])[0]
     return out[:m] if rows != m else out
@@ -178,11 +166,6 @@ def self_test() -> bool:
         x = mx.random.normal((3, 256), key=mx.random.key(4))
         ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
         ok = bool(mx.allclose(quantized_rows(x, q, s, b, 4, 32), ref, atol=1e-3, rtol=1e-3).item())
-        gu = mx.random.normal((2, 512), key=mx.random.key(5))
-        g, u = gu[:, :256], gu[:, 256:]
-        ref = mx.quantized_matmul(g * mx.sigmoid(g) * u, q, s, b, transpose=True, group_size=32, bits=4)
-        ok = ok and bool(mx.allclose(quantized_rows(gu, q, s, b, 4, 32, swiglu=True), ref,
-                                     atol=1e-3, rtol=1e-3).item())
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         warnings.warn(f"mtp-engine: custom quantized kernel unavailable ({e}); using MLX's")
         ok = False

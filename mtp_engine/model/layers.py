@@ -70,19 +70,6 @@ class Linear:
                                        group_size=self.group_size, bits=self.bits)
         return x @ self.weight.T
 
-    def after_swiglu(self, gu: mx.array) -> mx.array:
-        """self(silu(gate) * up) for gu = [gate | up] on the last axis; on a CUDA GPU the
-        elementwise part happens inside the product kernel (one launch instead of two)."""
-        f = gu.shape[-1] // 2
-        if self.quantized:
-            rows = gu.size // gu.shape[-1]
-            if kernels.ACTIVE and kernels.supports(self.weight, self.scales, self.bits, self.group_size, rows):
-                y = kernels.quantized_rows(gu.reshape(rows, 2 * f), self.weight, self.scales, self.biases,
-                                           self.bits, self.group_size, swiglu=True)
-                return y.reshape(*gu.shape[:-1], y.shape[-1])
-        g, u = gu[..., :f], gu[..., f:]
-        return self(g * mx.sigmoid(g) * u)
-
     def rows(self, ids: mx.array) -> mx.array:
         """Rows `ids` of W as floats: an embedding lookup that never dequantizes the whole table."""
         if self.quantized:

@@ -34,8 +34,6 @@ class MLP:
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up is not None:
             gu = self.gate_up(x)
-            if type(self.down) is Linear and kernels.ACTIVE and kernels.SWIGLU:
-                return self.down.after_swiglu(gu)
             f = gu.shape[-1] // 2
             return self.down(_swiglu(gu[..., :f], gu[..., f:]))
         return self.down(_swiglu(self.gate(x), self.up(x)))
