@@ -60,7 +60,8 @@ def _models():
 def _pass(model, ids, s, n_keep, fused: bool):
     """Prompt, then a captured pass of s tokens rolled back to n_keep, then one more token:
     returns every recurrent state and the last logits."""
-    gdn_kernel.ACTIVE = fused
+    before = model.options
+    model.use(before.updated(kernels="custom" if fused else "qmv,norm"))
     try:
         cache = model.make_cache()
         model.forward(mx.array([ids[:8]]), cache)
@@ -72,7 +73,7 @@ def _pass(model, ids, s, n_keep, fused: bool):
         convs = [np.array(c.conv) for c in cache.layers if hasattr(c, "conv")]
         return np.array(logits), states, convs
     finally:
-        gdn_kernel.ACTIVE = GPU and gdn_kernel._tested is not False
+        model.use(before)
 
 
 @needs_gpu

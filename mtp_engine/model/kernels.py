@@ -14,12 +14,10 @@ for the warp's R rows.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import mlx.core as mx
 
-ENV = "MTP_ENGINE_QMV"  # "custom" (default on GPU) or "mlx"
 MAX_ROWS = 8
 ROWS_PER_WARP = 8  # output features per warp; a benchmark knob (bench_gpu.py --rows-per-warp)
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
@@ -115,13 +113,9 @@ def _cuda() -> bool:
         return False
 
 
-def enabled() -> bool:
-    """On when MLX runs on a CUDA GPU, unless $MTP_ENGINE_QMV=mlx."""
-    return _cuda() and os.environ.get(ENV, "custom") != "mlx"
-
-
-# read at call time, so benchmarks can switch paths in one process
-ACTIVE = enabled()
+def cuda() -> bool:
+    """Whether MLX runs on a CUDA GPU (the only place the custom kernels run)."""
+    return _cuda()
 
 
 def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, rows: int) -> bool:
@@ -154,12 +148,16 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     return out[:m] if rows != m else out
 
 
-def self_test() -> bool:
-    """Runs the kernel once against MLX's product (outside any compiled graph); on a compile error
-    or a mismatch turns it off for this process, so the engine falls back instead of failing."""
-    global ACTIVE, _tested
-    if not ACTIVE or _tested is not None:
-        return bool(ACTIVE and _tested)
+def available() -> bool:
+    """Whether the kernel can be used in this process: on a CUDA GPU, after it matched MLX's
+    product once (outside any compiled graph). A compile error or a mismatch warns and answers
+    False from then on, so the engine falls back instead of failing. Whether a model uses it is
+    that model's choice (`EngineOptions.kernels`)."""
+    global _tested
+    if _tested is not None:
+        return _tested
+    if not _cuda():
+        return False
     try:
         w = mx.random.normal((64, 256), key=mx.random.key(3))
         q, s, b = mx.quantize(w, group_size=32, bits=4)
@@ -170,6 +168,4 @@ def self_test() -> bool:
         warnings.warn(f"mtp-engine: custom quantized kernel unavailable ({e}); using MLX's")
         ok = False
     _tested = ok
-    if not ok:
-        ACTIVE = False
     return ok
