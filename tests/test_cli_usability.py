@@ -9,12 +9,11 @@ import re
 import pytest
 
 import mtp_engine
-from conftest import TINY, need
+from tests.conftest import TINY_Q4, need
 from mtp_engine.cli import HelpFormatter, build_parser, main
 from mtp_engine.load_progress import load_progress
 
 COMMANDS = ("generate", "bench", "serve", "convert")
-TINY_Q4 = TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

@@ -6,28 +6,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, TINY, need
-from mtp_engine import load
+from tests.conftest import MOE_Q4, TINY_F32
 from mtp_engine.decode import PlainDecoder
 from mtp_engine.model.cache import KVCache
 from mtp_engine.sampling import Sampler, SamplerConfig
 from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
 
-MOE = FIXTURES / "llamacpp-moe"
-_models: dict = {}
-
-
-def _model(path):
-    if path not in _models:
-        _models[path] = load(need(path), exact=True).model
-    return _models[path]
-
-
 def _paths():
-    return [TINY / "qwen35-mtp-tiny-f32.gguf", MOE / "qwen35moe-mtp-tiny-Q4_K_M.gguf"]
+    return [TINY_F32, MOE_Q4]
 
 
 def _hidden_trace(model, compiled: bool, ids: list[int], n: int, kv_step: int = 256):
+    before = model.compile_steps  # a session-wide model: left as found
     model.compile_steps = compiled
     try:
         cache = model.make_cache()
@@ -44,15 +34,12 @@ def _hidden_trace(model, compiled: bool, ids: list[int], n: int, kv_step: int = 
             out.append(tok)
         return out, np.stack(hiddens)
     finally:
-        model.compile_steps = False
+        model.compile_steps = before
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
-def test_compiled_decode_equals_uncompiled_across_capacity_growth(which):
-    path = _paths()[which]
-    if not path.exists():
-        pytest.skip(f"fixture not found: {path}")
-    model = _model(path)
+def test_compiled_decode_equals_uncompiled_across_capacity_growth(which, models):
+    model = models(_paths()[which], exact=True).model
     ids = [3, 17, 101, 7, 42]
     # an 8-position growth step makes the compiled graph meet several capacities in 40 tokens
     ref, h_ref = _hidden_trace(model, False, ids, 40, kv_step=8)
@@ -62,14 +49,13 @@ def test_compiled_decode_equals_uncompiled_across_capacity_growth(which):
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
-def test_compiled_draft_mtp_equals_plain_greedy(which):
+def test_compiled_draft_mtp_equals_plain_greedy(which, models):
     """Verify with capture, rollback from (state0, k, u, g), catch-up fused into drafting: all
     compiled, the greedy output is still plain decoding's."""
-    path = _paths()[which]
-    if not path.exists():
-        pytest.skip(f"fixture not found: {path}")
-    model = _model(path)
+    model = models(_paths()[which], exact=True).model
     prompt = [5, 9, 250, 31, 77, 2, 64]
+    before = model.compile_steps
+    model.compile_steps = False
     plain = PlainDecoder(model, Sampler(SamplerConfig()))
     ref = plain.prefill(prompt)
     while len(ref) < 48:
@@ -85,7 +71,7 @@ def test_compiled_draft_mtp_equals_plain_greedy(which):
             assert got[:48] == ref[:48], n_max
             assert dec.accepted > 0 and dec.accepted < dec.drafted  # rollback was exercised
     finally:
-        model.compile_steps = False
+        model.compile_steps = before
 
 
 def test_verify_row_padding_gives_the_unpadded_product():

@@ -5,13 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from conftest import TINY, need
+from tests.conftest import TINY_Q4, need
 from mtp_engine import EngineOptions, MTPEngineError, generate, load
 from mtp_engine.model import kernels
 from mtp_engine.model.layers import Linear
 from mtp_engine.options import ENV
 
-TINY_Q4 = TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"
 
 
 def _linears(model):

@@ -15,7 +15,7 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import fixtures_dir
+from tests.conftest import fixtures_dir
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.tokenizer import StreamingDetokenizer, Tokenizer
 
