@@ -61,9 +61,8 @@ def use(model, name: str) -> None:
 def check_kernel() -> dict:
     """The custom kernel against MLX's quantized_matmul, every row count, 4 and 8 bits, every
     rows-per-warp variant."""
-    worst, default = {}, kernels.ROWS_PER_WARP
+    worst = {}
     for rpw in (2, 4, 8):
-        kernels.ROWS_PER_WARP = rpw
         for bits in (4, 8):
             for n, k in ((512, 4096), (1024, 512)):
                 w = mx.random.normal((n, k)) * k ** -0.5
@@ -71,10 +70,9 @@ def check_kernel() -> dict:
                 for m in (1, 2, 3, 5, 8):
                     x = mx.random.normal((m, k))
                     ref = mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=bits)
-                    got = kernels.quantized_rows(x, q, sc, bi, bits, 32)
+                    got = kernels.quantized_rows(x, q, sc, bi, bits, 32, rows_per_warp=rpw)
                     err = mx.max(mx.abs(got - ref)).item() / max(mx.max(mx.abs(ref)).item(), 1e-6)
                     worst[f"{bits}bit"] = max(worst.get(f"{bits}bit", 0.0), err)
-    kernels.ROWS_PER_WARP = default
     return worst
 
 
@@ -96,11 +94,9 @@ def kernel_times() -> dict:
     w = mx.random.normal((12288, 4096)) * 0.02
     q, sc, bi = mx.quantize(w, group_size=32, bits=4)
     nbytes = q.nbytes + sc.nbytes + bi.nbytes
-    default = kernels.ROWS_PER_WARP
     fns = {"mlx": lambda x: mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=4)}
     for rpw in (2, 4, 8):
-        fns[f"ours r{rpw}"] = (lambda r: lambda x: (setattr(kernels, "ROWS_PER_WARP", r),
-                                                     kernels.quantized_rows(x, q, sc, bi, 4, 32))[1])(rpw)
+        fns[f"ours r{rpw}"] = (lambda r: lambda x: kernels.quantized_rows(x, q, sc, bi, 4, 32, rows_per_warp=r))(rpw)
     times: dict[str, list[float]] = {}
     for m in (1, 2, 4, 8):
         x = mx.random.normal((m, 4096))
@@ -111,7 +107,6 @@ def kernel_times() -> dict:
                 t = time.perf_counter()
                 mx.eval([fn(x) for _ in range(50)])  # 50 independent products, one evaluation
                 times.setdefault(f"{name} M={m}", []).append((time.perf_counter() - t) / 50 * 1e3)
-    kernels.ROWS_PER_WARP = default
     bw = copy_gb_s()
     out = {"copy_GB_s": bw, "bytes": nbytes}
     for key, v in times.items():

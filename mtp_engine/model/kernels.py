@@ -19,7 +19,7 @@ import warnings
 import mlx.core as mx
 
 MAX_ROWS = 8
-ROWS_PER_WARP = 8  # output features per warp; a benchmark knob (bench_gpu.py --rows-per-warp)
+ROWS_PER_WARP = 8  # output features per warp (bench_gpu.py measures 2, 4 and 8 through `rows_per_warp=`)
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)
 ROW_VARIANTS = (1, 2, 4, 8)
@@ -128,8 +128,8 @@ def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, row
 
 
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
-                   bits: int, group_size: int) -> mx.array:
-    """x [M, K] (M <= 8) times W^T: [M, N] float32."""
+                   bits: int, group_size: int, rows_per_warp: int = ROWS_PER_WARP) -> mx.array:
+    """x [M, K] (M <= 8) times W^T: [M, N] float32. `rows_per_warp`: output features per warp."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtp_qmv_rows", input_names=["x", "wq", "scales", "biases"],
@@ -140,7 +140,7 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
         x = mx.pad(x, [(0, rows - m), (0, 0)])
     n = weight.shape[0]
     # 8 rows per warp with 8 input rows would spill registers
-    r = ROWS_PER_WARP if n % ROWS_PER_WARP == 0 and ROWS_PER_WARP * rows <= 32 else 4
+    r = rows_per_warp if n % rows_per_warp == 0 and rows_per_warp * rows <= 32 else 4
     out = _kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
                   template=[("M", rows), ("R", r), ("BITS", bits), ("GROUP", group_size)],
                   grid=(n // r * 32, 1, 1), threadgroup=(128, 1, 1),
