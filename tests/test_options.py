@@ -101,3 +101,12 @@ def test_memory_limit_option_refuses_the_load(clean_env):
     with pytest.raises(MTPEngineError) as info:
         load(path, options=EngineOptions(memory_limit=1000))
     assert info.value.field == "memory" and "1000" in str(info.value)
+
+
+def test_no_module_global_switches():
+    """The switches that used to be module globals are gone: nothing to flip behind a model's back."""
+    from mtp_engine.model import gdn_kernel, layers, norm_kernel, step
+
+    assert not hasattr(layers, "ROW_PAD") and not hasattr(kernels, "ACTIVE")
+    assert not hasattr(gdn_kernel, "ACTIVE") and not hasattr(norm_kernel, "ACTIVE")
+    assert not hasattr(step, "default_enabled")
