@@ -13,7 +13,7 @@ from .generate import Chunk, run
 from .memory import check_fits, estimate
 from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
-from .options import EngineOptions
+from .options import EngineOptions, model_path_from_env
 from .profiler import Profiler
 from .penalties import PenaltyConfig
 from .prompt_encode import encode_prompt
@@ -31,7 +31,7 @@ DEFAULT_MODEL_NAME = "qwen35-mtp-code-Q4_K_M.gguf"
 
 def default_model_path() -> Path:
     """$MTP_ENGINE_MODEL, else the model shipped in the checkout's `models/` folder."""
-    env = os.environ.get("MTP_ENGINE_MODEL")
+    env = model_path_from_env()
     if env:
         return Path(env)
     for base in (Path(__file__).resolve().parent.parent, Path.cwd()):

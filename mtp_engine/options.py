@@ -22,6 +22,7 @@ from typing import Mapping
 
 from .errors import MTPEngineError
 
+ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
 ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
        "cache_dir": "MTP_ENGINE_CACHE_DIR", "memory_limit": "MTP_ENGINE_MEMORY_LIMIT"}
 
@@ -44,6 +45,12 @@ def parse_kernels(value: str, what: str = "kernels") -> frozenset[str]:
         raise MTPEngineError(f"expected custom, mlx or a comma-separated subset of {','.join(KERNELS)}, "
                              f"found {value!r}", field=what)
     return frozenset(names)
+
+
+def model_path_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """$MTP_ENGINE_MODEL, the model `load()` opens when given no path (None when unset)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_MODEL) or None
 
 
 def _on_gpu() -> bool:

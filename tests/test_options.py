@@ -110,3 +110,18 @@ def test_no_module_global_switches():
     assert not hasattr(layers, "ROW_PAD") and not hasattr(kernels, "ACTIVE")
     assert not hasattr(gdn_kernel, "ACTIVE") and not hasattr(norm_kernel, "ACTIVE")
     assert not hasattr(step, "default_enabled")
+
+
+def test_use_applies_new_options_to_a_loaded_model():
+    m = load(need(TINY_Q4), options=EngineOptions(row_pad=0, compile_steps=True))
+    generate("x", m, max_tokens=3)
+    assert "_compiled_steps" in vars(m.model)  # traced under row_pad 0
+    m.model.use(m.options.updated(row_pad=4))
+    assert m.options.row_pad == 4 and {lin.row_pad for lin in _linears(m)} == {4}
+    assert "_compiled_steps" not in vars(m.model)  # graphs of the old options are not reused
+
+
+def test_load_refuses_options_of_another_type():
+    with pytest.raises(MTPEngineError) as info:
+        load(need(TINY_Q4), options={"row_pad": 8})
+    assert info.value.field == "options"
