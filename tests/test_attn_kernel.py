@@ -114,37 +114,42 @@ def test_kernels_near_the_mlx_layer(pos):
 
 
 @gpu_only
-def test_self_test_turns_the_kernels_on():
+def test_kernels_are_available_on_a_cuda_gpu():
     attn_kernel._tested = None
-    assert attn_kernel.self_test(True) is True
-    assert attn_kernel.ACTIVE
+    assert attn_kernel.available() is True
+
+
+def test_kernels_are_not_offered_off_cuda():
+    if not GPU:
+        assert attn_kernel.available() is False
 
 
 def _models():
-    from conftest import FIXTURES, TINY
+    from tests.conftest import FIXTURES, TINY
     return [TINY / "qwen35-mtp-tiny-Q4_K_M.gguf", FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf"]
 
 
 def _logits_after(model, ids, chunks, fused: bool, compiled: bool):
-    """Forwards `ids` in chunks of the given sizes (a prompt, then decode/verify-sized pieces, one
-    rolled back by two positions) and returns every chunk's last logits."""
+    """Forwards `ids` in chunks of the given sizes (a prompt, then decode/verify-sized pieces, each
+    longer than two rolled back by two positions, as a verify would) and returns every chunk's
+    last logits."""
     import numpy as np
-    attn_kernel.ACTIVE = fused
-    saved = model.compile_steps
-    model.compile_steps = compiled
+    before = model.options
+    model.use(before.updated(kernels="custom" if fused else "qmv,gdn,norm", compile_steps=compiled))
     try:
+        assert all(layer.mixer.fused_kernel == fused for layer in model.layers
+                   if hasattr(layer.mixer, "q_norm"))
         cache, out, i = model.make_cache(), [], 0
         for n in chunks:
             h = model.forward(mx.array([ids[i:i + n]]), cache, capture=True)
             out.append(np.array(model.logits(h[0, -1])))
             i += n
-            if n > 2:  # reject the last two positions, as a verify would
+            if n > 2:
                 cache.rollback(n - 2)
                 i -= 2
         return out
     finally:
-        attn_kernel.ACTIVE = GPU and attn_kernel._tested is not False
-        model.compile_steps = saved
+        model.use(before)
 
 
 @gpu_only
@@ -152,7 +157,7 @@ def _logits_after(model, ids, chunks, fused: bool, compiled: bool):
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
 def test_model_with_kernels_equals_model_without(which, compiled):
     import numpy as np
-    from conftest import need
+    from tests.conftest import need
     from mtp_engine import load
     m = load(need(_models()[which])).model
     ids = [(13 * i + 7) % 200 + 10 for i in range(80)]
@@ -165,10 +170,11 @@ def test_model_with_kernels_equals_model_without(which, compiled):
 
 @gpu_only
 def test_draft_mtp_greedy_equals_plain_with_kernels():
-    from conftest import need
+    from tests.conftest import need
     from mtp_engine import generate, load
     mdl = load(need(_models()[0]))
-    assert attn_kernel.ACTIVE
+    assert any(getattr(layer.mixer, "fused_kernel", False) and hasattr(layer.mixer, "q_norm")
+               for layer in mdl.model.layers)
     plain = generate("def f(x):", model=mdl, max_tokens=40, spec="none")
     for n_max in (1, 3, 6):
         spec = generate("def f(x):", model=mdl, max_tokens=40, spec="draft-mtp", n_max=n_max)

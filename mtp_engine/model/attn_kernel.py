@@ -155,7 +155,6 @@ _ATTEND_SOURCE = """
 
 _kv_kernel = None
 _attend_kernel = None
-ACTIVE = False  # set by the model from the custom-kernel switch and this module's self-test
 _tested: bool | None = None
 
 
@@ -250,21 +249,22 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
     return max(float(mx.abs(a - b).max().item()) for a, b in ((ref_o, got), (ref_k, k_new), (ref_v, v_new)))
 
 
-def self_test(enabled: bool) -> bool:
-    """Turns the kernels on when `enabled` (a CUDA device with custom kernels allowed) and they
-    match the MLX operations on random inputs (1 and 5 tokens, GQA, partial rope); off otherwise,
-    for this process, so the engine falls back to the MLX path instead of failing."""
-    global ACTIVE, _tested
+def available() -> bool:
+    """Whether the kernels can be used in this process: on a CUDA GPU, after they matched the MLX
+    operations on random inputs (1 and 5 tokens, GQA, partial rope); a compile error or a mismatch
+    warns and answers False from then on, so the engine falls back to the MLX path."""
+    global _tested
     if _tested is not None:
-        return ACTIVE
+        return _tested
+    from . import kernels
+    if not kernels.cuda():
+        return False
     ok = False
-    if enabled:
-        try:
-            # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
-            ok = all(max_error(4, 2, 64, 16, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3)))
-        except Exception as e:  # NVRTC missing or a toolchain that rejects the source
-            import warnings
-            warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")
+    try:
+        # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
+        ok = all(max_error(4, 2, 64, 16, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3)))
+    except Exception as e:  # NVRTC missing or a toolchain that rejects the source
+        import warnings
+        warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")
     _tested = ok
-    ACTIVE = ok
     return ok
