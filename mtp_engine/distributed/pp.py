@@ -1,7 +1,8 @@
 """Pipeline parallel: rank r holds trunk layers [l_r, l_{r+1}) whole (`shard.split` of the layers),
 for machines joined by links too slow for an all-reduce per block. A forward passes the hidden
-state rank to rank (`send` / `recv`, one [S, H] message per boundary), then the last rank's
-output (post- and pre-norm hidden states) is all-gathered so every rank holds it: the decoders,
+state stage to stage (one [S, H] all-sum per boundary, only the sending stage contributing: see
+`PPModel.forward` for why not send/recv), then the last stage's output (post- and pre-norm hidden
+states) is all-summed the same way so every rank holds it: the decoders,
 the MTP head (held whole by every rank: one block) and acceptance then run identically everywhere.
 The output head is split by vocabulary across all ranks, as in tensor parallel.
 """
@@ -61,17 +62,27 @@ class PPModel(Qwen35Model):
                     c.begin_capture()
             cache._captured = s
         comm, r, n = self.comm, self.comm.rank, self.comm.size
-        x = self.embed_tokens(ids) if r == 0 else comm.recv_like(mx.zeros((1, s, self.cfg.hidden_size)), r - 1)
+        shape = (1, s, self.cfg.hidden_size)
+        # Each stage boundary is an all-sum to which only the sending stage contributes; the others
+        # add zeros that depend on the previous boundary. A send/recv pair would leave the recv with
+        # no input, and MLX may then schedule it before collectives of independent branches (the
+        # drafts' logits) that the sending rank must finish first: a cross-rank deadlock.
+        dep = ids
+        x = self.embed_tokens(ids) if r == 0 else None
         post = x
-        if self.layers:
-            post, x = run_layers(self.layers, x, cache.layers, self.output_norm, self.cfg.eps)
-        if r < n - 1:
-            x = comm.send(x, r + 1)
-            payload = mx.concatenate([x, x], axis=0)  # keeps the send in this rank's graph
-        else:
-            payload = mx.concatenate([post, x], axis=0)
-        both = comm.all_gather(payload) if n > 1 else payload
-        post, x = both[-2:-1], both[-1:]
+        for stage in range(n):
+            if stage == r and self.layers:
+                post, x = run_layers(self.layers, x, cache.layers, self.output_norm, self.cfg.eps)
+            if stage == n - 1:
+                break
+            part = x if stage == r else mx.depends(mx.zeros(shape), dep)
+            dep = comm.all_sum(part)
+            if stage + 1 == r:
+                x = dep
+        # the last stage's output, post- and pre-norm, on every rank
+        part = mx.concatenate([post, x], axis=0) if r == n - 1 else mx.depends(mx.zeros((2, s, shape[2])), dep)
+        both = comm.all_sum(part)
+        post, x = both[0:1], both[1:2]
         cache.offset += s
         return (post, x) if return_prenorm else post
 

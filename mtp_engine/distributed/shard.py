@@ -23,7 +23,7 @@ repacking and cutting at MLX's 32-wide groups, which is exact: GGUF blocks repac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import gguf
 import mlx.core as mx
@@ -103,20 +103,20 @@ class TPPlan:
         q = np.arange(a * kd, b * kd)
         return np.concatenate([q, kh * kd + q, 2 * kh * kd + _heads(self.value_heads(), vd)])
 
-    def local_cfg(self) -> Qwen35Config:
+    def local_cfg(self) -> "ShareConfig":
         """The config one rank's blocks are built with: its heads and FFN width."""
-        from dataclasses import replace
-
         c = self.cfg
         g0, g1 = self.kv_heads
         a, b = self.key_heads
         vh = (b - a) * (c.ssm_value_heads // c.ssm_key_heads)
         width = lambda f: (lambda r: r[1] - r[0])(self.ffn_cols(f))  # noqa: E731
-        return replace(c, n_head=(g1 - g0) * (c.n_head // c.n_head_kv), n_head_kv=g1 - g0,
-                       ssm_key_heads=b - a, ssm_value_heads=vh, ssm_inner=vh * c.ssm_value_dim,
-                       ffn_size=[width(f) for f in c.ffn_size], expert_ffn_size=width(c.expert_ffn_size),
-                       shared_ffn_size=width(c.shared_ffn_size), rope_sections=list(c.rope_sections),
-                       recurrent=list(c.recurrent))
+        values = {f.name: getattr(c, f.name) for f in fields(c)}
+        values.update(n_head=(g1 - g0) * (c.n_head // c.n_head_kv), n_head_kv=g1 - g0,
+                      ssm_key_heads=b - a, ssm_value_heads=vh, ssm_inner=vh * c.ssm_value_dim,
+                      ffn_size=[width(f) for f in c.ffn_size], expert_ffn_size=width(c.expert_ffn_size),
+                      shared_ffn_size=width(c.shared_ffn_size), rope_sections=list(c.rope_sections),
+                      recurrent=list(c.recurrent))
+        return ShareConfig(**values, value_dim=c.ssm_value_dim)
 
     def selection(self, name: str, shape: tuple) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(rows, columns) of the global tensor `name` (numpy shape `shape`; stacked experts as
@@ -151,6 +151,18 @@ class TPPlan:
                 return (np.arange(shape[0])[:, None] * f + cols[None, :]).reshape(-1), None
             return cols, None
         return None, None  # norms, embeddings, router, eh_proj: every rank holds them whole
+
+
+@dataclass
+class ShareConfig(Qwen35Config):
+    """One rank's config: its head counts and widths; the value head dim stays the model's even
+    when the rank holds no value heads."""
+
+    value_dim: int = 0
+
+    @property
+    def ssm_value_dim(self) -> int:
+        return self.value_dim
 
 
 def _heads(heads: np.ndarray, width: int) -> np.ndarray:
