@@ -7,7 +7,6 @@ import json
 import os
 import sys
 
-import faulthandler; faulthandler.dump_traceback_later(8, exit=True)
 from mtp_engine import api
 from mtp_engine.errors import MTPEngineError
 

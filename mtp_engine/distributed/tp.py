@@ -142,7 +142,8 @@ def load_tp(gf: GGUFFile, comm: Comm, exact: bool = False, load_mtp: bool = True
             out = Linear(*(a.reshape(shape[0], shape[1], -1) for a in (out.weight, out.scales, out.biases)
                            if a is not None), bits=out.bits, group_size=out.group_size)
         if name != "output.weight":
-            got = (out.out_features * (out.weight.shape[0] if out.weight.ndim == 3 else 1), out.in_features) \
+            w = out.weight if matrix else None
+            got = (int(np.prod(w.shape[:-1])), w.shape[-1] * 32 // out.bits if out.quantized else w.shape[-1]) \
                 if matrix else tuple(out.shape)
             want = (int(np.prod(shape[:-1])), shape[-1]) if matrix else tuple(shape)
             if got != want:
