@@ -29,7 +29,7 @@ MOE = FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf"
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 RUNS = "none,draft-mtp:2,draft-mtp:auto"
 PROMPT = [1, 5, 9, 2, 7, 3]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 RUN_LIMIT = 90  # seconds for a whole group (load + 3 generations); the CPU is shared
 
 

@@ -16,7 +16,8 @@ from ..errors import MTPEngineError
 from ..gguf.reader import GGUFFile
 from ..memory import available_memory, estimate
 from .runtime import DEFAULT_TIMEOUT, Comm, check_mode, check_timeout, init_group, peer_error
-from .shard import TPPlan, shard_weight_bytes
+from ..model.config import Qwen35Config
+from .shard import GGUFSource, TPPlan, shard_weight_bytes
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT", "load_sharded", "share_decisions", "common_seed", "rank_estimate"]
 
@@ -86,14 +87,20 @@ def load_sharded(path: str | os.PathLike, mode: str, group=None, timeout: float 
     gf = GGUFFile(path)
     with comm.watchdog.armed("loading"):
         est = check_rank_fits(gf, mode, comm, exact, context or estimate(gf, exact)["context"], load_mtp)
-        if mode == "tp":
-            from .tp import load_tp
-            model, reader = load_tp(gf, comm, exact, load_mtp)
-        else:
-            from .pp import load_pp
-            model, reader = load_pp(gf, comm, exact, load_mtp)
+        model = build(Qwen35Config.from_gguf(gf), GGUFSource(gf, exact), comm, load_mtp, source_out := [])
     comm.barrier("waiting for every rank to load")
-    return ShardedLoad(model, gf, comm, est, reader.bytes_read)
+    return ShardedLoad(model, gf, comm, est, source_out[0].bytes_read)
+
+
+def build(cfg, source, comm: Comm, load_mtp: bool = True, sources: list | None = None):
+    """This rank's share (`comm.mode`) of the model whose global tensors `source` reads."""
+    if sources is not None:
+        sources.append(source)
+    if comm.mode == "tp":
+        from .tp import build_tp
+        return build_tp(cfg, source, comm, load_mtp)
+    from .pp import build_pp
+    return build_pp(cfg, source, comm, load_mtp)
 
 
 def common_seed(comm: Comm, seed: int | None) -> int | None:

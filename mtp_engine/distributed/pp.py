@@ -11,14 +11,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..gguf.reader import GGUFFile
 from ..model.build import _layer
 from ..model.cache import KVCache, RecurrentCache, TrunkCache
 from ..model.config import Qwen35Config
 from ..model.layers import Linear
 from ..model.qwen35 import MTPHead, Qwen35Model, run_layers
 from .runtime import Comm
-from .shard import ShardReader, split
+from .shard import split
 from .tp import VocabShardHead
 
 
@@ -87,17 +86,16 @@ class PPModel(Qwen35Model):
         return (post, x) if return_prenorm else post
 
 
-def load_pp(gf: GGUFFile, comm: Comm, exact: bool = False, load_mtp: bool = True) -> tuple[PPModel, ShardReader]:
-    """Builds this rank's pipeline stage of the model in `gf`, reading only its layers."""
-    cfg = Qwen35Config.from_gguf(gf)
-    reader = ShardReader(gf, exact)
+def build_pp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> PPModel:
+    """Builds this rank's pipeline stage of the model whose tensors `source` reads (only this
+    stage's layers and its rows of the output head are read)."""
     sel = pp_selection(cfg, comm.rank, comm.size)
 
     def fetch(name: str, shape: tuple, matrix: bool):
-        stored = gf.numpy_shape(name)
+        stored = source.shape(name)
         gshape = tuple(stored[len(stored) - len(shape):])
         rows, cols = sel(name, gshape)
-        out = reader.read(name, gshape, rows, cols, matrix)
+        out = source.read(name, gshape, rows, cols, matrix)
         if matrix and len(shape) == 3:
             out = Linear(*(a.reshape(shape[0], shape[1], -1) for a in (out.weight, out.scales, out.biases)
                            if a is not None), bits=out.bits, group_size=out.group_size)
@@ -109,7 +107,7 @@ def load_pp(gf: GGUFFile, comm: Comm, exact: bool = False, load_mtp: bool = True
     embed = fetch("token_embd.weight", (cfg.vocab_size, h), True)
     layers = [_layer(fetch, i, cfg, cfg.recurrent[i]) for i in range(l0, l1)]
     output_norm = fetch("output_norm.weight", (h,), False)
-    if gf.has_tensor("output.weight"):
+    if source.has_tensor("output.weight"):
         head = fetch("output.weight", (cfg.vocab_size, h), True)
     else:
         per = -(-cfg.vocab_size // comm.size)
@@ -126,5 +124,5 @@ def load_pp(gf: GGUFFile, comm: Comm, exact: bool = False, load_mtp: bool = True
     model.__class__ = PPModel
     model.comm, model.first_layer = comm, l0
     model.global_cfg = cfg
-    model.compile_steps = False  # send/recv between stages: forwards stay uncompiled
-    return model, reader
+    model.compile_steps = False  # stage boundaries depend on the rank: forwards stay uncompiled
+    return model

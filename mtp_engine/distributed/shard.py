@@ -236,6 +236,27 @@ class ShardReader:
                                (len(row_idx), hi - lo))
 
 
+class GGUFSource:
+    """Global tensors of a GGUF file, read in shares (`tp.build_tp`, `pp.build_pp` take any object
+    with these methods: `bench_distributed.py` passes random weights)."""
+
+    def __init__(self, gf: GGUFFile, exact: bool = False):
+        self.gf, self.reader = gf, ShardReader(gf, exact)
+
+    def shape(self, name: str) -> tuple:
+        return self.gf.numpy_shape(name)
+
+    def has_tensor(self, name: str) -> bool:
+        return self.gf.has_tensor(name)
+
+    def read(self, name: str, shape: tuple, rows, cols, matrix: bool):
+        return self.reader.read(name, shape, rows, cols, matrix)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+
 def _linear(w) -> Linear:
     if isinstance(w, QuantizedWeight):
         return Linear(mx.array(w.weight), mx.array(w.scales), mx.array(w.biases), w.bits, w.group_size)

@@ -15,14 +15,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MTPEngineError
-from ..gguf.reader import GGUFFile
 from ..model.build import build_model
 from ..model.cache import KVCache, RecurrentCache, TrunkCache
 from ..model.config import Qwen35Config
 from ..model.layers import Linear
 from ..model.qwen35 import DecoderLayer, Qwen35Model
 from .runtime import Comm
-from .shard import ShardReader, TPPlan
+from .shard import TPPlan
 
 
 @dataclass
@@ -123,21 +122,20 @@ def _wrap_layer(layer: DecoderLayer, null_mixer: bool, comm: Comm) -> None:
     layer.mlp = SummedFFN(layer.mlp, comm)
 
 
-def load_tp(gf: GGUFFile, comm: Comm, exact: bool = False, load_mtp: bool = True) -> tuple[TPModel, ShardReader]:
-    """Builds this rank's share of the model in `gf`, reading only its rows and columns."""
-    cfg = Qwen35Config.from_gguf(gf)
+def build_tp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> TPModel:
+    """Builds this rank's share of the model whose global tensors `source` reads in shares
+    (`shard.GGUFSource`: only this rank's rows and columns are read)."""
     plan = TPPlan(cfg, comm.rank, comm.size)
     local = plan.local_cfg()
-    reader = ShardReader(gf, exact)
 
     def fetch(name: str, shape: tuple, matrix: bool):
-        stored = gf.numpy_shape(name)
+        stored = source.shape(name)
         gshape = tuple(stored[len(stored) - len(shape):])
         rows, cols = plan.selection(name, gshape)
         if (rows is not None and len(rows) == 0) or (cols is not None and len(cols) == 0):
             zeros = mx.zeros(shape)  # a share with no units: zero width, zero contribution
             return Linear(zeros) if matrix else zeros
-        out = reader.read(name, gshape, rows, cols, matrix)
+        out = source.read(name, gshape, rows, cols, matrix)
         if matrix and len(shape) == 3:
             out = Linear(*(a.reshape(shape[0], shape[1], -1) for a in (out.weight, out.scales, out.biases)
                            if a is not None), bits=out.bits, group_size=out.group_size)
@@ -147,11 +145,11 @@ def load_tp(gf: GGUFFile, comm: Comm, exact: bool = False, load_mtp: bool = True
                 if matrix else tuple(out.shape)
             want = (int(np.prod(shape[:-1])), shape[-1]) if matrix else tuple(shape)
             if got != want:
-                raise MTPEngineError(f"shard of shape {got}, expected {want}", file=gf.path, field=name)
+                raise MTPEngineError(f"shard of shape {got}, expected {want}", field=name)
         mx.eval(out.weight if matrix else out)
         return out
 
-    model = build_model(local, fetch, gf.has_tensor, load_mtp=load_mtp)
+    model = build_model(local, fetch, source.has_tensor, load_mtp=load_mtp)
     model.__class__ = TPModel
     model.comm = comm
     no_attn = plan.kv_heads[0] == plan.kv_heads[1]
@@ -173,4 +171,4 @@ def load_tp(gf: GGUFFile, comm: Comm, exact: bool = False, load_mtp: bool = True
     # zero-width shares and null caches are not traced shapes the compiled steps were written for
     if no_attn or no_gdn:
         model.compile_steps = False
-    return model, reader
+    return model
