@@ -101,6 +101,9 @@ def shape_config(shape: str):
     from bench_9b_oracle import config_9b
     from bench_moe_oracle import config_a3b
 
+    if shape == "smoke":  # a tiny shape: checks the script on a CPU
+        from bench_gpu import smoke_config
+        return smoke_config()
     return config_9b(False) if shape == "9b" else config_a3b(40)
 
 
@@ -267,7 +270,7 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", help="GGUF file")
-    ap.add_argument("--shape", choices=["9b", "a3b"], help="random weights at this shape instead of a file")
+    ap.add_argument("--shape", choices=["9b", "a3b", "smoke"], help="random weights at this shape instead of a file")
     ap.add_argument("--ranks", type=int, default=2, help="local processes (CPU launcher)")
     ap.add_argument("--modes", default="tp,pp")
     ap.add_argument("--backend", default="ring", choices=["ring", "nccl", "mpi", "any"])
