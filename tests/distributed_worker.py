@@ -1,10 +1,12 @@
 """One rank of a distributed test run: loads a model sharded (tp / pp) and generates; rank 0
-writes the tokens as JSON. `--die-after N`: this rank exits abruptly after N streamed chunks."""
+writes the tokens as JSON. `--die-rank R --die-after N`: rank R exits abruptly (or, with `--hang`,
+stops) after N streamed chunks."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 
 from mtp_engine import api
@@ -20,6 +22,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--die-rank", type=int, default=-1)
     ap.add_argument("--die-after", type=int, default=3)
+    ap.add_argument("--hang", action="store_true", help="the dying rank stops (SIGSTOP) instead of exiting")
     ap.add_argument("--runs", default="none,draft-mtp:2,draft-mtp:auto")
     ap.add_argument("--prompt", type=int, nargs="+", default=[1, 5, 9, 2, 7, 3])
     a = ap.parse_args()
@@ -35,6 +38,8 @@ def main() -> int:
             for i, chunk in enumerate(api.stream_generate(a.prompt, m, max_tokens=a.max_tokens, ignore_eos=True, **kw)):
                 toks += chunk.token_ids
                 if rank == a.die_rank and i + 1 >= a.die_after:
+                    if a.hang:  # alive but silent: its sockets stay open
+                        os.kill(os.getpid(), signal.SIGSTOP)
                     os._exit(9)
             out[run] = toks
     except MTPEngineError as e:

@@ -52,36 +52,47 @@ def single(path: Path) -> dict:
     return _SINGLE[path]
 
 
-def _launch(n: int, path: Path, mode: str, tmp_path: Path, *extra: str, timeout: float = 20.0):
+def _launch(n: int, path: Path, mode: str, tmp_path: Path, *extra: str, timeout: float = 20.0,
+            env_extra: dict | None = None, stopped: int | None = None):
     out = tmp_path / "out.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **(env_extra or {})}
     argv = [sys.executable, str(WORKER), str(path), "--mode", mode, "--out", str(out), "--runs", RUNS,
             "--max-tokens", str(MAX_TOKENS), "--timeout", str(timeout), "--prompt", *map(str, PROMPT), *extra]
     procs, hostfile = spawn(n, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     t0 = time.monotonic()
     results = []
     try:
-        for p in procs:
-            left = max(1.0, RUN_LIMIT - (time.monotonic() - t0))
-            stdout, stderr = p.communicate(timeout=left)
-            results.append((p.returncode, stderr.decode(errors="replace")))
+        # the stopped rank (if any) is waited for last, and killed once the others are done
+        for i in sorted(range(n), key=lambda i: i == stopped):
+            p = procs[i]
+            left = 0.5 if i == stopped else max(1.0, RUN_LIMIT - (time.monotonic() - t0))
+            try:
+                stdout, stderr = p.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                stdout, stderr = p.communicate()
+                results.append((i, None, stderr.decode(errors="replace"), time.monotonic() - t0))
+                continue
+            results.append((i, p.returncode, stderr.decode(errors="replace"), time.monotonic() - t0))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
         os.unlink(hostfile)
-    return results, out, time.monotonic() - t0
+    return [r[1:] for r in sorted(results)], out, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("path,mode,n", [
-    (DENSE, "tp", 2), (DENSE, "tp", 3), (DENSE, "pp", 2), (DENSE, "pp", 3),
-    (MOE, "tp", 2), (MOE, "pp", 3),
-], ids=["dense-tp2", "dense-tp3", "dense-pp2", "dense-pp3", "moe-tp2", "moe-pp3"])
-def test_sharded_greedy_equals_single_process(path, mode, n, tmp_path):
+@pytest.mark.parametrize("path,mode,n,compiled", [
+    (DENSE, "tp", 2, "0"), (DENSE, "tp", 3, "0"), (DENSE, "pp", 2, "0"), (DENSE, "pp", 3, "0"),
+    (MOE, "tp", 2, "1"), (MOE, "pp", 3, "0"),
+], ids=["dense-tp2", "dense-tp3", "dense-pp2", "dense-pp3", "moe-tp2-compiled", "moe-pp3"])
+def test_sharded_greedy_equals_single_process(path, mode, n, compiled, tmp_path):
+    """(Compiled steps, the GPU default, with the all-reduces inside the traced graph: moe-tp2.)"""
     want = single(path)
-    results, out, _ = _launch(n, path, mode, tmp_path)
-    assert all(rc == 0 for rc, _ in results), [r for r in results if r[0] != 0]
+    results, out, _ = _launch(n, path, mode, tmp_path, env_extra={"MTP_ENGINE_COMPILE": compiled})
+    assert all(r[0] == 0 for r in results), [r[:2] for r in results if r[0] != 0]
     got = json.loads(out.read_text())
     assert got["size"] == n
     for run in RUNS.split(","):
@@ -96,10 +107,23 @@ def test_dead_rank_ends_the_others_with_an_error(tmp_path):
     results, _, seconds = _launch(3, DENSE, "tp", tmp_path, "--die-rank", "1", "--die-after", "3", timeout=10.0)
     assert results[1][0] == 9  # the rank that died
     for rank in (0, 2):
-        rc, err = results[rank]
+        rc, err, _ = results[rank]
         assert rc in (3, 75), (rank, rc, err[-2000:])  # MTPEngineError, or the watchdog's exit
         assert f"rank {rank}" in err and ("peer" in err), err[-2000:]
     assert seconds < RUN_LIMIT
+
+
+def test_silent_rank_ends_the_others_within_the_timeout(tmp_path):
+    """A rank that stops without closing its connections: the others' collective blocks inside
+    MLX; the watchdog ends them (exit 75) after --timeout seconds of no progress."""
+    need(DENSE)
+    results, _, seconds = _launch(2, DENSE, "tp", tmp_path, "--die-rank", "1", "--die-after", "3", "--hang",
+                                  timeout=3.0, stopped=1)
+    assert results[1][0] is None  # still stopped: killed by the test
+    rc, err, seconds = results[0]
+    assert rc == 75, (rc, err[-2000:])
+    assert "rank 0: no progress" in err and "distributed_timeout=3" in err, err[-2000:]
+    assert seconds < 25
 
 
 # ---- in-process: plans and sharded reads ------------------------------------------------------

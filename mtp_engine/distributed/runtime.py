@@ -122,15 +122,19 @@ class Comm:
             self.broadcast_int(0)
 
     def guard(self, chunks: Iterator[T], what: str = "generation") -> Iterator[T]:
-        """Iterates `chunks` with the watchdog armed (each chunk is progress) and a peer's failure
-        raised as `MTPEngineError`."""
-        with self.watchdog.armed(what):
-            try:
-                for chunk in chunks:
-                    self.watchdog.beat()
-                    yield chunk
-            except RuntimeError as e:
-                raise peer_error(self.rank, e) from None
+        """Iterates `chunks` with the watchdog armed while the next chunk is computed (not while
+        the caller holds one: a slow consumer is not a dead peer), and a peer's failure raised as
+        `MTPEngineError`."""
+        it = iter(chunks)
+        while True:
+            with self.watchdog.armed(what):
+                try:
+                    chunk = next(it)
+                except StopIteration:
+                    return
+                except RuntimeError as e:
+                    raise peer_error(self.rank, e) from None
+            yield chunk
 
 
 def peer_error(rank: int, e: BaseException) -> MTPEngineError:
