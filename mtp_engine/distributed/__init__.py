@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from ..errors import MTPEngineError
 from ..gguf.reader import GGUFFile
 from ..memory import available_memory, estimate
-from .runtime import DEFAULT_TIMEOUT, Comm, check_mode, check_timeout, init_group, peer_error
 from ..model.config import Qwen35Config
+from .runtime import DEFAULT_TIMEOUT, Comm, check_mode, check_timeout, init_group, peer_error
 from .shard import GGUFSource, TPPlan, shard_weight_bytes
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT", "load_sharded", "share_decisions", "common_seed", "rank_estimate"]
@@ -26,7 +26,6 @@ def rank_estimate(gf: GGUFFile, mode: str, rank: int, size: int, exact: bool, co
                   load_mtp: bool = True) -> dict:
     """`memory.estimate` for one rank: its weights counted tensor by tensor from its share, its
     caches as its share of the whole model's (heads under tp, layers under pp)."""
-    from ..model.config import Qwen35Config
     from .pp import pp_selection
     from .shard import split
 
@@ -87,15 +86,14 @@ def load_sharded(path: str | os.PathLike, mode: str, group=None, timeout: float 
     gf = GGUFFile(path)
     with comm.watchdog.armed("loading"):
         est = check_rank_fits(gf, mode, comm, exact, context or estimate(gf, exact)["context"], load_mtp)
-        model = build(Qwen35Config.from_gguf(gf), GGUFSource(gf, exact), comm, load_mtp, source_out := [])
+        source = GGUFSource(gf, exact)
+        model = build(Qwen35Config.from_gguf(gf), source, comm, load_mtp)
     comm.barrier("waiting for every rank to load")
-    return ShardedLoad(model, gf, comm, est, source_out[0].bytes_read)
+    return ShardedLoad(model, gf, comm, est, source.bytes_read)
 
 
-def build(cfg, source, comm: Comm, load_mtp: bool = True, sources: list | None = None):
+def build(cfg, source, comm: Comm, load_mtp: bool = True):
     """This rank's share (`comm.mode`) of the model whose global tensors `source` reads."""
-    if sources is not None:
-        sources.append(source)
     if comm.mode == "tp":
         from .tp import build_tp
         return build_tp(cfg, source, comm, load_mtp)
@@ -133,8 +131,4 @@ def share_decisions(decoder, comm: Comm):
     return decoder
 
 
-def guard(comm: Comm, chunks):
-    return comm.guard(chunks)
-
-
-__all__ += ["peer_error", "guard", "ShardedLoad"]
+__all__ += ["peer_error", "build", "ShardedLoad"]
