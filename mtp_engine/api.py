@@ -52,6 +52,7 @@ class Model:
     info: LoadInfo
     path: str
     load_seconds: float = 0.0  # wall time of `load` (reported in every generation's stats)
+    comm: object = None  # a `distributed.Comm` when this process holds one rank's share
 
     @property
     def options(self) -> EngineOptions:
@@ -81,7 +82,8 @@ DEFAULT_MAX_CONTEXT = 32768
 
 @run_on_engine_thread
 def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True,
-         max_context: int | None = None, quantize: str | int | None = None, *,
+         max_context: int | None = None, quantize: str | int | None = None, distributed: str | None = None,
+         group=None, distributed_timeout: float = 60.0, *,
          options: EngineOptions | None = None, progress: Callable[[int, int], None] | None = None) -> Model:
     """Loads a Qwen3.5 GGUF file (default: the model in `models/`) or an HF checkpoint folder
     (config.json + safetensors, or a folder written by `mtp-engine convert`). `exact=True` keeps
@@ -93,6 +95,10 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that context
     exceeds what is available. The returned model may be used from any thread (every array it
     holds is evaluated here); generations in several threads at once are independent.
+
+    `distributed` ("tp" or "pp"): this process loads only its rank's share of the GGUF model, over
+    `group` (default: the processes `mlx.launch` started); every rank then runs the same
+    generations; a peer silent for `distributed_timeout` seconds ends the run (docs/distributed.md).
 
     `options` (`EngineOptions`: compiled steps, kernels, row padding, cache folder, memory limit)
     are kept on the model (`model.options`); fields left None take the environment's defaults.
@@ -106,6 +112,13 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
                                     or max_context < 1):
         raise MTPEngineError(f"expected a positive integer, found {max_context!r}", field="max_context")
+    if distributed is not None:
+        from .distributed.engine import load_model
+        m = load_model(p, distributed, group, distributed_timeout, exact, load_mtp, max_context,
+                       DEFAULT_MAX_CONTEXT, t0)
+        if options is not None:
+            m.model.use(opts)
+        return m
     if p.is_dir():
         return _load_checkpoint(p, quantize, load_mtp, max_context, t0, opts, progress)
     if quantize is not None:
@@ -197,6 +210,9 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
         raise MTPEngineError(f"unknown spec type {spec!r}: expected one of {list(SPEC_TYPES)}", field="spec")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         raise MTPEngineError(f"expected an integer >= 0, found {max_tokens!r}", field="max_tokens")
+    if m.comm is not None:  # one random state on every rank: sampled acceptance agrees
+        from .distributed import common_seed
+        seed = common_seed(m.comm, seed)
     penalties = PenaltyConfig(presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n)
     sampler = Sampler(SamplerConfig(temperature, top_k, top_p, min_p, seed, penalties, logprobs))
     params = DraftParams(n_max, n_min, p_min)
@@ -237,7 +253,12 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
         decoder = PlainDecoder(m.model, sampler, prof)
     if _prompt_ids_out is not None:
         _prompt_ids_out.extend(ids)
-    for chunk in run(decoder, m.tokenizer, ids, max_tokens, stop=stops, ignore_eos=ignore_eos, profiler=prof):
+    chunks = run(decoder, m.tokenizer, ids, max_tokens, stop=stops, ignore_eos=ignore_eos, profiler=prof)
+    if m.comm is not None:
+        from .distributed import share_decisions
+        share_decisions(decoder, m.comm)
+        chunks = m.comm.guard(chunks)
+    for chunk in chunks:
         if chunk.finish_reason is not None:
             chunk.stats["load_seconds"] = m.load_seconds
         yield chunk

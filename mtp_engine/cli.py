@@ -73,6 +73,8 @@ def _add_generate(sub) -> None:
                    help="print a per-stage time table")
     g.add_argument("--profile-out", default=None, help="write the stage profile to FILE (.json or .csv)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    from .distributed.cli import add_distributed_flags
+    add_distributed_flags(g)
     _add_debug(g)
 
 
@@ -192,8 +194,9 @@ def _generate(args) -> int:
         prompt = read_prompt_file(args.file, "file")
     if prompt is None:
         raise MTPEngineError("no prompt: give -p TEXT or -f FILE", field="prompt")
+    from .distributed.cli import distributed_kwargs, quiet_rank
     model = api.load(args.model, exact=args.exact, quantize=args.quantize, max_context=args.max_context,
-                     progress=load_progress(_model_label(args.model), quiet=args.json))
+                     progress=load_progress(_model_label(args.model), quiet=args.json), **distributed_kwargs(args))
     kwargs = dict(max_tokens=args.max_tokens, spec=args.spec_type, n_max=args.spec_draft_n_max,
                   n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, temperature=args.temp,
                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
@@ -204,6 +207,10 @@ def _generate(args) -> int:
         kwargs["messages"] = [{"role": "user", "content": prompt}]
     else:
         kwargs["prompt"] = prompt
+    if quiet_rank(model):  # every rank generates the same tokens; rank 0 alone prints
+        for _ in api.stream_generate(model=model, **kwargs):
+            pass
+        return 0
     if args.json:
         r = api.generate(model=model, **kwargs)
         print(json.dumps(r.to_json(), ensure_ascii=False))

@@ -1,0 +1,128 @@
+"""Pipeline parallel: rank r holds trunk layers [l_r, l_{r+1}) whole (`shard.split` of the layers),
+for machines joined by links too slow for an all-reduce per block. A forward passes the hidden
+state stage to stage (one [S, H] all-sum per boundary, only the sending stage contributing: see
+`PPModel.forward` for why not send/recv), then the last stage's output (post- and pre-norm hidden
+states) is all-summed the same way so every rank holds it: the decoders,
+the MTP head (held whole by every rank: one block) and acceptance then run identically everywhere.
+The output head is split by vocabulary across all ranks, as in tensor parallel.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..model.build import _layer
+from ..model.cache import KVCache, RecurrentCache, TrunkCache
+from ..model.config import Qwen35Config
+from ..model.layers import Linear
+from ..model.qwen35 import MTPHead, Qwen35Model, run_layers
+from .runtime import Comm
+from .shard import split
+from .tp import VocabShardHead
+
+
+def pp_selection(cfg: Qwen35Config, rank: int, size: int):
+    """`selection(name, shape)` for `shard.shard_weight_bytes`: None for tensors of other ranks'
+    layers, else (rows, cols) as held (output head rows by vocabulary)."""
+    l0, l1 = split(cfg.n_layer, size, rank)
+    per = -(-cfg.vocab_size // size)
+    v0, v1 = min(rank * per, cfg.vocab_size), min((rank + 1) * per, cfg.vocab_size)
+
+    def selection(name: str, shape: tuple):
+        if name.startswith("blk."):
+            i = int(name.split(".")[1])
+            return (None, None) if l0 <= i < l1 or i >= cfg.n_layer else None
+        if name == "output.weight":
+            return np.arange(v0, v1), None
+        return None, None
+
+    return selection
+
+
+class PPModel(Qwen35Model):
+    """A `Qwen35Model` holding one pipeline stage; `forward` runs the whole pipeline."""
+
+    comm: Comm
+    first_layer: int
+
+    def make_cache(self) -> TrunkCache:
+        c = self.cfg
+        caches: list = []
+        for rec in c.recurrent[self.first_layer:self.first_layer + len(self.layers)]:
+            caches.append(RecurrentCache(c.conv_kernel, c.conv_channels, c.ssm_value_heads, c.ssm_key_dim,
+                                         c.ssm_value_dim) if rec else KVCache(c.n_head_kv, c.head_dim))
+        return TrunkCache(caches)
+
+    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False):
+        s = int(ids.shape[1])
+        if capture:
+            for c in cache.layers:
+                if isinstance(c, RecurrentCache):
+                    c.begin_capture()
+            cache._captured = s
+        comm, r, n = self.comm, self.comm.rank, self.comm.size
+        shape = (1, s, self.cfg.hidden_size)
+        # Each stage boundary is an all-sum to which only the sending stage contributes; the others
+        # add zeros that depend on the previous boundary. A send/recv pair would leave the recv with
+        # no input, and MLX may then schedule it before collectives of independent branches (the
+        # drafts' logits) that the sending rank must finish first: a cross-rank deadlock.
+        dep = ids
+        x = self.embed_tokens(ids) if r == 0 else None
+        post = x
+        for stage in range(n):
+            if stage == r and self.layers:
+                post, x = run_layers(self.layers, x, cache.layers, self.output_norm, self.cfg.eps)
+            if stage == n - 1:
+                break
+            part = x if stage == r else mx.depends(mx.zeros(shape), dep)
+            dep = comm.all_sum(part)
+            if stage + 1 == r:
+                x = dep
+        # the last stage's output, post- and pre-norm, on every rank
+        part = mx.concatenate([post, x], axis=0) if r == n - 1 else mx.depends(mx.zeros((2, s, shape[2])), dep)
+        both = comm.all_sum(part)
+        post, x = both[0:1], both[1:2]
+        cache.offset += s
+        return (post, x) if return_prenorm else post
+
+
+def build_pp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> PPModel:
+    """Builds this rank's pipeline stage of the model whose tensors `source` reads (only this
+    stage's layers and its rows of the output head are read)."""
+    sel = pp_selection(cfg, comm.rank, comm.size)
+
+    def fetch(name: str, shape: tuple, matrix: bool):
+        stored = source.shape(name)
+        gshape = tuple(stored[len(stored) - len(shape):])
+        rows, cols = sel(name, gshape)
+        out = source.read(name, gshape, rows, cols, matrix)
+        if matrix and len(shape) == 3:
+            out = Linear(*(a.reshape(shape[0], shape[1], -1) for a in (out.weight, out.scales, out.biases)
+                           if a is not None), bits=out.bits, group_size=out.group_size)
+        mx.eval(out.weight if matrix else out)
+        return out
+
+    l0, l1 = split(cfg.n_layer, comm.size, comm.rank)
+    h = cfg.hidden_size
+    embed = fetch("token_embd.weight", (cfg.vocab_size, h), True)
+    layers = [_layer(fetch, i, cfg, cfg.recurrent[i]) for i in range(l0, l1)]
+    output_norm = fetch("output_norm.weight", (h,), False)
+    if source.has_tensor("output.weight"):
+        head = fetch("output.weight", (cfg.vocab_size, h), True)
+    else:
+        per = -(-cfg.vocab_size // comm.size)
+        v0, v1 = min(comm.rank * per, cfg.vocab_size), min((comm.rank + 1) * per, cfg.vocab_size)
+        head = Linear(*(a[v0:v1] if a is not None else None for a in (embed.weight, embed.scales, embed.biases)),
+                      bits=embed.bits, group_size=embed.group_size)
+    mtp = None
+    if load_mtp and cfg.n_mtp > 0:
+        p = f"blk.{cfg.n_layer}.nextn."
+        mtp = MTPHead(eh_proj=fetch(p + "eh_proj.weight", (h, 2 * h), True), enorm=fetch(p + "enorm.weight", (h,), False),
+                      hnorm=fetch(p + "hnorm.weight", (h,), False), layer=_layer(fetch, cfg.n_layer, cfg, False),
+                      shared_head_norm=fetch(p + "shared_head_norm.weight", (h,), False), cfg=cfg)
+    model = Qwen35Model(cfg, embed, layers, output_norm, VocabShardHead(head, cfg.vocab_size, comm), mtp)
+    model.__class__ = PPModel
+    model.comm, model.first_layer = comm, l0
+    model.global_cfg = cfg
+    model.compile_steps = False  # stage boundaries depend on the rank: forwards stay uncompiled
+    return model
