@@ -92,7 +92,9 @@ def test_reference_is_the_layer_computation_on_any_device():
 def test_kernels_equal_float64_attention_for_every_token_count(shape, pos):
     import numpy as np
     nh, nkv, d, nrot = shape
-    for s in range(1, attn_kernel.MAX_TOKENS + 1):
+    # every token count on the small shapes; the float64 reference is slow at the 9B head shape
+    counts = range(1, attn_kernel.MAX_TOKENS + 1) if nh * d <= 1024 else (1, 2, 3, 4, 8, 16)
+    for s in counts:
         y, qn, kn, keys, values = _inputs(nh, nkv, d, s, pos, seed=s + pos)
         p = mx.array([pos], dtype=mx.int32)
         k_new, v_new = attn_kernel.new_kv(y, kn, p, nh, nkv, d, nrot, 1e-6, 10000.0)
