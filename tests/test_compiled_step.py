@@ -122,7 +122,8 @@ def test_kernel_wrapper_pads_rows_to_few_variants(monkeypatch):
         got = kernels.quantized_rows(x, q, s, b, 8, 32)
         ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=8)
         assert got.shape == (m, 64)
-        np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-5)
+        # 1e-3 (of values ~16): on a GPU MLX's product takes different kernels for different row counts
+        np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-3)
     assert fake.variants == set(kernels.ROW_VARIANTS)
 
 
