@@ -17,9 +17,9 @@ from .profiler import Profiler
 from .penalties import PenaltyConfig
 from .prompt_encode import encode_prompt
 from .sampling import Sampler, SamplerConfig
-from .spec.draft_mtp import DraftMTPDecoder, DraftParams
-from .spec import calibration
-from .spec.scheduler import AUTO_MAX, COMPILED_AUTO_MAX, DraftLengthScheduler
+from .speculative.draft_mtp import DraftMTPDecoder, DraftParams
+from .speculative import calibration
+from .speculative.scheduler import AUTO_MAX, COMPILED_AUTO_MAX, DraftLengthScheduler
 from .text_input import check_messages, check_stop
 from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
 from .tokenizer import Tokenizer

@@ -22,8 +22,8 @@ from mtp_engine.model.build import build_model
 from mtp_engine.model.config import Qwen35Config
 from mtp_engine.model.layers import Linear
 from mtp_engine.sampling import Sampler, SamplerConfig
-from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
-from mtp_engine.spec.scheduler import DraftLengthScheduler
+from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
+from mtp_engine.speculative.scheduler import DraftLengthScheduler
 
 
 def config_9b(small: bool) -> Qwen35Config:

@@ -11,7 +11,7 @@ from mtp_engine import load
 from mtp_engine.decode import PlainDecoder
 from mtp_engine.model.cache import KVCache
 from mtp_engine.sampling import Sampler, SamplerConfig
-from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
+from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
 MOE = FIXTURES / "llamacpp-moe"
 _models: dict = {}

@@ -23,7 +23,7 @@ from mtp_engine.model.loader import load_hf
 from mtp_engine.model.moe import SORT_THRESHOLD, ExpertLinear, MoE, SwitchGLU, experts_touched
 from mtp_engine.model.qwen35 import MLP
 from mtp_engine.sampling import Sampler, SamplerConfig
-from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
+from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 from reference_numpy import RefModel, load_gguf_weights, moe_ffn
 
 MOE = FIXTURES / "llamacpp-moe"

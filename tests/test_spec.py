@@ -13,7 +13,7 @@ from conftest import TINY, TRAINED, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.model.cache import KVCache
 from mtp_engine.sampling import Sampler, SamplerConfig
-from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
+from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
 _models: dict = {}
 

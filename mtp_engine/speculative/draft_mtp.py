@@ -35,7 +35,7 @@ class DraftParams:
     surviving drafts discards them and decodes plainly. p_min: stop drafting when the next draft's
     probability (softmax over the head's top-10 logits at temperature 1) is below it."""
 
-    n_max: int | str = 3  # or "auto": the scheduler picks k each round (spec/scheduler.py)
+    n_max: int | str = 3  # or "auto": the scheduler picks k each round (speculative/scheduler.py)
     n_min: int = 0
     p_min: float = 0.0
 
