@@ -1,9 +1,16 @@
 """mtp-engine: multi-token-prediction speculative decoding for Qwen3.5 GGUF models on MLX."""
+from importlib import metadata as _metadata
+
 from .api import GenerationResult, Model, generate, load, stream_generate
 from .errors import MTPEngineError
+from .options import EngineOptions
 from .sampling import SamplerConfig
 from .speculative.config import SpecConfig
 
-__all__ = ["generate", "stream_generate", "load", "Model", "GenerationResult", "MTPEngineError", "SpecConfig",
-           "SamplerConfig"]
-__version__ = "0.1.0"
+__all__ = ["generate", "stream_generate", "load", "Model", "GenerationResult", "MTPEngineError", "EngineOptions",
+           "SpecConfig", "SamplerConfig"]
+
+try:  # the installed distribution's version (pyproject.toml), one source of truth
+    __version__ = _metadata.version("mtp-engine")
+except _metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"

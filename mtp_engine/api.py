@@ -5,7 +5,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .decode import DecoderBase, PlainDecoder
 from .errors import MTPEngineError
@@ -13,6 +13,7 @@ from .generate import Chunk, run
 from .memory import check_fits, estimate
 from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
+from .options import EngineOptions, model_path_from_env
 from .profiler import Profiler
 from .prompt_encode import encode_prompt
 from .request import sampler_config, spec_config
@@ -31,7 +32,7 @@ DEFAULT_MODEL_NAME = "qwen35-mtp-code-Q4_K_M.gguf"
 
 def default_model_path() -> Path:
     """$MTP_ENGINE_MODEL, else the model shipped in the checkout's `models/` folder."""
-    env = os.environ.get("MTP_ENGINE_MODEL")
+    env = model_path_from_env()
     if env:
         return Path(env)
     for base in (Path(__file__).resolve().parent.parent, Path.cwd()):
@@ -52,6 +53,11 @@ class Model:
     info: LoadInfo
     path: str
     load_seconds: float = 0.0  # wall time of `load` (reported in every generation's stats)
+
+    @property
+    def options(self) -> EngineOptions:
+        """The options this model runs under (resolved: no None fields)."""
+        return self.model.options
 
 
 @dataclass
@@ -76,7 +82,8 @@ DEFAULT_MAX_CONTEXT = 32768
 
 @run_on_engine_thread
 def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True,
-         max_context: int | None = None, quantize: str | int | None = None) -> Model:
+         max_context: int | None = None, quantize: str | int | None = None, *,
+         options: EngineOptions | None = None, progress: Callable[[int, int], None] | None = None) -> Model:
     """Loads a Qwen3.5 GGUF file (default: the model in `models/`) or an HF checkpoint folder
     (config.json + safetensors, or a folder written by `mtp-engine convert`). `exact=True` keeps
     Q6_K tensors in float32 so every weight equals llama.cpp's dequantization. `quantize` (folders
@@ -86,23 +93,30 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     (default: the model's, up to 32768 positions); the memory check assumes it. Refuses
     (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that context
     exceeds what is available. The returned model may be used from any thread (every array it
-    holds is evaluated here); generations in several threads at once are independent."""
+    holds is evaluated here); generations in several threads at once are independent.
+
+    `options` (`EngineOptions`: compiled steps, kernels, row padding, cache folder, memory limit)
+    are kept on the model (`model.options`); fields left None take the environment's defaults.
+    `progress(done, total)` is called as the model's blocks load."""
     t0 = time.perf_counter()
+    if options is not None and not isinstance(options, EngineOptions):
+        raise MTPEngineError(f"expected EngineOptions, found {type(options).__name__}", field="options")
+    opts = (options if options is not None else EngineOptions()).resolve()
     p = Path(path) if path is not None else default_model_path()
-    calibration.persist_kernel_cache()  # before the first CUDA kernel is compiled
+    _persist_kernel_cache(opts.cache_path)  # before the first CUDA kernel is compiled
     if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
                                     or max_context < 1):
         raise MTPEngineError(f"expected a positive integer, found {max_context!r}", field="max_context")
     if p.is_dir():
-        return _load_checkpoint(p, quantize, load_mtp, max_context, t0)
+        return _load_checkpoint(p, quantize, load_mtp, max_context, t0, opts, progress)
     if quantize is not None:
         raise MTPEngineError("quantize= applies to HF checkpoint folders; a GGUF file keeps its own tensor types",
                              file=str(p), field="quantize")
     # refuse before any weight is read: a model that cannot fit would otherwise end in the OOM killer;
     # 262k-context models would be refused on small machines if the check assumed their full context
     ctx = min(estimate(p, exact, load_mtp=load_mtp)["context"], max_context or DEFAULT_MAX_CONTEXT)
-    check_fits(p, exact=exact, context=ctx, load_mtp=load_mtp)
-    model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp)
+    check_fits(p, exact=exact, context=ctx, load_mtp=load_mtp, options=opts)
+    model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp, progress=progress, options=opts)
     model.cfg.context_length = min(model.cfg.context_length, ctx)
     # usable from any thread, first use included: no lazy graph may be left for another thread
     evaluate_all(model)
@@ -111,21 +125,36 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     return Model(model, tok, info, gf.path, time.perf_counter() - t0)
 
 
-def _load_checkpoint(p: Path, quantize, load_mtp: bool, max_context: int | None, t0: float) -> Model:
+def _load_checkpoint(p: Path, quantize, load_mtp: bool, max_context: int | None, t0: float,
+                     opts: EngineOptions, progress) -> Model:
     from .model.hf import check_checkpoint_fits, load_checkpoint
 
-    check_checkpoint_fits(p, quantize, load_mtp)
+    check_checkpoint_fits(p, quantize, load_mtp, options=opts)
     tok_path = p / "tokenizer.json"
     if not tok_path.is_file():
         raise MTPEngineError("missing tokenizer.json: a checkpoint folder needs its tokenizer", file=str(tok_path))
     tok = Tokenizer.from_hf_file(str(tok_path))
-    model, _, info = load_checkpoint(p, quantize=quantize, load_mtp=load_mtp)
+    model, _, info = load_checkpoint(p, quantize=quantize, load_mtp=load_mtp, progress=progress, options=opts)
     model.cfg.context_length = min(model.cfg.context_length, max_context or DEFAULT_MAX_CONTEXT)
     evaluate_all(model)  # usable from any thread, as a GGUF load is
     release_at_exit()
     # device costs are cached per model file; a folder quantized on load is its own model
     path = str(p) if quantize is None else f"{p}?quantize={info.quantization}"
     return Model(model, tok, info, path, time.perf_counter() - t0)
+
+
+def _persist_kernel_cache(cache_dir: Path) -> None:
+    """MLX's CUDA backend keeps the kernels it compiles (NVRTC) in `$MLX_PTX_CACHE_DIR`, by default
+    under the temp folder, which a reboot or a fresh container empties: the first run then spends
+    most of its time compiling. Keep them in the engine's cache folder instead, unless the user
+    chose a place. Must run before the first kernel is compiled (MLX reads the variable once)."""
+    if "MLX_PTX_CACHE_DIR" in os.environ:
+        return
+    import mlx.core as mx
+
+    from .model import kernels
+    if kernels.cuda():
+        os.environ["MLX_PTX_CACHE_DIR"] = str(cache_dir / "mlx-ptx" / mx.__version__)
 
 
 def _resolve(model) -> Model:

@@ -42,6 +42,7 @@ class BenchConfig:
     prompts: list | None = None
     out: str | None = None
     exact: bool = False
+    max_context: int | None = None  # -c/--ctx-size: the API's max_context
     profile_prompts: int = 1  # prompts in each config's profiled (and warm-up) pass
 
 
@@ -100,12 +101,12 @@ def _merge_acceptance(stats: list[dict], k: int) -> list[float | None]:
     return out if rounds else [None] * k
 
 
-def run_bench(cfg: BenchConfig) -> dict:
+def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
     """Runs the sweep; returns {"rows": [...], "costs": {...}, "device": str} and writes files to cfg.out."""
     import mlx.core as mx
 
     t_start = time.perf_counter()
-    m = api.load(cfg.model, exact=cfg.exact)
+    m = api.load(cfg.model, exact=cfg.exact, max_context=cfg.max_context, progress=load_progress)
     prompts = cfg.prompts or DEFAULT_PROMPTS
     configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
     bar = Progress(len(configs) + cfg.repeats * len(prompts))

@@ -7,9 +7,30 @@ import sys
 from typing import Sequence
 
 from .errors import MTPEngineError
+from .load_progress import load_progress
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help line ends with its default. (argparse's ArgumentDefaultsHelpFormatter
+    also prints "default: None" and "default: False", which say nothing, and repeats defaults a
+    help text already states.)"""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if (not action.option_strings or "default" in text or d is None or d is False or d == []
+                or d is argparse.SUPPRESS or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        if isinstance(d, (list, tuple)):
+            d = ",".join(str(x) for x in d)
+        return f"{text} (default: {str(d).replace('%', '%%')})"
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2, no usage dump
         print(f"mtp-engine: error: {message}", file=sys.stderr)
         raise SystemExit(2)
@@ -23,13 +44,16 @@ def _add_generate(sub) -> None:
     src.add_argument("-f", "--file", help="read the prompt from this file (UTF-8, at most 16 MiB; - reads standard input)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=256, help="tokens to generate")
+    add_ctx_size(g)
     g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("-s", "--seed", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set with this probability "
+                                                            "mass (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the most likely "
+                                                            "one's probability (0 = off)")
+    g.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a seen token's logit")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a seen token")
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="divides a seen token's logit (1 = off)")
@@ -39,8 +63,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--spec-type", default="none", help="none or draft-mtp")
     g.add_argument("--spec-draft-n-max", type=_n_max, default="auto",
                    help="drafts per round, or auto (default): chosen each round from measured costs")
-    g.add_argument("--spec-draft-n-min", type=int, default=0)
-    g.add_argument("--spec-draft-p-min", type=float, default=0.0)
+    g.add_argument("--spec-draft-n-min", type=int, default=0, help="fewest drafts per round")
+    g.add_argument("--spec-draft-p-min", type=float, default=0.0,
+                   help="stop drafting when the draft's probability falls below this")
     g.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
     g.add_argument("--quantize", default=None, metavar="SPEC",
                    help="HF checkpoint folders: quantize while loading, e.g. 4, 8g32, 4g64,output=8g64,mtp=float")
@@ -49,6 +74,12 @@ def _add_generate(sub) -> None:
     g.add_argument("--profile-out", default=None, help="write the stage profile to FILE (.json or .csv)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_debug(g)
+
+
+def add_ctx_size(p) -> None:
+    """llama.cpp's -c/--ctx-size: the API's `max_context` (generate, bench and serve alike)."""
+    p.add_argument("-c", "--ctx-size", dest="max_context", type=int, default=None,
+                   help="context length cap (default: the model's, up to 32768)")
 
 
 def _add_debug(p) -> None:
@@ -82,14 +113,16 @@ def _ints(text: str) -> tuple:
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="plain decoding vs draft-mtp at each n-max / p-min, with a stage breakdown")
     b.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
-    b.add_argument("--n-max", type=_ints, default=(0, 1, 2, 3, 4, 5, 6, "auto"))
-    b.add_argument("--p-min", type=_floats, default=(0.0,))
-    b.add_argument("-n", "--n-predict", dest="tokens", type=int, default=128)
-    b.add_argument("--repeats", type=int, default=3)
+    add_ctx_size(b)
+    b.add_argument("--n-max", type=_ints, default=(0, 1, 2, 3, 4, 5, 6, "auto"),
+                   help="comma-separated draft lengths to measure (integers and/or auto)")
+    b.add_argument("--p-min", type=_floats, default=(0.0,), help="comma-separated p-min values to measure")
+    b.add_argument("-n", "--n-predict", dest="tokens", type=int, default=128, help="tokens generated per prompt")
+    b.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (the median is reported)")
     b.add_argument("--prompts", help="a text file (prompts separated by blank-line-free '---' lines) or a JSON "
                                      "list of strings / {'prompts': [{'prompt': ...}]}")
     b.add_argument("--out", default="bench-out", help="folder for bench.md/.csv/.json/.png")
-    b.add_argument("--exact", action="store_true")
+    b.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
     _add_debug(b)
 
 
@@ -159,7 +192,8 @@ def _generate(args) -> int:
         prompt = read_prompt_file(args.file, "file")
     if prompt is None:
         raise MTPEngineError("no prompt: give -p TEXT or -f FILE", field="prompt")
-    model = api.load(args.model, exact=args.exact, quantize=args.quantize)
+    model = api.load(args.model, exact=args.exact, quantize=args.quantize, max_context=args.max_context,
+                     progress=load_progress(_model_label(args.model), quiet=args.json))
     kwargs = dict(max_tokens=args.max_tokens, spec=args.spec_type, n_max=args.spec_draft_n_max,
                   n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, temperature=args.temp,
                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
@@ -230,8 +264,8 @@ def _bench(args) -> int:
         check_output_dir(args.out, "--out")
     cfg = BenchConfig(model=args.model, n_max=args.n_max, p_min=args.p_min, tokens=args.tokens,
                       repeats=args.repeats, prompts=_load_prompts(args.prompts) if args.prompts else None,
-                      out=args.out, exact=args.exact)
-    result = run_bench(cfg)
+                      out=args.out, exact=args.exact, max_context=args.max_context)
+    result = run_bench(cfg, load_progress=load_progress(_model_label(args.model)))
     from .bench import format_markdown
     print(format_markdown(result))
     print(f"wrote {args.out}/bench.md, bench.csv, bench.json, bench.png", file=sys.stderr)
@@ -256,15 +290,29 @@ def format_stats(s: dict) -> str:
     return line
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _model_label(path: str | None) -> str:
+    import os
+
+    return os.path.basename(os.path.normpath(path)) if path else "the model in models/"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: generate, bench, convert, serve."""
+    from . import __version__
+
     parser = _Parser(prog="mtp-engine", description="MTP speculative decoding for Qwen3.5 GGUF models on MLX")
+    parser.add_argument("--version", action="version", version=f"mtp-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
     _add_bench(sub)
     _add_convert(sub)
     from .server.flags import add_serve_parser
     add_serve_parser(sub, _n_max)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             if args.profile_out and not args.profile:

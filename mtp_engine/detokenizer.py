@@ -43,6 +43,12 @@ def _emit_len(buf: bytearray) -> int:
     return n
 
 
+# Why not `tokenizers.decoders.DecodeStream`: on every valid UTF-8 stream it emits the same text
+# (tests/test_tokenizer.py compares them on the shipped model's tokenizer), but it has no flush:
+# a generation that stops inside a character (max_tokens reached after the first byte token of an
+# emoji, or ids that are not valid UTF-8) loses those bytes, where `Tokenizer.decode`, and so
+# `generate()`'s text, ends in U+FFFD. Streamed and non-streamed text must be equal, so we keep
+# this one (it is also O(token) per step, without DecodeStream's re-decode of a prefix window).
 class StreamingDetokenizer:
     """Incremental decoding of generated tokens.
 

@@ -14,7 +14,8 @@ The estimate is read from the checked GGUF header alone (no tensor data is touch
   recurrent states the chunk's delta-rule loop holds until it is evaluated.
 
 The limit is MemAvailable on Linux, physical memory (capped by Metal's recommended working set
-when MLX reports one) on macOS, or `MTP_ENGINE_MEMORY_LIMIT` (bytes) when set.
+when MLX reports one) on macOS, or `EngineOptions.memory_limit` (bytes; its default from
+`MTP_ENGINE_MEMORY_LIMIT`) when set.
 """
 from __future__ import annotations
 
@@ -27,10 +28,11 @@ from .errors import MTPEngineError
 from .gguf.quants import mlx_nbytes
 from .gguf.reader import GGUFFile, open_header
 from .gguf.validate import Header, TensorHeader
+from .options import ENV, EngineOptions
 
 __all__ = ["estimate", "check_fits", "available_memory", "ENV_LIMIT"]
 
-ENV_LIMIT = "MTP_ENGINE_MEMORY_LIMIT"
+ENV_LIMIT = ENV["memory_limit"]
 _F32 = 4
 _KV_STEP = 256  # KVCache.step
 _KV_MAX_STEP = 8192  # KVCache.max_growth: reserve grows by min(capacity, this)
@@ -150,17 +152,12 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
             "activations": int(activations), "load_transient": int(load_transient), "total": int(total), "context": int(ctx)}
 
 
-def available_memory() -> tuple[int, str]:
-    """(bytes the model may take, where that number came from)."""
-    env = os.environ.get(ENV_LIMIT)
-    if env is not None:
-        try:
-            limit = int(env)
-        except ValueError:
-            raise MTPEngineError(f"expected a number of bytes, found {env!r}", field=ENV_LIMIT) from None
-        if limit < 0:
-            raise MTPEngineError(f"expected a number of bytes >= 0, found {limit}", field=ENV_LIMIT)
-        return limit, ENV_LIMIT
+def available_memory(options: EngineOptions | None = None) -> tuple[int, str]:
+    """(bytes the model may take, where that number came from): `options.memory_limit` when set
+    (None options: the environment's, `EngineOptions.from_env`), else what the machine reports."""
+    opts = options if options is not None else EngineOptions.from_env()
+    if opts.memory_limit is not None:
+        return opts.memory_limit, opts.sources.get("memory_limit", "memory_limit")
     if sys.platform.startswith("linux"):
         try:
             with open("/proc/meminfo") as f:
@@ -193,12 +190,14 @@ def _metal_working_set() -> int:
 
 
 def check_fits(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = False,
-               context: int | None = None, *, load_mtp: bool = True) -> dict[str, Any]:
+               context: int | None = None, *, load_mtp: bool = True,
+               options: EngineOptions | None = None) -> dict[str, Any]:
     """The `estimate` of `gguf_file`; raises `MTPEngineError` with both numbers when it exceeds
-    the available memory (unknown available memory is not a reason to refuse)."""
+    the available memory (`available_memory(options)`; unknown available memory is not a reason to
+    refuse)."""
     h = _header(gguf_file)
     est = estimate(h, exact, context, load_mtp=load_mtp)
-    limit, source = available_memory()
+    limit, source = available_memory(options)
     if source != "unknown" and est["total"] > limit:
         gib = 1 << 30
         parts = ", ".join(f"{k.replace('_', ' ')} {est[k] / gib:.2f}" for k in

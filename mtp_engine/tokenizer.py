@@ -16,13 +16,13 @@ regex engine the pre-tokenizer needs):
 llama.cpp itself does not NFC-normalise its input; for NFC input (almost all text) the two agree.
 
 The pieces live in their own modules: the BPE backend in :mod:`mtp_engine.bpe`, chat templates in
-:mod:`mtp_engine.chat_template`, streaming detokenization in :mod:`mtp_engine.detokenizer`; their
-public names are re-exported here so that callers need only this module.
+:mod:`mtp_engine.chat_template`, streaming detokenization in :mod:`mtp_engine.detokenizer`, the
+builders from GGUF metadata and from ``tokenizer.json`` in :mod:`mtp_engine.tokenizer_gguf` and
+:mod:`mtp_engine.tokenizer_hf`; their public names are re-exported here so that callers need only
+this module.
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Iterable
 
 import gguf
@@ -37,16 +37,14 @@ from mtp_engine.bpe import (
     TOKEN_TYPE_UNKNOWN,
     TOKEN_TYPE_UNUSED,
     TOKEN_TYPE_USER_DEFINED,
-    byte_level_decode,
-    build_byte_level_bpe,
     bytes_to_unicode,
-    check_vocabulary,
 )
 from mtp_engine.chat_template import RenderLimits, compile_chat_template, render_chat_template
 from mtp_engine.detokenizer import StreamingDetokenizer
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.text_input import check_text
-from mtp_engine.gguf.fields import read_int_array, read_scalar, read_string, read_string_array
+from mtp_engine.tokenizer_gguf import KEY_CHAT_TEMPLATE, tokenizer_parts_from_gguf
+from mtp_engine.tokenizer_hf import tokenizer_parts_from_hf
 
 __all__ = [
     "Tokenizer",
@@ -61,30 +59,6 @@ __all__ = [
     "TOKEN_TYPE_BYTE",
     "bytes_to_unicode",
 ]
-
-_KEY_MODEL = "tokenizer.ggml.model"
-_KEY_PRE = "tokenizer.ggml.pre"
-_KEY_TOKENS = "tokenizer.ggml.tokens"
-_KEY_MERGES = "tokenizer.ggml.merges"
-_KEY_TOKEN_TYPE = "tokenizer.ggml.token_type"
-_KEY_EOS = "tokenizer.ggml.eos_token_id"
-_KEY_BOS = "tokenizer.ggml.bos_token_id"
-_KEY_EOT = "tokenizer.ggml.eot_token_id"
-_KEY_PAD = "tokenizer.ggml.padding_token_id"
-_KEY_ADD_BOS = "tokenizer.ggml.add_bos_token"
-_KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
-
-# Control tokens that end a turn / a document in Qwen chat models, added to eos_token_ids.
-_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
-
-
-def _embedding_rows(reader: Any) -> int | None:
-    """Rows of the GGUF's token embedding (GGUF dims are [hidden, rows]); None without one."""
-    for t in getattr(reader, "tensors", None) or []:
-        if t.name == "token_embd.weight" and len(t.shape) >= 2:
-            return int(t.shape[1])
-    return None
-
 
 class Tokenizer:
     """Byte-level BPE tokenizer of a Qwen3.5 model.
@@ -114,7 +88,7 @@ class Tokenizer:
         pad_token_id: int | None = None,
         chat_template: str | None = None,
         source: str = "",
-        template_field: str = _KEY_CHAT_TEMPLATE,
+        template_field: str = KEY_CHAT_TEMPLATE,
     ) -> None:
         """Low-level constructor; use :meth:`from_gguf` or :meth:`from_hf_file`."""
         self._backend = backend
@@ -141,203 +115,16 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader, path: str = "") -> "Tokenizer":
-        """Build the tokenizer from a GGUF file's ``tokenizer.*`` metadata.
-
-        ``reader`` is a ``gguf.GGUFReader`` (anything with a ``fields`` mapping of
-        ``gguf.ReaderField`` works); ``path`` is only used in error messages.
-
-        Raises MTPEngineError, naming the file and key, when a required key
-        (``tokenizer.ggml.model``, ``.pre``, ``.tokens``, ``.merges``, ``.token_type``,
-        ``.eos_token_id``) is missing or malformed, when the model is not ``gpt2`` (byte-level
-        BPE), when the pre-tokenizer is not one of :data:`PRE_TOKENIZER_REGEXES`, or when the
-        vocabulary has more tokens than the file's ``token_embd.weight`` has rows.
-        """
-        file = path or None
-        model = read_string(reader, _KEY_MODEL, path, required=True)
-        if model != "gpt2":
-            raise MTPEngineError(
-                f"unsupported tokenizer model {model!r}; expected 'gpt2' (byte-level BPE)",
-                file=file,
-                field=_KEY_MODEL,
-            )
-        pre = read_string(reader, _KEY_PRE, path, required=True)
-        if pre not in PRE_TOKENIZER_REGEXES:
-            raise MTPEngineError(
-                f"unsupported pre-tokenizer {pre!r}; expected one of {sorted(PRE_TOKENIZER_REGEXES)}",
-                file=file,
-                field=_KEY_PRE,
-            )
-        tokens = read_string_array(reader, _KEY_TOKENS, path)
-        if not tokens:
-            raise MTPEngineError("the vocabulary is empty", file=file, field=_KEY_TOKENS)
-        merges = read_string_array(reader, _KEY_MERGES, path)
-        token_types = read_int_array(reader, _KEY_TOKEN_TYPE, path)
-        if len(token_types) != len(tokens):
-            raise MTPEngineError(
-                f"expected {len(tokens)} entries (one per token), found {len(token_types)}",
-                file=file,
-                field=_KEY_TOKEN_TYPE,
-            )
-        check_vocabulary(tokens, token_types, file=file, tokens_field=_KEY_TOKENS, types_field=_KEY_TOKEN_TYPE)
-        n = len(tokens)
-        rows = _embedding_rows(reader)
-        if rows is not None and n > rows:
-            # a token id past the embedding table would be looked up out of bounds, silently
-            raise MTPEngineError(
-                f"the vocabulary has {n} tokens but token_embd.weight has only {rows} rows",
-                file=file,
-                field=_KEY_TOKENS,
-            )
-
-        def check_id(key: str, value: int | None) -> int | None:
-            if value is not None and not 0 <= value < n:
-                raise MTPEngineError(
-                    f"token id {value} is outside the vocabulary [0, {n})", file=file, field=key
-                )
-            return value
-
-        eos = read_scalar(reader, _KEY_EOS, path, "int")
-        if eos is None:
-            raise MTPEngineError("required key is missing", file=file, field=_KEY_EOS)
-        eos = check_id(_KEY_EOS, eos)
-        bos = check_id(_KEY_BOS, read_scalar(reader, _KEY_BOS, path, "int"))
-        eot = check_id(_KEY_EOT, read_scalar(reader, _KEY_EOT, path, "int"))
-        pad = check_id(_KEY_PAD, read_scalar(reader, _KEY_PAD, path, "int"))
-        add_bos = read_scalar(reader, _KEY_ADD_BOS, path, "bool")
-        chat_template = read_string(reader, _KEY_CHAT_TEMPLATE, path, required=False)
-
-        bpe = build_byte_level_bpe(
-            PRE_TOKENIZER_REGEXES[pre], tokens, token_types, merges,
-            file=file, merges_field=_KEY_MERGES,
-        )
-
-        eos_ids = {eos}
-        if eot is not None:
-            eos_ids.add(eot)
-        for text in _END_TOKENS:
-            i = bpe.vocab.get(text)
-            if i is not None and token_types[i] == TOKEN_TYPE_CONTROL:
-                eos_ids.add(i)
-
-        return cls(
-            backend=bpe.backend,
-            token_bytes=bpe.token_bytes,
-            token_texts=list(tokens),
-            special_ids=bpe.special_ids,
-            eos_token_id=eos,
-            eos_token_ids=eos_ids,
-            bos_token_id=bos,
-            add_bos_token=bool(add_bos) and bos is not None,
-            pad_token_id=pad,
-            chat_template=chat_template,
-            source=path,
-            template_field=_KEY_CHAT_TEMPLATE,
-        )
+        """Build the tokenizer from a GGUF file's ``tokenizer.*`` metadata (see
+        :func:`mtp_engine.tokenizer_gguf.tokenizer_parts_from_gguf` for what is checked)."""
+        return cls(**tokenizer_parts_from_gguf(reader, path))
 
     @classmethod
     def from_hf_file(cls, path: str) -> "Tokenizer":
-        """Build the tokenizer from a Hugging Face ``tokenizer.json`` (for HF checkpoints).
+        """Build the tokenizer from a Hugging Face ``tokenizer.json`` (for HF checkpoints; see
+        :func:`mtp_engine.tokenizer_hf.tokenizer_parts_from_hf` for where each setting comes from)."""
+        return cls(**tokenizer_parts_from_hf(path))
 
-        Special-token settings (``eos_token``, ``bos_token``, ``pad_token``, ``add_bos_token``,
-        ``chat_template``) come from ``tokenizer_config.json`` next to it when present, and the
-        chat template from ``chat_template.jinja`` when the config has none. Without a configured
-        EOS token, ``<|im_end|>`` (else ``<|endoftext|>``) is used.
-        """
-        try:
-            with open(path, encoding="utf-8") as f:
-                spec = json.load(f)
-            backend = tokenizers.Tokenizer.from_str(json.dumps(spec))
-        except Exception as e:  # OSError, JSON errors, tokenizers errors
-            raise MTPEngineError(f"cannot read tokenizer: {e}", file=path) from e
-        model = spec.get("model") or {}
-        if model.get("type") != "BPE":
-            raise MTPEngineError(
-                f"unsupported tokenizer model type {model.get('type')!r}; expected 'BPE'",
-                file=path,
-                field="model.type",
-            )
-        vocab: dict[str, int] = dict(model.get("vocab") or {})
-        added = spec.get("added_tokens") or []
-        ids = list(vocab.values()) + [a["id"] for a in added]
-        if not ids:
-            raise MTPEngineError("the vocabulary is empty", file=path, field="model.vocab")
-        n = max(ids) + 1
-        token_bytes: list[bytes] = [b""] * n
-        token_texts: list[str | None] = [None] * n
-        for t, i in vocab.items():
-            token_bytes[i] = byte_level_decode(t)
-            token_texts[i] = t
-        special_ids: set[int] = set()
-        for a in added:
-            token_bytes[a["id"]] = a["content"].encode("utf-8")
-            token_texts[a["id"]] = a["content"]
-            if a.get("special"):
-                special_ids.add(a["id"])
-        text_to_id = {t: i for i, t in enumerate(token_texts) if t is not None}
-
-        directory = os.path.dirname(os.path.abspath(path))
-        config: dict = {}
-        config_path = os.path.join(directory, "tokenizer_config.json")
-        if os.path.exists(config_path):
-            try:
-                with open(config_path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (OSError, ValueError) as e:
-                raise MTPEngineError(f"cannot read tokenizer config: {e}", file=config_path) from e
-
-        def token_id(key: str) -> int | None:
-            value = config.get(key)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if value is None:
-                return None
-            if value not in text_to_id:
-                raise MTPEngineError(
-                    f"token {value!r} is not in the vocabulary", file=config_path, field=key
-                )
-            return text_to_id[value]
-
-        eos = token_id("eos_token")
-        if eos is None:
-            for text in ("<|im_end|>", "<|endoftext|>"):
-                if text in text_to_id:
-                    eos = text_to_id[text]
-                    break
-        if eos is None:
-            raise MTPEngineError("no EOS token configured", file=config_path, field="eos_token")
-        bos = token_id("bos_token")
-        pad = token_id("pad_token")
-        eos_ids = {eos}
-        for text in _END_TOKENS:
-            i = text_to_id.get(text)
-            if i is not None and i in special_ids:
-                eos_ids.add(i)
-
-        chat_template = config.get("chat_template")
-        template_field = "chat_template"
-        if isinstance(chat_template, list):  # named templates: take "default"
-            named = {d.get("name"): d.get("template") for d in chat_template}
-            chat_template = named.get("default")
-        if chat_template is None:
-            jinja_path = os.path.join(directory, "chat_template.jinja")
-            if os.path.exists(jinja_path):
-                with open(jinja_path, encoding="utf-8") as f:
-                    chat_template = f.read()
-
-        return cls(
-            backend=backend,
-            token_bytes=token_bytes,
-            token_texts=token_texts,
-            special_ids=special_ids,
-            eos_token_id=eos,
-            eos_token_ids=eos_ids,
-            bos_token_id=bos,
-            add_bos_token=bool(config.get("add_bos_token", False)) and bos is not None,
-            pad_token_id=pad,
-            chat_template=chat_template,
-            source=path,
-            template_field=template_field,
-        )
 
     # ---------------------------------------------------------------------------- encode/decode
 

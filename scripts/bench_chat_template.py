@@ -15,9 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from chat_templates import TEMPLATES  # noqa: E402
+from tests.chat_templates import TEMPLATES  # noqa: E402
 from mtp_engine.chat_template import compile_chat_template, render_chat_template  # noqa: E402
 
 CHAT = [{"role": "system", "content": "You are terse."}] + [
@@ -28,8 +27,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 
 def _plain_env():
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_chat_template_budget import _reference_env
+    from tests.test_chat_template_budget import _reference_env
 
     return _reference_env()[0]
 

@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sim_device import CPU, GPU, H200_9B, MOE, simulate  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.sim_device import CPU, GPU, H200_9B, MOE, simulate  # noqa: E402
 
 from mtp_engine.speculative.calibration import default_seed  # noqa: E402
 from mtp_engine.speculative.scheduler import DraftLengthScheduler  # noqa: E402

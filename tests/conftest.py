@@ -1,14 +1,19 @@
-"""Shared test helpers: where llama.cpp's reference fixtures live."""
+"""Shared test helpers: where llama.cpp's reference fixtures live, the models every file shares
+(loaded once per session), the scripts some tests drive.
+
+Helpers are imported as a package (`from tests.conftest import TINY`, `from tests import
+sim_device`); the repository root is on the path through pytest's `pythonpath` setting."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 VENDORED = ROOT / "tests" / "fixtures"
@@ -29,6 +34,25 @@ def fixtures_dir() -> Path:
 FIXTURES = fixtures_dir()
 TINY = FIXTURES / "llamacpp"
 TRAINED = FIXTURES / "trained"
+MOE = FIXTURES / "llamacpp-moe"
+HF_TINY = TINY / "hf" / "qwen35-mtp-tiny"
+SHIPPED = ROOT / "models" / "qwen35-mtp-code-Q4_K_M.gguf"  # the model in models/ (me.load()'s default)
+TINY_F32 = TINY / "qwen35-mtp-tiny-f32.gguf"
+TINY_Q4 = TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"
+# the Q8_0 file of the full fixture set, else the Q4_K_M one vendored in tests/fixtures
+TINY_Q8 = next((p for p in (TINY / "qwen35-mtp-tiny-Q8_0.gguf", TINY_Q4) if p.exists()), TINY / "qwen35-mtp-tiny-Q8_0.gguf")
+MOE_Q4 = MOE / "qwen35moe-mtp-tiny-Q4_K_M.gguf"
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/NAME.py as a module (the fuzzers some tests run), without putting scripts/ on the path."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look a module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def copy_metadata(src, writer, set_keys: dict | None = None, drop_keys=()) -> dict:
@@ -56,3 +80,54 @@ if "MTP_ENGINE_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["MTP_ENGINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="mtp-engine-test-cache-")
+
+
+class ModelCache:
+    """Models loaded once per test session (per xdist worker), one per (file, load arguments).
+    Tests share them: one that changes a model (options, chat template) puts it back."""
+
+    def __init__(self):
+        self._loaded: dict = {}
+
+    def __call__(self, path: Path, **load_kwargs):
+        from mtp_engine import load
+
+        key = (str(path), tuple(sorted((k, repr(v)) for k, v in load_kwargs.items())))
+        if key not in self._loaded:
+            self._loaded[key] = load(need(Path(path)), **load_kwargs)
+        return self._loaded[key]
+
+
+# the one cache of the session (per xdist worker): the `models` fixture, and helpers that load
+# a file's model inside parametrized tests
+MODELS = ModelCache()
+
+
+@pytest.fixture(scope="session")
+def models() -> ModelCache:
+    """`models(path, **load_kwargs)`: the session's loaded model of that file."""
+    return MODELS
+
+
+@pytest.fixture(scope="session")
+def tiny_f32(models):
+    """The tiny f32 fixture model (llama.cpp's references are computed on it)."""
+    return models(TINY_F32)
+
+
+@pytest.fixture(scope="session")
+def tiny_q8(models):
+    """The tiny Q8_0 model (the vendored Q4_K_M one in a bare clone)."""
+    return models(TINY_Q8)
+
+
+@pytest.fixture(scope="session")
+def tiny_q4(models):
+    """The tiny Q4_K_M model (vendored: present in a bare clone)."""
+    return models(TINY_Q4)
+
+
+@pytest.fixture(scope="session")
+def shipped_model(models):
+    """The trained code model shipped in models/."""
+    return models(SHIPPED)

@@ -5,13 +5,12 @@ property."""
 from __future__ import annotations
 
 import json
-import sys
 import tracemalloc
 
 import pytest
 
-from chat_templates import TEMPLATES
-from conftest import ROOT
+from tests.chat_templates import TEMPLATES
+from tests.conftest import load_script
 from mtp_engine.chat_template import RenderLimits, compile_chat_template, render_chat_template
 from mtp_engine.errors import MTPEngineError
 
@@ -154,8 +153,8 @@ def test_budget_grows_with_the_input():
 
 
 def test_fuzz_sample():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from fuzz_chat_template import make_template, run_case
+    fuzz = load_script("fuzz_chat_template")
+    make_template, run_case = fuzz.make_template, fuzz.run_case
 
     limits = RenderLimits(max_steps=50_000, timeout_s=2.0)
     outcomes = {}

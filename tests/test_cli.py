@@ -11,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, need
-from mtp_engine import generate, load
+from tests.conftest import TINY_Q8, need
+from mtp_engine import generate
 from mtp_engine.cli import main
 
-# the Q8_0 file of the full fixture set, else the Q4_K_M one vendored in tests/fixtures
-TINY_Q8 = next((p for p in (TINY / "qwen35-mtp-tiny-Q8_0.gguf", TINY / "qwen35-mtp-tiny-Q4_K_M.gguf") if p.exists()),
-               TINY / "qwen35-mtp-tiny-Q8_0.gguf")
 PROMPT = "To be"
 
 
@@ -27,8 +24,8 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def api_greedy(model_path):
-    return generate(PROMPT, load(model_path), max_tokens=8)
+def api_greedy(tiny_q8):
+    return generate(PROMPT, tiny_q8, max_tokens=8)
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -6,28 +6,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, TINY, need
-from mtp_engine import load
+from tests.conftest import MOE_Q4, TINY_F32
 from mtp_engine.decode import PlainDecoder
 from mtp_engine.model.cache import KVCache
 from mtp_engine.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
-MOE = FIXTURES / "llamacpp-moe"
-_models: dict = {}
-
-
-def _model(path):
-    if path not in _models:
-        _models[path] = load(need(path), exact=True).model
-    return _models[path]
-
-
 def _paths():
-    return [TINY / "qwen35-mtp-tiny-f32.gguf", MOE / "qwen35moe-mtp-tiny-Q4_K_M.gguf"]
+    return [TINY_F32, MOE_Q4]
 
 
 def _hidden_trace(model, compiled: bool, ids: list[int], n: int, kv_step: int = 256):
+    before = model.compile_steps  # a session-wide model: left as found
     model.compile_steps = compiled
     try:
         cache = model.make_cache()
@@ -44,15 +34,12 @@ def _hidden_trace(model, compiled: bool, ids: list[int], n: int, kv_step: int = 
             out.append(tok)
         return out, np.stack(hiddens)
     finally:
-        model.compile_steps = False
+        model.compile_steps = before
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
-def test_compiled_decode_equals_uncompiled_across_capacity_growth(which):
-    path = _paths()[which]
-    if not path.exists():
-        pytest.skip(f"fixture not found: {path}")
-    model = _model(path)
+def test_compiled_decode_equals_uncompiled_across_capacity_growth(which, models):
+    model = models(_paths()[which], exact=True).model
     ids = [3, 17, 101, 7, 42]
     # an 8-position growth step makes the compiled graph meet several capacities in 40 tokens
     ref, h_ref = _hidden_trace(model, False, ids, 40, kv_step=8)
@@ -62,14 +49,13 @@ def test_compiled_decode_equals_uncompiled_across_capacity_growth(which):
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
-def test_compiled_draft_mtp_equals_plain_greedy(which):
+def test_compiled_draft_mtp_equals_plain_greedy(which, models):
     """Verify with capture, rollback from (state0, k, u, g), catch-up fused into drafting: all
     compiled, the greedy output is still plain decoding's."""
-    path = _paths()[which]
-    if not path.exists():
-        pytest.skip(f"fixture not found: {path}")
-    model = _model(path)
+    model = models(_paths()[which], exact=True).model
     prompt = [5, 9, 250, 31, 77, 2, 64]
+    before = model.compile_steps
+    model.compile_steps = False
     plain = PlainDecoder(model, Sampler(SamplerConfig()))
     ref = plain.prefill(prompt)
     while len(ref) < 48:
@@ -85,23 +71,22 @@ def test_compiled_draft_mtp_equals_plain_greedy(which):
             assert got[:48] == ref[:48], n_max
             assert dec.accepted > 0 and dec.accepted < dec.drafted  # rollback was exercised
     finally:
-        model.compile_steps = False
+        model.compile_steps = before
 
 
-def test_verify_row_padding_gives_the_unpadded_product(monkeypatch):
+def test_verify_row_padding_gives_the_unpadded_product():
     """On a GPU, 2..7-row quantized products are padded to 8 rows (a faster kernel path there);
     the rows kept must be the unpadded product's."""
     from mtp_engine.model import layers
 
     w = mx.random.normal((96, 64), key=mx.random.key(1))
     q, s, b = mx.quantize(w, group_size=32, bits=4)
-    lin = layers.Linear(q, s, b, 4, 32)
+    plain = layers.Linear(q, s, b, 4, 32, row_pad=0)
+    padded = layers.Linear(q, s, b, 4, 32, row_pad=8)
     for rows in (1, 2, 5, 7, 8, 11):
         x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
-        monkeypatch.setattr(layers, "ROW_PAD", 0)
-        ref = np.array(lin(x))
-        monkeypatch.setattr(layers, "ROW_PAD", 8)
-        got = lin(x)
+        ref = np.array(plain(x))
+        got = padded(x)
         assert got.shape == (1, rows, 96)
         np.testing.assert_allclose(np.array(got), ref, atol=1e-5)
 
@@ -147,9 +132,9 @@ def test_kernel_self_test_falls_back_when_the_kernel_fails(monkeypatch):
     def broken(**kwargs):
         raise RuntimeError("nvrtc: compilation failed")
 
-    monkeypatch.setattr(kernels, "ACTIVE", True)
+    monkeypatch.setattr(kernels, "_cuda", lambda: True)
     monkeypatch.setattr(kernels, "_tested", None)
     monkeypatch.setattr(kernels, "_kernel", broken)
     with pytest.warns(UserWarning, match="custom quantized kernel unavailable"):
-        assert kernels.self_test() is False
-    assert kernels.ACTIVE is False
+        assert kernels.available() is False
+    assert kernels.available() is False  # remembered: no second warning, no second try

@@ -7,8 +7,7 @@ import inspect
 
 import pytest
 
-from conftest import TINY, need
-from mtp_engine import MTPEngineError, generate, load
+from mtp_engine import MTPEngineError, generate
 from mtp_engine.generate import run
 from mtp_engine.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.ablations import ablation_decoder
@@ -20,9 +19,9 @@ from mtp_engine.speculative.ngram import NGramDrafter
 IDS = [349, 220, 451, 72, 389, 349, 220, 451, 72, 389, 349, 220]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
+@pytest.fixture
+def tiny(tiny_f32):
+    return tiny_f32  # the session's tiny f32 model (tests/conftest.py)
 
 
 def _tokens(dec, tok, n, ids=IDS):

@@ -4,14 +4,11 @@ harness itself must see crashes, hangs and exceptions when they happen (else a c
 nothing)."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from conftest import ROOT, TINY, need
+from tests.conftest import TINY, load_script, need
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import fuzz_gguf  # noqa: E402
+fuzz_gguf = load_script("fuzz_gguf")
 
 N_CASES = 200
 

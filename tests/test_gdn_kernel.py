@@ -11,8 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, TINY, need
-from mtp_engine import load
+from tests.conftest import FIXTURES, TINY
 from mtp_engine.model import gdn, gdn_kernel, kernels
 
 TOL = 2e-4  # float32, sums of up to 128 products of O(1) values in another order
@@ -60,7 +59,8 @@ def _models():
 def _pass(model, ids, s, n_keep, fused: bool):
     """Prompt, then a captured pass of s tokens rolled back to n_keep, then one more token:
     returns every recurrent state and the last logits."""
-    gdn_kernel.ACTIVE = fused
+    before = model.options
+    model.use(before.updated(kernels="qmv,gdn,norm" if fused else "qmv,norm"))
     try:
         cache = model.make_cache()
         model.forward(mx.array([ids[:8]]), cache)
@@ -72,14 +72,14 @@ def _pass(model, ids, s, n_keep, fused: bool):
         convs = [np.array(c.conv) for c in cache.layers if hasattr(c, "conv")]
         return np.array(logits), states, convs
     finally:
-        gdn_kernel.ACTIVE = GPU and gdn_kernel._tested is not False
+        model.use(before)
 
 
 @needs_gpu
 @pytest.mark.parametrize("path", _models(), ids=lambda p: p.name)
 @pytest.mark.parametrize("s", [1, 2, 3, 4, 5, 8, 16])
-def test_model_rollback_every_position(path, s):
-    m = load(need(path)).model
+def test_model_rollback_every_position(path, s, models):
+    m = models(path).model
     ids = [(17 * i + 5) % 200 + 10 for i in range(8 + s + 1)]
     for n_keep in range(s + 1):
         lf, sf, cf = _pass(m, ids, s, n_keep, fused=True)

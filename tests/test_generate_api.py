@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-from conftest import ROOT, TINY, need
+from tests.conftest import SHIPPED, TINY, need
 from mtp_engine import GenerationResult, MTPEngineError, generate, load, stream_generate
 from mtp_engine import api
 
 TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
-CODE = ROOT / "models" / "qwen35-mtp-code-Q4_K_M.gguf"
+CODE = SHIPPED
 PROMPT = "To be"
 CODE_PROMPT = "def parse_args(argv):"
 # the code model ends the file (greedy <|endoftext|>) right after "())\n"
@@ -29,13 +29,13 @@ SPEC_KEYS = {"rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load(need(TINY_Q8))
+def tiny(models):
+    return models(TINY_Q8)
 
 
 @pytest.fixture(scope="module")
-def code():
-    return load(need(CODE))
+def code(shipped_model):
+    return shipped_model
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
 
-from conftest import ROOT, TINY, copy_metadata, need
+from tests.conftest import ROOT, TINY, copy_metadata, need
 from mtp_engine.api import load
 from mtp_engine.cli import main as cli_main
 from mtp_engine.errors import MTPEngineError

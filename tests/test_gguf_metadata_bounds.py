@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
 
-from conftest import TINY, copy_metadata, need
+from tests.conftest import TINY, copy_metadata, need
 from mtp_engine.api import load
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.reader import GGUFFile

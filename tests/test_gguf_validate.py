@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
-from conftest import TINY, need
+from tests.conftest import TINY, need
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.reader import GGUFFile
 from mtp_engine.gguf.validate import validate_header

@@ -16,7 +16,7 @@ import pytest
 from gguf import GGUFReader
 from gguf import quants as gq
 
-from conftest import TINY, need
+from tests.conftest import MODELS, TINY, need
 from mtp_engine import api
 from mtp_engine.cli import main as cli_main
 from mtp_engine.convert import convert
@@ -81,13 +81,8 @@ def test_loaded_tensors_match_llamacpp_conversion(spec):
     assert n_quantized == expected
 
 
-_loaded: dict = {}
-
-
 def _api_model(spec):
-    if spec not in _loaded:
-        _loaded[spec] = api.load(need(HF), quantize=spec)
-    return _loaded[spec]
+    return MODELS(HF, quantize=spec)  # loaded once per session (conftest)
 
 
 @pytest.mark.parametrize("spec", FORMATS, ids=lambda s: s or "bf16")
@@ -336,8 +331,8 @@ def test_moe_checkpoint_quantized_on_load(tmp_path, monkeypatch):
     """Qwen3.5-MoE: per-expert (save_pretrained) and fused (transformers in-memory) expert layouts
     quantize to the same stacked experts, on load and through the converter (mlx-lm's stacked
     `switch_mlp` layout, which mlx-lm loads); greedy draft-mtp equals plain decoding."""
-    from test_moe import MOE, _hf_checkpoint
-    from test_moe import _load as load_moe_gguf
+    from tests.test_moe import MOE, _hf_checkpoint
+    from tests.test_moe import _load as load_moe_gguf
 
     cfg = load_moe_gguf().model.cfg
     runs = []

@@ -6,7 +6,7 @@ import gc
 import mlx.core as mx
 import pytest
 
-from conftest import FIXTURES, ROOT, TINY, need
+from tests.conftest import FIXTURES, SHIPPED, TINY, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.cli import main as cli_main
 from mtp_engine.memory import ENV_LIMIT, available_memory, check_fits, estimate
@@ -111,7 +111,7 @@ def test_absurd_metadata_counts_do_not_inflate_the_estimate(tmp_path):
 
 
 def test_default_model_estimate():
-    path = ROOT / "models" / "qwen35-mtp-code-Q4_K_M.gguf"
+    path = SHIPPED
     if not path.exists():
         pytest.skip("default model not present")
     est = estimate(path)
@@ -120,7 +120,7 @@ def test_default_model_estimate():
 
 def test_max_context_caps_generation_and_the_memory_check(monkeypatch):
     import mtp_engine as me
-    from conftest import TRAINED
+    from tests.conftest import TRAINED
 
     path = need(TRAINED / "qwen35-mtp-code-Q4_K_M.gguf")
     m = me.load(path, max_context=300)

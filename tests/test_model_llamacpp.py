@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import TINY, need
-from mtp_engine import generate, load
+from tests.conftest import MODELS, TINY, need
+from mtp_engine import generate
 from mtp_engine.model.loader import load_hf
 
 QUANTS = ["f16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"]
@@ -32,14 +32,8 @@ def _ref(name: str) -> dict:
     return json.loads(need(TINY / fn).read_text())
 
 
-_models: dict = {}
-
-
 def _load(name: str, exact: bool = True):
-    key = (name, exact)
-    if key not in _models:
-        _models[key] = load(need(TINY / f"qwen35-mtp-tiny-{name}.gguf"), exact=exact)
-    return _models[key]
+    return MODELS(TINY / f"qwen35-mtp-tiny-{name}.gguf", exact=exact)  # loaded once per session (conftest)
 
 
 def _trunk(m, tokens):

@@ -23,7 +23,7 @@ from mtp_engine.model.config import Qwen35Config
 from mtp_engine.model.layers import Linear
 
 try:
-    from reference_numpy import RefModel
+    from tests.reference_numpy import RefModel
 except ImportError:  # imported as a package module
     from tests.reference_numpy import RefModel
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from conftest import FIXTURES, copy_metadata, need
+from tests.conftest import FIXTURES, MODELS, copy_metadata, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.model.layers import Linear
 from mtp_engine.model.loader import load_hf
@@ -25,7 +25,7 @@ from mtp_engine.model.moe import SORT_THRESHOLD, ExpertLinear, MoE, SwitchGLU, e
 from mtp_engine.model.qwen35 import MLP
 from mtp_engine.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
-from reference_numpy import RefModel, load_gguf_weights, moe_ffn
+from tests.reference_numpy import RefModel, load_gguf_weights, moe_ffn
 
 MOE = FIXTURES / "llamacpp-moe"
 Q4KM = MOE / "qwen35moe-mtp-tiny-Q4_K_M.gguf"
@@ -38,13 +38,8 @@ def _report(what: str, err: float) -> None:
     print(f"\n  {what}: max |diff| {err:.3g}", end="")
 
 
-_models: dict = {}
-
-
 def _load(exact: bool = True):
-    if exact not in _models:
-        _models[exact] = load(need(Q4KM), exact=exact)
-    return _models[exact]
+    return MODELS(Q4KM, exact=exact)  # loaded once per session (conftest)
 
 
 @pytest.fixture(scope="module")

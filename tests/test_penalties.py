@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import TINY, need
+from tests.conftest import TINY, need
 from mtp_engine import MTPEngineError, generate, load, stream_generate
 from mtp_engine.penalties import PenaltyConfig, PenaltyHistory
 

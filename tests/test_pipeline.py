@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from conftest import TINY, need
-from mtp_engine import generate, load
+from tests.conftest import TINY, need
+from mtp_engine import generate
 from mtp_engine.cli import format_stats, main
 from mtp_engine.decode import PlainDecoder
 from mtp_engine.generate import run
@@ -19,8 +19,8 @@ IDS = [349, 220, 451, 72, 389]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
+def tiny(tiny_f32):
+    return tiny_f32
 
 
 def _tokens(dec, tok, n):

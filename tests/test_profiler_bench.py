@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from conftest import TINY, need
-from mtp_engine import generate, load
+from tests.conftest import TINY, need
+from mtp_engine import generate
 from mtp_engine.bench import BenchConfig, run_bench
 from mtp_engine.cli import main
 from mtp_engine.costmodel import Costs, expected_tokens, measure, predict_speedup
@@ -16,8 +16,8 @@ IDS = [349, 220, 451, 72, 389]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
+def tiny(tiny_f32):
+    return tiny_f32
 
 
 @pytest.mark.parametrize("spec", [None, "draft-mtp"])

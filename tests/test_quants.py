@@ -6,8 +6,6 @@ The reference is ``gguf.quants.dequantize``. Every lossless type must match it b
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import gguf
 import mlx.core as mx
@@ -16,12 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-try:
-    import mtp_engine  # noqa: F401
-except ImportError:  # pytest run from outside the repo without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import fixtures_dir
+from tests.conftest import fixtures_dir
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf import quants
 from mtp_engine.gguf.quants import QuantizedWeight, repack, repack_float

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 try:
-    from reference_numpy import GDNState, KVCache, RefModel, load_gguf_weights
+    from tests.reference_numpy import GDNState, KVCache, RefModel, load_gguf_weights
 except ImportError:  # imported as a package module
     from tests.reference_numpy import GDNState, KVCache, RefModel, load_gguf_weights
 
-from conftest import FIXTURES  # noqa: E402
+from tests.conftest import FIXTURES  # noqa: E402
 LLAMACPP = FIXTURES / "llamacpp"
 F32_GGUF = LLAMACPP / "qwen35-mtp-tiny-f32.gguf"
 F32_NPZ = LLAMACPP / "qwen35-mtp-tiny-f32.logits.npz"

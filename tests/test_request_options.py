@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TINY, need
-from mtp_engine import MTPEngineError, SamplerConfig, SpecConfig, generate, load, stream_generate
+from mtp_engine import MTPEngineError, SamplerConfig, SpecConfig, generate, stream_generate
 from mtp_engine.penalties import PenaltyConfig
 from mtp_engine.request import sampler_config, spec_config
 from mtp_engine.speculative.config import DraftParams, parse_n_max
@@ -13,9 +12,9 @@ from mtp_engine.speculative.config import DraftParams, parse_n_max
 IDS = [349, 220, 451, 72, 389]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
+@pytest.fixture
+def tiny(tiny_f32):
+    return tiny_f32  # the session's tiny f32 model (tests/conftest.py)
 
 
 def test_auto_is_none_inside_the_engine():

@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from conftest import TINY, need
-from mtp_engine import generate, load
+from tests.conftest import TINY, need
+from mtp_engine import generate
 from mtp_engine.cli import main
 from mtp_engine.costmodel import Costs
 from mtp_engine.speculative import calibration
 from mtp_engine.speculative import scheduler as sch
 from mtp_engine.speculative.calibration import default_seed
 from mtp_engine.speculative.scheduler import DraftLengthScheduler
-from sim_device import CPU, GPU, H200_9B, MOE, simulate
+from tests.sim_device import CPU, GPU, H200_9B, MOE, simulate
 
 
 def _costs(v, c=0.1, f=0.05, k=8):
@@ -75,8 +75,8 @@ def test_update_counts_only_tested_positions():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
+def tiny(tiny_f32):
+    return tiny_f32
 
 
 def test_auto_is_lossless_and_reports_its_choices(tiny):

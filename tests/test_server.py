@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import TINY, need
+from tests.conftest import TINY, need
 from mtp_engine import generate, load
-from server_helpers import LiveServer, sse_events
+from tests.server_helpers import LiveServer, sse_events
 
 openai = pytest.importorskip("openai", reason="the server tests need the openai client (pip install -e '.[test]')")
 pytest.importorskip("starlette", reason="the server needs starlette and uvicorn (pip install -e .)")

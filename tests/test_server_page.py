@@ -13,9 +13,9 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, TINY, need
+from tests.conftest import ROOT, SHIPPED, TINY, need
 from mtp_engine import load, stream_generate
-from server_helpers import LiveServer
+from tests.server_helpers import LiveServer
 
 UPDATE = os.environ.get("MTP_UPDATE_SCREENSHOT") == "1"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -48,7 +48,7 @@ def browser():
 
 def test_page_streams_and_colours_tokens(browser, tmp_path):
     if UPDATE:
-        model_path, prompt, n, raw = ROOT / "models" / "qwen35-mtp-code-Q4_K_M.gguf", "def parse_args(argv):", 96, True
+        model_path, prompt, n, raw = SHIPPED, "def parse_args(argv):", 96, True
         penalty = 1.15
     else:
         model_path, prompt, n, raw = TINY / "qwen35-mtp-tiny-Q8_0.gguf", "Hello page", 24, False

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import TINY, TRAINED, need
+from tests.conftest import TINY, TRAINED, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.model.cache import KVCache
 from mtp_engine.sampling import Sampler, SamplerConfig

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY, TRAINED, need
+from tests.conftest import TINY, TRAINED, need
 from mtp_engine import api
 from mtp_engine.cli import main
 from mtp_engine.errors import MTPEngineError

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from conftest import ROOT, TINY, need
+from tests.conftest import ROOT, TINY, need
 from mtp_engine import api
 
 TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"

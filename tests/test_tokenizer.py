@@ -15,7 +15,7 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import fixtures_dir
+from tests.conftest import fixtures_dir
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -76,6 +76,15 @@ def tiny() -> Tokenizer:
 @pytest.fixture(scope="module")
 def code() -> Tokenizer:
     return Tokenizer.from_gguf(gguf.GGUFReader(CODE_GGUF), CODE_GGUF)
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Tokenizer:
+    """The tokenizer of the model shipped in `models/`."""
+    from mtp_engine.api import default_model_path
+
+    path = str(default_model_path())
+    return Tokenizer.from_gguf(gguf.GGUFReader(path), path)
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +259,33 @@ def test_streaming_equals_decode_arbitrary_ids(tiny, ids):
     # Arbitrary ids give arbitrary (often invalid) UTF-8; the stream must still agree.
     pieces, rest = _stream(tiny, ids)
     assert "".join(pieces) + rest == tiny.decode(ids)
+
+
+def _decode_stream(tok, ids):
+    from tokenizers.decoders import DecodeStream
+
+    ds = DecodeStream(skip_special_tokens=False)
+    return [ds.step(tok._backend, i) or "" for i in ids]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet=st.one_of(ASSIGNED, st.sampled_from("é你🎉👍🏽👨‍👩‍👧‍👦한€𝔘")), max_size=60))
+def test_streaming_matches_tokenizers_decode_stream(shipped, text):
+    """On valid UTF-8 `tokenizers`' DecodeStream gives the same pieces, token by token (the reason
+    we keep our own is the end of a stream: see the next test and detokenizer.py)."""
+    ids = shipped.encode(text)
+    pieces, rest = _stream(shipped, ids)
+    assert pieces == _decode_stream(shipped, ids) and rest == ""
+
+
+def test_decode_stream_drops_a_truncated_character(shipped, tiny):
+    """A generation may stop inside a character (max_tokens after an emoji's first byte token):
+    `decode` ends in U+FFFD, our stream's flush gives the same, DecodeStream has no flush and
+    loses the bytes. This is why the engine keeps its own streaming detokenizer."""
+    ids = tiny.encode("ok 🎉")[:-2]
+    pieces, rest = _stream(tiny, ids)
+    assert "".join(pieces) + rest == tiny.decode(ids) == "ok \ufffd"
+    assert "".join(_decode_stream(tiny, ids)) == "ok "
 
 
 # ------------------------------------------------------------------------------------ GGUF files

@@ -7,7 +7,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from conftest import TRAINED, need
+from tests.conftest import TRAINED, need
 from mtp_engine import generate, load
 from mtp_engine.gguf.writer import WRITABLE, requantize
 

@@ -12,6 +12,7 @@ from typing import Callable, Union
 
 import mlx.core as mx
 
+from ..options import EngineOptions
 from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .layers import Linear
@@ -90,7 +91,8 @@ def _layer(fetch: Fetch, i: int, cfg: Qwen35Config, recurrent: bool, use: Expert
 
 
 def build_model(cfg: Qwen35Config, fetch: Fetch, has_tensor: Callable[[str], bool],
-                load_mtp: bool = True, progress: Callable[[int, int], None] | None = None) -> Qwen35Model:
+                load_mtp: bool = True, progress: Callable[[int, int], None] | None = None,
+                options: EngineOptions | None = None) -> Qwen35Model:
     h = cfg.hidden_size
     embed = fetch("token_embd.weight", (cfg.vocab_size, h), True)
     use = ExpertUse() if cfg.is_moe else None  # the MoE blocks report their routing to it
@@ -117,4 +119,4 @@ def build_model(cfg: Qwen35Config, fetch: Fetch, has_tensor: Callable[[str], boo
         )
         if progress:
             progress(total, total)
-    return Qwen35Model(cfg, embed, layers, output_norm, lm_head, mtp, use)
+    return Qwen35Model(cfg, embed, layers, output_norm, lm_head, mtp, options, expert_use=use)

@@ -189,22 +189,20 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
     return tuple(outs)
 
 
-def _enabled() -> bool:
-    from . import kernels  # the custom-kernel switch ($MTP_ENGINE_QMV=mlx turns both off)
-    return kernels.enabled()
-
-
-ACTIVE = _enabled()
 _tested: bool | None = None
 
 
-def self_test() -> bool:
-    """Runs the kernel once against the pure-MLX mixer (`gdn.mix`) on random inputs, 1 and 5
-    tokens, outside any compiled graph; on a compile error or a mismatch turns it off for this
-    process, so the engine falls back to the MLX path instead of failing."""
-    global ACTIVE, _tested
-    if not ACTIVE or _tested is not None:
-        return bool(ACTIVE and _tested)
+def available() -> bool:
+    """Whether the kernel can be used in this process: on a CUDA GPU, after it matched the pure-MLX
+    mixer (`gdn.mix`) on random inputs, 1 and 5 tokens, outside any compiled graph. A compile error
+    or a mismatch warns and answers False from then on, so the engine falls back to the MLX path
+    instead of failing. Whether a model uses it is that model's choice (`EngineOptions.kernels`)."""
+    global _tested
+    if _tested is not None:
+        return _tested
+    from . import kernels
+    if not kernels.cuda():
+        return False
     from . import gdn
     try:
         ok = all(max_error(gdn.Dims(2, 64, 4, 64, 4, 1e-6), s, seed=s) < 1e-3 for s in (1, 5))
@@ -213,8 +211,6 @@ def self_test() -> bool:
         warnings.warn(f"mtp-engine: fused gated-delta-net kernel unavailable ({e}); using MLX's")
         ok = False
     _tested = ok
-    if not ok:
-        ACTIVE = False
     return ok
 
 

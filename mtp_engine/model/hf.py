@@ -19,6 +19,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..errors import MTPEngineError
+from ..options import EngineOptions
 from .build import build_model
 from .config import Qwen35Config
 from .hf_checkpoint import HFCheckpoint
@@ -266,7 +267,8 @@ def _stack(parts: list):
 
 def load_checkpoint(directory: str | os.PathLike, quantize: QuantSpec | str | int | None = None,
                     load_mtp: bool = True,
-                    progress: Callable[[int, int], None] | None = None) -> tuple[Qwen35Model, HFCheckpoint, HFLoadInfo]:
+                    progress: Callable[[int, int], None] | None = None,
+                    options: EngineOptions | None = None) -> tuple[Qwen35Model, HFCheckpoint, HFLoadInfo]:
     """Loads an HF `Qwen3_5ForCausalLM`-family checkpoint folder (or one written by `mtp-engine
     convert` / mlx-lm), quantizing float matrices on the fly when `quantize` is given (see
     `QuantSpec.parse`). A checkpoint without `mtp.*` tensors loads without its MTP head."""
@@ -299,7 +301,7 @@ def load_checkpoint(directory: str | os.PathLike, quantize: QuantSpec | str | in
 
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    model = build_model(ckpt.cfg, fetch, src.has, load_mtp=want_mtp, progress=progress)
+    model = build_model(ckpt.cfg, fetch, src.has, load_mtp=want_mtp, progress=progress, options=options)
     info.peak_memory_bytes = int(mx.get_peak_memory() - before)
     sizes = model.nbytes()
     info.weight_bytes = sizes["trunk"] + sizes["mtp"]
@@ -328,7 +330,8 @@ def estimate_checkpoint(ckpt: HFCheckpoint, spec: QuantSpec | None, load_mtp: bo
     return {"weights": weights, "load_transient": largest, "total": weights + largest}
 
 
-def check_checkpoint_fits(directory: str | os.PathLike, quantize=None, load_mtp: bool = True) -> dict[str, int]:
+def check_checkpoint_fits(directory: str | os.PathLike, quantize=None, load_mtp: bool = True,
+                          options: EngineOptions | None = None) -> dict[str, int]:
     """`estimate_checkpoint`; raises MTPEngineError with both numbers when it exceeds the memory
     available (`memory.available_memory`). Context-dependent memory (KV cache, states) is not
     counted here: a checkpoint load is refused only when its weights cannot fit."""
@@ -336,7 +339,7 @@ def check_checkpoint_fits(directory: str | os.PathLike, quantize=None, load_mtp:
 
     ckpt = HFCheckpoint(directory)
     est = estimate_checkpoint(ckpt, QuantSpec.parse(quantize), load_mtp)
-    limit, source = available_memory()
+    limit, source = available_memory(options)
     if source != "unknown" and est["total"] > limit:
         gib = 1 << 30
         raise MTPEngineError(f"not enough memory: the weights need an estimated {est['total'] / gib:.2f} GiB "

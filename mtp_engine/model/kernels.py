@@ -14,14 +14,12 @@ for the warp's R rows.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import mlx.core as mx
 
-ENV = "MTP_ENGINE_QMV"  # "custom" (default on GPU) or "mlx"
 MAX_ROWS = 8
-ROWS_PER_WARP = 8  # output features per warp; a benchmark knob (bench_gpu.py --rows-per-warp)
+ROWS_PER_WARP = 8  # output features per warp (bench_gpu.py measures 2, 4 and 8 through `rows_per_warp=`)
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)
 ROW_VARIANTS = (1, 2, 4, 8)
@@ -115,13 +113,9 @@ def _cuda() -> bool:
         return False
 
 
-def enabled() -> bool:
-    """On when MLX runs on a CUDA GPU, unless $MTP_ENGINE_QMV=mlx."""
-    return _cuda() and os.environ.get(ENV, "custom") != "mlx"
-
-
-# read at call time, so benchmarks can switch paths in one process
-ACTIVE = enabled()
+def cuda() -> bool:
+    """Whether MLX runs on a CUDA GPU (the only place the custom kernels run)."""
+    return _cuda()
 
 
 def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, rows: int) -> bool:
@@ -134,8 +128,8 @@ def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, row
 
 
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
-                   bits: int, group_size: int) -> mx.array:
-    """x [M, K] (M <= 8) times W^T: [M, N] float32."""
+                   bits: int, group_size: int, rows_per_warp: int = ROWS_PER_WARP) -> mx.array:
+    """x [M, K] (M <= 8) times W^T: [M, N] float32. `rows_per_warp`: output features per warp."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtp_qmv_rows", input_names=["x", "wq", "scales", "biases"],
@@ -146,7 +140,7 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
         x = mx.pad(x, [(0, rows - m), (0, 0)])
     n = weight.shape[0]
     # 8 rows per warp with 8 input rows would spill registers
-    r = ROWS_PER_WARP if n % ROWS_PER_WARP == 0 and ROWS_PER_WARP * rows <= 32 else 4
+    r = rows_per_warp if n % rows_per_warp == 0 and rows_per_warp * rows <= 32 else 4
     out = _kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
                   template=[("M", rows), ("R", r), ("BITS", bits), ("GROUP", group_size)],
                   grid=(n // r * 32, 1, 1), threadgroup=(128, 1, 1),
@@ -154,12 +148,16 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     return out[:m] if rows != m else out
 
 
-def self_test() -> bool:
-    """Runs the kernel once against MLX's product (outside any compiled graph); on a compile error
-    or a mismatch turns it off for this process, so the engine falls back instead of failing."""
-    global ACTIVE, _tested
-    if not ACTIVE or _tested is not None:
-        return bool(ACTIVE and _tested)
+def available() -> bool:
+    """Whether the kernel can be used in this process: on a CUDA GPU, after it matched MLX's
+    product once (outside any compiled graph). A compile error or a mismatch warns and answers
+    False from then on, so the engine falls back instead of failing. Whether a model uses it is
+    that model's choice (`EngineOptions.kernels`)."""
+    global _tested
+    if _tested is not None:
+        return _tested
+    if not _cuda():
+        return False
     try:
         w = mx.random.normal((64, 256), key=mx.random.key(3))
         q, s, b = mx.quantize(w, group_size=32, bits=4)
@@ -170,6 +168,4 @@ def self_test() -> bool:
         warnings.warn(f"mtp-engine: custom quantized kernel unavailable ({e}); using MLX's")
         ok = False
     _tested = ok
-    if not ok:
-        ACTIVE = False
     return ok

@@ -4,28 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import os
-
 import mlx.core as mx
 
 from . import kernels
-
-ENV_PAD = "MTP_ENGINE_PAD_ROWS"
-
-
-def _default_row_pad() -> int:
-    """Quantized products of 2..7 rows take a per-row kernel path on MLX's GPU backends whose cost
-    grows with the rows (4-bit g32 on the H200: 1 row 0.094 ms, 4 rows 0.197, 8 rows 0.130), so a
-    verify of 2..7 rows is padded to 8. On the CPU backend every row costs the same, so no padding.
-    $MTP_ENGINE_PAD_ROWS=N overrides (0 or 1: never pad)."""
-    env = os.environ.get(ENV_PAD)
-    if env is not None and env.isdigit():
-        return int(env)
-    return 8 if mx.default_device() == mx.gpu else 0
-
-
-# rows below this (and above 1) are padded up to it in quantized products; set by the device
-ROW_PAD = _default_row_pad()
 
 
 @dataclass
@@ -37,6 +18,11 @@ class Linear:
     biases: mx.array | None = None
     bits: int = 0
     group_size: int = 0
+    # how products run, set from the model's EngineOptions when it is built (`Qwen35Model.use`):
+    # the custom few-row CUDA kernel where it applies; else 2..row_pad-1 rows padded to row_pad
+    # (MLX's GPU path for 2..7 rows costs more than its 8-row one; on the CPU every row costs the same)
+    custom_kernel: bool = False
+    row_pad: int = 0
 
     @property
     def quantized(self) -> bool:
@@ -57,12 +43,12 @@ class Linear:
             return self(x[None])[0]
         if self.quantized:
             rows = x.size // x.shape[-1]
-            if kernels.ACTIVE and kernels.supports(self.weight, self.scales, self.bits, self.group_size, rows):
+            if self.custom_kernel and kernels.supports(self.weight, self.scales, self.bits, self.group_size, rows):
                 y = kernels.quantized_rows(x.reshape(rows, x.shape[-1]), self.weight, self.scales, self.biases,
                                            self.bits, self.group_size)
                 return y.reshape(*x.shape[:-1], y.shape[-1])
-            if 1 < rows < ROW_PAD:
-                flat = mx.pad(x.reshape(rows, x.shape[-1]), [(0, ROW_PAD - rows), (0, 0)])
+            if 1 < rows < self.row_pad:
+                flat = mx.pad(x.reshape(rows, x.shape[-1]), [(0, self.row_pad - rows), (0, 0)])
                 y = mx.quantized_matmul(flat, self.weight, self.scales, self.biases, transpose=True,
                                         group_size=self.group_size, bits=self.bits)
                 return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
@@ -103,8 +89,9 @@ def concat_outputs(parts: list[Linear]) -> Linear | None:
         return None
     cat = lambda name: mx.concatenate([getattr(p, name) for p in parts], axis=0)  # noqa: E731
     if first.quantized:
-        return Linear(cat("weight"), cat("scales"), cat("biases"), first.bits, first.group_size)
-    return Linear(cat("weight"))
+        return Linear(cat("weight"), cat("scales"), cat("biases"), first.bits, first.group_size,
+                      first.custom_kernel, first.row_pad)
+    return Linear(cat("weight"), custom_kernel=first.custom_kernel, row_pad=first.row_pad)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:

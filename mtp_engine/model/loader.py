@@ -19,6 +19,7 @@ from ..errors import MTPEngineError
 from ..gguf.quants import QuantizedWeight, repack, repack_float
 from ..gguf.reader import GGUFFile
 from .build import build_model
+from ..options import EngineOptions
 from .config import Qwen35Config
 from .layers import Linear
 from .qwen35 import Qwen35Model
@@ -62,7 +63,8 @@ def _stored_shape(gf: GGUFFile, name: str, shape: tuple) -> tuple:
 
 
 def load_gguf(path: str | os.PathLike, exact: bool = False, load_mtp: bool = True,
-              progress: Callable[[int, int], None] | None = None) -> tuple[Qwen35Model, GGUFFile, LoadInfo]:
+              progress: Callable[[int, int], None] | None = None,
+              options: EngineOptions | None = None) -> tuple[Qwen35Model, GGUFFile, LoadInfo]:
     """Loads a `qwen35` or `qwen35moe` GGUF file. `exact=True` keeps Q6_K tensors as float32 (bit-exact to
     llama.cpp's dequantization) instead of 8-bit group-32 requantization."""
     gf = GGUFFile(path)
@@ -94,7 +96,7 @@ def load_gguf(path: str | os.PathLike, exact: bool = False, load_mtp: bool = Tru
         mx.eval(out.weight if isinstance(out, Linear) else out)
         return out
 
-    model = build_model(cfg, fetch, gf.has_tensor, load_mtp=load_mtp, progress=progress)
+    model = build_model(cfg, fetch, gf.has_tensor, load_mtp=load_mtp, progress=progress, options=options)
     sizes = model.nbytes()
     info.weight_bytes = sizes["trunk"] + sizes["mtp"]
     return model, gf, info

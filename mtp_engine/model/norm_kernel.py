@@ -40,14 +40,15 @@ _SOURCE = """
 """
 
 _kernel = None
-ACTIVE = False  # set by the model from the custom-kernel switch and this kernel's self-test
 _tested: bool | None = None
 
 
-def add_rms_norm(x: mx.array, d: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """(x + d, rms_norm(x + d) * w) over the last axis."""
+def add_rms_norm(x: mx.array, d: mx.array, w: mx.array, eps: float,
+                 fused: bool = False) -> tuple[mx.array, mx.array]:
+    """(x + d, rms_norm(x + d) * w) over the last axis; with `fused` (the model's choice, after
+    `available()`), one kernel where it applies."""
     rows = x.size // x.shape[-1]
-    if ACTIVE and 1 <= rows <= MAX_ROWS and x.dtype == mx.float32 and d.dtype == mx.float32:
+    if fused and 1 <= rows <= MAX_ROWS and x.dtype == mx.float32 and d.dtype == mx.float32:
         return _fused(x, d, w, eps)
     h = x + d
     return h, mx.fast.rms_norm(h, w, eps)
@@ -65,24 +66,25 @@ def _fused(x: mx.array, d: mx.array, w: mx.array, eps: float) -> tuple[mx.array,
                          output_shapes=[x.shape, x.shape], output_dtypes=[mx.float32, mx.float32]))
 
 
-def self_test(enabled: bool) -> bool:
-    """Turns the kernel on when `enabled` (a CUDA device with custom kernels allowed) and it
-    matches the two MLX operations on random rows; off otherwise, for this process."""
-    global ACTIVE, _tested
+def available() -> bool:
+    """Whether the kernel can be used in this process: on a CUDA GPU, after it matched the two MLX
+    operations on random rows; a compile error or a mismatch warns and answers False from then on."""
+    global _tested
     if _tested is not None:
-        return ACTIVE
+        return _tested
+    from . import kernels
+    if not kernels.cuda():
+        return False
     ok = False
-    if enabled:
-        try:
-            x = mx.random.normal((3, 4096), key=mx.random.key(1))
-            d = mx.random.normal((3, 4096), key=mx.random.key(2))
-            w = mx.random.normal((4096,), key=mx.random.key(3))
-            h, hn = _fused(x, d, w, 1e-6)
-            ok = bool(mx.allclose(h, x + d, atol=1e-5).item()
-                      and mx.allclose(hn, mx.fast.rms_norm(x + d, w, 1e-6), atol=1e-4).item())
-        except Exception as e:  # NVRTC missing or a toolchain that rejects the source
-            import warnings
-            warnings.warn(f"mtp-engine: fused add+RMSNorm kernel unavailable ({e}); using MLX's")
+    try:
+        x = mx.random.normal((3, 4096), key=mx.random.key(1))
+        d = mx.random.normal((3, 4096), key=mx.random.key(2))
+        w = mx.random.normal((4096,), key=mx.random.key(3))
+        h, hn = _fused(x, d, w, 1e-6)
+        ok = bool(mx.allclose(h, x + d, atol=1e-5).item()
+                  and mx.allclose(hn, mx.fast.rms_norm(x + d, w, 1e-6), atol=1e-4).item())
+    except Exception as e:  # NVRTC missing or a toolchain that rejects the source
+        import warnings
+        warnings.warn(f"mtp-engine: fused add+RMSNorm kernel unavailable ({e}); using MLX's")
     _tested = ok
-    ACTIVE = ok
     return ok

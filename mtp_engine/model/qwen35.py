@@ -7,19 +7,20 @@ a block is any `FFN`: the dense `MLP` here, or the mixture of experts of `moe.py
 from __future__ import annotations
 
 from dataclasses import dataclass, is_dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from .expert_use import ExpertUse
-from . import gdn, gdn_kernel
+from . import attn_kernel, gdn, gdn_kernel
 from .norm_kernel import add_rms_norm
 from . import norm_kernel
 from .layers import Linear, concat_outputs, rms_norm
 from . import kernels
 from . import step as compiled
+from ..options import EngineOptions
 
 # x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
 FFN = Callable[[mx.array], mx.array]
@@ -58,6 +59,7 @@ class GatedAttention:
     k_norm: mx.array
     cfg: Qwen35Config
     qkv: Linear | None = None  # q, k and v as one product, when `fuse` could join them
+    fused_kernel: bool = False  # the fused CUDA attention (attn_kernel), from the model's options
 
     def fuse(self) -> "GatedAttention":
         """Joins the q, k and v products into one when they are stored alike (at load)."""
@@ -77,6 +79,9 @@ class GatedAttention:
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         c = self.cfg
         b, s, _ = x.shape
+        if (self.fused_kernel and self.qkv is not None
+                and attn_kernel.supports(c.n_head, c.n_head_kv, c.head_dim, c.n_rot, b, s, cache.dtype)):
+            return self._fused(x, cache)
         d = c.head_dim
         q_x, k_x, v_x = self._inputs(x)
         qg = q_x.reshape(b, s, c.n_head, 2 * d)
@@ -94,6 +99,20 @@ class GatedAttention:
         out = out.transpose(0, 2, 1, 3).reshape(b, s, c.n_head * d)
         return self.o(_sigmoid_gate(out, gate))
 
+    def _fused(self, x: mx.array, cache: KVCache) -> mx.array:
+        """The same layer as two CUDA kernels around the cache append (`attn_kernel`)."""
+        c = self.cfg
+        s = int(x.shape[1])
+        y = self.qkv(x).reshape(s, -1)
+        start = cache.offset  # a Python int, or an array inside a compiled step
+        pos = (start.reshape(1) if isinstance(start, mx.array) else mx.array([start])).astype(mx.int32)
+        dims = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.eps, c.rope_base)
+        k, v = attn_kernel.new_kv(y, self.k_norm, pos, *dims)
+        cache.update(k, v)
+        # the whole buffers: the kernel reads positions < pos + S itself (a slice would be copied)
+        out = attn_kernel.attend(y, self.q_norm, cache.keys, cache.values, pos, *dims)
+        return self.o(out.reshape(1, s, -1))
+
 
 @dataclass
 class GatedDeltaNet:
@@ -110,6 +129,7 @@ class GatedDeltaNet:
     out: Linear
     cfg: Qwen35Config
     in_proj: Linear | None = None  # qkv, z, alpha, beta as one product, when `fuse` could join them
+    fused_kernel: bool = False  # the fused CUDA layer (gdn_kernel), from the model's options
 
     def fuse(self) -> "GatedDeltaNet":
         """Joins the four input products into one when they are stored alike (at load)."""
@@ -134,7 +154,7 @@ class GatedDeltaNet:
         d = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel, c.eps)
         qkv_x, z_x, alpha_x, beta_x = self._inputs(x)
         conv0, state0 = cache.conv, cache.state
-        if gdn_kernel.ACTIVE and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
+        if self.fused_kernel and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
             r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
                                                   self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps))
         else:
@@ -168,14 +188,15 @@ class DecoderLayer:
 
 
 def run_layers(layers: list[DecoderLayer], x: mx.array, caches: list, final_norm: mx.array,
-               eps: float) -> tuple[mx.array, mx.array]:
+               eps: float, fused_norm: bool = False) -> tuple[mx.array, mx.array]:
     """The layers over x, returning (rms_norm(out, final_norm), out). Each residual add is joined
-    with the norm that reads its sum (the next sub-block's, or the final one): one kernel on a GPU."""
+    with the norm that reads its sum (the next sub-block's, or the final one): one kernel on a GPU
+    with `fused_norm`."""
     xn = rms_norm(x, layers[0].attn_norm, eps)
     for i, (layer, c) in enumerate(zip(layers, caches)):
-        h, hn = add_rms_norm(x, layer.mixer(xn, c), layer.post_norm, eps)
+        h, hn = add_rms_norm(x, layer.mixer(xn, c), layer.post_norm, eps, fused_norm)
         nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else final_norm
-        x, xn = add_rms_norm(h, layer.mlp(hn), nxt, eps)
+        x, xn = add_rms_norm(h, layer.mlp(hn), nxt, eps, fused_norm)
     return xn, x
 
 
@@ -192,6 +213,7 @@ class MTPHead:
     shared_head_norm: mx.array
     cfg: Qwen35Config
     compile_steps: bool = True  # run forwards of <= step.MAX_TOKENS rows as one compiled graph
+    fused_norm: bool = False  # the fused add + RMSNorm kernel, from the model's options
     expert_use: ExpertUse | None = None  # the model's MoE routing observer (None: a dense head)
 
     def make_cache(self) -> KVCache:
@@ -211,7 +233,7 @@ class MTPHead:
         eps = self.cfg.eps
         x = self.eh_proj(mx.concatenate([rms_norm(embeds, self.enorm, eps), rms_norm(h_prev, self.hnorm, eps)],
                                         axis=-1))
-        return [run_layers([self.layer], x, caches, self.shared_head_norm, eps)[0]]
+        return [run_layers([self.layer], x, caches, self.shared_head_norm, eps, self.fused_norm)[0]]
 
 
 def _compilable_ffn(mlp) -> bool:
@@ -223,7 +245,8 @@ class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
-                 lm_head: Linear, mtp: MTPHead | None, expert_use: ExpertUse | None = None):
+                 lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None,
+                 expert_use: ExpertUse | None = None):
         self.cfg = cfg
         self.expert_use = expert_use  # the MoE blocks' routing observer; None for a dense model
         self.embed = embed
@@ -231,10 +254,50 @@ class Qwen35Model:
         self.output_norm = output_norm
         self.lm_head = lm_head
         self.mtp = mtp
-        self.compile_steps = compiled.default_enabled()
-        kernels.self_test()  # once per process; a failing custom kernel falls back to MLX's
-        gdn_kernel.self_test()
-        norm_kernel.self_test(kernels.ACTIVE)
+        self.fused_norm = False
+        self.use(options if options is not None else EngineOptions())
+
+    def use(self, options: EngineOptions) -> None:
+        """Runs this model under `options` (None fields resolved from the environment and the
+        device; `self.options` keeps the resolved copy): compiled steps, which custom kernels (each
+        only where it passed its self-test in this process) and row padding. Graphs traced under
+        earlier options are dropped."""
+        opts = options.resolve()
+        allowed = opts.kernel_set
+        qmv = "qmv" in allowed and kernels.available()
+        fused_gdn = "gdn" in allowed and gdn_kernel.available()
+        fused_attn = "attn" in allowed and attn_kernel.available()
+        self.fused_norm = "norm" in allowed and norm_kernel.available()
+        for obj in self._parts():
+            if isinstance(obj, Linear):
+                obj.custom_kernel, obj.row_pad = qmv, opts.row_pad
+            elif isinstance(obj, GatedDeltaNet):
+                obj.fused_kernel = fused_gdn
+            elif isinstance(obj, GatedAttention):
+                obj.fused_kernel = fused_attn
+        if self.mtp is not None:
+            self.mtp.fused_norm = self.fused_norm
+        for owner in (self, self.mtp):
+            if owner is not None:
+                owner.__dict__.pop("_compiled_steps", None)  # traced under other kernel choices
+        self.options = opts
+        self.compile_steps = opts.compile_steps
+
+    def _parts(self) -> Iterator[object]:
+        """Every weight container of the trunk and the MTP head (Linear, mixers, FFNs), once each."""
+        seen: set[int] = set()
+        stack: list[object] = [self.embed, self.lm_head, *self.layers] + ([self.mtp] if self.mtp is not None else [])
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            yield obj
+            if isinstance(obj, (list, tuple)):
+                stack.extend(obj)
+            elif is_dataclass(obj) and not isinstance(obj, Qwen35Config):
+                stack.extend(v for k, v in vars(obj).items()
+                             if not k.startswith("_") and (isinstance(v, (list, tuple)) or is_dataclass(v)))
 
     @property
     def compile_steps(self) -> bool:
@@ -245,6 +308,7 @@ class Qwen35Model:
     @compile_steps.setter
     def compile_steps(self, on: bool) -> None:
         self._compile_steps = bool(on)
+        self.options = self.options.updated(compile_steps=bool(on))
         if self.mtp is not None:
             self.mtp.compile_steps = bool(on)
 
@@ -289,7 +353,8 @@ class Qwen35Model:
         return (post, x) if return_prenorm else post
 
     def _body(self, ids: mx.array, caches: list) -> list[mx.array]:
-        post, x = run_layers(self.layers, self.embed_tokens(ids), caches, self.output_norm, self.cfg.eps)
+        post, x = run_layers(self.layers, self.embed_tokens(ids), caches, self.output_norm, self.cfg.eps,
+                             self.fused_norm)
         return [post, x]
 
     def logits(self, hidden: mx.array) -> mx.array:

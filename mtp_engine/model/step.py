@@ -15,7 +15,6 @@ uncompiled, where dispatch cost is amortised over many rows.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -23,18 +22,6 @@ import mlx.core as mx
 from .cache import KVCache, RecurrentCache
 
 MAX_TOKENS = 16
-ENV = "MTP_ENGINE_COMPILE"
-
-
-def default_enabled() -> bool:
-    """On by default on a GPU, where it removes most of a step's time; off on MLX's CPU backend,
-    where a step is almost all matrix products, the fused kernels gain nothing and attention over
-    the whole capacity costs a few percent (measured: docs/benchmarks.md). $MTP_ENGINE_COMPILE=1 or
-    0 overrides."""
-    env = os.environ.get(ENV)
-    if env in ("0", "1"):
-        return env == "1"
-    return mx.default_device() == mx.gpu
 
 
 class _KVView:
@@ -42,6 +29,10 @@ class _KVView:
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
         self.keys, self.values, self.offset = keys, values, offset
+
+    @property
+    def dtype(self):
+        return self.keys.dtype
 
     def update(self, k: mx.array, v: mx.array):
         start = mx.reshape(self.offset, (1,))

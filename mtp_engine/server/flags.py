@@ -7,7 +7,7 @@ from __future__ import annotations
 def add_serve_parser(sub, n_max_type) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions, SSE) with a live page")
     s.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port; the URL printed says which)")
     s.add_argument("--queue-size", type=int, default=64,
                    help="requests allowed to wait while one generates; more are answered 503")
@@ -16,21 +16,25 @@ def add_serve_parser(sub, n_max_type) -> None:
                    help="context length cap (default: the model's, up to 32768)")
     s.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=256,
                    help="max_tokens when a request gives none (capped by the context left)")
-    s.add_argument("--temp", type=float, default=0.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("-s", "--seed", type=int, default=None)
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--repeat-penalty", type=float, default=1.0)
-    s.add_argument("--repeat-last-n", type=int, default=64)
+    s.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (1 = off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top "
+                                                            "probability (0 = off)")
+    s.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a seen token's logit")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a seen token")
+    s.add_argument("--repeat-penalty", type=float, default=1.0, help="divides a seen token's logit (1 = off)")
+    s.add_argument("--repeat-last-n", type=int, default=64, help="window of the penalties (0 off, -1 whole context)")
     s.add_argument("--spec-type", default="draft-mtp", help="none or draft-mtp (default; none for a model without "
                                                             "an MTP head)")
-    s.add_argument("--spec-draft-n-max", type=n_max_type, default="auto")
-    s.add_argument("--spec-draft-n-min", type=int, default=0)
-    s.add_argument("--spec-draft-p-min", type=float, default=0.0)
+    s.add_argument("--spec-draft-n-max", type=n_max_type, default="auto",
+                   help="drafts per round, or auto: chosen each round from measured costs")
+    s.add_argument("--spec-draft-n-min", type=int, default=0, help="fewest drafts per round")
+    s.add_argument("--spec-draft-p-min", type=float, default=0.0,
+                   help="stop drafting when the draft's probability falls below this")
     s.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
     s.add_argument("--idle-release", type=float, default=0.0,
                    help="seconds without requests after which MLX's cached buffers are freed (0: never)")
-    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="server log verbosity (stderr)")

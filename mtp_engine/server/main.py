@@ -42,8 +42,12 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="mtp-engine: %(message)s", stream=sys.stderr)
     defaults = defaults_from_args(args)
     warm = defaults.spec == "draft-mtp" and defaults.n_max == "auto"
+    from ..cli import _model_label
+    from ..load_progress import load_progress
+
     worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
-                              warm_auto=warm, idle_release_s=args.idle_release)
+                              warm_auto=warm, idle_release_s=args.idle_release,
+                              load_progress=load_progress(_model_label(args.model)))
     worker.start()
     model = wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main
     if defaults.spec == "draft-mtp" and model.model.mtp is None:

@@ -72,7 +72,8 @@ class GenerationWorker:
     """Loads the model in its own thread, then runs queued jobs one by one."""
 
     def __init__(self, model_path: str | None, queue_size: int, exact: bool = False,
-                 max_context: int | None = None, warm_auto: bool = False, idle_release_s: float = 0.0):
+                 max_context: int | None = None, warm_auto: bool = False, idle_release_s: float = 0.0,
+                 load_progress=None):
         """`idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
         long. Off by default: MLX keeps freed buffers for reuse, as generate() in a loop does, and
         clearing them makes the next request pay fresh allocations (page faults on the CPU, device
@@ -81,6 +82,7 @@ class GenerationWorker:
         self.queue_size = queue_size
         self._path, self._exact, self._max_context, self._warm_auto = model_path, exact, max_context, warm_auto
         self._idle_release = idle_release_s if idle_release_s and idle_release_s > 0 else None
+        self._load_progress = load_progress  # progress(done, total) while the model loads
         self.model: api.Model | None = None
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
@@ -121,7 +123,8 @@ class GenerationWorker:
     # ---- the worker thread ----------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.model = api.load(self._path, exact=self._exact, max_context=self._max_context)
+            self.model = api.load(self._path, exact=self._exact, max_context=self._max_context,
+                                  progress=self._load_progress)
             tok = self.model.tokenizer
             if tok.chat_template is None:
                 tok.chat_template = CHATML

@@ -1,0 +1,41 @@
+"""A progress line on stderr while a model loads (`load(..., progress=...)`), for the command line.
+
+A small model loads in well under a second and prints nothing; a large one (a 9B GGUF reads and
+repacks gigabytes) shows its blocks as they load, so a silent terminal is not mistaken for a hang.
+stdout is never written (it carries `--json` and the generated text).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, TextIO
+
+QUIET_SECONDS = 1.0  # loads that finish sooner print nothing
+
+
+def load_progress(label: str, quiet: bool = False, stream: TextIO | None = None,
+                  after: float = QUIET_SECONDS) -> Callable[[int, int], None]:
+    """A `progress(done, total)` callback that writes "loading LABEL: done/total blocks (p%)" to
+    `stream` (default stderr) once the load has taken `after` seconds: rewritten in place on a
+    terminal, one line per tenth otherwise (logs). `quiet` turns it off."""
+    t0 = time.perf_counter()
+    state = {"shown": False, "last_tenth": -1}
+
+    def progress(done: int, total: int) -> None:
+        if quiet or total <= 0:
+            return
+        out = stream if stream is not None else sys.stderr
+        elapsed = time.perf_counter() - t0
+        if not state["shown"] and elapsed < after:
+            return
+        state["shown"] = True
+        pct = 100 * done // total
+        line = f"loading {label}: {done}/{total} blocks ({pct}%), {elapsed:.1f} s"
+        if getattr(out, "isatty", lambda: False)():
+            out.write("\r" + line + ("\n" if done >= total else ""))
+        elif pct // 10 != state["last_tenth"] or done >= total:
+            state["last_tenth"] = pct // 10
+            out.write(line + "\n")
+        out.flush()
+
+    return progress

@@ -1,0 +1,270 @@
+"""Gated full attention of 1..16 new tokens (decode, draft, verify) as two CUDA kernels, via
+`mx.fast.cuda_kernel`; `qwen35.GatedAttention` keeps the pure-MLX path as the portable path (CPU,
+Metal, prefill) and as the reference these kernels are tested against.
+
+Why: as MLX operations an attention layer of a decode step is ~25 kernels (slices, two per-head
+RMSNorms, two ropes with their position arithmetic, transposes, the causal mask, two products for
+the scores and the values, softmax, the sigmoid gate), each a launch and a graph node for a few KB of
+data; on the H200 a step's time is mostly the host's cost per node, not the GPU's. Here:
+
+1. `new_kv`: one block per (kv head, token) takes the joined q/k/v product's row, RMS-normalises the
+   key, ropes it (NEOX halves over the first `n_rot` dimensions) and writes the new keys and values
+   in the cache's [1, kv heads, S, D] layout; the cache appends them (MLX `slice_update`, in place);
+2. `attend`: one block per (query head, token) normalises and ropes the query, attends causally over
+   the cache up to its own position (8 warps over the keys, each with an online softmax, merged in
+   shared memory) and multiplies by the sigmoid of the head's gate, writing the row the output
+   product reads.
+
+Rollback is unchanged: the cache still moves its offset.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+MAX_TOKENS = 16
+WARPS = 8
+
+_KV_SOURCE = """
+    const int S = y_shape[0];
+    const int E = y_shape[1];
+    const int b = blockIdx.x;
+    const int s = b / HKV, hk = b % HKV;
+    const int d = threadIdx.x;
+    const float eps = params[0], log2_base = params[1];
+    const float* row = y + (size_t)s * E;
+    const float kx = row[2 * HQ * D + hk * D + d];
+    const float vx = row[2 * HQ * D + HKV * D + hk * D + d];
+    __shared__ float part[32];
+    __shared__ float kb[D];
+    float ss = kx * kx;
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((d & 31) == 0) part[d >> 5] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < D / 32; ++w) tot += part[w];
+    const float kn = kx * rsqrtf(tot / (float)D + eps) * kw[d];
+    kb[d] = kn;
+    __syncthreads();
+    float out = kn;
+    if (d < NROT) {
+        constexpr int HALF = NROT / 2;
+        const int i = d < HALF ? d : d - HALF;
+        const float ang = (float)(pos[0] + s) * exp2f(-(float)(2 * i) / (float)NROT * log2_base);
+        const float c = cosf(ang), sn = sinf(ang);
+        out = d < HALF ? kn * c - kb[d + HALF] * sn : kb[d - HALF] * sn + kn * c;
+    }
+    const size_t o = ((size_t)hk * S + s) * D + d;
+    k_new[o] = out;
+    v_new[o] = vx;
+"""
+
+_ATTEND_SOURCE = """
+    constexpr int NW = WARPS;
+    constexpr int DL = D / 32;                  // dimensions per lane
+    const int E = y_shape[1];
+    const int CAP = keys_shape[2];
+    const int b = blockIdx.x;
+    const int s = b / HQ, h = b % HQ;
+    const int hk = h / (HQ / HKV);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float eps = params[0], log2_base = params[1], scale = params[2];
+    const float* row = y + (size_t)s * E + (size_t)h * 2 * D;   // the head's query, then its gate
+    __shared__ float qs[D];
+    __shared__ float part[NW];
+    __shared__ float sm[NW], sl[NW];
+    __shared__ float sacc[NW][D];
+    // RMSNorm of the query over D
+    const float qx = tid < D ? row[tid] : 0.0f;
+    float ss = qx * qx;
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) part[warp] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) tot += part[w];
+    const float qn = qx * rsqrtf(tot / (float)D + eps) * (tid < D ? qw[tid] : 0.0f);
+    if (tid < D) qs[tid] = qn;
+    __syncthreads();
+    float qr = qn;
+    if (tid < NROT) {
+        constexpr int HALF = NROT / 2;
+        const int i = tid < HALF ? tid : tid - HALF;
+        const float ang = (float)(pos[0] + s) * exp2f(-(float)(2 * i) / (float)NROT * log2_base);
+        const float c = cosf(ang), sn = sinf(ang);
+        qr = tid < HALF ? qn * c - qs[tid + HALF] * sn : qs[tid - HALF] * sn + qn * c;
+    }
+    __syncthreads();
+    if (tid < D) qs[tid] = qr * scale;
+    __syncthreads();
+    float q[DL], acc[DL];
+    #pragma unroll
+    for (int i = 0; i < DL; ++i) { q[i] = qs[lane * DL + i]; acc[i] = 0.0f; }
+    // causal: the query at position pos + s sees keys 0 .. pos + s
+    const int T = pos[0] + s + 1;
+    const float* kb = keys + (size_t)hk * CAP * D + lane * DL;
+    const float* vb = values + (size_t)hk * CAP * D + lane * DL;
+    float m = -INFINITY, l = 0.0f;
+    for (int t = warp; t < T; t += NW) {
+        const float* kr = kb + (size_t)t * D;
+        const float* vr = vb + (size_t)t * D;
+        float kv[DL], vv[DL];
+        #pragma unroll
+        for (int i = 0; i + 3 < DL; i += 4) {   // 16-byte loads where a lane's slice allows
+            const float4 a = *reinterpret_cast<const float4*>(kr + i);
+            const float4 c = *reinterpret_cast<const float4*>(vr + i);
+            kv[i] = a.x; kv[i + 1] = a.y; kv[i + 2] = a.z; kv[i + 3] = a.w;
+            vv[i] = c.x; vv[i + 1] = c.y; vv[i + 2] = c.z; vv[i + 3] = c.w;
+        }
+        #pragma unroll
+        for (int i = DL - DL % 4; i < DL; ++i) { kv[i] = kr[i]; vv[i] = vr[i]; }
+        float dot = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < DL; ++i) dot = fmaf(q[i], kv[i], dot);
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        const float mn = fmaxf(m, dot);
+        const float corr = expf(m - mn);
+        const float p = expf(dot - mn);
+        l = l * corr + p;
+        #pragma unroll
+        for (int i = 0; i < DL; ++i) acc[i] = fmaf(p, vv[i], acc[i] * corr);
+        m = mn;
+    }
+    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+    #pragma unroll
+    for (int i = 0; i < DL; ++i) sacc[warp][lane * DL + i] = acc[i];
+    __syncthreads();
+    if (tid < D) {
+        float M = -INFINITY;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w]);
+        float L = 0.0f, O = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const float f = sm[w] == -INFINITY ? 0.0f : expf(sm[w] - M);
+            L += f * sl[w];
+            O += f * sacc[w][tid];
+        }
+        const float g = row[D + tid];
+        o[(size_t)s * HQ * D + (size_t)h * D + tid] = O / L / (1.0f + expf(-g));
+    }
+"""
+
+_kv_kernel = None
+_attend_kernel = None
+_tested: bool | None = None
+
+
+def supports(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, batch: int, tokens: int,
+             dtype=mx.float32) -> bool:
+    """Head sizes a multiple of 32 up to 256 (a block of 256 threads holds one head), whole GQA
+    groups, an even rope width, one sequence of 1..16 tokens, a float32 cache."""
+    return (batch == 1 and 1 <= tokens <= MAX_TOKENS and head_dim % 32 == 0 and 32 <= head_dim <= 256
+            and n_head % n_head_kv == 0 and n_rot % 2 == 0 and 0 < n_rot <= head_dim and dtype == mx.float32)
+
+
+def _params(eps: float, rope_base: float, scale: float) -> mx.array:
+    import math
+    return mx.array([eps, math.log2(rope_base), scale], dtype=mx.float32)
+
+
+def new_kv(y: mx.array, k_norm: mx.array, pos: mx.array, n_head: int, n_head_kv: int, head_dim: int,
+           n_rot: int, eps: float, rope_base: float) -> tuple[mx.array, mx.array]:
+    """y [S, E] the joined q(+gate)/k/v product rows, pos [1] int32 the first new position:
+    (keys, values) [1, n_head_kv, S, head_dim], keys normalised and roped."""
+    global _kv_kernel
+    if _kv_kernel is None:
+        _kv_kernel = mx.fast.cuda_kernel(name="mtp_attn_kv", input_names=["y", "kw", "pos", "params"],
+                                         output_names=["k_new", "v_new"], source=_KV_SOURCE)
+    s = int(y.shape[0])
+    shape = (1, n_head_kv, s, head_dim)
+    return tuple(_kv_kernel(inputs=[y, k_norm.astype(mx.float32), pos, _params(eps, rope_base, 1.0)],
+                            template=[("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv), ("NROT", n_rot)],
+                            grid=(n_head_kv * s * head_dim, 1, 1), threadgroup=(head_dim, 1, 1),
+                            output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32]))
+
+
+def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos: mx.array, n_head: int,
+           n_head_kv: int, head_dim: int, n_rot: int, eps: float, rope_base: float) -> mx.array:
+    """Queries from y [S, E] against the cache buffers [1, n_head_kv, capacity, head_dim] (already
+    holding the new keys at pos .. pos + S - 1), gated: [S, n_head * head_dim]."""
+    global _attend_kernel
+    if _attend_kernel is None:
+        _attend_kernel = mx.fast.cuda_kernel(
+            name="mtp_attn_decode", input_names=["y", "qw", "keys", "values", "pos", "params"],
+            output_names=["o"], source=_ATTEND_SOURCE)
+    s = int(y.shape[0])
+    return _attend_kernel(inputs=[y, q_norm.astype(mx.float32), keys, values, pos,
+                                  _params(eps, rope_base, head_dim ** -0.5)],
+                          template=[("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv), ("NROT", n_rot),
+                                    ("WARPS", WARPS)],
+                          grid=(n_head * s * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1),
+                          output_shapes=[(s, n_head * head_dim)], output_dtypes=[mx.float32])[0]
+
+
+def reference(y: mx.array, q_norm: mx.array, k_norm: mx.array, keys: mx.array, values: mx.array, pos: int,
+              n_head: int, n_head_kv: int, head_dim: int, n_rot: int, eps: float, rope_base: float):
+    """The same computation in MLX operations (what `GatedAttention` does), for the tests:
+    (gated output [S, n_head * head_dim], new keys, new values). `keys`/`values` hold the cache
+    before the new tokens (their first `pos` positions are used)."""
+    s, d = int(y.shape[0]), head_dim
+    e1 = 2 * n_head * d
+    qg = y[:, :e1].reshape(1, s, n_head, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(s, n_head * d)
+    k = y[:, e1:e1 + n_head_kv * d].reshape(1, s, n_head_kv, d)
+    v = y[:, e1 + n_head_kv * d:].reshape(1, s, n_head_kv, d).transpose(0, 2, 1, 3)
+    q = mx.fast.rms_norm(q, q_norm, eps).transpose(0, 2, 1, 3)
+    k = mx.fast.rms_norm(k, k_norm, eps).transpose(0, 2, 1, 3)
+    q = mx.fast.rope(q, n_rot, traditional=False, base=rope_base, scale=1.0, offset=pos)
+    k = mx.fast.rope(k, n_rot, traditional=False, base=rope_base, scale=1.0, offset=pos)
+    all_k = mx.concatenate([keys[:, :, :pos], k], axis=2)
+    all_v = mx.concatenate([values[:, :, :pos], v], axis=2)
+    out = mx.fast.scaled_dot_product_attention(q, all_k, all_v, scale=d ** -0.5,
+                                               mask="causal" if s > 1 else None)
+    out = out.transpose(0, 2, 1, 3).reshape(s, n_head * d)
+    return out * mx.sigmoid(gate), k, v
+
+
+def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, pos: int, seed: int = 0) -> float:
+    """Largest absolute difference between the kernels and `reference` on random inputs (output,
+    new keys, new values), with `pos` positions already in a cache of capacity pos + s + 7."""
+    ks = mx.random.split(mx.random.key(seed), 5)
+    e = (2 * n_head + 2 * n_head_kv) * head_dim
+    y = mx.random.normal((s, e), key=ks[0])
+    qn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[1])
+    kn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[2])
+    cap = pos + s + 7
+    keys = mx.random.normal((1, n_head_kv, cap, head_dim), key=ks[3])
+    values = mx.random.normal((1, n_head_kv, cap, head_dim), key=ks[4])
+    eps, base = 1e-6, 10000.0
+    ref_o, ref_k, ref_v = reference(y, qn, kn, keys, values, pos, n_head, n_head_kv, head_dim, n_rot, eps, base)
+    p = mx.array([pos], dtype=mx.int32)
+    k_new, v_new = new_kv(y, kn, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
+    keys = mx.slice_update(keys, k_new, p, axes=(2,))
+    values = mx.slice_update(values, v_new, p, axes=(2,))
+    got = attend(y, qn, keys, values, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
+    return max(float(mx.abs(a - b).max().item()) for a, b in ((ref_o, got), (ref_k, k_new), (ref_v, v_new)))
+
+
+def available() -> bool:
+    """Whether the kernels can be used in this process: on a CUDA GPU, after they matched the MLX
+    operations on random inputs (1 and 5 tokens, GQA, partial rope); a compile error or a mismatch
+    warns and answers False from then on, so the engine falls back to the MLX path."""
+    global _tested
+    if _tested is not None:
+        return _tested
+    from . import kernels
+    if not kernels.cuda():
+        return False
+    ok = False
+    try:
+        # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
+        ok = all(max_error(4, 2, 64, 16, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3)))
+    except Exception as e:  # NVRTC missing or a toolchain that rejects the source
+        import warnings
+        warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")
+    _tested = ok
+    return ok

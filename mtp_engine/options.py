@@ -1,0 +1,166 @@
+"""Engine options: how a loaded model runs (compiled steps, which kernels, row padding) and where
+the engine keeps what it learns (cache folder), within what memory.
+
+One `EngineOptions` is given to `load(..., options=...)` and kept on the loaded model
+(`model.options`); two models in one process may run with different options. A field left at None
+takes its default from the environment (read here and nowhere else), then from the device:
+
+| field | variable | default |
+|---|---|---|
+| `compile_steps` | `MTP_ENGINE_COMPILE` (`0`/`1`) | on a GPU, off on the CPU |
+| `kernels` | `MTP_ENGINE_QMV` (`custom`/`mlx`/a list) | `custom` (used only on a CUDA GPU) |
+| `row_pad` | `MTP_ENGINE_PAD_ROWS` (an integer) | 8 on a GPU, 0 on the CPU |
+| `cache_dir` | `MTP_ENGINE_CACHE_DIR` | `~/.cache/mtp-engine` |
+| `memory_limit` | `MTP_ENGINE_MEMORY_LIMIT` (bytes) | what the machine has |
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Mapping
+
+from .errors import MTPEngineError
+
+ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
+ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
+       "cache_dir": "MTP_ENGINE_CACHE_DIR", "memory_limit": "MTP_ENGINE_MEMORY_LIMIT"}
+
+# the custom CUDA kernels, by name: few-row quantized products, the fused gated-delta-net layer,
+# the fused residual add + RMSNorm
+KERNELS = ("qmv", "gdn", "norm", "attn")
+
+
+def parse_kernels(value: str, what: str = "kernels") -> frozenset[str]:
+    """"custom" (all of `KERNELS`), "mlx" (none: MLX's operations throughout) or a comma-separated
+    subset of `KERNELS` (benchmarks compare them one at a time)."""
+    v = value.strip().lower()
+    if v == "custom":
+        return frozenset(KERNELS)
+    if v in ("mlx", "none", ""):
+        return frozenset()
+    names = {p.strip() for p in v.split(",") if p.strip()}
+    bad = sorted(names - set(KERNELS))
+    if bad:
+        raise MTPEngineError(f"expected custom, mlx or a comma-separated subset of {','.join(KERNELS)}, "
+                             f"found {value!r}", field=what)
+    return frozenset(names)
+
+
+def model_path_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """$MTP_ENGINE_MODEL, the model `load()` opens when given no path (None when unset)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_MODEL) or None
+
+
+def _on_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a loaded model runs. None fields are filled by `resolve` (environment, then device).
+
+    - `compile_steps`: forwards of at most 16 rows (decode, draft, verify, catch-up) as one compiled
+      graph each (`model/step.py`); measured faster on a GPU, a few percent slower on MLX's CPU.
+    - `kernels`: "custom", "mlx" or a subset such as "qmv,norm" (see `parse_kernels`); custom
+      kernels run only on a CUDA GPU and only after they pass their self-test in this process.
+    - `row_pad`: quantized products of 2..row_pad-1 rows (those the custom kernel does not take)
+      are padded to row_pad rows (MLX's GPU path for 2..7 rows costs more than for 8); 0: never.
+    - `cache_dir`: where round costs measured by earlier runs are kept (and, on CUDA, MLX's
+      compiled kernels unless `MLX_PTX_CACHE_DIR` is set).
+    - `memory_limit`: bytes a load may use; None: what the machine reports.
+    """
+
+    compile_steps: bool | None = None
+    kernels: str | None = None
+    row_pad: int | None = None
+    cache_dir: str | os.PathLike | None = None
+    memory_limit: int | None = None
+    # where each resolved value came from ("MTP_ENGINE_MEMORY_LIMIT", "argument", "device"): errors name it
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.kernels is not None:
+            parse_kernels(self.kernels)
+        if self.row_pad is not None and (not isinstance(self.row_pad, int) or isinstance(self.row_pad, bool)
+                                         or self.row_pad < 0):
+            raise MTPEngineError(f"expected an integer >= 0, found {self.row_pad!r}", field="row_pad")
+        if self.memory_limit is not None and (not isinstance(self.memory_limit, int)
+                                              or isinstance(self.memory_limit, bool) or self.memory_limit < 0):
+            raise MTPEngineError(f"expected a number of bytes >= 0, found {self.memory_limit!r}",
+                                 field="memory_limit")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "EngineOptions":
+        """The options the environment sets (others None). The only place the engine reads its
+        environment variables."""
+        env = os.environ if environ is None else environ
+        values: dict = {}
+        raw = env.get(ENV["compile_steps"])
+        if raw in ("0", "1"):
+            values["compile_steps"] = raw == "1"
+        raw = env.get(ENV["kernels"])
+        if raw:
+            parse_kernels(raw, ENV["kernels"])
+            values["kernels"] = raw
+        raw = env.get(ENV["row_pad"])
+        if raw is not None and raw.isdigit():
+            values["row_pad"] = int(raw)
+        raw = env.get(ENV["cache_dir"])
+        if raw:
+            values["cache_dir"] = raw
+        raw = env.get(ENV["memory_limit"])
+        if raw is not None:
+            try:
+                limit = int(raw)
+            except ValueError:
+                raise MTPEngineError(f"expected a number of bytes, found {raw!r}", field=ENV["memory_limit"]) from None
+            if limit < 0:
+                raise MTPEngineError(f"expected a number of bytes >= 0, found {limit}", field=ENV["memory_limit"])
+            values["memory_limit"] = limit
+        return cls(**values, sources={k: ENV[k] for k in values})
+
+    def resolve(self, environ: Mapping[str, str] | None = None) -> "EngineOptions":
+        """Every None field filled: from the environment, then from the device. Fields set here win."""
+        env = EngineOptions.from_env(environ)
+        sources = dict(self.sources)
+        values = {}
+        for f in fields(self):
+            if f.name == "sources":
+                continue
+            mine = getattr(self, f.name)
+            if mine is not None:
+                values[f.name] = mine
+                sources.setdefault(f.name, "argument")
+            elif getattr(env, f.name) is not None:
+                values[f.name] = getattr(env, f.name)
+                sources[f.name] = env.sources[f.name]
+        gpu = None
+        if "compile_steps" not in values:
+            gpu = _on_gpu()
+            values["compile_steps"], sources["compile_steps"] = gpu, "device"
+        if "row_pad" not in values:
+            gpu = _on_gpu() if gpu is None else gpu
+            values["row_pad"], sources["row_pad"] = (8 if gpu else 0), "device"
+        values.setdefault("kernels", "custom")
+        if "cache_dir" not in values:
+            values["cache_dir"] = os.path.join(os.path.expanduser("~"), ".cache", "mtp-engine")
+        return EngineOptions(**values, sources=sources)
+
+    @property
+    def kernel_set(self) -> frozenset[str]:
+        """The custom kernels these options allow (none when `kernels` is unset or "mlx")."""
+        return parse_kernels(self.kernels) if self.kernels is not None else frozenset()
+
+    @property
+    def cache_path(self) -> Path:
+        """`cache_dir` as a Path (the default folder when unset)."""
+        return Path(self.cache_dir if self.cache_dir is not None else self.resolve().cache_dir)
+
+    def updated(self, **changes) -> "EngineOptions":
+        """A copy with `changes` (which count as given by argument)."""
+        sources = {k: v for k, v in self.sources.items() if k not in changes}
+        return replace(self, **changes, sources=sources)

@@ -1,0 +1,181 @@
+"""The fused attention kernels (`model/attn_kernel.py`) against the MLX operations they replace:
+on random layers (every token count 1..16, GQA, partial rope, positions with and without a filled
+cache) and through whole models (greedy decode and a draft-mtp run with rollbacks, kernel on and
+off). CUDA only: elsewhere the kernels are never selected and these tests skip."""
+from __future__ import annotations
+
+import pytest
+
+import mlx.core as mx
+
+from mtp_engine.model import attn_kernel, kernels
+
+GPU = kernels._cuda()
+gpu_only = pytest.mark.skipif(not GPU, reason="the fused attention kernels run on a CUDA GPU only")
+
+
+def test_supports_rejects_shapes_the_kernels_cannot_hold():
+    assert attn_kernel.supports(16, 4, 256, 64, 1, 1)
+    assert attn_kernel.supports(4, 2, 64, 16, 1, 16)
+    assert not attn_kernel.supports(16, 4, 256, 64, 2, 1)      # a batch
+    assert not attn_kernel.supports(16, 4, 256, 64, 1, 17)     # more tokens than a verify
+    assert not attn_kernel.supports(16, 4, 512, 64, 1, 1)      # a head wider than a block
+    assert not attn_kernel.supports(16, 4, 80, 64, 1, 1)       # not whole warps
+    assert not attn_kernel.supports(16, 3, 256, 64, 1, 1)      # not whole GQA groups
+    assert not attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.float16)
+
+
+def _inputs(nh, nkv, d, s, pos, seed=0):
+    ks = mx.random.split(mx.random.key(seed), 5)
+    y = mx.random.normal((s, (2 * nh + 2 * nkv) * d), key=ks[0])
+    qn = 1.0 + 0.1 * mx.random.normal((d,), key=ks[1])
+    kn = 1.0 + 0.1 * mx.random.normal((d,), key=ks[2])
+    keys = mx.random.normal((1, nkv, pos + s + 7, d), key=ks[3])
+    values = mx.random.normal((1, nkv, pos + s + 7, d), key=ks[4])
+    return y, qn, kn, keys, values
+
+
+def _numpy_attention(y, qn, kn, keys, values, pos, nh, nkv, d, nrot, eps=1e-6, base=10000.0):
+    """The layer in float64 NumPy, written from the model's definition (per-head RMSNorm, NEOX rope
+    on the first nrot dims, GQA, causal softmax, sigmoid gate): (out [S, nh*d], new keys, new values)."""
+    import numpy as np
+    Y, QN, KN = (np.array(a, dtype=np.float64) for a in (y, qn, kn))
+    K0, V0 = np.array(keys, dtype=np.float64)[0], np.array(values, dtype=np.float64)[0]
+    s = Y.shape[0]
+    rms = lambda a, w: a / np.sqrt((a * a).mean(-1, keepdims=True) + eps) * w  # noqa: E731
+
+    def rope(a, p):
+        half = nrot // 2
+        inv = base ** (-np.arange(half) * 2.0 / nrot)
+        c, sn = np.cos(p * inv), np.sin(p * inv)
+        r = a.copy()
+        r[:half] = a[:half] * c - a[half:nrot] * sn
+        r[half:nrot] = a[:half] * sn + a[half:nrot] * c
+        return r
+
+    e1 = 2 * nh * d
+    K = np.concatenate([K0[:, :pos], np.zeros((nkv, s, d))], axis=1)
+    V = np.concatenate([V0[:, :pos], np.zeros((nkv, s, d))], axis=1)
+    for t in range(s):
+        for j in range(nkv):
+            K[j, pos + t] = rope(rms(Y[t, e1 + j * d:e1 + (j + 1) * d], KN), pos + t)
+            V[j, pos + t] = Y[t, e1 + nkv * d + j * d:e1 + nkv * d + (j + 1) * d]
+    out = np.zeros((s, nh * d))
+    for t in range(s):
+        for h in range(nh):
+            q = rope(rms(Y[t, h * 2 * d:h * 2 * d + d], QN), pos + t) * d ** -0.5
+            g = Y[t, h * 2 * d + d:(h + 1) * 2 * d]
+            j = h // (nh // nkv)
+            sc = K[j, :pos + t + 1] @ q
+            p = np.exp(sc - sc.max())
+            out[t, h * d:(h + 1) * d] = (p / p.sum()) @ V[j, :pos + t + 1] / (1 + np.exp(-g))
+    return out, K[:, pos:], V[:, pos:]
+
+
+def test_reference_is_the_layer_computation_on_any_device():
+    """The MLX-operations reference (what GatedAttention computes) against the float64 NumPy one,
+    so that neither a wrong reference nor a wrong kernel can pass unnoticed."""
+    import numpy as np
+    nh, nkv, d, nrot, s, pos = 4, 2, 32, 8, 3, 5
+    y, qn, kn, keys, values = _inputs(nh, nkv, d, s, pos)
+    out, k_new, v_new = attn_kernel.reference(y, qn, kn, keys, values, pos, nh, nkv, d, nrot, 1e-6, 10000.0)
+    want = _numpy_attention(y, qn, kn, keys, values, pos, nh, nkv, d, nrot)
+    # 1e-3: on a GPU MLX's attention products run at reduced (TF32-class) precision
+    np.testing.assert_allclose(np.array(out), want[0], atol=1e-3)
+    np.testing.assert_allclose(np.array(k_new)[0], want[1], atol=1e-3)
+    np.testing.assert_allclose(np.array(v_new)[0], want[2], atol=1e-6)
+
+
+@gpu_only
+@pytest.mark.parametrize("shape", [(16, 4, 256, 64), (4, 2, 64, 16), (8, 8, 128, 128), (2, 1, 32, 32)])
+@pytest.mark.parametrize("pos", [0, 1, 37, 300])
+def test_kernels_equal_float64_attention_for_every_token_count(shape, pos):
+    import numpy as np
+    nh, nkv, d, nrot = shape
+    for s in range(1, attn_kernel.MAX_TOKENS + 1):
+        y, qn, kn, keys, values = _inputs(nh, nkv, d, s, pos, seed=s + pos)
+        p = mx.array([pos], dtype=mx.int32)
+        k_new, v_new = attn_kernel.new_kv(y, kn, p, nh, nkv, d, nrot, 1e-6, 10000.0)
+        keys = mx.slice_update(keys, k_new, p, axes=(2,))
+        values = mx.slice_update(values, v_new, p, axes=(2,))
+        out = attn_kernel.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0)
+        want = _numpy_attention(y, qn, kn, keys, values, pos, nh, nkv, d, nrot)
+        for name, got, ref in (("out", out, want[0]), ("keys", k_new[0], want[1]), ("values", v_new[0], want[2])):
+            err = float(np.abs(np.array(got) - ref).max())
+            assert err < 2e-4, (shape, pos, s, name, err)
+
+
+@gpu_only
+@pytest.mark.parametrize("pos", [0, 37])
+def test_kernels_near_the_mlx_layer(pos):
+    # the self-test's comparison: MLX's own operations (reduced-precision products on a GPU)
+    for s in (1, 2, 5, 16):
+        assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s) < 2e-3
+
+
+@gpu_only
+def test_kernels_are_available_on_a_cuda_gpu():
+    attn_kernel._tested = None
+    assert attn_kernel.available() is True
+
+
+def test_kernels_are_not_offered_off_cuda():
+    if not GPU:
+        assert attn_kernel.available() is False
+
+
+def _models():
+    from tests.conftest import FIXTURES, TINY
+    return [TINY / "qwen35-mtp-tiny-Q4_K_M.gguf", FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf"]
+
+
+def _logits_after(model, ids, chunks, fused: bool, compiled: bool):
+    """Forwards `ids` in chunks of the given sizes (a prompt, then decode/verify-sized pieces, each
+    longer than two rolled back by two positions, as a verify would) and returns every chunk's
+    last logits."""
+    import numpy as np
+    before = model.options
+    model.use(before.updated(kernels="custom" if fused else "qmv,gdn,norm", compile_steps=compiled))
+    try:
+        assert all(layer.mixer.fused_kernel == fused for layer in model.layers
+                   if hasattr(layer.mixer, "q_norm"))
+        cache, out, i = model.make_cache(), [], 0
+        for n in chunks:
+            h = model.forward(mx.array([ids[i:i + n]]), cache, capture=True)
+            out.append(np.array(model.logits(h[0, -1])))
+            i += n
+            if n > 2:
+                cache.rollback(n - 2)
+                i -= 2
+        return out
+    finally:
+        model.use(before)
+
+
+@gpu_only
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
+def test_model_with_kernels_equals_model_without(which, compiled):
+    import numpy as np
+    from tests.conftest import need
+    from mtp_engine import load
+    m = load(need(_models()[which])).model
+    ids = [(13 * i + 7) % 200 + 10 for i in range(80)]
+    chunks = [20, 1, 1, 4, 1, 16, 3, 1, 8, 2, 1]
+    got = _logits_after(m, ids, chunks, fused=True, compiled=compiled)
+    want = _logits_after(m, ids, chunks, fused=False, compiled=compiled)
+    for j, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0, err_msg=f"chunk {j} ({chunks[j]} tokens)")
+
+
+@gpu_only
+def test_draft_mtp_greedy_equals_plain_with_kernels():
+    from tests.conftest import need
+    from mtp_engine import generate, load
+    mdl = load(need(_models()[0]))
+    assert any(getattr(layer.mixer, "fused_kernel", False) and hasattr(layer.mixer, "q_norm")
+               for layer in mdl.model.layers)
+    plain = generate("def f(x):", model=mdl, max_tokens=40, spec="none")
+    for n_max in (1, 3, 6):
+        spec = generate("def f(x):", model=mdl, max_tokens=40, spec="draft-mtp", n_max=n_max)
+        assert spec.token_ids == plain.token_ids

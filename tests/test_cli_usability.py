@@ -1,0 +1,108 @@
+"""The command line as a new user meets it: every flag's help and default, --version, -c/--ctx-size
+on every command that loads a model, a progress line for slow loads (never on stdout)."""
+from __future__ import annotations
+
+import argparse
+import io
+import re
+
+import pytest
+
+import mtp_engine
+from tests.conftest import TINY_Q4, need
+from mtp_engine.cli import HelpFormatter, build_parser, main
+from mtp_engine.load_progress import load_progress
+
+COMMANDS = ("generate", "bench", "serve", "convert")
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _flags(p: argparse.ArgumentParser):
+    return [a for a in p._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_has_help_and_shows_its_default(command, capsys):
+    p = _subparsers()[command]
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--help"])
+    assert e.value.code == 0
+    text = re.sub(r"\s+", "", capsys.readouterr().out)  # argparse wraps lines (also at hyphens)
+    for a in _flags(p):
+        assert a.help and a.help.strip(), f"{command} {a.option_strings[-1]} has no help"
+        line = HelpFormatter("x")._get_help_string(a).replace("%%", "%")
+        assert re.sub(r"\s+", "", line) in text
+        if a.default not in (None, False, [], argparse.SUPPRESS):
+            assert "default" in line, f"{command} {a.option_strings[-1]}: default {a.default!r} not shown"
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_ctx_size_maps_to_max_context(command):
+    p = _subparsers()[command]
+    extra = ["-p", "x"] if command == "generate" else []
+    assert p.parse_args(["-c", "128", *extra]).max_context == 128
+    assert p.parse_args(["--ctx-size", "64", *extra]).max_context == 64
+    assert p.parse_args(extra).max_context is None
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mtp-engine {mtp_engine.__version__}"
+    assert re.match(r"\d+\.\d+", mtp_engine.__version__)
+
+
+def test_ctx_size_caps_the_context(capsys):
+    path = str(need(TINY_Q4))
+    rc = main(["generate", "-m", path, "-c", "16", "-p", "one two three " * 10, "-n", "1", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == "" and "context" in cap.err and len(cap.err.strip().splitlines()) == 1
+    assert main(["generate", "-m", path, "-c", "512", "-p", "one two three " * 10, "-n", "1", "--json"]) == 0
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+def test_progress_is_silent_for_a_fast_load():
+    s = _Stream(tty=True)
+    p = load_progress("m.gguf", stream=s, after=60.0)
+    for i in range(1, 9):
+        p(i, 8)
+    assert s.getvalue() == ""
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_line_for_a_slow_load(tty):
+    s = _Stream(tty)
+    p = load_progress("m.gguf", stream=s, after=0.0)
+    for i in range(1, 41):
+        p(i, 40)
+    out = s.getvalue()
+    assert "loading m.gguf: 40/40 blocks (100%)" in out and out.endswith("\n")
+    if tty:
+        assert out.count("\r") == 40 and out.count("\n") == 1
+    else:  # logs: a line per tenth, not per block
+        assert out.count("\n") <= 11 and "\r" not in out
+
+
+def test_progress_quiet_and_the_cli_keeps_stdout_for_json(capsys):
+    s = _Stream(tty=True)
+    p = load_progress("m.gguf", quiet=True, stream=s, after=0.0)
+    p(1, 2), p(2, 2)
+    assert s.getvalue() == ""
+    path = str(need(TINY_Q4))
+    assert main(["generate", "-m", path, "-p", "x", "-n", "2", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "loading" not in out and out.count("\n") == 1

@@ -1,0 +1,127 @@
+"""EngineOptions: given to load(), kept on the model, the environment only filling defaults; two
+models in one process run under their own options (no module-global switches)."""
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from tests.conftest import TINY_Q4, need
+from mtp_engine import EngineOptions, MTPEngineError, generate, load
+from mtp_engine.model import kernels
+from mtp_engine.model.layers import Linear
+from mtp_engine.options import ENV
+
+
+
+def _linears(model):
+    return [p for p in model.model._parts() if isinstance(p, Linear)]
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for name in ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(ENV["cache_dir"], str(tmp_path))  # measured costs stay out of $HOME
+    return monkeypatch
+
+
+def test_environment_fills_only_the_defaults(clean_env):
+    clean_env.setenv(ENV["row_pad"], "4")
+    clean_env.setenv(ENV["compile_steps"], "1")
+    clean_env.setenv(ENV["cache_dir"], "/tmp/somewhere")
+    opts = EngineOptions().resolve()
+    assert (opts.row_pad, opts.compile_steps, str(opts.cache_dir)) == (4, True, "/tmp/somewhere")
+    assert opts.sources["row_pad"] == ENV["row_pad"]
+    given = EngineOptions(row_pad=2, compile_steps=False).resolve()
+    assert (given.row_pad, given.compile_steps) == (2, False) and given.sources["row_pad"] == "argument"
+
+
+def test_device_defaults_without_environment(clean_env):
+    clean_env.delenv(ENV["cache_dir"])
+    opts = EngineOptions().resolve()
+    gpu = mx.default_device() == mx.gpu
+    assert opts.compile_steps == gpu and opts.row_pad == (8 if gpu else 0) and opts.kernels == "custom"
+    assert opts.memory_limit is None and opts.cache_dir
+
+
+@pytest.mark.parametrize("kw", [dict(kernels="fast"), dict(row_pad=-1), dict(memory_limit="lots")])
+def test_bad_options_are_refused(kw):
+    with pytest.raises(MTPEngineError) as info:
+        EngineOptions(**kw)
+    assert info.value.field == next(iter(kw))
+
+
+def test_bad_environment_names_the_variable(clean_env):
+    clean_env.setenv(ENV["kernels"], "fastest")
+    with pytest.raises(MTPEngineError) as info:
+        EngineOptions.from_env()
+    assert info.value.field == ENV["kernels"]
+
+
+def test_two_models_in_one_process_keep_their_options(clean_env):
+    path = need(TINY_Q4)
+    a = load(path, options=EngineOptions(compile_steps=False, row_pad=0, kernels="mlx"))
+    b = load(path, options=EngineOptions(compile_steps=True, row_pad=8))
+    assert a.options.compile_steps is False and b.options.compile_steps is True
+    assert a.model.compile_steps is False and b.model.compile_steps is True
+    assert {lin.row_pad for lin in _linears(a)} == {0} and {lin.row_pad for lin in _linears(b)} == {8}
+    ra = generate("def fib(n):", a, max_tokens=12, spec="draft-mtp", n_max=3)
+    rb = generate("def fib(n):", b, max_tokens=12, spec="draft-mtp", n_max=3)
+    assert ra.token_ids == rb.token_ids  # greedy: the options change how, never what
+    # only b traced compiled graphs; a loading b changed nothing in a
+    assert "_compiled_steps" in vars(b.model) and "_compiled_steps" not in vars(a.model)
+    assert a.options.row_pad == 0 and {lin.row_pad for lin in _linears(a)} == {0}
+
+
+def test_kernel_choice_is_per_model(clean_env, monkeypatch):
+    """With the custom kernel available (stood in for by MLX's product, counting calls), the model
+    loaded with kernels="qmv" routes its few-row products through it, the "mlx" one never does."""
+    calls = []
+
+    def fake(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        x, wq, s, b = inputs
+        t = dict(template)
+        calls.append(t["M"])
+        return [mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=t["GROUP"], bits=t["BITS"])]
+
+    monkeypatch.setattr(kernels, "_tested", True)
+    monkeypatch.setattr(kernels, "_kernel", fake)
+    path = need(TINY_Q4)
+    custom = load(path, options=EngineOptions(kernels="qmv", compile_steps=False))
+    plain = load(path, options=EngineOptions(kernels="mlx", compile_steps=False))
+    assert any(lin.custom_kernel for lin in _linears(custom)) and not any(lin.custom_kernel for lin in _linears(plain))
+    rp = generate("x = 1", plain, max_tokens=4)
+    assert calls == []
+    rc = generate("x = 1", custom, max_tokens=4)
+    assert calls and rc.token_ids == rp.token_ids
+
+
+def test_memory_limit_option_refuses_the_load(clean_env):
+    path = need(TINY_Q4)
+    with pytest.raises(MTPEngineError) as info:
+        load(path, options=EngineOptions(memory_limit=1000))
+    assert info.value.field == "memory" and "1000" in str(info.value)
+
+
+def test_no_module_global_switches():
+    """The switches that used to be module globals are gone: nothing to flip behind a model's back."""
+    from mtp_engine.model import gdn_kernel, layers, norm_kernel, step
+
+    assert not hasattr(layers, "ROW_PAD") and not hasattr(kernels, "ACTIVE")
+    assert not hasattr(gdn_kernel, "ACTIVE") and not hasattr(norm_kernel, "ACTIVE")
+    assert not hasattr(step, "default_enabled")
+
+
+def test_use_applies_new_options_to_a_loaded_model():
+    m = load(need(TINY_Q4), options=EngineOptions(row_pad=0, compile_steps=True))
+    generate("x", m, max_tokens=3)
+    assert "_compiled_steps" in vars(m.model)  # traced under row_pad 0
+    m.model.use(m.options.updated(row_pad=4))
+    assert m.options.row_pad == 4 and {lin.row_pad for lin in _linears(m)} == {4}
+    assert "_compiled_steps" not in vars(m.model)  # graphs of the old options are not reused
+
+
+def test_load_refuses_options_of_another_type():
+    with pytest.raises(MTPEngineError) as info:
+        load(need(TINY_Q4), options={"row_pad": 8})
+    assert info.value.field == "options"
