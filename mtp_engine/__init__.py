@@ -4,8 +4,11 @@ from importlib import metadata as _metadata
 from .api import GenerationResult, Model, generate, load, stream_generate
 from .errors import MTPEngineError
 from .options import EngineOptions
+from .sampling import SamplerConfig
+from .speculative.config import SpecConfig
 
-__all__ = ["generate", "stream_generate", "load", "Model", "GenerationResult", "MTPEngineError", "EngineOptions"]
+__all__ = ["generate", "stream_generate", "load", "Model", "GenerationResult", "MTPEngineError", "EngineOptions",
+           "SpecConfig", "SamplerConfig"]
 
 try:  # the installed distribution's version (pyproject.toml), one source of truth
     __version__ = _metadata.version("mtp-engine")

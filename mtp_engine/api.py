@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import replace, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .decode import PlainDecoder
+from .decode import DecoderBase, PlainDecoder
 from .errors import MTPEngineError
 from .generate import Chunk, run
 from .memory import check_fits, estimate
@@ -15,17 +15,18 @@ from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
 from .options import EngineOptions, model_path_from_env
 from .profiler import Profiler
-from .penalties import PenaltyConfig
 from .prompt_encode import encode_prompt
+from .request import sampler_config, spec_config
 from .sampling import Sampler, SamplerConfig
-from .spec.draft_mtp import DraftMTPDecoder, DraftParams
-from .spec import calibration
-from .spec.scheduler import AUTO_MAX, COMPILED_AUTO_MAX, DraftLengthScheduler
+from .speculative import calibration
+from .speculative.config import SPEC_METHODS, SpecConfig
+from .speculative.draft_mtp import DraftMTPDecoder
+from .speculative.scheduler import AUTO_MAX, COMPILED_AUTO_MAX, DraftLengthScheduler
 from .text_input import check_messages, check_stop
 from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
 from .tokenizer import Tokenizer
 
-SPEC_TYPES = ("none", "draft-mtp")
+SPEC_TYPES = SPEC_METHODS
 DEFAULT_MODEL_NAME = "qwen35-mtp-code-Q4_K_M.gguf"
 
 
@@ -179,13 +180,14 @@ def _resolve(model) -> Model:
 
 @engine_thread
 def stream_generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
-                    messages: list[dict] | None = None, max_tokens: int = 256, spec: str | None = None,
+                    messages: list[dict] | None = None, max_tokens: int = 256, spec: str | SpecConfig | None = None,
                     n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                     stop: list[str] | str | None = None, ignore_eos: bool = False,
                     profile: str | None = None, _prompt_ids_out: list | None = None,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-                    repeat_last_n: int = 64, logprobs: int | None = None) -> Iterator[Chunk]:
+                    repeat_last_n: int = 64, logprobs: int | None = None,
+                    sampler: SamplerConfig | None = None) -> Iterator[Chunk]:
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
@@ -199,23 +201,24 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     draft-mtp stays lossless under them. `logprobs`: None, or report each token's log-probability
     plus that many alternatives (0..20) in `Chunk.logprobs`.
 
+    The same options as objects: `spec=SpecConfig(method, n_max, n_min, p_min)` (n_max None =
+    auto) and `sampler=SamplerConfig(temperature, top_k, top_p, min_p, seed, penalties, logprobs)`;
+    a keyword moved off its default beside the object that also holds it is refused.
+
     Text (`prompt`, message `role`/`content`, `stop`) must be valid Unicode: a lone surrogate is
     refused (MTPEngineError naming the argument and the index), never replaced; a prompt longer
     than the context is refused after tokenizing about one context of it. The chat template renders
     under the budget of `mtp_engine.chat_template.RenderLimits`."""
     m = _resolve(model)
-    if spec is None:
-        spec = "none"
-    if spec not in SPEC_TYPES:
-        raise MTPEngineError(f"unknown spec type {spec!r}: expected one of {list(SPEC_TYPES)}", field="spec")
+    spec_cfg = spec_config(spec, n_max, n_min, p_min)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         raise MTPEngineError(f"expected an integer >= 0, found {max_tokens!r}", field="max_tokens")
+    sampler_cfg = sampler_config(sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs)
     if m.comm is not None:  # one random state on every rank: sampled acceptance agrees
         from .distributed import common_seed
-        seed = common_seed(m.comm, seed)
-    penalties = PenaltyConfig(presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n)
-    sampler = Sampler(SamplerConfig(temperature, top_k, top_p, min_p, seed, penalties, logprobs))
-    params = DraftParams(n_max, n_min, p_min)
+        sampler_cfg = replace(sampler_cfg, seed=common_seed(m.comm, sampler_cfg.seed))
     if (prompt is None) == (messages is None):
         raise MTPEngineError("give exactly one of prompt or messages", field="prompt")
     stops = _check_stop(stop)
@@ -234,23 +237,7 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     else:
         raise MTPEngineError(f"expected text or a list of token ids, found {type(prompt).__name__}", field="prompt")
     prof = Profiler(profile or "off")
-    if spec == "draft-mtp" and m.model.mtp is None and getattr(m.info, "has_mtp_tensors", True) is False:
-        raise MTPEngineError("draft-mtp needs the MTP head, and this checkpoint has no mtp.* tensors (mlx-lm's "
-                             "convert drops them; convert the HF checkpoint with `mtp-engine convert`)",
-                             file=m.info.path, field="spec")
-    if spec == "draft-mtp":
-        scheduler = None
-        if params.auto:
-            if m.model.mtp is None:
-                raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
-                                     "this model has none", field="spec")
-            # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
-            k_max = COMPILED_AUTO_MAX if m.model.compile_steps else AUTO_MAX
-            scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model), k_max=k_max)
-        decoder: PlainDecoder = DraftMTPDecoder(m.model, sampler, params, prof, scheduler=scheduler)
-        decoder.calibration_path = m.path
-    else:
-        decoder = PlainDecoder(m.model, sampler, prof)
+    decoder = _decoder(m, spec_cfg, Sampler(sampler_cfg), prof)
     if _prompt_ids_out is not None:
         _prompt_ids_out.extend(ids)
     chunks = run(decoder, m.tokenizer, ids, max_tokens, stop=stops, ignore_eos=ignore_eos, profiler=prof)
@@ -264,6 +251,29 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
         yield chunk
 
 
+def _decoder(m: Model, spec: SpecConfig, sampler: Sampler, prof: Profiler) -> DecoderBase:
+    """The decoder a request asks for: plain, or draft-mtp (n_max None: the scheduler seeded with
+    the costs earlier runs stored for this model file and device)."""
+    if spec.method == "none":
+        return PlainDecoder(m.model, sampler, prof)
+    if m.model.mtp is None and getattr(m.info, "has_mtp_tensors", True) is False:
+        raise MTPEngineError("draft-mtp needs the MTP head, and this checkpoint has no mtp.* tensors (mlx-lm's "
+                             "convert drops them; convert the HF checkpoint with `mtp-engine convert`)",
+                             file=m.info.path, field="spec")
+    scheduler = None
+    params = spec.draft_params()
+    if params.auto:
+        if m.model.mtp is None:
+            raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
+                                 "this model has none", field="spec")
+        # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
+        k_max = COMPILED_AUTO_MAX if m.model.compile_steps else AUTO_MAX
+        scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model), k_max=k_max)
+    decoder = DraftMTPDecoder(m.model, sampler, params, prof, scheduler=scheduler)
+    decoder.calibration_path = m.path
+    return decoder
+
+
 def _check_stop(stop) -> list[str]:
     """`stop` as a list of strings (see `text_input.check_stop`)."""
     return check_stop(stop)
@@ -275,25 +285,28 @@ def _check_messages(messages) -> None:
 
 
 def generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
-             messages: list[dict] | None = None, max_tokens: int = 256, spec: str | None = None,
+             messages: list[dict] | None = None, max_tokens: int = 256, spec: str | SpecConfig | None = None,
              n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
              stop: list[str] | str | None = None, ignore_eos: bool = False,
              profile: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None) -> GenerationResult:
+             repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
+             sampler: SamplerConfig | None = None) -> GenerationResult:
     """Generates up to `max_tokens` tokens; returns text, token ids and statistics.
 
-    Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`."""
+    Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`, or with the options as objects
+    `generate("def fib(n):", spec=SpecConfig(n_max=3), sampler=SamplerConfig(temperature=0.7))`."""
     ids: list[int] = []
     text, tokens = [], []
-    lps: list[dict] | None = [] if logprobs is not None else None
+    want_lp = logprobs is not None or (sampler is not None and getattr(sampler, "logprobs", None) is not None)
+    lps: list[dict] | None = [] if want_lp else None
     last = None
     for chunk in stream_generate(prompt, model, messages=messages, max_tokens=max_tokens, spec=spec, n_max=n_max,
                                  n_min=n_min, p_min=p_min, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
                                  _prompt_ids_out=ids, presence_penalty=presence_penalty,
                                  frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
-                                 repeat_last_n=repeat_last_n, logprobs=logprobs):
+                                 repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler):
         text.append(chunk.text)
         tokens.extend(chunk.token_ids)
         if lps is not None and chunk.logprobs:

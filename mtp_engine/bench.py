@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import api
 from .costmodel import Costs, expected_tokens, predict_speedup
-from .spec.scheduler import AUTO_MAX
+from .speculative.scheduler import AUTO_MAX
 
 DEFAULT_PROMPTS = [
     "def parse_args(argv):\n    parser = argparse.ArgumentParser(",

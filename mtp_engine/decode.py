@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import mlx.core as mx
 
@@ -69,8 +70,11 @@ def kv_capacity(cache) -> int:
     return 0
 
 
-class PlainDecoder:
-    """Decodes one token per trunk forward."""
+class DecoderBase:
+    """What plain and speculative decoders share: the trunk's cache and chunked prefill, the
+    sampler, the round clock, per-round provenance for the generation loop, and (MoE models, when
+    profiling) expert counts. A decoder turns a prompt into a stream of token lists: `prefill`,
+    then `step` per round, then `finish`; `stats` at the end."""
 
     prefill_chunk = 512
     pipeline: bool | None = None  # queue the next round before reading the current one; None: off,
@@ -85,12 +89,19 @@ class PlainDecoder:
         self.last_token: int | None = None
         self.moe_experts: dict[str, tuple[int, float]] = {}  # kind -> (forwards, sum of per-layer means)
         self.clock = RoundClock(model)
-        self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
         # what the last prefill/step emitted, for the generation loop: per token whether it was an
         # accepted draft, its logprobs (when asked for), and how many drafts the round proposed
         self.round_drafted: list[bool] = []
         self.round_logprobs: list[dict] | None = None
         self.round_n_drafted = 0
+
+    def prefill(self, ids: list[int]) -> list[int]:
+        """Processes the prompt; returns the tokens it already produces."""
+        raise NotImplementedError
+
+    def step(self) -> list[int]:
+        """One round; returns the tokens it emits (at least one)."""
+        raise NotImplementedError
 
     def _pipelined(self) -> bool:
         # precise profiling must see each stage's own work; sampling draws on the host
@@ -98,14 +109,6 @@ class PlainDecoder:
 
     def _wanted(self) -> int:
         return self.budget if self.budget is not None else 1 << 30
-
-    def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:
-        """The next greedy step from a token still on the device, evaluated asynchronously."""
-        h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
-        logits = self.model.logits(h[0, -1])
-        nxt = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))
-        mx.async_eval(*nxt)
-        return nxt
 
     @staticmethod
     def _read(pair: tuple[mx.array, mx.array]) -> int:
@@ -123,19 +126,57 @@ class PlainDecoder:
         self.sampler.accept(tokens)
         return tokens
 
-    def _prefill_trunk(self, ids: list[int], prenorm: bool = False) -> mx.array:
-        """Runs the prompt through the trunk in chunks; returns the post-norm (or, for the
-        ablation, pre-norm) hidden state of every row."""
+    def _prefill_trunk(self, ids: list[int], pick: Callable[[mx.array, mx.array], mx.array] | None = None) -> mx.array:
+        """Runs the prompt through the trunk in chunks; returns every row's post-norm hidden state,
+        or `pick(post, pre)` of it (what a drafter is fed)."""
         if not ids:
             return mx.zeros((1, 0, self.model.cfg.hidden_size))
         hiddens = []
         for s in range(0, len(ids), self.prefill_chunk):
             post, pre = self.model.forward(mx.array([ids[s:s + self.prefill_chunk]]), self.cache,
                                            return_prenorm=True)
-            h = pre if prenorm else post
+            h = pick(post, pre) if pick else post
             mx.eval(h, *self.cache.arrays())
             hiddens.append(h)
         return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
+
+    def _count_experts(self, kind: str) -> None:
+        """MoE models, when profiling: distinct experts each layer read in the last forward
+        (verify batches read up to (k+1) x top-k experts, a single step top-k)."""
+        use = self.model.expert_use
+        if not self.prof.enabled or use is None:
+            return
+        counts = [use.distinct(s) for s in use.slots("trunk")]
+        if counts:
+            n, total = self.moe_experts.get(kind, (0, 0.0))
+            self.moe_experts[kind] = (n + 1, total + sum(counts) / len(counts))
+
+    def finish(self) -> None:
+        """The generation is over."""
+
+    def stats(self) -> dict:
+        return {"compile_seconds": self.clock.compile_seconds(), **self._moe_stats()}
+
+    def _moe_stats(self) -> dict:
+        if not self.moe_experts:
+            return {}
+        return {"moe_distinct_experts_per_layer": {k: t / n for k, (n, t) in self.moe_experts.items()}}
+
+
+class PlainDecoder(DecoderBase):
+    """Decodes one token per trunk forward."""
+
+    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None):
+        super().__init__(model, sampler, profiler)
+        self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
+
+    def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:
+        """The next greedy step from a token still on the device, evaluated asynchronously."""
+        h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
+        logits = self.model.logits(h[0, -1])
+        nxt = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))
+        mx.async_eval(*nxt)
+        return nxt
 
     def prefill(self, ids: list[int]) -> list[int]:
         """Processes the prompt; returns the tokens it already produces (here the first one)."""
@@ -154,18 +195,6 @@ class PlainDecoder:
                 self.last_token = self.sampler.sample(logits)
         self.clock.start()
         return self._emitted([self.last_token], 0, 0, logits)
-
-    def _count_experts(self, kind: str) -> None:
-        """MoE models, when profiling: distinct experts each layer read in the last forward
-        (verify batches read up to (k+1) x top-k experts, a single step top-k)."""
-        if not self.prof.enabled or not self.model.is_moe:
-            return
-        from .model.moe import experts_touched
-
-        counts = experts_touched(self.model)["trunk"]
-        if counts:
-            n, total = self.moe_experts.get(kind, (0, 0.0))
-            self.moe_experts[kind] = (n + 1, total + sum(counts) / len(counts))
 
     def step(self) -> list[int]:
         """Feeds the last token; returns the next one."""
@@ -188,11 +217,3 @@ class PlainDecoder:
     def finish(self) -> None:
         """The generation is over (a queued step, if any, is dropped)."""
         self._next = None
-
-    def stats(self) -> dict:
-        return {"compile_seconds": self.clock.compile_seconds(), **self._moe_stats()}
-
-    def _moe_stats(self) -> dict:
-        if not self.moe_experts:
-            return {}
-        return {"moe_distinct_experts_per_layer": {k: t / n for k, (n, t) in self.moe_experts.items()}}

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from .decode import PlainDecoder
+from .decode import DecoderBase
 from .errors import MTPEngineError
 from .profiler import Profiler
 from .tokenizer import Tokenizer
@@ -76,7 +76,7 @@ def peak_memory_bytes() -> int:
     return max(peak, int(rss))
 
 
-def run(decoder: PlainDecoder, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
         stop: list[str] | None = None, ignore_eos: bool = False,
         profiler: Profiler | None = None) -> Iterator[Chunk]:
     """Streams the generation of up to `max_tokens` tokens after `prompt_ids`."""

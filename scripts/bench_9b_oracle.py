@@ -22,8 +22,9 @@ from mtp_engine.model.build import build_model
 from mtp_engine.model.config import Qwen35Config
 from mtp_engine.model.layers import Linear
 from mtp_engine.sampling import Sampler, SamplerConfig
-from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
-from mtp_engine.spec.scheduler import DraftLengthScheduler
+from mtp_engine.speculative.ablations import ablation_decoder
+from mtp_engine.speculative.config import DraftParams
+from mtp_engine.speculative.scheduler import DraftLengthScheduler
 
 
 def config_9b(small: bool) -> Qwen35Config:
@@ -80,7 +81,7 @@ def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=Non
         dec = PlainDecoder(model, sampler)
     else:
         sched = DraftLengthScheduler(costs) if n_max == "auto" else None
-        dec = DraftMTPDecoder(model, sampler, DraftParams(n_max), scheduler=sched, oracle_acceptance=oracle)
+        dec = ablation_decoder(model, sampler, DraftParams(n_max), scheduler=sched, oracle_acceptance=oracle)
     last = None
     for last in run(dec, _Tok(), prompt, tokens, ignore_eos=True):
         pass

@@ -13,8 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.sim_device import CPU, GPU, H200_9B, MOE, simulate  # noqa: E402
 
-from mtp_engine.spec.calibration import default_seed  # noqa: E402
-from mtp_engine.spec.scheduler import DraftLengthScheduler  # noqa: E402
+from mtp_engine.speculative.calibration import default_seed  # noqa: E402
+from mtp_engine.speculative.scheduler import DraftLengthScheduler  # noqa: E402
 
 
 def main() -> int:

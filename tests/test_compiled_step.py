@@ -10,7 +10,7 @@ from tests.conftest import MOE_Q4, TINY_F32
 from mtp_engine.decode import PlainDecoder
 from mtp_engine.model.cache import KVCache
 from mtp_engine.sampling import Sampler, SamplerConfig
-from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
+from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
 def _paths():
     return [TINY_F32, MOE_Q4]

@@ -20,10 +20,11 @@ from tests.conftest import FIXTURES, MODELS, copy_metadata, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.model.layers import Linear
 from mtp_engine.model.loader import load_hf
+from mtp_engine.model.expert_use import ExpertUse
 from mtp_engine.model.moe import SORT_THRESHOLD, ExpertLinear, MoE, SwitchGLU, experts_touched
 from mtp_engine.model.qwen35 import MLP
 from mtp_engine.sampling import Sampler, SamplerConfig
-from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
+from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 from tests.reference_numpy import RefModel, load_gguf_weights, moe_ffn
 
 MOE = FIXTURES / "llamacpp-moe"
@@ -309,6 +310,26 @@ def test_distinct_experts_counts_what_a_batch_reads(ref):
     assert max(want) > 2  # the batch really spans more experts than one token does
     m.forward(mx.array(tokens[None, n + 4:n + 5]), cache)
     assert experts_touched(m)["trunk"] == [2, 2, 2, 2]
+
+
+def test_blocks_report_routing_to_the_observer_they_are_given():
+    """Expert counts travel through an explicit `ExpertUse` observer (no private attributes): a
+    block reports its last forward's experts under its slot; an unobserved block reports nothing."""
+    rng = np.random.default_rng(3)
+    block, _ = _random_moe(rng, 64, 96, 8, 2, quantized=False)
+    block(mx.array(rng.normal(0, 1, (1, 1, 64)).astype(np.float32)))  # no observer: nothing to record
+    use = ExpertUse()
+    block.observer, block.slot = use, use.register(("trunk", 0))
+    assert use.slots("trunk") == [("trunk", 0)] and use.slots("mtp") == []
+    assert use.distinct(("trunk", 0)) == 0  # before any forward
+    block(mx.array(rng.normal(0, 1, (1, 1, 64)).astype(np.float32)))
+    assert use.distinct(("trunk", 0)) == 2
+    block(mx.array(rng.normal(0, 1, (1, 16, 64)).astype(np.float32)))
+    assert 2 < use.distinct(("trunk", 0)) <= 8
+    side, set_side = use.graph_outputs(use.slots("trunk"))
+    set_side([mx.array([[[1, 1]]])])  # what a compiled step hands back
+    assert use.distinct(("trunk", 0)) == 1 and len(side()) == 1
+    assert use.graph_outputs([]) == (None, None)
 
 
 # ---- the whole model against llama.cpp ------------------------------------------------------

@@ -13,7 +13,7 @@ from mtp_engine.cli import format_stats, main
 from mtp_engine.decode import PlainDecoder
 from mtp_engine.generate import run
 from mtp_engine.sampling import Sampler, SamplerConfig
-from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
+from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
 IDS = [349, 220, 451, 72, 389]
 
@@ -37,7 +37,7 @@ def test_pipelined_equals_unpipelined_and_stops_at_max_tokens(tiny, spec):
         if spec == "none":
             d = PlainDecoder(tiny.model, s)
         else:
-            from mtp_engine.spec.scheduler import DraftLengthScheduler
+            from mtp_engine.speculative.scheduler import DraftLengthScheduler
             d = DraftMTPDecoder(tiny.model, s, DraftParams(spec),
                                 scheduler=DraftLengthScheduler({k: 1.1 for k in range(1, 9)}) if spec == "auto" else None)
         d.pipeline = pipeline

@@ -12,10 +12,10 @@ from tests.conftest import TINY, need
 from mtp_engine import generate
 from mtp_engine.cli import main
 from mtp_engine.costmodel import Costs
-from mtp_engine.spec import calibration
-from mtp_engine.spec import scheduler as sch
-from mtp_engine.spec.calibration import default_seed
-from mtp_engine.spec.scheduler import DraftLengthScheduler
+from mtp_engine.speculative import calibration
+from mtp_engine.speculative import scheduler as sch
+from mtp_engine.speculative.calibration import default_seed
+from mtp_engine.speculative.scheduler import DraftLengthScheduler
 from tests.sim_device import CPU, GPU, H200_9B, MOE, simulate
 
 
@@ -206,7 +206,7 @@ def test_probe_times_are_not_stored_as_round_costs():
 
 def test_compiled_auto_cap_bounds_the_draft_length():
     # the same device that drafts 6+ uncapped stops at the cap the API sets for compiled steps
-    from mtp_engine.spec.scheduler import COMPILED_AUTO_MAX
+    from mtp_engine.speculative.scheduler import COMPILED_AUTO_MAX
     s = DraftLengthScheduler(_costs(lambda n: 1.0 + 0.02 * n, c=0.02), k_max=COMPILED_AUTO_MAX)
     for _ in range(50):
         s.update(COMPILED_AUTO_MAX, COMPILED_AUTO_MAX)

@@ -14,6 +14,7 @@ import numpy as np
 from ..model.build import _layer
 from ..model.cache import KVCache, RecurrentCache, TrunkCache
 from ..model.config import Qwen35Config
+from ..model.expert_use import ExpertUse
 from ..model.layers import Linear
 from ..model.qwen35 import MTPHead, Qwen35Model, run_layers
 from .runtime import Comm
@@ -105,7 +106,8 @@ def build_pp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> PP
     l0, l1 = split(cfg.n_layer, comm.size, comm.rank)
     h = cfg.hidden_size
     embed = fetch("token_embd.weight", (cfg.vocab_size, h), True)
-    layers = [_layer(fetch, i, cfg, cfg.recurrent[i]) for i in range(l0, l1)]
+    use = ExpertUse() if cfg.is_moe else None  # the MoE blocks report their routing to it
+    layers = [_layer(fetch, i, cfg, cfg.recurrent[i], use, ("trunk", i - l0)) for i in range(l0, l1)]
     output_norm = fetch("output_norm.weight", (h,), False)
     if source.has_tensor("output.weight"):
         head = fetch("output.weight", (cfg.vocab_size, h), True)
@@ -118,9 +120,11 @@ def build_pp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> PP
     if load_mtp and cfg.n_mtp > 0:
         p = f"blk.{cfg.n_layer}.nextn."
         mtp = MTPHead(eh_proj=fetch(p + "eh_proj.weight", (h, 2 * h), True), enorm=fetch(p + "enorm.weight", (h,), False),
-                      hnorm=fetch(p + "hnorm.weight", (h,), False), layer=_layer(fetch, cfg.n_layer, cfg, False),
-                      shared_head_norm=fetch(p + "shared_head_norm.weight", (h,), False), cfg=cfg)
-    model = Qwen35Model(cfg, embed, layers, output_norm, VocabShardHead(head, cfg.vocab_size, comm), mtp)
+                      hnorm=fetch(p + "hnorm.weight", (h,), False),
+                      layer=_layer(fetch, cfg.n_layer, cfg, False, use, ("mtp", 0)),
+                      shared_head_norm=fetch(p + "shared_head_norm.weight", (h,), False), cfg=cfg, expert_use=use)
+    model = Qwen35Model(cfg, embed, layers, output_norm, VocabShardHead(head, cfg.vocab_size, comm), mtp,
+                        expert_use=use)
     model.__class__ = PPModel
     model.comm, model.first_layer = comm, l0
     model.global_cfg = cfg

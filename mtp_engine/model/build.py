@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from ..options import EngineOptions
 from .config import Qwen35Config
+from .expert_use import ExpertUse
 from .layers import Linear
 from .moe import ExpertLinear, MoE, SwitchGLU
 from .qwen35 import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, MTPHead, Qwen35Model
@@ -56,7 +57,7 @@ def _mlp(fetch: Fetch, p: str, h: int, f: int, suffix: str = "") -> MLP:
                down=fetch(f"{p}ffn_down{suffix}.weight", (h, f), True)).fuse()
 
 
-def _moe(fetch: Fetch, p: str, cfg: Qwen35Config) -> MoE:
+def _moe(fetch: Fetch, p: str, cfg: Qwen35Config, use: ExpertUse, slot) -> MoE:
     h, e, f = cfg.hidden_size, cfg.n_expert, cfg.expert_ffn_size
 
     def experts(name: str, shape: tuple) -> ExpertLinear:
@@ -70,10 +71,13 @@ def _moe(fetch: Fetch, p: str, cfg: Qwen35Config) -> MoE:
         shared=_mlp(fetch, p, h, cfg.shared_ffn_size, "_shexp"),
         shared_gate=fetch(p + "ffn_gate_inp_shexp.weight", (h,), False),
         n_used=cfg.n_expert_used,
+        observer=use,
+        slot=use.register(slot),
     )
 
 
-def _layer(fetch: Fetch, i: int, cfg: Qwen35Config, recurrent: bool) -> DecoderLayer:
+def _layer(fetch: Fetch, i: int, cfg: Qwen35Config, recurrent: bool, use: ExpertUse | None = None,
+           slot=None) -> DecoderLayer:
     p = f"blk.{i}."
     h = cfg.hidden_size
     mixer = _delta_net(fetch, p, cfg) if recurrent else _attention(fetch, p, cfg)
@@ -81,7 +85,7 @@ def _layer(fetch: Fetch, i: int, cfg: Qwen35Config, recurrent: bool) -> DecoderL
         attn_norm=fetch(p + "attn_norm.weight", (h,), False),
         mixer=mixer,
         post_norm=fetch(p + "post_attention_norm.weight", (h,), False),
-        mlp=_moe(fetch, p, cfg) if cfg.is_moe else _mlp(fetch, p, h, cfg.ffn_size[i]),
+        mlp=_moe(fetch, p, cfg, use, slot) if cfg.is_moe else _mlp(fetch, p, h, cfg.ffn_size[i]),
         eps=cfg.eps,
     )
 
@@ -91,10 +95,11 @@ def build_model(cfg: Qwen35Config, fetch: Fetch, has_tensor: Callable[[str], boo
                 options: EngineOptions | None = None) -> Qwen35Model:
     h = cfg.hidden_size
     embed = fetch("token_embd.weight", (cfg.vocab_size, h), True)
+    use = ExpertUse() if cfg.is_moe else None  # the MoE blocks report their routing to it
     layers = []
     total = cfg.n_layer + (cfg.n_mtp if load_mtp else 0)
     for i, rec in enumerate(cfg.recurrent):
-        layers.append(_layer(fetch, i, cfg, rec))
+        layers.append(_layer(fetch, i, cfg, rec, use, ("trunk", i)))
         if progress:
             progress(i + 1, total)
     output_norm = fetch("output_norm.weight", (h,), False)
@@ -107,10 +112,11 @@ def build_model(cfg: Qwen35Config, fetch: Fetch, has_tensor: Callable[[str], boo
             eh_proj=fetch(p + "eh_proj.weight", (h, 2 * h), True),
             enorm=fetch(p + "enorm.weight", (h,), False),
             hnorm=fetch(p + "hnorm.weight", (h,), False),
-            layer=_layer(fetch, i, cfg, recurrent=False),
+            layer=_layer(fetch, i, cfg, False, use, ("mtp", 0)),
             shared_head_norm=fetch(p + "shared_head_norm.weight", (h,), False),
             cfg=cfg,
+            expert_use=use,
         )
         if progress:
             progress(total, total)
-    return Qwen35Model(cfg, embed, layers, output_norm, lm_head, mtp, options)
+    return Qwen35Model(cfg, embed, layers, output_norm, lm_head, mtp, options, expert_use=use)

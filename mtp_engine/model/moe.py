@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
+from .expert_use import ExpertUse, Slot
 from .layers import Linear
 from .qwen35 import MLP, Qwen35Model
 
@@ -91,8 +91,9 @@ class MoE:
     n_used: int
     # tests and diagnostics: when a list, each forward appends its routing (see `__call__`)
     record: list | None = field(default=None, repr=False)
-    # the last forward's chosen experts, kept lazily for the profiler (`distinct_experts`)
-    _last_indices: mx.array | None = field(default=None, init=False, repr=False)
+    # the model's observer of routing (expert counts for the profiler) and this block's slot in it
+    observer: ExpertUse | None = field(default=None, repr=False)
+    slot: Slot = None
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(router logits [..., E], chosen experts [..., k] in no particular order, their
@@ -107,7 +108,8 @@ class MoE:
 
     def __call__(self, x: mx.array) -> mx.array:
         logits, indices, weights = self.route(x)
-        self._last_indices = indices
+        if self.observer is not None:
+            self.observer.record(self.slot, indices)
         routed = (self.experts(x, indices) * weights[..., None]).sum(axis=-2)
         gate = mx.sigmoid(x @ self.shared_gate[:, None])  # one scalar per token
         if self.record is not None:
@@ -115,20 +117,12 @@ class MoE:
                                 "shexp_gate": gate[..., 0]})
         return routed + gate * self.shared(x)
 
-    def distinct_experts(self) -> int:
-        """How many different experts the last forward read: n_used for one token, up to n_expert
-        for a batch (each is read once however many rows pick it). 0 before any forward. Evaluates
-        the stored indices, so call it after the forward, not inside a timed stage."""
-        if self._last_indices is None:
-            return 0
-        return int(np.unique(np.array(self._last_indices)).size)
-
 
 def experts_touched(model: Qwen35Model) -> dict[str, list[int] | int | None]:
     """Distinct experts read by the last forward of each MoE block: `trunk` (one count per layer,
     empty for a dense model) and `mtp` (None without an MoE MTP head)."""
-    trunk = [layer.mlp.distinct_experts() for layer in model.layers if isinstance(layer.mlp, MoE)]
-    mtp = None
-    if model.mtp is not None and isinstance(model.mtp.layer.mlp, MoE):
-        mtp = model.mtp.layer.mlp.distinct_experts()
-    return {"trunk": trunk, "mtp": mtp}
+    use = model.expert_use
+    if use is None:
+        return {"trunk": [], "mtp": None}
+    mtp = use.slots("mtp") if model.mtp is not None else []
+    return {"trunk": [use.distinct(s) for s in use.slots("trunk")], "mtp": use.distinct(mtp[0]) if mtp else None}

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
+from .expert_use import ExpertUse
 from . import attn_kernel, gdn, gdn_kernel
 from .norm_kernel import add_rms_norm
 from . import norm_kernel
@@ -213,6 +214,7 @@ class MTPHead:
     cfg: Qwen35Config
     compile_steps: bool = True  # run forwards of <= step.MAX_TOKENS rows as one compiled graph
     fused_norm: bool = False  # the fused add + RMSNorm kernel, from the model's options
+    expert_use: ExpertUse | None = None  # the model's MoE routing observer (None: a dense head)
 
     def make_cache(self) -> KVCache:
         return KVCache(self.cfg.n_head_kv, self.cfg.head_dim)
@@ -222,7 +224,8 @@ class MTPHead:
         returns the head's normed hidden state [1, S, H] (feed it back for the next draft step)."""
         s = int(embeds.shape[1])
         if self.compile_steps and s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp):
-            side, set_side = _moe_side([self.layer])
+            side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("mtp")) if self.expert_use \
+                else (None, None)
             return compiled.run(self, self._body, [embeds, h_prev], [cache], s, side=side, set_side=set_side)[0]
         return self._body(embeds, h_prev, [cache])[0]
 
@@ -238,28 +241,14 @@ def _compilable_ffn(mlp) -> bool:
     return getattr(mlp, "record", None) is None
 
 
-def _moe_side(layers: list[DecoderLayer]):
-    """The MoE blocks' last routing leaves a compiled graph as extra outputs (for the profiler)."""
-    moes = [layer.mlp for layer in layers if hasattr(layer.mlp, "_last_indices")]
-    if not moes:
-        return None, None
-
-    def side() -> list[mx.array]:
-        return [m._last_indices for m in moes]
-
-    def set_side(values: list[mx.array]) -> None:
-        for m, v in zip(moes, values):
-            m._last_indices = v
-
-    return side, set_side
-
-
 class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
-                 lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None):
+                 lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None,
+                 expert_use: ExpertUse | None = None):
         self.cfg = cfg
+        self.expert_use = expert_use  # the MoE blocks' routing observer; None for a dense model
         self.embed = embed
         self.layers = layers
         self.output_norm = output_norm
@@ -353,7 +342,9 @@ class Qwen35Model:
                     c.begin_capture()
             cache._captured = s
         if self._compile_steps and s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers):
-            side, set_side = _moe_side(self.layers)
+            # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
+            side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \
+                else (None, None)
             post, x = compiled.run(self, self._body, [ids], cache.layers, s, capture=capture,
                                    side=side, set_side=set_side)
         else:

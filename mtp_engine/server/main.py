@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import MTPEngineError
 from ..penalties import PenaltyConfig
 from ..sampling import SamplerConfig
-from ..spec.draft_mtp import DraftParams
+from ..speculative.draft_mtp import DraftParams
 from .schemas import ServerDefaults
 
 

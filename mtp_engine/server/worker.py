@@ -131,7 +131,7 @@ class GenerationWorker:
                 log.warning("%s has no chat template: using ChatML (<|im_start|>role ... <|im_end|>), as "
                             "llama.cpp does", self.model.path)
             if self._warm_auto and self.model.model.mtp is not None:
-                from ..spec.scheduler import device_costs
+                from ..speculative.scheduler import device_costs
 
                 device_costs(self.model.model, self.model.path)  # n-max auto's costs, before any request
         except BaseException as e:  # reported by the main thread, which exits cleanly

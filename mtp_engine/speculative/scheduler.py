@@ -5,7 +5,7 @@ Expected tokens of a round with k drafts: E(k) = 1 + sum_{i<=k} prod_{j<=i} alph
 online probability that draft j is accepted given drafts 1..j-1 were. The time of a round, t(k), is
 measured by the caller (wall time between consecutive rounds' host reads) and kept per k and
 context range; t(0) is a plain step. A k is chosen while E(k) / t(k) beats 1 / t(0), with a margin
-in both directions (hysteresis). Stored costs from earlier runs (spec/calibration.py) only seed
+in both directions (hysteresis). Stored costs from earlier runs (speculative/calibration.py) only seed
 the k's this run has not measured yet, scaled by what it has measured.
 
 Rounds that first used a shape (a graph compile or kernel JIT) are not timed: their excess is

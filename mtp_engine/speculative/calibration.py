@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-MAX_K = 8  # longest draft n-max auto considers (spec/scheduler.py's AUTO_MAX)
+MAX_K = 8  # longest draft n-max auto considers (speculative/scheduler.py's AUTO_MAX)
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,92 @@
+"""Experiment variants of draft-mtp, kept out of the production classes: the notebooks and the
+benchmark scripts build them with `ablation_decoder`.
+
+  rollback="redecode"  restore the pre-verify trunk state and run the trunk again over the accepted
+                       tokens (what llama.cpp's server does when it cannot snapshot), instead of
+                       picking the state captured in verify (notebook d).
+  feed="pre_norm"      feed the MTP head the trunk's pre-norm state: the known bug, kept to measure
+                       its cost (notebook c).
+  oracle_acceptance=a  each draft counts as right with probability a (greedy only; the drafter
+                       still does all its work), so random-weight models can be timed at a chosen
+                       acceptance (scripts/bench_9b_oracle.py, bench_gpu.py).
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import MTPEngineError
+from ..model.qwen35 import Qwen35Model
+from ..profiler import Profiler
+from ..sampling import Sampler
+from .config import DraftParams
+from .draft_mtp import DraftMTPDecoder
+from .scheduler import DraftLengthScheduler
+
+
+class RedecodeRollback:
+    """Mixin: rollback by snapshot + re-decoding the accepted tokens."""
+
+    _snapshot: list | None = None
+    _redecode_input: mx.array | None = None
+
+    def verify(self, drafts):
+        self._snapshot = self.cache.snapshot()
+        self._redecode_input = self._verify_input(drafts)
+        return super().verify(drafts)
+
+    def _trunk(self, ids, capture):
+        return super()._trunk(ids, capture=False)  # nothing to capture: the snapshot is the rollback
+
+    def rollback(self, n: int) -> None:
+        with self.prof.stage("rollback") as out:
+            kept = n + 1
+            if kept < self._verify_rows:
+                self.cache.restore(self._snapshot)
+                super()._trunk(self._redecode_input[None, :kept], capture=False)
+                out.extend(self.cache.arrays())
+            self._snapshot = None
+            self.drafter.rollback(n)
+
+
+class PreNormFeed:
+    """Mixin: the drafter reads the trunk's pre-norm hidden state (the known-wrong variant)."""
+
+    def _fed(self, post, pre):
+        return pre
+
+
+class OracleAcceptance:
+    """Mixin: greedy drafts count as right with probability `oracle` (benchmark-only)."""
+
+    oracle: float = 0.0
+
+    def _decide(self, d: np.ndarray, target: np.ndarray, q):
+        if not self.sampler.cfg.greedy:
+            return super()._decide(d, target, q)
+        n = 0
+        while n < len(d) and self.sampler.uniform() < self.oracle:
+            n += 1
+        return n, int(target[n]), [int(t) for t in target[:n]] + d.tolist()[n:]
+
+
+def ablation_decoder(model: Qwen35Model, sampler: Sampler, params: DraftParams, profiler: Profiler | None = None,
+                     *, rollback: str = "capture", feed: str = "post_norm", oracle_acceptance: float | None = None,
+                     scheduler: DraftLengthScheduler | None = None) -> DraftMTPDecoder:
+    """A draft-mtp decoder with the chosen experiment variants (the defaults are production's)."""
+    if rollback not in ("capture", "redecode"):
+        raise MTPEngineError(f"expected capture or redecode, found {rollback!r}", field="rollback")
+    if feed not in ("post_norm", "pre_norm"):
+        raise MTPEngineError(f"expected post_norm or pre_norm, found {feed!r}", field="feed")
+    mixins: list[type] = []
+    if rollback == "redecode":
+        mixins.append(RedecodeRollback)
+    if feed == "pre_norm":
+        mixins.append(PreNormFeed)
+    if oracle_acceptance is not None:
+        mixins.append(OracleAcceptance)
+    cls = type("AblationDecoder", (*mixins, DraftMTPDecoder), {}) if mixins else DraftMTPDecoder
+    dec = cls(model, sampler, params, profiler, scheduler=scheduler)
+    if oracle_acceptance is not None:
+        dec.oracle = float(oracle_acceptance)
+    return dec

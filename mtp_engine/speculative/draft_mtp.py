@@ -1,0 +1,39 @@
+"""draft-mtp: the speculative decoder with the model's own MTP head as its drafter.
+
+The round (draft → verify → accept → rollback → catch_up) is `SpeculativeDecoder`'s
+(speculative/decoder.py); the drafting, the head's cache and its owed catch-up rows are
+`MTPDrafter`'s (speculative/mtp_drafter.py). Experiment variants (re-decode rollback, pre-norm
+feed, oracle acceptance) are in speculative/ablations.py.
+"""
+from __future__ import annotations
+
+from ..model.qwen35 import Qwen35Model
+from ..profiler import Profiler
+from ..sampling import Sampler
+from .config import DraftParams
+from .decoder import SpeculativeDecoder
+from .mtp_drafter import MTPDrafter
+from .scheduler import DraftLengthScheduler
+
+__all__ = ["DraftMTPDecoder", "DraftParams"]
+
+
+class DraftMTPDecoder(SpeculativeDecoder):
+    """Speculative decoding with the model's MTP head as the drafter."""
+
+    def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
+                 profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None):
+        super().__init__(model, sampler, params, MTPDrafter(model), profiler, scheduler)
+
+    # the head's state, where tests and notebooks look for it
+    @property
+    def mtp_cache(self):
+        return self.drafter.cache
+
+    @property
+    def catch_up_window(self) -> int:
+        return self.drafter.catch_up_window
+
+    @property
+    def catch_up_dropped(self) -> int:
+        return self.drafter.catch_up_dropped

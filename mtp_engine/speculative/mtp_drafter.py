@@ -1,0 +1,149 @@
+"""The model's own MTP head as a drafter (llama.cpp's draft-mtp).
+
+  draft     the head as a chain: step 1 reads (last token, trunk hidden of the previous position);
+            step i > 1 reads (draft i-1, the head's own shared_head_norm output). The catch-up
+            rows owed from earlier rounds run in the same forward as step 1.
+  rollback  the head's KV rows written by steps 2..k are dropped (their inputs were its own
+            guesses); step 1's row is exact and stays.
+  accept    the accepted rows (token, trunk hidden from the verify pass) are owed to the head and
+            computed lazily, fused into the next round's first draft step.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..decode import kv_capacity
+from ..errors import MTPEngineError
+from ..model.qwen35 import Qwen35Model
+from ..sampling import distribution
+from .drafter import Draft, DraftContext, Drafter
+
+
+class MTPDrafter(Drafter):
+    """Drafts with the model's MTP head; owns the head's KV cache and the rows it is owed."""
+
+    name = "draft-mtp"
+    prefill_chunk = 512
+    catch_up_window = 8  # owed rows kept across plain rounds (see _trim_owed)
+
+    def __init__(self, model: Qwen35Model):
+        if model.mtp is None:
+            raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
+                                 "this model has none", field="spec")
+        self.model = model
+        self.cache = model.mtp.make_cache()
+        self.last_token: int | None = None
+        self.h_last: mx.array | None = None  # trunk hidden [1, 1, H] of the position before last_token
+        self.owed_tokens: list[int] = []  # catch-up rows the head has not seen yet
+        self.owed_hidden: list[mx.array] = []
+        self.catch_up_dropped = 0  # owed rows skipped after long plain stretches (see _trim_owed)
+        self.steps = 0  # head forwards run by the last draft (rows written), until accept
+
+    def bind(self, ctx: DraftContext) -> None:
+        super().bind(ctx)
+        # drafts are sampled on the device; its key derives from the sampler's seeded generator
+        self._rng = mx.random.key(int(ctx.sampler.rng.integers(0, 2**63)))
+
+    def begin(self, prompt: list[int], hidden: mx.array) -> None:
+        """The head sees prompt row t as (token t, trunk hidden t-1), zeros before the first."""
+        zeros = mx.zeros((1, 1, self.model.cfg.hidden_size))
+        head = prompt[:-1]
+        self.last_token = prompt[-1]
+        self.h_last = hidden[:, -1:] if head else zeros
+        h_prev = mx.concatenate([zeros, hidden[:, :-1]], axis=1)
+        for s in range(0, len(head), self.prefill_chunk):
+            e = slice(s, s + self.prefill_chunk)
+            m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache)
+            mx.eval(m, *self.cache.state())
+
+    def draft(self, k: int, p_min: float = 0.0) -> Draft:
+        mtp, model, prof, sampler = self.model.mtp, self.model, self.ctx.prof, self.ctx.sampler
+        cfg = sampler.cfg
+        owed = len(self.owed_tokens)
+        if self.owed_tokens and prof.mode == "precise":
+            # attribute catch-up honestly: run the owed rows as their own forward (same math)
+            with prof.stage("catch_up") as out:
+                out.append(mtp(model.embed_tokens(mx.array([self.owed_tokens])),
+                               mx.concatenate(self.owed_hidden, axis=1), self.cache))
+                out.extend(self.cache.state())
+            self.owed_tokens, self.owed_hidden = [], []
+        tok = mx.array([self.owed_tokens + [self.last_token]])
+        h_prev = mx.concatenate(self.owed_hidden + [self.h_last], axis=1)
+        self.owed_tokens, self.owed_hidden = [], []
+        drafts: list[mx.array] = []
+        qs: list[mx.array] = []
+        self.steps = 0
+        for _ in range(k):
+            self.steps += 1
+            with prof.stage("draft") as out:
+                h_mtp = mtp(model.embed_tokens(tok), h_prev, self.cache)[:, -1:]
+                # the drafter sees the penalties its chain would meet (history + earlier drafts)
+                logits = sampler.penalize(model.logits(h_mtp[0, 0]),
+                                          mx.stack(drafts).reshape(-1) if drafts else None, len(drafts))
+                if cfg.greedy:
+                    d = mx.argmax(logits, axis=-1)
+                else:
+                    qi = distribution(logits, cfg)
+                    self._rng, sub = mx.random.split(self._rng)
+                    d = mx.random.categorical(mx.log(qi), key=sub)
+                    qs.append(qi)
+                out.append(d)
+            if p_min > 0.0:
+                with prof.stage("sync"):
+                    top = mx.topk(logits, min(10, logits.shape[-1]))
+                    p_top = mx.max(mx.softmax(top)).item()  # llama.cpp: top-10 softmax at temperature 1
+                if p_top < p_min:
+                    if qs:
+                        qs.pop()
+                    break
+            drafts.append(d)
+            tok, h_prev = d.reshape(1, 1), h_mtp
+        cap = kv_capacity(self.cache)
+        shapes = [("mtp", owed + 1, cap)] + ([("mtp", 1, cap)] if self.steps > 1 else [])
+        if not drafts:
+            return Draft([], None, shapes)
+        return Draft(mx.stack(drafts), mx.stack(qs) if qs else None, shapes)
+
+    def rollback(self, n: int) -> None:
+        if self.steps > 1:
+            self.cache.truncate(self.cache.offset - (self.steps - 1))
+
+    def accept(self, accepted: list[int], token: int, hidden: mx.array) -> None:
+        """Owes the head (d_i, trunk hidden before d_i) for the accepted drafts, and the last token's
+        row when no draft step ran (a plain round); they join the next round's first draft forward."""
+        n = len(accepted)
+        if self.steps == 0:
+            self.owed_tokens.append(self.last_token)
+            self.owed_hidden.append(self.h_last)
+            self._trim_owed()
+        self.owed_tokens.extend(accepted)
+        if n:
+            self.owed_hidden.append(hidden[:, :n])
+        self.h_last = hidden[:, n:n + 1]
+        self.last_token = token
+        self.steps = 0
+
+    def _trim_owed(self) -> None:
+        """Keeps only the newest `catch_up_window` owed rows. Every plain round owes the head one
+        row, and where a product of M rows costs M single rows (MLX's CPU backend) catching up a
+        long plain stretch costs c steps per plain token: measured on the 2-core CPU, n-max auto
+        fell to 0.86x plain from its probes' catch-ups alone. Older rows are dropped: the head's own
+        attention then lacks them (its positions close the gap), which can only lower acceptance of
+        the next drafts, never change the output (verify decides)."""
+        drop = len(self.owed_tokens) - self.catch_up_window
+        if drop <= 0:
+            return
+        self.owed_tokens = self.owed_tokens[drop:]
+        self.catch_up_dropped += drop
+        # drop whole entries (no concatenation: a lazy concat per plain round would chain forever)
+        while drop:
+            rows = int(self.owed_hidden[0].shape[1])
+            if rows <= drop:
+                self.owed_hidden.pop(0)
+                drop -= rows
+            else:
+                self.owed_hidden[0] = self.owed_hidden[0][:, drop:]
+                drop = 0
+
+    def stats(self) -> dict:
+        return {"catch_up_rows_dropped": self.catch_up_dropped}

@@ -1,0 +1,66 @@
+"""Prompt lookup (n-gram) drafting: the tokens that followed the latest earlier occurrence of the
+last few tokens are proposed as drafts (Saxena's prompt-lookup decoding, llama.cpp's
+`--spec-type ngram`-style drafters). No model, no cache: it only needs the token history, so it
+is the smallest drafter the interface admits, and it pays on text that repeats its prompt
+(editing code, quoting, extraction).
+
+    from mtp_engine.speculative.decoder import SpeculativeDecoder
+    from mtp_engine.speculative.ngram import NGramDrafter
+    dec = SpeculativeDecoder(model, sampler, DraftParams(4), NGramDrafter(max_ngram=3))
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..errors import MTPEngineError
+from .drafter import Draft, Drafter
+
+
+class NGramDrafter(Drafter):
+    """Drafts by matching the last `max_ngram`..`min_ngram` tokens against the history."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise MTPEngineError(f"expected 1 <= min_ngram <= max_ngram, found {min_ngram}, {max_ngram}",
+                                 field="ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.history: list[int] = []
+        self.lookups = 0
+        self.hits = 0
+
+    def begin(self, prompt: list[int], hidden: mx.array) -> None:
+        self.history = list(prompt)
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching
+        suffix of the history (longest n-gram first)."""
+        h = self.history
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+            suffix = h[-n:]
+            for start in range(len(h) - n - 1, -1, -1):  # latest occurrence before the suffix itself
+                if h[start:start + n] == suffix:
+                    return h[start + n:start + n + k]
+        return []
+
+    def draft(self, k: int, p_min: float = 0.0) -> Draft:
+        """`p_min` does not apply: the drafter has no probabilities of its own."""
+        self.lookups += 1
+        tokens = self.lookup(k)
+        if not tokens:
+            return Draft()
+        self.hits += 1
+        drafts = mx.array(tokens, dtype=mx.int32)
+        q = None
+        if not self.ctx.sampler.cfg.greedy:  # a deterministic proposal: one-hot distributions
+            vocab = self.ctx.model.cfg.vocab_size
+            q = (mx.arange(vocab)[None, :] == drafts[:, None]).astype(mx.float32)
+        return Draft(drafts, q)
+
+    def accept(self, accepted: list[int], token: int, hidden: mx.array) -> None:
+        self.history.extend(accepted)
+        self.history.append(token)
+
+    def stats(self) -> dict:
+        return {"ngram_lookups": self.lookups, "ngram_hits": self.hits}
