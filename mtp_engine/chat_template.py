@@ -18,13 +18,15 @@ text generation does not pay for it.
 """
 from __future__ import annotations
 
+import functools
 import json
+import threading
 from typing import Any
 
 from .errors import MTPEngineError
 from .template_budget import (
-    CURRENT, HOOKS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, guard_filter,
-    input_chars, instrument, joined_size, replaced_size,
+    CURRENT, HOOKS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, check_str_call,
+    guard_filter, input_chars, instrument, render_counted,
 )
 
 __all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS"]
@@ -68,9 +70,8 @@ def _jinja_env() -> Any:
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    _getattr, _getitem = ImmutableSandboxedEnvironment.getattr, ImmutableSandboxedEnvironment.getitem
-
     class BudgetedEnvironment(ImmutableSandboxedEnvironment):
+        # `instrument` turns every + chain into a hook; "+" stays here in case one is left
         intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
 
         def _parse(self, source: str, name: str | None, filename: str | None) -> Any:
@@ -79,10 +80,6 @@ def _jinja_env() -> Any:
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             b = CURRENT.get()
-            if operator == "+" and type(left) is str and type(right) is str:  # the common case, kept cheap
-                if b is not None and len(left) + len(right) > b.max_chars:
-                    b.size(len(left) + len(right), "the operator +")
-                return left + right
             if b is not None:
                 what = f"the operator {operator}"
                 if operator == "*":
@@ -105,42 +102,24 @@ def _jinja_env() -> Any:
                 b.size((len(out) if type(out) in SIZED else 0), f"the operator {operator}")
             return out
 
-        # attribute and item lookups count as steps too: a filter such as selectattr can walk a
-        # million-character string without a loop or a call of the template's own
-        def getattr(self, obj: Any, attribute: str) -> Any:
-            b = CURRENT.get()
-            if b is not None:
-                b.step()
-            return _getattr(self, obj, attribute)
-
-        def getitem(self, obj: Any, argument: Any) -> Any:
-            b = CURRENT.get()
-            if b is not None:
-                b.step()
-            return _getitem(self, obj, argument)
-
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             b = CURRENT.get()
             if b is not None:
-                b.step()
-                target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
-                owner = getattr(target, "__self__", None)
-                if isinstance(owner, str):
-                    what = f"str.{getattr(target, '__name__', '?')}"
-                    check_ints(b, list(args) + list(kwargs.values()), what)
-                    name = getattr(target, "__name__", "")
-                    if name in ("format", "format_map"):
-                        check_format_string(b, owner, what)
-                    elif name == "join" and args:
-                        b.size(joined_size(owner, args[0]), what)
-                    elif name == "replace" and len(args) >= 2:
-                        b.size(replaced_size(owner, *args[:3]), what)
-                    elif name == "expandtabs":
-                        size = args[0] if args else kwargs.get("tabsize", 8)
-                        b.size(len(owner) + owner.count("\t") * (size if isinstance(size, int) else 8), what)
+                b.steps_left -= 1
+                if b.steps_left & 63 == 0 or b.steps_left < 0:
+                    b.check()
+                kind = type(__obj)
+                if kind is _BUILTIN_METHOD:
+                    owner = __obj.__self__
+                    if type(owner) is str:
+                        check_str_call(b, owner, __obj.__name__, args, kwargs)
+                elif kind is _FUNCTION:  # the sandbox wraps str.format / format_map in a function
+                    target = getattr(__obj, "__wrapped__", None)
+                    if type(target) is _BUILTIN_METHOD and type(target.__self__) is str:
+                        check_str_call(b, target.__self__, target.__name__, args, kwargs)
             out = super().call(__context, __obj, *args, **kwargs)
-            if b is not None:
-                b.size((len(out) if type(out) in SIZED else 0), "a call")
+            if b is not None and type(out) in SIZED and len(out) > b.max_chars:
+                b.size(len(out), "a call")
             return out
 
     env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
@@ -157,6 +136,33 @@ def _jinja_env() -> Any:
     return env
 
 
+_BUILTIN_METHOD = type("".join)
+_FUNCTION = type(_strftime_now)
+_ENV: Any = None
+_ENV_LOCK = threading.Lock()
+
+
+def _environment() -> Any:
+    """The one budgeted environment, built on first use (a Jinja environment is safe to share
+    between threads once built; building one costs more than most renders)."""
+    global _ENV
+    with _ENV_LOCK:
+        if _ENV is None:
+            _ENV = _jinja_env()
+        return _ENV
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(source: str) -> Any:
+    # Jinja folds constant filter calls at compile time ('x'|center(5000000000)): under a budget, a
+    # fold that goes past it is left to the render, which refuses it
+    token = CURRENT.set(Budget(RenderLimits(), 0))
+    try:
+        return _environment().from_string(source)
+    finally:
+        CURRENT.reset(token)
+
+
 def compile_chat_template(source: str, *, file: str | None, field: str) -> Any:
     """The compiled Jinja template of ``source``; MTPEngineError (naming ``file`` and
     ``field``) when it does not compile or is longer than MAX_TEMPLATE_CHARS."""
@@ -165,16 +171,10 @@ def compile_chat_template(source: str, *, file: str | None, field: str) -> Any:
     if len(source) > MAX_TEMPLATE_CHARS:
         raise MTPEngineError(f"chat template of {len(source)} characters: expected at most {MAX_TEMPLATE_CHARS}",
                              file=file, field=field)
-    env = _jinja_env()
-    # Jinja folds constant filter calls at compile time ('x'|center(5000000000)): under a budget, a
-    # fold that goes past it is left to the render, which refuses it
-    token = CURRENT.set(Budget(RenderLimits(), 0))
-    try:
-        return env.from_string(source)
+    try:  # compiled once per template text (a few are kept), then shared
+        return _compile(source)
     except Exception as e:  # TemplateSyntaxError, and RecursionError/MemoryError on absurd nesting
         raise MTPEngineError(f"invalid chat template: {_one_line(e)}", file=file, field=field) from None
-    finally:
-        CURRENT.reset(token)
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
@@ -202,10 +202,11 @@ def render_chat_template(
     """
     import jinja2
 
-    budget = Budget(limits or RenderLimits(), input_chars(messages, variables))
+    budget = Budget(limits or RenderLimits(), lambda: input_chars(messages, variables))
     token = CURRENT.set(budget)
     try:
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        return render_counted(template, budget,
+                              dict(variables, messages=messages, add_generation_prompt=add_generation_prompt))
     except _TemplateRaised as e:
         raise MTPEngineError(f"chat template refused the input: {_one_line(e)}", file=file, field=field) from None
     except OverBudget as e:

@@ -1,8 +1,21 @@
 """The budget of one chat-template render (`RenderLimits`) and the hooks that enforce it.
 
-`chat_template._jinja_env` builds the sandbox that calls these: `instrument` rewrites a parsed
-template so that every loop, output and ``~`` goes through the hook filters, and the sandbox's
-operator, call and lookup overrides and the guarded filters check sizes before values are built.
+`chat_template` builds the sandbox that calls these: `instrument` rewrites a parsed template so
+that every loop, every ``+`` chain and ``~``, and every output inside a capture (macro, call,
+filter and set blocks, recursive loops) goes through the hook filters; `render_counted` counts the
+top level's output as it is produced; the sandbox's operator and call overrides and the guarded
+filters check sizes before values are built.
+
+Cost matters as much as coverage: a chat template renders on every request, so the hooks are
+placed where they are cheapest. A loop over a list, tuple, dict, string or range is charged its
+length once, up front (the original object is iterated: no wrapper per item); only iterators are
+counted item by item. The top level's output is counted per chunk of the render's generator, not
+per expression. Attribute and item lookups are not hooked: a template's own lookups are bounded by
+its size per step (loop iteration or call), and the filters that walk items through lookups
+(``selectattr``, ``map``, ``sort``...) are charged one step per item of what they walk. The
+input's size, which widens the character allowance, is measured only the first time a character
+limit is reached.
+
 The budget of the render in progress lives in a context variable, so renders in several threads
 each have their own. Nothing here imports jinja2 at module level.
 """
@@ -12,11 +25,13 @@ import contextvars
 import functools
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["RenderLimits", "OverBudget", "Budget", "CURRENT", "instrument", "guard_filter", "HOOKS",
-           "input_chars", "check_ints", "check_format_string", "joined_size", "replaced_size", "SIZED"]
+           "input_chars", "check_ints", "check_format_string", "joined_size", "replaced_size", "SIZED",
+           "render_counted", "check_str_call", "WALKING_FILTERS", "PLAIN_FILTERS"]
 
 
 @dataclass(frozen=True)
@@ -24,8 +39,8 @@ class RenderLimits:
     """The budget of one render. Real templates use a tiny part of it (Qwen3's: ~200 steps and
     ~2 KB for a short chat): the limits only stop templates that would hang or fill memory.
 
-    * ``max_steps``: loop iterations, calls (filters, methods, macros, functions) and attribute
-      or item lookups;
+    * ``max_steps``: loop iterations, calls (filters, methods, macros, functions) and the items
+      that filters such as ``selectattr``, ``map`` or ``sort`` walk;
     * ``max_chars``: characters produced in all (output and captured text), and the size of any
       one string or list the template builds; the budget grows by ``chars_per_input_char`` for
       every character of the messages and variables, so long chats always fit;
@@ -43,33 +58,60 @@ class OverBudget(Exception):
 
 
 class Budget:
-    """What is left of one render's RenderLimits; `input_chars` widens the character allowance."""
+    """What is left of one render's RenderLimits.
 
-    def __init__(self, limits: RenderLimits, input_chars: int):
+    `input_chars` (a count, or a function that measures it) widens the character allowance by
+    ``chars_per_input_char`` per character of input. A function is called only the first time a
+    character limit is reached, so renders that stay under the base limit never walk their input.
+    """
+
+    __slots__ = ("steps_left", "max_chars", "chars_left", "limits", "deadline", "_pending")
+
+    def __init__(self, limits: RenderLimits, input_chars: int | Callable[[], int]):
         self.steps_left = limits.max_steps
-        self.max_chars = limits.max_chars + limits.chars_per_input_char * input_chars
-        self.chars_left = self.max_chars
         self.limits = limits
         self.deadline = time.monotonic() + limits.timeout_s
+        self._pending: Callable[[], int] | None = None
+        self.max_chars = limits.max_chars
+        if callable(input_chars):
+            self._pending = input_chars
+        else:
+            self.max_chars += limits.chars_per_input_char * input_chars
+        self.chars_left = self.max_chars
+
+    def _widen(self) -> bool:
+        """Adds the input's share to the character allowance, once; True if it grew."""
+        if self._pending is None:
+            return False
+        measure, self._pending = self._pending, None
+        extra = self.limits.chars_per_input_char * measure()
+        self.max_chars += extra
+        self.chars_left += extra
+        return extra > 0
 
     def _clock(self) -> None:
         if time.monotonic() > self.deadline:
             raise OverBudget(f"rendering took longer than the limit of {self.limits.timeout_s:g} s")
 
+    def check(self) -> None:
+        """Raises if the steps are spent, else checks the clock (hooks call it every 64 steps)."""
+        if self.steps_left < 0:
+            raise OverBudget(f"more than {self.limits.max_steps} steps (loop iterations, calls and lookups)")
+        self._clock()
+
     def step(self, n: int = 1) -> None:
         self.steps_left -= n
-        if self.steps_left & 63 == 0 or self.steps_left < 0:  # the clock every 64 steps: a step is ~0.1 us
-            if self.steps_left < 0:
-                raise OverBudget(f"more than {self.limits.max_steps} steps (loop iterations, calls and lookups)")
-            self._clock()
+        # the clock every 64 single steps (a step is ~0.1 us), and at every bulk charge
+        if n > 1 or self.steps_left & 63 == 0 or self.steps_left < 0:
+            self.check()
 
     def emit(self, n: int) -> None:
         self.chars_left -= n
-        if self.chars_left < 0:
+        if self.chars_left < 0 and not (self._widen() and self.chars_left >= 0):
             raise OverBudget(f"more than {self.max_chars} characters of output")
 
     def size(self, n: int, what: str) -> None:
-        if n > self.max_chars:
+        if n > self.max_chars and not (self._widen() and n <= self.max_chars):
             raise OverBudget(f"{what} would build a value of {n} characters or items, more than the limit of {self.max_chars}")
 
 
@@ -82,6 +124,8 @@ def current() -> Budget | None:
 
 
 SIZED = (str, list, tuple, dict)
+# iterated as they are, their length charged once: the types real templates loop over
+_COUNTABLE = frozenset({list, tuple, dict, str, range})
 
 
 def _len(x: Any) -> int:
@@ -122,38 +166,98 @@ def replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
     return len(s) + n * max(len(new) - len(old), 0)
 
 
-def guard_filter(name: str, f: Any) -> Any:
-    from jinja2.environment import Environment
-    from jinja2.nodes import EvalContext
-    from jinja2.runtime import Context
+def _translated_size(s: str, table: Any) -> int:
+    values = table.values() if isinstance(table, dict) else table if isinstance(table, (list, tuple)) else ()
+    longest = max((len(v) for v in values if isinstance(v, str)), default=1)
+    return len(s) * max(longest, 1)
 
-    special = (Context, EvalContext, Environment)
+
+# str methods that can build a value larger than their inputs, checked before the call
+_INFLATING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "format", "format_map",
+                                "join", "replace", "translate"})
+
+
+def check_str_call(b: Budget, owner: str, name: str, args: tuple, kwargs: dict) -> None:
+    """Size checks before ``owner.name(*args, **kwargs)``, for the str methods that inflate."""
+    if name not in _INFLATING_METHODS:
+        return
+    what = f"str.{name}"
+    check_ints(b, list(args) + list(kwargs.values()), what)
+    if name in ("format", "format_map"):
+        check_format_string(b, owner, what)
+    elif name == "join" and args:
+        b.size(joined_size(owner, args[0]), what)
+    elif name == "replace" and len(args) >= 2:
+        b.size(replaced_size(owner, *args[:3]), what)
+    elif name == "expandtabs":
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        b.size(len(owner) + owner.count("\t") * (size if isinstance(size, int) else 8), what)
+    elif name == "translate" and args:
+        b.size(_translated_size(owner, args[0]), what)
+
+
+# Filters that cannot build more than a small multiple of their input and run in linear time:
+# left unwrapped, so the common ones (trim, length, tojson...) cost nothing extra. tojson checks
+# its own size while encoding.
+PLAIN_FILTERS = frozenset({
+    "abs", "bool", "capitalize", "count", "d", "default", "e", "escape", "first", "float",
+    "forceescape", "int", "items", "last", "length", "list", "lower", "reverse", "round", "safe",
+    "string", "striptags", "title", "tojson", "trim", "upper", "wordcount",
+})
+# Filters that walk their input item by item in Python (attribute lookups, calls): charged one
+# step per item before they run.
+WALKING_FILTERS = frozenset({
+    "batch", "dictsort", "groupby", "join", "map", "max", "min", "reject", "rejectattr", "select",
+    "selectattr", "slice", "sort", "sum", "unique", "xmlattr",
+})
+
+
+def _counted(b: Budget, iterable: Any) -> Iterator[Any]:
+    for x in iterable:
+        b.steps_left -= 1
+        if b.steps_left & 63 == 0 or b.steps_left < 0:
+            b.check()
+        yield x
+
+
+def guard_filter(name: str, f: Any) -> Any:
+    """`f` as the sandbox calls it: unchanged for PLAIN_FILTERS, else with its size checks."""
+    if name in PLAIN_FILTERS:
+        return f
+    # the arguments Jinja passes before the value (context, eval context or environment)
+    lead = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0
+    walks = name in WALKING_FILTERS
+    what = f"the filter {name}"
 
     @functools.wraps(f)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         b = CURRENT.get()
-        if b is not None and (len(args) > 1 or kwargs):  # a filter without parameters cannot inflate
+        if b is None:
+            return f(*args, **kwargs)
+        value = args[lead] if len(args) > lead else None
+        if walks and type(value) in _COUNTABLE:
+            b.step(len(value) + 1)
+        elif walks and isinstance(value, Iterator):
+            args = args[:lead] + (_counted(b, value),) + args[lead + 1:]
+        else:
             b.step()
-            rest = [a for a in args if not isinstance(a, special)]
-            value, params = (rest[0], rest[1:]) if rest else (None, [])
-            what = f"the filter {name}"
+        params = args[lead + 1:]
+        if params or kwargs:
             check_ints(b, list(params) + list(kwargs.values()), what)
-            if name == "join":
-                b.size(joined_size(params[0] if params else kwargs.get("d", ""),
-                                    value if isinstance(value, (list, tuple)) else []), what)
-            elif name == "replace" and len(params) >= 2:
-                b.size(replaced_size(value, params[0], params[1], params[2] if len(params) > 2 else -1), what)
-            elif name == "indent" and isinstance(value, str):
-                width = params[0] if params else kwargs.get("width", 4)
-                b.size(len(value) + (value.count("\n") + 1) * (_len(width) or (width if isinstance(width, int) else 0)),
-                       what)
-            elif name == "format":
-                check_format_string(b, value, what)
+        if name == "join":
+            b.size(joined_size(params[0] if params else kwargs.get("d", ""),
+                                value if isinstance(value, (list, tuple)) else []), what)
+        elif name == "replace" and len(params) >= 2:
+            b.size(replaced_size(value, params[0], params[1], params[2] if len(params) > 2 else -1), what)
+        elif name == "indent" and isinstance(value, str):
+            width = params[0] if params else kwargs.get("width", 4)
+            b.size(len(value) + (value.count("\n") + 1) * (_len(width) or (width if isinstance(width, int) else 0)),
+                   what)
+        elif name == "format":
+            check_format_string(b, value, what)
         out = f(*args, **kwargs)
-        if b is not None:
-            b.step()
-            if type(out) in SIZED and len(out) > b.max_chars:
-                b.size(len(out), f"the filter {name}")
+        if type(out) in SIZED and len(out) > b.max_chars:
+            b.size(len(out), what)
         return out
 
     return guarded
@@ -162,11 +266,13 @@ def guard_filter(name: str, f: Any) -> Any:
 def _loop(_context: Any, iterable: Any) -> Any:
     b = CURRENT.get()
     if b is None:
-        yield from iterable
-        return
-    for x in iterable:
-        b.step()
-        yield x
+        return iterable
+    # charged up front when the whole loop fits in what is left; otherwise counted item by item,
+    # so that a loop past the budget runs (and outputs) up to the point where it goes over
+    if type(iterable) in _COUNTABLE and len(iterable) <= b.steps_left:
+        b.step(len(iterable))
+        return iterable
+    return _counted(b, iterable)
 
 
 def _out(_context: Any, value: Any) -> Any:
@@ -179,7 +285,7 @@ def _out(_context: Any, value: Any) -> Any:
 
 
 def _emit(_context: Any, _value: Any, n: int) -> str:
-    b = current()
+    b = CURRENT.get()
     if b is not None:
         b.emit(n)
     return ""
@@ -187,24 +293,72 @@ def _emit(_context: Any, _value: Any, n: int) -> str:
 
 def _concat(_context: Any, *parts: Any) -> str:
     strings = [p if isinstance(p, str) else str(p) for p in parts]
-    b = current()
+    b = CURRENT.get()
     if b is not None:
         b.size(sum(map(len, strings)), "the operator ~")
     return "".join(strings)
 
 
+def _add(_context: Any, first: Any, *rest: Any) -> Any:
+    """``first + rest[0] + rest[1] ...`` (one hook per chain of ``+``), each step's size checked
+    before it is built."""
+    b = CURRENT.get()
+    if type(first) is str:  # the common case: all plain strings, joined at once
+        n = len(first)
+        for p in rest:
+            if type(p) is not str:
+                break
+            n += len(p)
+        else:
+            if b is not None and n > b.max_chars:
+                b.size(n, "the operator +")
+            return "".join((first, *rest))
+    acc = first
+    for p in rest:
+        if b is not None:
+            if isinstance(acc, (str, list, tuple)) and isinstance(p, (str, list, tuple)):
+                b.size(len(acc) + len(p), "the operator +")
+        acc = acc + p
+        if b is not None and isinstance(acc, (str, list, tuple)) and len(acc) > b.max_chars:
+            b.size(len(acc), "the operator +")  # str + Markup escapes: larger than its parts
+    return acc
+
+
 def instrument(tree: Any, nodes: Any) -> Any:
-    """Routes every loop, output and ``~`` of the template through the budget hooks."""
+    """Routes every loop, ``+`` chain, ``~`` and captured output of the template through the
+    budget hooks (the top level's output is counted by `render_counted`)."""
     from jinja2.visitor import NodeTransformer
 
     def hook(name: str, value: Any, *args: Any, lineno: int) -> Any:
         return nodes.Filter(value, name, list(args), [], None, None, lineno=lineno)
 
     class Instrument(NodeTransformer):
+        # > 0 inside a scope whose output Jinja collects in a list instead of yielding it (macros,
+        # call, filter and set blocks, recursive loops; blocks, which self.name() collects)
+        captured = 0
+
+        def _scope(self, node: Any) -> Any:
+            self.captured += 1
+            try:
+                return self.generic_visit(node)
+            finally:
+                self.captured -= 1
+
+        visit_Macro = visit_CallBlock = visit_FilterBlock = visit_AssignBlock = visit_Block = _scope
+
         def visit_For(self, node: Any) -> Any:
-            node = self.generic_visit(node)
+            node = self._scope(node) if node.recursive else self.generic_visit(node)
             node.iter = hook("mtp_loop", node.iter, lineno=node.lineno)
             return node
+
+        def visit_Add(self, node: Any) -> Any:
+            operands = []
+            while isinstance(node, nodes.Add):  # a + b + c parses as ((a + b) + c)
+                operands.append(node.right)
+                node = node.left
+            operands.append(node)
+            operands = [self.visit(o) for o in reversed(operands)]
+            return hook("mtp_add", operands[0], *operands[1:], lineno=operands[0].lineno)
 
         def visit_Concat(self, node: Any) -> Any:
             node = self.generic_visit(node)
@@ -212,6 +366,8 @@ def instrument(tree: Any, nodes: Any) -> Any:
 
         def visit_Output(self, node: Any) -> Any:
             node = self.generic_visit(node)
+            if not self.captured:
+                return node
             literal = sum(len(c.data) for c in node.nodes if isinstance(c, nodes.TemplateData))
             wrapped = [c if isinstance(c, nodes.TemplateData) else hook("mtp_out", c, lineno=c.lineno)
                        for c in node.nodes]
@@ -220,6 +376,19 @@ def instrument(tree: Any, nodes: Any) -> Any:
             return node
 
     return Instrument().visit(tree)
+
+
+def render_counted(template: Any, b: Budget, context: dict) -> str:
+    """``template.render(**context)``, counting the top level's output chunk by chunk as the
+    render's generator produces it (captured output is counted by the hooks)."""
+    parts: list[str] = []
+    append = parts.append
+    for chunk in template.root_render_func(template.new_context(context)):
+        b.chars_left -= len(chunk)
+        if b.chars_left < 0:
+            b.emit(0)
+        append(chunk)
+    return "".join(parts)
 
 
 def input_chars(messages: Any, variables: dict, max_nodes: int = 100_000) -> int:
@@ -248,4 +417,4 @@ def input_chars(messages: Any, variables: dict, max_nodes: int = 100_000) -> int
 
 
 # the hook filters `instrument` puts into templates, by name
-HOOKS = {"mtp_loop": _loop, "mtp_out": _out, "mtp_emit": _emit, "mtp_concat": _concat}
+HOOKS = {"mtp_loop": _loop, "mtp_out": _out, "mtp_emit": _emit, "mtp_concat": _concat, "mtp_add": _add}
