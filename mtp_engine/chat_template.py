@@ -136,6 +136,7 @@ def _jinja_env() -> Any:
     return env
 
 
+_DEFAULT_LIMITS = RenderLimits()
 _BUILTIN_METHOD = type("".join)
 _FUNCTION = type(_strftime_now)
 _ENV: Any = None
@@ -202,7 +203,7 @@ def render_chat_template(
     """
     import jinja2
 
-    budget = Budget(limits or RenderLimits(), lambda: input_chars(messages, variables))
+    budget = Budget(limits or _DEFAULT_LIMITS, lambda: input_chars(messages, variables))
     token = CURRENT.set(budget)
     try:
         return render_counted(template, budget,

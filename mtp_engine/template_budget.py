@@ -299,25 +299,31 @@ def _concat(_context: Any, *parts: Any) -> str:
     return "".join(strings)
 
 
-def _add(_context: Any, first: Any, *rest: Any) -> Any:
-    """``first + rest[0] + rest[1] ...`` (one hook per chain of ``+``), each step's size checked
-    before it is built."""
+# a chain of + with at most this many operands, all plain strings, is checked once built (at most
+# this many times its largest operand, which exists already); a longer one before
+_SHORT_CHAIN = 8
+
+
+def _add(_context: Any, *parts: Any) -> Any:
+    """``parts[0] + parts[1] + ...``: one hook per chain of ``+``."""
+    for p in parts:
+        if type(p) is not str:
+            break
+    else:  # the common case: plain strings, joined at once (the same text as the left fold)
+        b = CURRENT.get()
+        if b is None:
+            return "".join(parts)
+        if len(parts) > _SHORT_CHAIN:
+            b.size(sum(map(len, parts)), "the operator +")
+        out = "".join(parts)
+        if len(out) > b.max_chars:
+            b.size(len(out), "the operator +")
+        return out
     b = CURRENT.get()
-    if type(first) is str:  # the common case: all plain strings, joined at once
-        n = len(first)
-        for p in rest:
-            if type(p) is not str:
-                break
-            n += len(p)
-        else:
-            if b is not None and n > b.max_chars:
-                b.size(n, "the operator +")
-            return "".join((first, *rest))
-    acc = first
-    for p in rest:
-        if b is not None:
-            if isinstance(acc, (str, list, tuple)) and isinstance(p, (str, list, tuple)):
-                b.size(len(acc) + len(p), "the operator +")
+    acc = parts[0]
+    for p in parts[1:]:
+        if b is not None and isinstance(acc, (str, list, tuple)) and isinstance(p, (str, list, tuple)):
+            b.size(len(acc) + len(p), "the operator +")  # before it is built
         acc = acc + p
         if b is not None and isinstance(acc, (str, list, tuple)) and len(acc) > b.max_chars:
             b.size(len(acc), "the operator +")  # str + Markup escapes: larger than its parts
