@@ -25,7 +25,7 @@ from typing import Any
 
 from .errors import MTPEngineError
 from .template_budget import (
-    CURRENT, HOOKS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, check_str_call,
+    CURRENT, HOOKS, INFLATING_METHODS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, check_str_call,
     guard_filter, input_chars, instrument, render_counted,
 )
 
@@ -50,7 +50,15 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
     b = CURRENT.get()
     if b is None:
         return encoder.encode(value)
-    # streamed, so that an indent of 10^6 on a nested value is refused before its text exists
+    if indent is None and (separators is None or sum(map(len, separators)) <= 8):
+        # compact JSON is at most a few times the size of what it encodes, which exists already:
+        # encoded at once (in C), then checked
+        out = encoder.encode(value)
+        if len(out) > b.max_chars:
+            b.size(len(out), "the filter tojson")
+        return out
+    # indented (or with long separators) it can be far larger than the value (an indent of 10^6 on
+    # a nested value): streamed, and refused before the text exists
     parts, size = [], 0
     for chunk in encoder.iterencode(value):
         size += len(chunk)
@@ -69,6 +77,8 @@ def _jinja_env() -> Any:
     import jinja2.ext
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    sandbox_call = ImmutableSandboxedEnvironment.call
 
     class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         # `instrument` turns every + chain into a hook; "+" stays here in case one is left
@@ -104,21 +114,21 @@ def _jinja_env() -> Any:
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             b = CURRENT.get()
-            if b is not None:
-                b.steps_left -= 1
-                if b.steps_left & 63 == 0 or b.steps_left < 0:
-                    b.check()
-                kind = type(__obj)
-                if kind is _BUILTIN_METHOD:
-                    owner = __obj.__self__
-                    if type(owner) is str:
-                        check_str_call(b, owner, __obj.__name__, args, kwargs)
-                elif kind is _FUNCTION:  # the sandbox wraps str.format / format_map in a function
-                    target = getattr(__obj, "__wrapped__", None)
-                    if type(target) is _BUILTIN_METHOD and type(target.__self__) is str:
-                        check_str_call(b, target.__self__, target.__name__, args, kwargs)
-            out = super().call(__context, __obj, *args, **kwargs)
-            if b is not None and type(out) in SIZED and len(out) > b.max_chars:
+            if b is None:
+                return sandbox_call(__self, __context, __obj, *args, **kwargs)
+            b.steps_left -= 1
+            if b.steps_left & 63 == 0 or b.steps_left < 0:
+                b.check()
+            kind = type(__obj)
+            if kind is _BUILTIN_METHOD:
+                if __obj.__name__ in INFLATING_METHODS and type(__obj.__self__) is str:
+                    check_str_call(b, __obj.__self__, __obj.__name__, args, kwargs)
+            elif kind is _FUNCTION:  # the sandbox wraps str.format / format_map in a function
+                target = getattr(__obj, "__wrapped__", None)
+                if type(target) is _BUILTIN_METHOD and type(target.__self__) is str:
+                    check_str_call(b, target.__self__, target.__name__, args, kwargs)
+            out = sandbox_call(__self, __context, __obj, *args, **kwargs)
+            if type(out) in SIZED and len(out) > b.max_chars:
                 b.size(len(out), "a call")
             return out
 

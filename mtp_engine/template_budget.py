@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["RenderLimits", "OverBudget", "Budget", "CURRENT", "instrument", "guard_filter", "HOOKS",
            "input_chars", "check_ints", "check_format_string", "joined_size", "replaced_size", "SIZED",
-           "render_counted", "check_str_call", "WALKING_FILTERS", "PLAIN_FILTERS"]
+           "render_counted", "check_str_call", "INFLATING_METHODS", "WALKING_FILTERS", "PLAIN_FILTERS"]
 
 
 @dataclass(frozen=True)
@@ -173,13 +173,13 @@ def _translated_size(s: str, table: Any) -> int:
 
 
 # str methods that can build a value larger than their inputs, checked before the call
-_INFLATING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "format", "format_map",
+INFLATING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "format", "format_map",
                                 "join", "replace", "translate"})
 
 
 def check_str_call(b: Budget, owner: str, name: str, args: tuple, kwargs: dict) -> None:
     """Size checks before ``owner.name(*args, **kwargs)``, for the str methods that inflate."""
-    if name not in _INFLATING_METHODS:
+    if name not in INFLATING_METHODS:
         return
     what = f"str.{name}"
     check_ints(b, list(args) + list(kwargs.values()), what)
