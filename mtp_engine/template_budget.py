@@ -299,8 +299,8 @@ def _concat(_context: Any, *parts: Any) -> str:
     return "".join(strings)
 
 
-# a chain of + with at most this many operands, all plain strings, is checked once built (at most
-# this many times its largest operand, which exists already); a longer one before
+# A chain of + with at most this many operands, all plain strings, is checked once built (it is
+# at most this many times its largest operand, which exists already); a longer one before.
 _SHORT_CHAIN = 8
 
 
@@ -308,26 +308,55 @@ def _add(_context: Any, *parts: Any) -> Any:
     """``parts[0] + parts[1] + ...``: one hook per chain of ``+``."""
     for p in parts:
         if type(p) is not str:
-            break
-    else:  # the common case: plain strings, joined at once (the same text as the left fold)
-        b = CURRENT.get()
-        if b is None:
-            return "".join(parts)
-        if len(parts) > _SHORT_CHAIN:
-            b.size(sum(map(len, parts)), "the operator +")
-        out = "".join(parts)
-        if len(out) > b.max_chars:
-            b.size(len(out), "the operator +")
-        return out
+            return _fold(parts)
+    b = CURRENT.get()
+    if b is not None and len(parts) > _SHORT_CHAIN:
+        b.size(sum(map(len, parts)), "the operator +")
+    out = "".join(parts)  # the same text as the left fold, built once
+    if b is not None and len(out) > b.max_chars:
+        b.size(len(out), "the operator +")
+    return out
+
+
+def _fold(parts: tuple) -> Any:
+    """The left fold of ``+`` over anything (lists, numbers, Markup...), each step's size checked
+    before it is built."""
     b = CURRENT.get()
     acc = parts[0]
     for p in parts[1:]:
-        if b is not None and isinstance(acc, (str, list, tuple)) and isinstance(p, (str, list, tuple)):
-            b.size(len(acc) + len(p), "the operator +")  # before it is built
+        if b is not None and isinstance(acc, (str, list, tuple, bytes)) and isinstance(p, (str, list, tuple, bytes)):
+            b.size(len(acc) + len(p), "the operator +")
         acc = acc + p
-        if b is not None and isinstance(acc, (str, list, tuple)) and len(acc) > b.max_chars:
+        if b is not None and isinstance(acc, (str, list, tuple, bytes)) and len(acc) > b.max_chars:
             b.size(len(acc), "the operator +")  # str + Markup escapes: larger than its parts
     return acc
+
+
+def _checked_sum(out: str) -> str:
+    b = CURRENT.get()
+    if b is not None and len(out) > b.max_chars:
+        b.size(len(out), "the operator +")
+    return out
+
+
+# Chains of 2-4 operands (most of a real template's +) get a hook of their own: testing each
+# operand's type inline instead of in a loop makes the hook cost about one plain function call.
+def _add2(_context: Any, a: Any, b: Any) -> Any:
+    if type(a) is str and type(b) is str:
+        return _checked_sum(a + b)
+    return _fold((a, b))
+
+
+def _add3(_context: Any, a: Any, b: Any, c: Any) -> Any:
+    if type(a) is str and type(b) is str and type(c) is str:
+        return _checked_sum(a + b + c)
+    return _fold((a, b, c))
+
+
+def _add4(_context: Any, a: Any, b: Any, c: Any, d: Any) -> Any:
+    if type(a) is str and type(b) is str and type(c) is str and type(d) is str:
+        return _checked_sum(a + b + c + d)
+    return _fold((a, b, c, d))
 
 
 def instrument(tree: Any, nodes: Any) -> Any:
@@ -364,7 +393,8 @@ def instrument(tree: Any, nodes: Any) -> Any:
                 node = node.left
             operands.append(node)
             operands = [self.visit(o) for o in reversed(operands)]
-            return hook("mtp_add", operands[0], *operands[1:], lineno=operands[0].lineno)
+            name = f"mtp_add{len(operands)}" if len(operands) <= 4 else "mtp_add"
+            return hook(name, operands[0], *operands[1:], lineno=operands[0].lineno)
 
         def visit_Concat(self, node: Any) -> Any:
             node = self.generic_visit(node)
@@ -423,4 +453,5 @@ def input_chars(messages: Any, variables: dict, max_nodes: int = 100_000) -> int
 
 
 # the hook filters `instrument` puts into templates, by name
-HOOKS = {"mtp_loop": _loop, "mtp_out": _out, "mtp_emit": _emit, "mtp_concat": _concat, "mtp_add": _add}
+HOOKS = {"mtp_loop": _loop, "mtp_out": _out, "mtp_emit": _emit, "mtp_concat": _concat, "mtp_add": _add,
+         "mtp_add2": _add2, "mtp_add3": _add3, "mtp_add4": _add4}
