@@ -25,7 +25,7 @@ from typing import Any
 
 from .errors import MTPEngineError
 from .template_budget import (
-    CURRENT, HOOKS, INFLATING_METHODS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, check_str_call,
+    CURRENT, HOOKS, NON_GROWING_METHODS, PLAIN_OWNERS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, check_str_call,
     guard_filter, input_chars, instrument, render_counted,
 )
 
@@ -78,6 +78,8 @@ def _jinja_env() -> Any:
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    from jinja2.runtime import Macro
+
     sandbox_call = ImmutableSandboxedEnvironment.call
 
     class BudgetedEnvironment(ImmutableSandboxedEnvironment):
@@ -94,7 +96,7 @@ def _jinja_env() -> Any:
                 what = f"the operator {operator}"
                 if operator == "*":
                     for seq, n in ((left, right), (right, left)):
-                        if isinstance(n, int) and isinstance(seq, (str, list, tuple)):
+                        if isinstance(n, int) and isinstance(seq, (str, list, tuple, bytes)):
                             b.size(len(seq) * max(n, 0), what)
                     if isinstance(left, int) and isinstance(right, int):
                         b.size((abs(left).bit_length() + abs(right).bit_length()) // 4, what)
@@ -102,7 +104,7 @@ def _jinja_env() -> Any:
                     if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
                         b.size(right * abs(left).bit_length() // 4, what)
                 elif operator == "+":
-                    if isinstance(left, (str, list, tuple)) and type(left) is type(right):
+                    if isinstance(left, (str, list, tuple, bytes)) and type(left) is type(right):
                         b.size(len(left) + len(right), what)
                 elif operator == "%" and isinstance(left, str):
                     check_format_string(b, left, what)
@@ -113,15 +115,30 @@ def _jinja_env() -> Any:
             return out
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            kind = type(__obj)
+            if kind is _BUILTIN_METHOD:
+                if __obj.__name__ in NON_GROWING_METHODS and type(__obj.__self__) in PLAIN_OWNERS:
+                    # what the sandbox's call comes to for these (nothing to refuse, no context to
+                    # pass), done directly: most of a real template's calls, kept as cheap as a call
+                    if kwargs:
+                        kwargs.pop("_loop_vars", None)
+                        kwargs.pop("_block_vars", None)
+                    return __obj(*args, **kwargs)
+            elif kind is Macro:  # a step (recursion), then the sandbox's call less its checks
+                b = CURRENT.get()
+                if b is not None:
+                    b.steps_left -= 1
+                    if b.steps_left & 63 == 0 or b.steps_left < 0:
+                        b.check()
+                return __context.call(__obj, *args, **kwargs)
             b = CURRENT.get()
             if b is None:
                 return sandbox_call(__self, __context, __obj, *args, **kwargs)
             b.steps_left -= 1
             if b.steps_left & 63 == 0 or b.steps_left < 0:
                 b.check()
-            kind = type(__obj)
             if kind is _BUILTIN_METHOD:
-                if __obj.__name__ in INFLATING_METHODS and type(__obj.__self__) is str:
+                if type(__obj.__self__) in (str, bytes, int):
                     check_str_call(b, __obj.__self__, __obj.__name__, args, kwargs)
             elif kind is _FUNCTION:  # the sandbox wraps str.format / format_map in a function
                 target = getattr(__obj, "__wrapped__", None)

@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["RenderLimits", "OverBudget", "Budget", "CURRENT", "instrument", "guard_filter", "HOOKS",
            "input_chars", "check_ints", "check_format_string", "joined_size", "replaced_size", "SIZED",
-           "render_counted", "check_str_call", "INFLATING_METHODS", "WALKING_FILTERS", "PLAIN_FILTERS"]
+           "render_counted", "check_str_call", "INFLATING_METHODS", "NON_GROWING_METHODS", "PLAIN_OWNERS", "WALKING_FILTERS", "PLAIN_FILTERS"]
 
 
 @dataclass(frozen=True)
@@ -123,13 +123,13 @@ def current() -> Budget | None:
     return CURRENT.get()
 
 
-SIZED = (str, list, tuple, dict)
+SIZED = (str, list, tuple, dict, bytes)
 # iterated as they are, their length charged once: the types real templates loop over
 _COUNTABLE = frozenset({list, tuple, dict, str, range})
 
 
 def _len(x: Any) -> int:
-    return len(x) if isinstance(x, (str, list, tuple, dict)) else 0
+    return len(x) if isinstance(x, (str, list, tuple, dict, bytes)) else 0
 
 
 _DIGITS = re.compile(r"\d+")
@@ -153,12 +153,12 @@ def check_format_string(b: Budget, fmt: Any, what: str) -> None:
 
 def joined_size(sep: Any, items: Any) -> int:
     if isinstance(items, (list, tuple)):
-        return sum(_len(x) if isinstance(x, str) else 1 for x in items) + _len(sep) * max(len(items) - 1, 0)
+        return sum(_len(x) if isinstance(x, (str, bytes)) else 1 for x in items) + _len(sep) * max(len(items) - 1, 0)
     return 0
 
 
 def replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
-    if not (isinstance(s, str) and isinstance(old, str) and isinstance(new, str)):
+    if not (isinstance(s, (str, bytes)) and type(old) is type(s) and type(new) is type(s)):
         return 0
     n = s.count(old) if old else len(s) + 1
     if isinstance(count, int) and count >= 0:
@@ -168,20 +168,31 @@ def replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
 
 def _translated_size(s: str, table: Any) -> int:
     values = table.values() if isinstance(table, dict) else table if isinstance(table, (list, tuple)) else ()
-    longest = max((len(v) for v in values if isinstance(v, str)), default=1)
+    longest = max((len(v) for v in values if isinstance(v, (str, bytes))), default=1)
     return len(s) * max(longest, 1)
 
 
-# str methods that can build a value larger than their inputs, checked before the call
+# str / bytes / int methods that can build a value larger than their inputs, checked before the call
 INFLATING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "format", "format_map",
-                                "join", "replace", "translate"})
+                                "join", "replace", "translate", "to_bytes"})
+# Builtin methods of plain values (str, list, tuple, dict) that return at most their owner's size,
+# a part of it, a number or a bool: the sandbox's call adds nothing for them, so they are called
+# directly, unchecked and uncounted (a template's method calls are bounded by its size per step).
+NON_GROWING_METHODS = frozenset({
+    "count", "endswith", "find", "get", "index", "isalnum", "isalpha", "isascii", "isdecimal", "isdigit",
+    "isidentifier", "islower", "isnumeric", "isprintable", "isspace", "istitle", "isupper", "items", "keys",
+    "lstrip", "partition", "removeprefix", "removesuffix", "rfind", "rindex", "rpartition", "rsplit",
+    "rstrip", "split", "splitlines", "startswith", "strip", "values",
+})
+PLAIN_OWNERS = frozenset({str, list, tuple, dict})
 
 
-def check_str_call(b: Budget, owner: str, name: str, args: tuple, kwargs: dict) -> None:
-    """Size checks before ``owner.name(*args, **kwargs)``, for the str methods that inflate."""
+def check_str_call(b: Budget, owner: Any, name: str, args: tuple, kwargs: dict) -> None:
+    """Size checks before ``owner.name(*args, **kwargs)`` (owner a str, bytes or int), for the
+    methods that inflate."""
     if name not in INFLATING_METHODS:
         return
-    what = f"str.{name}"
+    what = f"{type(owner).__name__}.{name}"
     check_ints(b, list(args) + list(kwargs.values()), what)
     if name in ("format", "format_map"):
         check_format_string(b, owner, what)
@@ -191,7 +202,8 @@ def check_str_call(b: Budget, owner: str, name: str, args: tuple, kwargs: dict) 
         b.size(replaced_size(owner, *args[:3]), what)
     elif name == "expandtabs":
         size = args[0] if args else kwargs.get("tabsize", 8)
-        b.size(len(owner) + owner.count("\t") * (size if isinstance(size, int) else 8), what)
+        tab = "\t" if isinstance(owner, str) else b"\t"
+        b.size(len(owner) + owner.count(tab) * (size if isinstance(size, int) else 8), what)
     elif name == "translate" and args:
         b.size(_translated_size(owner, args[0]), what)
 
