@@ -356,6 +356,8 @@ def _checked_sum(out: str) -> str:
 def _add2(_context: Any, a: Any, b: Any) -> Any:
     if type(a) is str and type(b) is str:
         return _checked_sum(a + b)
+    if type(a) is int and type(b) is int:  # ns.index + 1: one bit longer at most
+        return a + b
     return _fold((a, b))
 
 
