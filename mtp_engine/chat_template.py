@@ -50,6 +50,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
     b = CURRENT.get()
     if b is None:
         return encoder.encode(value)
+    check_ints(b, (indent,), "the filter tojson")  # the encoder builds ' ' * indent before anything else
     if indent is None and (separators is None or sum(map(len, separators)) <= 8):
         # compact JSON is at most a few times the size of what it encodes, which exists already:
         # encoded at once (in C), then checked

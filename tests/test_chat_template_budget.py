@@ -179,6 +179,9 @@ MORE_HOSTILE = [
     ("{% set ns = namespace(l=[1, 2]) %}{% for i in range(60) %}{% set ns.l = ns.l + ns.l %}{% endfor %}", "would build"),
     ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s + ns.s + ns.s + ns.s %}"
      "{% endfor %}", "would build"),
+    ("{{ messages|tojson(indent=3000000000) }}", "would build"),
+    ("{% set ns = namespace(s='\\\\') %}{% for i in range(60) %}{% set ns.s = [ns.s]|string %}{% endfor %}",
+     "would build"),
     ("{{ ('x' * 1000000)|map('upper')|list|length }}", "loop iterations"),
     ("{{ range(99999)|map('string')|map('upper')|map('lower')|map('trim')|map('upper')|list|length }}{{ f }}"
      * 3, "loop iterations"),
@@ -214,3 +217,11 @@ def test_input_is_measured_only_past_the_base_limit():
     assert calls == [1] and b.max_chars == 200
     with pytest.raises(Exception, match="characters of output"):
         b.emit(100)
+
+
+def test_time_limit_in_a_long_loop_without_other_steps():
+    # a long loop is counted item by item, so the clock is read while it runs (100,000 iterations
+    # of a 3 MB string would take ~30 s)
+    src = "{% for i in range(100000) %}{% set x = 'a' * 3000000 %}{% endfor %}"
+    with pytest.raises(MTPEngineError, match="longer than the limit of 0.2 s"):
+        _render(src, CHATS["one user"], True, {}, RenderLimits(timeout_s=0.2))
