@@ -60,10 +60,12 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
         return out
     # indented (or with long separators) it can be far larger than the value (an indent of 10^6 on
     # a nested value): streamed, and refused before the text exists
-    parts, size = [], 0
+    parts, size, limit = [], 0, b.max_chars
     for chunk in encoder.iterencode(value):
         size += len(chunk)
-        b.size(size, "the filter tojson")
+        if size > limit:
+            b.size(size, "the filter tojson")
+            limit = b.max_chars  # widened by the input's share
         parts.append(chunk)
     return "".join(parts)
 

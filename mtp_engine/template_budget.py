@@ -357,7 +357,7 @@ def _checked_sum(out: str) -> str:
     return out
 
 
-# Chains of 2-4 operands (most of a real template's +) get a hook of their own: testing each
+# Chains of 2-6 operands (most of a real template's +) get a hook of their own: testing each
 # operand's type inline instead of in a loop makes the hook cost about one plain function call.
 def _add2(_context: Any, a: Any, b: Any) -> Any:
     if type(a) is str and type(b) is str:
@@ -377,6 +377,18 @@ def _add4(_context: Any, a: Any, b: Any, c: Any, d: Any) -> Any:
     if type(a) is str and type(b) is str and type(c) is str and type(d) is str:
         return _checked_sum(a + b + c + d)
     return _fold((a, b, c, d))
+
+
+def _add5(_context: Any, a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
+    if type(a) is str and type(b) is str and type(c) is str and type(d) is str and type(e) is str:
+        return _checked_sum(a + b + c + d + e)
+    return _fold((a, b, c, d, e))
+
+
+def _add6(_context: Any, a: Any, b: Any, c: Any, d: Any, e: Any, f: Any) -> Any:
+    if type(a) is str and type(b) is str and type(c) is str and type(d) is str and type(e) is str and type(f) is str:
+        return _checked_sum(a + b + c + d + e + f)
+    return _fold((a, b, c, d, e, f))
 
 
 def instrument(tree: Any, nodes: Any) -> Any:
@@ -413,7 +425,7 @@ def instrument(tree: Any, nodes: Any) -> Any:
                 node = node.left
             operands.append(node)
             operands = [self.visit(o) for o in reversed(operands)]
-            name = f"mtp_add{len(operands)}" if len(operands) <= 4 else "mtp_add"
+            name = f"mtp_add{len(operands)}" if len(operands) <= 6 else "mtp_add"
             return hook(name, operands[0], *operands[1:], lineno=operands[0].lineno)
 
         def visit_Concat(self, node: Any) -> Any:
@@ -474,4 +486,4 @@ def input_chars(messages: Any, variables: dict, max_nodes: int = 100_000) -> int
 
 # the hook filters `instrument` puts into templates, by name
 HOOKS = {"mtp_loop": _loop, "mtp_out": _out, "mtp_emit": _emit, "mtp_concat": _concat, "mtp_add": _add,
-         "mtp_add2": _add2, "mtp_add3": _add3, "mtp_add4": _add4}
+         "mtp_add2": _add2, "mtp_add3": _add3, "mtp_add4": _add4, "mtp_add5": _add5, "mtp_add6": _add6}
