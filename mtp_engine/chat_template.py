@@ -7,11 +7,16 @@ stops attribute escapes (``__class__``, ``__globals__``); on top of it every ren
 (:class:`RenderLimits`): loop iterations plus calls, characters produced (everything output,
 including text captured by ``{% set %}`` blocks and macros), the size of any one string or list
 built by ``*``, ``+``, ``~``, ``%``, ``format``, ``join``, ``replace``, ``ljust``, ``center``,
-``indent``..., checked *before* it is built, and a wall-clock deadline checked at each of those
-points. The hooks are put into the compiled template by rewriting its syntax tree (every
-``for`` iterates through a counting wrapper, every output goes through a counter), so no
-template can skip them, and any exception a template raises becomes MTPEngineError naming the
-field the template came from.
+``indent``..., checked before it is built (a chain of up to 8 plain-string ``+`` once built), and
+a wall-clock deadline. The hooks are put into the compiled template by rewriting its syntax tree
+(see `template_budget`), so no template can skip them, and any exception a template raises
+becomes MTPEngineError naming the field the template came from.
+
+The budget costs a real template about nothing (scripts/bench_template.py, docs/benchmarks.md):
+one environment is built per process and a template text is compiled once; loops over short
+lists are charged up front; the method calls real templates make (``split``, ``strip``,
+``startswith``, ``get``, ``items``...) and macro calls skip layers of the sandbox that cannot
+refuse them.
 
 jinja2 is imported only when a template is actually used, so that loading a model for plain
 text generation does not pay for it.
@@ -25,9 +30,10 @@ from typing import Any
 
 from .errors import MTPEngineError
 from .template_budget import (
-    CURRENT, HOOKS, NON_GROWING_METHODS, PLAIN_OWNERS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, check_str_call,
-    guard_filter, input_chars, instrument, render_counted,
+    CURRENT, NON_GROWING_METHODS, PLAIN_OWNERS, SIZED, Budget, OverBudget, RenderLimits, check_format_string,
+    check_ints, check_str_call, input_chars,
 )
+from .template_hooks import HOOKS, guard_filter, instrument, render_counted
 
 __all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS"]
 
