@@ -174,18 +174,15 @@ def _fold(parts: tuple) -> Any:
     return acc
 
 
-def _checked_sum(out: str) -> str:
-    b = CURRENT.get()
-    if b is not None and len(out) > b.max_chars:
-        b.size(len(out), "the operator +")
-    return out
-
-
-# Chains of 2-6 operands (most of a real template's +) get a hook of their own: testing each
-# operand's type inline instead of in a loop makes the hook cost about one plain function call.
+# Chains of 2-6 operands (most of a real template's +) get a hook of their own: the operands'
+# types tested inline and the size checked inline make the hook cost about one plain call.
 def _add2(_context: Any, a: Any, b: Any) -> Any:
     if type(a) is str and type(b) is str:
-        return _checked_sum(a + b)
+        out = a + b
+        bud = CURRENT.get()
+        if bud is not None and len(out) > bud.max_chars:
+            bud.size(len(out), "the operator +")
+        return out
     if type(a) is int and type(b) is int:  # ns.index + 1: one bit longer at most
         return a + b
     return _fold((a, b))
@@ -193,25 +190,41 @@ def _add2(_context: Any, a: Any, b: Any) -> Any:
 
 def _add3(_context: Any, a: Any, b: Any, c: Any) -> Any:
     if type(a) is str and type(b) is str and type(c) is str:
-        return _checked_sum(a + b + c)
+        out = a + b + c
+        bud = CURRENT.get()
+        if bud is not None and len(out) > bud.max_chars:
+            bud.size(len(out), "the operator +")
+        return out
     return _fold((a, b, c))
 
 
 def _add4(_context: Any, a: Any, b: Any, c: Any, d: Any) -> Any:
     if type(a) is str and type(b) is str and type(c) is str and type(d) is str:
-        return _checked_sum(a + b + c + d)
+        out = a + b + c + d
+        bud = CURRENT.get()
+        if bud is not None and len(out) > bud.max_chars:
+            bud.size(len(out), "the operator +")
+        return out
     return _fold((a, b, c, d))
 
 
 def _add5(_context: Any, a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
     if type(a) is str and type(b) is str and type(c) is str and type(d) is str and type(e) is str:
-        return _checked_sum(a + b + c + d + e)
+        out = a + b + c + d + e
+        bud = CURRENT.get()
+        if bud is not None and len(out) > bud.max_chars:
+            bud.size(len(out), "the operator +")
+        return out
     return _fold((a, b, c, d, e))
 
 
 def _add6(_context: Any, a: Any, b: Any, c: Any, d: Any, e: Any, f: Any) -> Any:
     if type(a) is str and type(b) is str and type(c) is str and type(d) is str and type(e) is str and type(f) is str:
-        return _checked_sum(a + b + c + d + e + f)
+        out = a + b + c + d + e + f
+        bud = CURRENT.get()
+        if bud is not None and len(out) > bud.max_chars:
+            bud.size(len(out), "the operator +")
+        return out
     return _fold((a, b, c, d, e, f))
 
 
