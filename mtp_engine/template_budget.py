@@ -83,7 +83,7 @@ class Budget:
     def check(self) -> None:
         """Raises if the steps are spent, else checks the clock (hooks call it every 64 steps)."""
         if self.steps_left < 0:
-            raise OverBudget(f"more than {self.limits.max_steps} steps (loop iterations, calls and lookups)")
+            raise OverBudget(f"more than {self.limits.max_steps} steps (loop iterations, calls and items walked by filters)")
         self._clock()
 
     def step(self, n: int = 1) -> None:
