@@ -43,11 +43,12 @@ PLAIN_FILTERS = frozenset({
     "upper", "wordcount",
 })
 # Filters that walk their input item by item in Python (attribute lookups, calls): charged one
-# step per item before they run.
+# step per item before they run. join and sum walk in Python only when given an attribute.
 WALKING_FILTERS = frozenset({
     "batch", "dictsort", "groupby", "join", "map", "max", "min", "reject", "rejectattr", "select",
     "selectattr", "slice", "sort", "sum", "unique", "xmlattr",
 })
+_ATTRIBUTE_ARG = {"join": 1, "sum": 0}  # where the attribute parameter is among the positional ones
 
 
 def _counted(b: Budget, iterable: Any) -> Iterator[Any]:
@@ -64,7 +65,7 @@ def guard_filter(name: str, f: Any) -> Any:
         return f
     # the arguments Jinja passes before the value (context, eval context or environment)
     lead = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0
-    walks = name in WALKING_FILTERS
+    always_walks = name in WALKING_FILTERS and name not in _ATTRIBUTE_ARG
     what = f"the filter {name}"
 
     @functools.wraps(f)
@@ -73,6 +74,10 @@ def guard_filter(name: str, f: Any) -> Any:
         if b is None:
             return f(*args, **kwargs)
         value = args[lead] if len(args) > lead else None
+        walks = always_walks
+        if name in _ATTRIBUTE_ARG:
+            at = lead + 1 + _ATTRIBUTE_ARG[name]
+            walks = kwargs.get("attribute") is not None or (len(args) > at and args[at] is not None)
         if walks and type(value) in _COUNTABLE:
             b.step(len(value) + 1)
         elif walks and isinstance(value, Iterator):

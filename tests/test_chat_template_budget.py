@@ -225,3 +225,14 @@ def test_time_limit_in_a_long_loop_without_other_steps():
     src = "{% for i in range(100000) %}{% set x = 'a' * 3000000 %}{% endfor %}"
     with pytest.raises(MTPEngineError, match="longer than the limit of 0.2 s"):
         _render(src, CHATS["one user"], True, {}, RenderLimits(timeout_s=0.2))
+
+
+def test_walking_filters_are_charged_per_item_only_when_they_walk_in_python():
+    chat = [{"role": "user", "content": "x" * 200_000}]
+    limits = RenderLimits(max_steps=2_000)
+    # join without an attribute is str.join: no per-item Python work, one step
+    assert _render("{{ messages[0].content|join('')|length }}", chat, True, {}, limits) == "200000"
+    with pytest.raises(MTPEngineError, match="loop iterations"):  # with one, each item is a lookup
+        _render("{{ (messages * 3000)|join(',', attribute='role')|length }}", chat, True, {}, limits)
+    with pytest.raises(MTPEngineError, match="loop iterations"):
+        _render("{{ messages[0].content|map('upper')|list|length }}", chat, True, {}, limits)
