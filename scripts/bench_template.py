@@ -24,11 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from compare_chat_templates import load_templates  # noqa: E402
-from template_conversations import TOOLS, reference_env  # noqa: E402
+from tests.template_conversations import TOOLS, reference_env  # noqa: E402
 
 from mtp_engine.chat_template import compile_chat_template, render_chat_template  # noqa: E402
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from chat_templates import TEMPLATES  # noqa: E402
-from template_conversations import CASES, REAL_TEMPLATES, compare  # noqa: E402
+from tests.chat_templates import TEMPLATES  # noqa: E402
+from tests.template_conversations import CASES, REAL_TEMPLATES, compare  # noqa: E402
 
 
 def load_templates(folders: list[str], hand_written: bool = True) -> dict[str, str]:

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from template_conversations import CASES, REAL_TEMPLATES, compare
+try:
+    from tests.template_conversations import CASES, REAL_TEMPLATES, compare
+except ImportError:  # tests/ as a plain folder on the path rather than a package
+    from template_conversations import CASES, REAL_TEMPLATES, compare
 
 TEMPLATES = sorted(REAL_TEMPLATES.glob("*.jinja"))
 
