@@ -1,9 +1,8 @@
 """The chat templates of real checkpoints (tests/fixtures/chat_templates: Qwen3.5, Qwen3, QwQ,
 DeepSeek R1 and V3.1, Phi-3.5, Mistral Nemo, Small 3.1 and 3.2, Granite 3.3, gpt-oss, GLM-4.6)
-render the same
-text under the engine's budget, without it, and in a plain Jinja sandbox, on every conversation of
-`template_conversations.CASES` (tool calls included); where a template refuses a conversation,
-all three refuse it alike and the engine's error names the field."""
+render the same text under the engine's budget, without it, and in a plain Jinja sandbox, on every
+conversation of `template_conversations.CASES` (tool calls included); where a template refuses a
+conversation, all three refuse it alike and the engine's error names the field."""
 from __future__ import annotations
 
 import pytest
