@@ -7,25 +7,33 @@ stops attribute escapes (``__class__``, ``__globals__``); on top of it every ren
 (:class:`RenderLimits`): loop iterations plus calls, characters produced (everything output,
 including text captured by ``{% set %}`` blocks and macros), the size of any one string or list
 built by ``*``, ``+``, ``~``, ``%``, ``format``, ``join``, ``replace``, ``ljust``, ``center``,
-``indent``..., checked *before* it is built, and a wall-clock deadline checked at each of those
-points. The hooks are put into the compiled template by rewriting its syntax tree (every
-``for`` iterates through a counting wrapper, every output goes through a counter), so no
-template can skip them, and any exception a template raises becomes MTPEngineError naming the
-field the template came from.
+``indent``..., checked before it is built (a chain of up to 8 plain-string ``+`` once built), and
+a wall-clock deadline. The hooks are put into the compiled template by rewriting its syntax tree
+(see `template_budget`), so no template can skip them, and any exception a template raises
+becomes MTPEngineError naming the field the template came from.
+
+The budget costs a real template about nothing (scripts/bench_template.py, docs/benchmarks.md):
+one environment is built per process and a template text is compiled once; loops over short
+lists are charged up front; the method calls real templates make (``split``, ``strip``,
+``startswith``, ``get``, ``items``...) and macro calls skip layers of the sandbox that cannot
+refuse them.
 
 jinja2 is imported only when a template is actually used, so that loading a model for plain
 text generation does not pay for it.
 """
 from __future__ import annotations
 
+import functools
 import json
+import threading
 from typing import Any
 
 from .errors import MTPEngineError
 from .template_budget import (
-    CURRENT, HOOKS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, guard_filter,
-    input_chars, instrument, joined_size, replaced_size,
+    CURRENT, NON_GROWING_METHODS, PLAIN_OWNERS, SIZED, Budget, OverBudget, RenderLimits, check_format_string,
+    check_ints, check_str_call, input_chars,
 )
+from .template_hooks import HOOKS, guard_filter, instrument, render_counted
 
 __all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS"]
 
@@ -48,11 +56,22 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
     b = CURRENT.get()
     if b is None:
         return encoder.encode(value)
-    # streamed, so that an indent of 10^6 on a nested value is refused before its text exists
-    parts, size = [], 0
+    check_ints(b, (indent,), "the filter tojson")  # the encoder builds ' ' * indent before anything else
+    if indent is None and (separators is None or sum(map(len, separators)) <= 8):
+        # compact JSON is at most a few times the size of what it encodes, which exists already:
+        # encoded at once (in C), then checked
+        out = encoder.encode(value)
+        if len(out) > b.max_chars:
+            b.size(len(out), "the filter tojson")
+        return out
+    # indented (or with long separators) it can be far larger than the value (an indent of 10^6 on
+    # a nested value): streamed, and refused before the text exists
+    parts, size, limit = [], 0, b.max_chars
     for chunk in encoder.iterencode(value):
         size += len(chunk)
-        b.size(size, "the filter tojson")
+        if size > limit:
+            b.size(size, "the filter tojson")
+            limit = b.max_chars  # widened by the input's share
         parts.append(chunk)
     return "".join(parts)
 
@@ -68,26 +87,28 @@ def _jinja_env() -> Any:
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    _getattr, _getitem = ImmutableSandboxedEnvironment.getattr, ImmutableSandboxedEnvironment.getitem
+    from jinja2.runtime import Macro
+
+    sandbox_call = ImmutableSandboxedEnvironment.call
 
     class BudgetedEnvironment(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
+        # `instrument` turns every + chain into a hook; "+" stays here in case one is left. (// and
+        # the comparisons cannot build anything large: left to Python.)
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
 
         def _parse(self, source: str, name: str | None, filename: str | None) -> Any:
             tree = super()._parse(source, name, filename)
             return instrument(tree, nodes)
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if type(left) is int and type(right) is int and operator == "%":  # loop.index0 % 2
+                return left % right
             b = CURRENT.get()
-            if operator == "+" and type(left) is str and type(right) is str:  # the common case, kept cheap
-                if b is not None and len(left) + len(right) > b.max_chars:
-                    b.size(len(left) + len(right), "the operator +")
-                return left + right
             if b is not None:
                 what = f"the operator {operator}"
                 if operator == "*":
                     for seq, n in ((left, right), (right, left)):
-                        if isinstance(n, int) and isinstance(seq, (str, list, tuple)):
+                        if isinstance(n, int) and isinstance(seq, (str, list, tuple, bytes)):
                             b.size(len(seq) * max(n, 0), what)
                     if isinstance(left, int) and isinstance(right, int):
                         b.size((abs(left).bit_length() + abs(right).bit_length()) // 4, what)
@@ -95,7 +116,7 @@ def _jinja_env() -> Any:
                     if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
                         b.size(right * abs(left).bit_length() // 4, what)
                 elif operator == "+":
-                    if isinstance(left, (str, list, tuple)) and type(left) is type(right):
+                    if isinstance(left, (str, list, tuple, bytes)) and type(left) is type(right):
                         b.size(len(left) + len(right), what)
                 elif operator == "%" and isinstance(left, str):
                     check_format_string(b, left, what)
@@ -105,42 +126,39 @@ def _jinja_env() -> Any:
                 b.size((len(out) if type(out) in SIZED else 0), f"the operator {operator}")
             return out
 
-        # attribute and item lookups count as steps too: a filter such as selectattr can walk a
-        # million-character string without a loop or a call of the template's own
-        def getattr(self, obj: Any, attribute: str) -> Any:
-            b = CURRENT.get()
-            if b is not None:
-                b.step()
-            return _getattr(self, obj, attribute)
-
-        def getitem(self, obj: Any, argument: Any) -> Any:
-            b = CURRENT.get()
-            if b is not None:
-                b.step()
-            return _getitem(self, obj, argument)
-
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            kind = type(__obj)
+            if kind is _BUILTIN_METHOD:
+                if __obj.__name__ in NON_GROWING_METHODS and type(__obj.__self__) in PLAIN_OWNERS:
+                    # what the sandbox's call comes to for these (nothing to refuse, no context to
+                    # pass), done directly: most of a real template's calls, kept as cheap as a call
+                    if kwargs:
+                        kwargs.pop("_loop_vars", None)
+                        kwargs.pop("_block_vars", None)
+                    return __obj(*args, **kwargs)
+            elif kind is Macro:  # a step (recursion), then the sandbox's call less its checks
+                b = CURRENT.get()
+                if b is not None:
+                    b.steps_left -= 1
+                    if b.steps_left & 63 == 0 or b.steps_left < 0:
+                        b.check()
+                return __context.call(__obj, *args, **kwargs)
             b = CURRENT.get()
-            if b is not None:
-                b.step()
-                target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
-                owner = getattr(target, "__self__", None)
-                if isinstance(owner, str):
-                    what = f"str.{getattr(target, '__name__', '?')}"
-                    check_ints(b, list(args) + list(kwargs.values()), what)
-                    name = getattr(target, "__name__", "")
-                    if name in ("format", "format_map"):
-                        check_format_string(b, owner, what)
-                    elif name == "join" and args:
-                        b.size(joined_size(owner, args[0]), what)
-                    elif name == "replace" and len(args) >= 2:
-                        b.size(replaced_size(owner, *args[:3]), what)
-                    elif name == "expandtabs":
-                        size = args[0] if args else kwargs.get("tabsize", 8)
-                        b.size(len(owner) + owner.count("\t") * (size if isinstance(size, int) else 8), what)
-            out = super().call(__context, __obj, *args, **kwargs)
-            if b is not None:
-                b.size((len(out) if type(out) in SIZED else 0), "a call")
+            if b is None:
+                return sandbox_call(__self, __context, __obj, *args, **kwargs)
+            b.steps_left -= 1
+            if b.steps_left & 63 == 0 or b.steps_left < 0:
+                b.check()
+            if kind is _BUILTIN_METHOD:
+                if type(__obj.__self__) in (str, bytes, int):
+                    check_str_call(b, __obj.__self__, __obj.__name__, args, kwargs)
+            elif kind is _FUNCTION:  # the sandbox wraps str.format / format_map in a function
+                target = getattr(__obj, "__wrapped__", None)
+                if type(target) is _BUILTIN_METHOD and type(target.__self__) is str:
+                    check_str_call(b, target.__self__, target.__name__, args, kwargs)
+            out = sandbox_call(__self, __context, __obj, *args, **kwargs)
+            if type(out) in SIZED and len(out) > b.max_chars:
+                b.size(len(out), "a call")
             return out
 
     env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
@@ -157,6 +175,34 @@ def _jinja_env() -> Any:
     return env
 
 
+_DEFAULT_LIMITS = RenderLimits()
+_BUILTIN_METHOD = type("".join)
+_FUNCTION = type(_strftime_now)
+_ENV: Any = None
+_ENV_LOCK = threading.Lock()
+
+
+def _environment() -> Any:
+    """The one budgeted environment, built on first use (a Jinja environment is safe to share
+    between threads once built; building one costs more than most renders)."""
+    global _ENV
+    with _ENV_LOCK:
+        if _ENV is None:
+            _ENV = _jinja_env()
+        return _ENV
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(source: str) -> Any:
+    # Jinja folds constant filter calls at compile time ('x'|center(5000000000)): under a budget, a
+    # fold that goes past it is left to the render, which refuses it
+    token = CURRENT.set(Budget(RenderLimits(), 0))
+    try:
+        return _environment().from_string(source)
+    finally:
+        CURRENT.reset(token)
+
+
 def compile_chat_template(source: str, *, file: str | None, field: str) -> Any:
     """The compiled Jinja template of ``source``; MTPEngineError (naming ``file`` and
     ``field``) when it does not compile or is longer than MAX_TEMPLATE_CHARS."""
@@ -165,16 +211,10 @@ def compile_chat_template(source: str, *, file: str | None, field: str) -> Any:
     if len(source) > MAX_TEMPLATE_CHARS:
         raise MTPEngineError(f"chat template of {len(source)} characters: expected at most {MAX_TEMPLATE_CHARS}",
                              file=file, field=field)
-    env = _jinja_env()
-    # Jinja folds constant filter calls at compile time ('x'|center(5000000000)): under a budget, a
-    # fold that goes past it is left to the render, which refuses it
-    token = CURRENT.set(Budget(RenderLimits(), 0))
-    try:
-        return env.from_string(source)
+    try:  # compiled once per template text (a few are kept), then shared
+        return _compile(source)
     except Exception as e:  # TemplateSyntaxError, and RecursionError/MemoryError on absurd nesting
         raise MTPEngineError(f"invalid chat template: {_one_line(e)}", file=file, field=field) from None
-    finally:
-        CURRENT.reset(token)
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
@@ -202,10 +242,11 @@ def render_chat_template(
     """
     import jinja2
 
-    budget = Budget(limits or RenderLimits(), input_chars(messages, variables))
+    budget = Budget(limits or _DEFAULT_LIMITS, lambda: input_chars(messages, variables))
     token = CURRENT.set(budget)
     try:
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        return render_counted(template, budget,
+                              dict(variables, messages=messages, add_generation_prompt=add_generation_prompt))
     except _TemplateRaised as e:
         raise MTPEngineError(f"chat template refused the input: {_one_line(e)}", file=file, field=field) from None
     except OverBudget as e:

@@ -1,22 +1,24 @@
-"""The budget of one chat-template render (`RenderLimits`) and the hooks that enforce it.
+"""The budget of one chat-template render (`RenderLimits`, `Budget`) and the size rules the
+hooks apply: what a value would be before it is built (``check_ints``, ``joined_size``,
+``replaced_size``, ``check_str_call``...), and the character count of a render's input.
 
-`chat_template._jinja_env` builds the sandbox that calls these: `instrument` rewrites a parsed
-template so that every loop, output and ``~`` goes through the hook filters, and the sandbox's
-operator, call and lookup overrides and the guarded filters check sizes before values are built.
-The budget of the render in progress lives in a context variable, so renders in several threads
-each have their own. Nothing here imports jinja2 at module level.
+`template_hooks` puts the checks into templates; `chat_template` builds the sandbox. The budget of
+the render in progress lives in a context variable, so renders in several threads each have their
+own. Nothing here imports jinja2.
 """
 from __future__ import annotations
 
 import contextvars
-import functools
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["RenderLimits", "OverBudget", "Budget", "CURRENT", "instrument", "guard_filter", "HOOKS",
-           "input_chars", "check_ints", "check_format_string", "joined_size", "replaced_size", "SIZED"]
+           "input_chars", "check_ints", "check_format_string", "joined_size", "replaced_size", "SIZED",
+           "render_counted", "check_str_call", "INFLATING_METHODS", "NON_GROWING_METHODS", "PLAIN_OWNERS",
+           "WALKING_FILTERS", "PLAIN_FILTERS"]
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,8 @@ class RenderLimits:
     """The budget of one render. Real templates use a tiny part of it (Qwen3's: ~200 steps and
     ~2 KB for a short chat): the limits only stop templates that would hang or fill memory.
 
-    * ``max_steps``: loop iterations, calls (filters, methods, macros, functions) and attribute
-      or item lookups;
+    * ``max_steps``: loop iterations, calls (filters, methods, macros, functions) and the items
+      that filters such as ``selectattr``, ``map`` or ``sort`` walk;
     * ``max_chars``: characters produced in all (output and captured text), and the size of any
       one string or list the template builds; the budget grows by ``chars_per_input_char`` for
       every character of the messages and variables, so long chats always fit;
@@ -43,33 +45,60 @@ class OverBudget(Exception):
 
 
 class Budget:
-    """What is left of one render's RenderLimits; `input_chars` widens the character allowance."""
+    """What is left of one render's RenderLimits.
 
-    def __init__(self, limits: RenderLimits, input_chars: int):
+    `input_chars` (a count, or a function that measures it) widens the character allowance by
+    ``chars_per_input_char`` per character of input. A function is called only the first time a
+    character limit is reached, so renders that stay under the base limit never walk their input.
+    """
+
+    __slots__ = ("steps_left", "max_chars", "chars_left", "limits", "deadline", "_pending")
+
+    def __init__(self, limits: RenderLimits, input_chars: int | Callable[[], int]):
         self.steps_left = limits.max_steps
-        self.max_chars = limits.max_chars + limits.chars_per_input_char * input_chars
-        self.chars_left = self.max_chars
         self.limits = limits
         self.deadline = time.monotonic() + limits.timeout_s
+        self._pending: Callable[[], int] | None = None
+        self.max_chars = limits.max_chars
+        if callable(input_chars):
+            self._pending = input_chars
+        else:
+            self.max_chars += limits.chars_per_input_char * input_chars
+        self.chars_left = self.max_chars
+
+    def _widen(self) -> bool:
+        """Adds the input's share to the character allowance, once; True if it grew."""
+        if self._pending is None:
+            return False
+        measure, self._pending = self._pending, None
+        extra = self.limits.chars_per_input_char * measure()
+        self.max_chars += extra
+        self.chars_left += extra
+        return extra > 0
 
     def _clock(self) -> None:
         if time.monotonic() > self.deadline:
             raise OverBudget(f"rendering took longer than the limit of {self.limits.timeout_s:g} s")
 
+    def check(self) -> None:
+        """Raises if the steps are spent, else checks the clock (hooks call it every 64 steps)."""
+        if self.steps_left < 0:
+            raise OverBudget(f"more than {self.limits.max_steps} steps (loop iterations, calls and items walked by filters)")
+        self._clock()
+
     def step(self, n: int = 1) -> None:
         self.steps_left -= n
-        if self.steps_left & 63 == 0 or self.steps_left < 0:  # the clock every 64 steps: a step is ~0.1 us
-            if self.steps_left < 0:
-                raise OverBudget(f"more than {self.limits.max_steps} steps (loop iterations, calls and lookups)")
-            self._clock()
+        # the clock every 64 single steps (a step is ~0.1 us), and at every bulk charge
+        if n > 1 or self.steps_left & 63 == 0 or self.steps_left < 0:
+            self.check()
 
     def emit(self, n: int) -> None:
         self.chars_left -= n
-        if self.chars_left < 0:
+        if self.chars_left < 0 and not (self._widen() and self.chars_left >= 0):
             raise OverBudget(f"more than {self.max_chars} characters of output")
 
     def size(self, n: int, what: str) -> None:
-        if n > self.max_chars:
+        if n > self.max_chars and not (self._widen() and n <= self.max_chars):
             raise OverBudget(f"{what} would build a value of {n} characters or items, more than the limit of {self.max_chars}")
 
 
@@ -81,11 +110,13 @@ def current() -> Budget | None:
     return CURRENT.get()
 
 
-SIZED = (str, list, tuple, dict)
+SIZED = (str, list, tuple, dict, bytes)
+# iterated as they are, their length charged once: the types real templates loop over
+_COUNTABLE = frozenset({list, tuple, dict, str, range})
 
 
 def _len(x: Any) -> int:
-    return len(x) if isinstance(x, (str, list, tuple, dict)) else 0
+    return len(x) if isinstance(x, (str, list, tuple, dict, bytes)) else 0
 
 
 _DIGITS = re.compile(r"\d+")
@@ -109,12 +140,12 @@ def check_format_string(b: Budget, fmt: Any, what: str) -> None:
 
 def joined_size(sep: Any, items: Any) -> int:
     if isinstance(items, (list, tuple)):
-        return sum(_len(x) if isinstance(x, str) else 1 for x in items) + _len(sep) * max(len(items) - 1, 0)
+        return sum(_len(x) if isinstance(x, (str, bytes)) else 1 for x in items) + _len(sep) * max(len(items) - 1, 0)
     return 0
 
 
 def replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
-    if not (isinstance(s, str) and isinstance(old, str) and isinstance(new, str)):
+    if not (isinstance(s, (str, bytes)) and type(old) is type(s) and type(new) is type(s)):
         return 0
     n = s.count(old) if old else len(s) + 1
     if isinstance(count, int) and count >= 0:
@@ -122,104 +153,46 @@ def replaced_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
     return len(s) + n * max(len(new) - len(old), 0)
 
 
-def guard_filter(name: str, f: Any) -> Any:
-    from jinja2.environment import Environment
-    from jinja2.nodes import EvalContext
-    from jinja2.runtime import Context
-
-    special = (Context, EvalContext, Environment)
-
-    @functools.wraps(f)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        b = CURRENT.get()
-        if b is not None and (len(args) > 1 or kwargs):  # a filter without parameters cannot inflate
-            b.step()
-            rest = [a for a in args if not isinstance(a, special)]
-            value, params = (rest[0], rest[1:]) if rest else (None, [])
-            what = f"the filter {name}"
-            check_ints(b, list(params) + list(kwargs.values()), what)
-            if name == "join":
-                b.size(joined_size(params[0] if params else kwargs.get("d", ""),
-                                    value if isinstance(value, (list, tuple)) else []), what)
-            elif name == "replace" and len(params) >= 2:
-                b.size(replaced_size(value, params[0], params[1], params[2] if len(params) > 2 else -1), what)
-            elif name == "indent" and isinstance(value, str):
-                width = params[0] if params else kwargs.get("width", 4)
-                b.size(len(value) + (value.count("\n") + 1) * (_len(width) or (width if isinstance(width, int) else 0)),
-                       what)
-            elif name == "format":
-                check_format_string(b, value, what)
-        out = f(*args, **kwargs)
-        if b is not None:
-            b.step()
-            if type(out) in SIZED and len(out) > b.max_chars:
-                b.size(len(out), f"the filter {name}")
-        return out
-
-    return guarded
+def _translated_size(s: str, table: Any) -> int:
+    values = table.values() if isinstance(table, dict) else table if isinstance(table, (list, tuple)) else ()
+    longest = max((len(v) for v in values if isinstance(v, (str, bytes))), default=1)
+    return len(s) * max(longest, 1)
 
 
-def _loop(_context: Any, iterable: Any) -> Any:
-    b = CURRENT.get()
-    if b is None:
-        yield from iterable
+# str / bytes / int methods that can build a value larger than their inputs, checked before the call
+INFLATING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "format", "format_map",
+                                "join", "replace", "translate", "to_bytes"})
+# Builtin methods of plain values (str, list, tuple, dict) that return at most their owner's size,
+# a part of it, a number or a bool: the sandbox's call adds nothing for them, so they are called
+# directly, unchecked and uncounted (a template's method calls are bounded by its size per step).
+NON_GROWING_METHODS = frozenset({
+    "count", "endswith", "find", "get", "index", "isalnum", "isalpha", "isascii", "isdecimal", "isdigit",
+    "isidentifier", "islower", "isnumeric", "isprintable", "isspace", "istitle", "isupper", "items", "keys",
+    "lstrip", "partition", "removeprefix", "removesuffix", "rfind", "rindex", "rpartition", "rsplit",
+    "rstrip", "split", "splitlines", "startswith", "strip", "values",
+})
+PLAIN_OWNERS = frozenset({str, list, tuple, dict})
+
+
+def check_str_call(b: Budget, owner: Any, name: str, args: tuple, kwargs: dict) -> None:
+    """Size checks before ``owner.name(*args, **kwargs)`` (owner a str, bytes or int), for the
+    methods that inflate."""
+    if name not in INFLATING_METHODS:
         return
-    for x in iterable:
-        b.step()
-        yield x
-
-
-def _out(_context: Any, value: Any) -> Any:
-    b = CURRENT.get()
-    if b is not None:
-        b.chars_left -= len(value) if type(value) is str else len(str(value))
-        if b.chars_left < 0:
-            b.emit(0)
-    return value
-
-
-def _emit(_context: Any, _value: Any, n: int) -> str:
-    b = current()
-    if b is not None:
-        b.emit(n)
-    return ""
-
-
-def _concat(_context: Any, *parts: Any) -> str:
-    strings = [p if isinstance(p, str) else str(p) for p in parts]
-    b = current()
-    if b is not None:
-        b.size(sum(map(len, strings)), "the operator ~")
-    return "".join(strings)
-
-
-def instrument(tree: Any, nodes: Any) -> Any:
-    """Routes every loop, output and ``~`` of the template through the budget hooks."""
-    from jinja2.visitor import NodeTransformer
-
-    def hook(name: str, value: Any, *args: Any, lineno: int) -> Any:
-        return nodes.Filter(value, name, list(args), [], None, None, lineno=lineno)
-
-    class Instrument(NodeTransformer):
-        def visit_For(self, node: Any) -> Any:
-            node = self.generic_visit(node)
-            node.iter = hook("mtp_loop", node.iter, lineno=node.lineno)
-            return node
-
-        def visit_Concat(self, node: Any) -> Any:
-            node = self.generic_visit(node)
-            return hook("mtp_concat", node.nodes[0], *node.nodes[1:], lineno=node.lineno)
-
-        def visit_Output(self, node: Any) -> Any:
-            node = self.generic_visit(node)
-            literal = sum(len(c.data) for c in node.nodes if isinstance(c, nodes.TemplateData))
-            wrapped = [c if isinstance(c, nodes.TemplateData) else hook("mtp_out", c, lineno=c.lineno)
-                       for c in node.nodes]
-            head = [hook("mtp_emit", nodes.Const(""), nodes.Const(literal), lineno=node.lineno)] if literal else []
-            node.nodes = head + wrapped
-            return node
-
-    return Instrument().visit(tree)
+    what = f"{type(owner).__name__}.{name}"
+    check_ints(b, list(args) + list(kwargs.values()), what)
+    if name in ("format", "format_map"):
+        check_format_string(b, owner, what)
+    elif name == "join" and args:
+        b.size(joined_size(owner, args[0]), what)
+    elif name == "replace" and len(args) >= 2:
+        b.size(replaced_size(owner, *args[:3]), what)
+    elif name == "expandtabs":
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        tab = "\t" if isinstance(owner, str) else b"\t"
+        b.size(len(owner) + owner.count(tab) * (size if isinstance(size, int) else 8), what)
+    elif name == "translate" and args:
+        b.size(_translated_size(owner, args[0]), what)
 
 
 def input_chars(messages: Any, variables: dict, max_nodes: int = 100_000) -> int:
@@ -247,5 +220,7 @@ def input_chars(messages: Any, variables: dict, max_nodes: int = 100_000) -> int
     return total
 
 
-# the hook filters `instrument` puts into templates, by name
-HOOKS = {"mtp_loop": _loop, "mtp_out": _out, "mtp_emit": _emit, "mtp_concat": _concat}
+# the hooks lived here first: still importable from this module
+from .template_hooks import (  # noqa: E402
+    HOOKS, PLAIN_FILTERS, WALKING_FILTERS, guard_filter, instrument, render_counted,
+)

@@ -163,3 +163,75 @@ def test_fuzz_sample():
         assert out["outcome"] in ("rendered", "clean_error"), (i, out)
         outcomes[out["outcome"]] = outcomes.get(out["outcome"], 0) + 1
     assert outcomes.get("rendered", 0) > 5 and outcomes.get("clean_error", 0) > 5
+
+
+# Values other than str and lists that can be made large, and growth through methods the cheap
+# call path does not check (encode/decode doubling a string each iteration).
+MORE_HOSTILE = [
+    ("{{ 'x'.encode() * 5000000000 }}", "would build"),
+    ("{{ 'x'.encode().ljust(5000000000) }}", "would build"),
+    ("{{ (5).to_bytes(5000000000, 'big') }}", "would build"),
+    ("{{ ('a' * 1000).encode().replace('a'.encode(), ('b' * 100000).encode()) }}", "would build"),
+    ("{{ ('a' * 100000).translate({97: 'b' * 100000}) }}", "would build"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s.encode('utf-16').decode('latin-1') %}"
+     "{% endfor %}", "would build"),
+    ("{% set ns = namespace(l=[1, 2]) %}{% for i in range(60) %}{% set ns.l = ns.l + ns.l %}{% endfor %}", "would build"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s + ns.s + ns.s + ns.s %}"
+     "{% endfor %}", "would build"),
+    ("{{ messages|tojson(indent=3000000000) }}", "would build"),
+    ("{% set ns = namespace(s='\\\\') %}{% for i in range(60) %}{% set ns.s = [ns.s]|string %}{% endfor %}",
+     "would build"),
+    ("{{ ('x' * 1000000)|map('upper')|list|length }}", "loop iterations"),
+    ("{{ range(99999)|map('string')|map('upper')|map('lower')|map('trim')|map('upper')|list|length }}{{ f }}"
+     * 3, "loop iterations"),
+]
+
+
+@pytest.mark.parametrize("source,needle", MORE_HOSTILE, ids=[h[0][:40] for h in MORE_HOSTILE])
+def test_more_hostile_templates_are_refused(source, needle):
+    test_hostile_templates_are_refused(source, needle)
+
+
+def test_top_level_output_is_counted():
+    # no loop runs out of steps here: the top level's output (counted per chunk) is what stops it
+    src = "{% for i in range(1000) %}{{ 'abcdefghij' * 5 }}-{% endfor %}"
+    with pytest.raises(MTPEngineError, match="characters of output"):
+        _render(src, CHATS["one user"], True, {}, RenderLimits(max_chars=10_000, chars_per_input_char=0))
+    assert len(_render(src, CHATS["one user"], True, {}, RenderLimits(max_chars=60_000))) == 51_000
+
+
+def test_input_is_measured_only_past_the_base_limit():
+    from mtp_engine.template_budget import Budget
+
+    def measure():
+        raise AssertionError("measured")
+
+    b = Budget(RenderLimits(max_chars=100), measure)
+    b.emit(60)
+    b.size(100, "x")  # within the base limit: the input is not walked
+    calls = []
+    b = Budget(RenderLimits(max_chars=100, chars_per_input_char=2), lambda: calls.append(1) or 50)
+    b.emit(150)  # past 100: measured once, the limit becomes 100 + 2 * 50
+    b.size(200, "x")
+    assert calls == [1] and b.max_chars == 200
+    with pytest.raises(Exception, match="characters of output"):
+        b.emit(100)
+
+
+def test_time_limit_in_a_long_loop_without_other_steps():
+    # a long loop is counted item by item, so the clock is read while it runs (100,000 iterations
+    # of a 3 MB string would take ~30 s)
+    src = "{% for i in range(100000) %}{% set x = 'a' * 3000000 %}{% endfor %}"
+    with pytest.raises(MTPEngineError, match="longer than the limit of 0.2 s"):
+        _render(src, CHATS["one user"], True, {}, RenderLimits(timeout_s=0.2))
+
+
+def test_walking_filters_are_charged_per_item_only_when_they_walk_in_python():
+    chat = [{"role": "user", "content": "x" * 200_000}]
+    limits = RenderLimits(max_steps=2_000)
+    # join without an attribute is str.join: no per-item Python work, one step
+    assert _render("{{ messages[0].content|join('')|length }}", chat, True, {}, limits) == "200000"
+    with pytest.raises(MTPEngineError, match="loop iterations"):  # with one, each item is a lookup
+        _render("{{ (messages * 3000)|join(',', attribute='role')|length }}", chat, True, {}, limits)
+    with pytest.raises(MTPEngineError, match="loop iterations"):
+        _render("{{ messages[0].content|map('upper')|list|length }}", chat, True, {}, limits)
