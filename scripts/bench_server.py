@@ -196,7 +196,7 @@ def main() -> int:
     try:
         rss_loaded = health(host, port)["rss_bytes"]
         res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": str(mx.default_device()),
-               "model": model.path, "spec": args.spec, "n_max": args.n_max, "rss_after_load": rss_loaded}
+               "model": Path(model.path).name, "spec": args.spec, "n_max": args.n_max, "rss_after_load": rss_loaded}
         print("overhead: server vs generate() ...", file=sys.stderr)
         res["overhead"] = overhead(model, host, port, args)
         if args.clients:
