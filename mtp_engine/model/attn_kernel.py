@@ -249,20 +249,25 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
     return max(float(mx.abs(a - b).max().item()) for a, b in ((ref_o, got), (ref_k, k_new), (ref_v, v_new)))
 
 
-def available() -> bool:
+def available(shape: tuple[int, int, int, int] | None = None) -> bool:
     """Whether the kernels can be used in this process: on a CUDA GPU, after they matched the MLX
     operations on random inputs (1 and 5 tokens, GQA, partial rope); a compile error or a mismatch
-    warns and answers False from then on, so the engine falls back to the MLX path."""
+    warns and answers False from then on, so the engine falls back to the MLX path.
+
+    `shape` (n_head, n_head_kv, head_dim, n_rot): test at the model's own shape, whose compiled
+    kernels (one NVRTC compile per shape) the model then reuses."""
     global _tested
     if _tested is not None:
         return _tested
     from . import kernels
     if not kernels.cuda():
         return False
+    if shape is None or not supports(*shape, 1, 1):
+        shape = (4, 2, 64, 16)
     ok = False
     try:
         # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
-        ok = all(max_error(4, 2, 64, 16, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3)))
+        ok = all(max_error(*shape, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3)))
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         import warnings
         warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")

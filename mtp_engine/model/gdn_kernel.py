@@ -192,11 +192,15 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
 _tested: bool | None = None
 
 
-def available() -> bool:
+def available(dims=None) -> bool:
     """Whether the kernel can be used in this process: on a CUDA GPU, after it matched the pure-MLX
     mixer (`gdn.mix`) on random inputs, 1 and 5 tokens, outside any compiled graph. A compile error
     or a mismatch warns and answers False from then on, so the engine falls back to the MLX path
-    instead of failing. Whether a model uses it is that model's choice (`EngineOptions.kernels`)."""
+    instead of failing. Whether a model uses it is that model's choice (`EngineOptions.kernels`).
+
+    `dims` (`gdn.Dims`): test at the model's own layer shape. The kernel is compiled per shape
+    (NVRTC, ~30 s for a cold 9B-shaped one on the H200), so testing at the shape the model then
+    runs shares that compile instead of paying a second one for a test shape."""
     global _tested
     if _tested is not None:
         return _tested
@@ -204,8 +208,10 @@ def available() -> bool:
     if not kernels.cuda():
         return False
     from . import gdn
+    if dims is None or not supports(dims.kh, dims.kd, dims.vh, dims.vd, 1, 1):
+        dims = gdn.Dims(2, 64, 4, 64, 4, 1e-6)
     try:
-        ok = all(max_error(gdn.Dims(2, 64, 4, 64, 4, 1e-6), s, seed=s) < 1e-3 for s in (1, 5))
+        ok = all(max_error(dims, s, seed=s) < 1e-3 for s in (1, 5))
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         import warnings
         warnings.warn(f"mtp-engine: fused gated-delta-net kernel unavailable ({e}); using MLX's")

@@ -265,8 +265,11 @@ class Qwen35Model:
         opts = options.resolve()
         allowed = opts.kernel_set
         qmv = "qmv" in allowed and kernels.available()
-        fused_gdn = "gdn" in allowed and gdn_kernel.available()
-        fused_attn = "attn" in allowed and attn_kernel.available()
+        c = self.cfg  # self-tested at this model's own shapes (shares the kernels' compiles)
+        gdn_dims = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel,
+                            c.eps) if any(c.recurrent) else None
+        fused_gdn = "gdn" in allowed and gdn_kernel.available(gdn_dims)
+        fused_attn = "attn" in allowed and attn_kernel.available((c.n_head, c.n_head_kv, c.head_dim, c.n_rot))
         self.fused_norm = "norm" in allowed and norm_kernel.available()
         for obj in self._parts():
             if isinstance(obj, Linear):

@@ -1,0 +1,44 @@
+"""The custom kernels' self-tests run at the loaded model's own shapes (so the kernels they compile
+are the ones the model then runs: a cold NVRTC compile of the 9B-shaped GDN kernel took 31.7 s on
+the H200), and a shape the kernel cannot take falls back to the built-in test shape. The kernels
+themselves cannot run here: their arithmetic is recorded, not executed."""
+from __future__ import annotations
+
+import pytest
+
+from mtp_engine.model import attn_kernel, gdn_kernel, kernels
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    calls = {"gdn": [], "attn": []}
+    monkeypatch.setattr(kernels, "cuda", lambda: True)
+    monkeypatch.setattr(gdn_kernel, "_tested", None)
+    monkeypatch.setattr(attn_kernel, "_tested", None)
+    monkeypatch.setattr(gdn_kernel, "max_error", lambda d, s, seed=0: calls["gdn"].append((d, s)) or 0.0)
+    monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0: calls["attn"].append(a) or 0.0)
+    return calls
+
+
+def test_self_tests_use_the_models_shapes(recorded, tiny_q4, monkeypatch):
+    c = tiny_q4.model.cfg
+    before = tiny_q4.model.options
+    try:
+        tiny_q4.model.use(tiny_q4.model.options.updated(kernels="gdn,attn"))
+        (d, _), _ = recorded["gdn"]
+        assert (d.kh, d.kd, d.vh, d.vd, d.kernel) == (c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads,
+                                                      c.ssm_value_dim, c.conv_kernel)
+        assert {a[:4] for a in recorded["attn"]} == {(c.n_head, c.n_head_kv, c.head_dim, c.n_rot)}
+        assert all(layer.mixer.fused_kernel for layer in tiny_q4.model.layers)
+    finally:  # the shared model goes back to what this machine really offers
+        monkeypatch.undo()
+        tiny_q4.model.use(before)
+        assert not any(getattr(layer.mixer, "fused_kernel", False) for layer in tiny_q4.model.layers)
+
+
+def test_unsupported_shapes_fall_back_to_the_test_shape(recorded):
+    from mtp_engine.model import gdn
+    assert attn_kernel.available((16, 4, 512, 64))  # a head wider than a block
+    assert recorded["attn"][0][:4] == (4, 2, 64, 16)
+    assert gdn_kernel.available(gdn.Dims(2, 66, 4, 64, 4, 1e-6))  # key dim not split over 4 lanes
+    assert recorded["gdn"][0][0].kd == 64
