@@ -1,0 +1,28 @@
+"""Where a new process's start-up goes: import, `load()` (on a GPU it includes the custom kernels'
+self-tests, at the model's shapes: `load_seconds` of the stats), and
+three 64-token generations on the shipped model (plain, then draft-mtp auto twice: the first pays
+for compiling its shapes). Run it twice on a fresh GPU machine: the second process shows what MLX's
+PTX cache saves.
+
+Usage: python3 scripts/startup_breakdown.py > startup.json
+"""
+from __future__ import annotations
+
+import json
+import time
+
+T: dict = {}
+t = time.perf_counter()
+import mtp_engine as me  # noqa: E402
+
+T["import"] = time.perf_counter() - t
+t = time.perf_counter()
+m = me.load()
+T["load"] = time.perf_counter() - t
+for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
+    t = time.perf_counter()
+    r = me.generate("def parse_args(argv):", model=m, max_tokens=64, spec=spec)
+    keys = ("time_to_first_token_seconds", "compile_seconds", "decode_tokens_per_second", "acceptance_rate",
+            "auto_message")
+    T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
+print(json.dumps(T, indent=1), flush=True)
