@@ -42,3 +42,46 @@ def test_unsupported_shapes_fall_back_to_the_test_shape(recorded):
     assert recorded["attn"][0][:4] == (4, 2, 64, 16)
     assert gdn_kernel.available(gdn.Dims(2, 66, 4, 64, 4, 1e-6))  # key dim not split over 4 lanes
     assert recorded["gdn"][0][0].kd == 64
+
+
+def test_a_passed_self_test_is_remembered_for_the_next_process(recorded, tiny_q4, monkeypatch, tmp_path):
+    from mtp_engine.model import selftest_cache
+    before = tiny_q4.model.options
+    opts = before.updated(kernels="gdn,attn", cache_dir=str(tmp_path))
+    try:
+        tiny_q4.model.use(opts)  # first process: the checks run and their passes are stored
+        assert len(recorded["gdn"]) == 2 and len(recorded["attn"]) == 2
+        assert (tmp_path / selftest_cache.FILE).exists()
+
+        gdn_kernel._tested = attn_kernel._tested = None  # a new process
+        tiny_q4.model.use(opts)
+        assert len(recorded["gdn"]) == 2 and len(recorded["attn"]) == 2  # skipped
+        assert all(layer.mixer.fused_kernel for layer in tiny_q4.model.layers)
+
+        gdn_kernel._tested = attn_kernel._tested = None  # a new process with a changed kernel
+        monkeypatch.setattr(gdn_kernel, "_SOURCE", gdn_kernel._SOURCE + "\n// changed")
+        tiny_q4.model.use(opts)
+        assert len(recorded["gdn"]) == 4 and len(recorded["attn"]) == 2
+
+        gdn_kernel._tested = attn_kernel._tested = None  # a failing check is never remembered
+        monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0: 1.0)
+        monkeypatch.setattr(attn_kernel, "_ATTEND_SOURCE", attn_kernel._ATTEND_SOURCE + "\n// changed")
+        tiny_q4.model.use(opts)
+        assert not any(getattr(layer.mixer, "fused_kernel", False) for layer in tiny_q4.model.layers
+                       if hasattr(layer.mixer, "q_norm"))
+        k = selftest_cache.key("attn", attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE,
+                               (tiny_q4.model.cfg.n_head, tiny_q4.model.cfg.n_head_kv, tiny_q4.model.cfg.head_dim,
+                                tiny_q4.model.cfg.n_rot))
+        assert not selftest_cache.passed(tmp_path, k)
+    finally:
+        monkeypatch.undo()
+        tiny_q4.model.use(before)
+
+
+def test_an_unreadable_verdict_file_means_checking_again(tmp_path):
+    from mtp_engine.model import selftest_cache
+    (tmp_path / selftest_cache.FILE).write_text("{not json")
+    assert not selftest_cache.passed(tmp_path, "k")
+    selftest_cache.remember(tmp_path, "k")
+    assert selftest_cache.passed(tmp_path, "k")
+    assert not selftest_cache.passed(tmp_path / "missing", "k")

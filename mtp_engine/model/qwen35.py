@@ -14,7 +14,7 @@ import mlx.core as mx
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from .expert_use import ExpertUse
-from . import attn_kernel, gdn, gdn_kernel
+from . import attn_kernel, gdn, gdn_kernel, selftest_cache
 from .norm_kernel import add_rms_norm
 from . import norm_kernel
 from .layers import Linear, concat_outputs, rms_norm
@@ -241,6 +241,21 @@ def _compilable_ffn(mlp) -> bool:
     return getattr(mlp, "record", None) is None
 
 
+def _checked(name: str, module, source: str, shape, run, cache_dir) -> bool:
+    """`run()` (the kernel module's `available`), unless this exact check passed in an earlier
+    process on this device (`selftest_cache`); a pass is remembered for the next process."""
+    if module._tested is not None or not kernels.cuda():
+        return run()
+    k = selftest_cache.key(name, source, shape)
+    if selftest_cache.passed(cache_dir, k):
+        module._tested = True
+        return True
+    ok = run()
+    if ok:
+        selftest_cache.remember(cache_dir, k)
+    return ok
+
+
 class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
@@ -264,13 +279,17 @@ class Qwen35Model:
         earlier options are dropped."""
         opts = options.resolve()
         allowed = opts.kernel_set
-        qmv = "qmv" in allowed and kernels.available()
         c = self.cfg  # self-tested at this model's own shapes (shares the kernels' compiles)
         gdn_dims = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel,
                             c.eps) if any(c.recurrent) else None
-        fused_gdn = "gdn" in allowed and gdn_kernel.available(gdn_dims)
-        fused_attn = "attn" in allowed and attn_kernel.available((c.n_head, c.n_head_kv, c.head_dim, c.n_rot))
-        self.fused_norm = "norm" in allowed and norm_kernel.available()
+        attn_shape = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot)
+        checks = {"qmv": (kernels, kernels._SOURCE, None, kernels.available),
+                  "gdn": (gdn_kernel, gdn_kernel._SOURCE, gdn_dims, lambda: gdn_kernel.available(gdn_dims)),
+                  "attn": (attn_kernel, attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE, attn_shape,
+                           lambda: attn_kernel.available(attn_shape)),
+                  "norm": (norm_kernel, norm_kernel._SOURCE, None, norm_kernel.available)}
+        ok = {name: name in allowed and _checked(name, *checks[name], opts.cache_path) for name in checks}
+        qmv, fused_gdn, fused_attn, self.fused_norm = ok["qmv"], ok["gdn"], ok["attn"], ok["norm"]
         for obj in self._parts():
             if isinstance(obj, Linear):
                 obj.custom_kernel, obj.row_pad = qmv, opts.row_pad
