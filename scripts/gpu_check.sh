@@ -1,0 +1,27 @@
+#!/bin/sh
+# One device call's worth of GPU checks (after the three MLX-CUDA staging calls, see
+# ../shared/device/mlx-cuda/README.md): the CUDA-only tests, start-up in two processes, and the
+# decode benchmarks, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|startup|bench|all]
+out=${OUT:-gpu-check}
+mkdir -p "$out"
+what=${1:-all}
+export PYTHONUNBUFFERED=1
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_attn_kernel.py tests/test_gdn_kernel.py \
+        tests/test_kernel_selftest.py tests/test_compiled_step.py tests/test_model_reference.py > "$out/tests.log" 2>&1
+    echo "tests rc=$?"; grep -E "passed|failed" "$out/tests.log" | tail -1
+fi
+if [ "$what" = startup ] || [ "$what" = all ]; then
+    for i in 1 2; do
+        timeout 150 python3 scripts/startup_breakdown.py > "$out/startup$i.json" 2> "$out/startup$i.err"
+        echo "startup $i rc=$?"
+    done
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    timeout 200 python3 scripts/bench_gpu.py --sections plain,verify --configs fused,fused+attn --repeats 5 \
+        --tokens 64 --no-peer > "$out/plain-verify.json" 2> "$out/plain-verify.log"
+    echo "plain/verify rc=$?"
+    timeout 200 python3 scripts/bench_gpu.py --sections loop --quick > "$out/loop.json" 2> "$out/loop.log"
+    echo "loop rc=$?"
+fi
