@@ -33,7 +33,7 @@ from .template_budget import (
     CURRENT, NON_GROWING_METHODS, PLAIN_OWNERS, SIZED, Budget, OverBudget, RenderLimits, check_format_string,
     check_ints, check_str_call, input_chars,
 )
-from .template_hooks import HOOKS, guard_filter, instrument, render_counted
+from .template_hooks import HOOKS, NATIVE_ADD, guard_filter, instrument, render_counted
 
 __all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS"]
 
@@ -85,6 +85,7 @@ def _strftime_now(fmt: str) -> str:
 def _jinja_env() -> Any:
     import jinja2.ext
     from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from jinja2.runtime import Macro
@@ -161,6 +162,17 @@ def _jinja_env() -> Any:
                 b.size(len(out), "a call")
             return out
 
+    class BudgetedCodeGenerator(CodeGenerator):
+        def visit_Add(self, node: Any, frame: Any) -> None:
+            if not getattr(node, NATIVE_ADD, False):
+                return super().visit_Add(node, frame)
+            self.write("(")
+            self.visit(node.left, frame)
+            self.write(" + ")
+            self.visit(node.right, frame)
+            self.write(")")
+
+    BudgetedEnvironment.code_generator_class = BudgetedCodeGenerator
     env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.filters = {name: guard_filter(name, f) for name, f in env.filters.items()}

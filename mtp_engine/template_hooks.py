@@ -29,7 +29,7 @@ from .template_budget import (
     _COUNTABLE, CURRENT, SIZED, Budget, _len, check_format_string, check_ints, joined_size, replaced_size,
 )
 
-__all__ = ["instrument", "guard_filter", "HOOKS", "render_counted", "WALKING_FILTERS", "PLAIN_FILTERS"]
+__all__ = ["instrument", "guard_filter", "HOOKS", "render_counted", "WALKING_FILTERS", "PLAIN_FILTERS", "NATIVE_ADD"]
 
 
 # Filters that cannot build more than a small multiple of their input and run in linear time:
@@ -146,6 +146,13 @@ def _concat(_context: Any, *parts: Any) -> str:
     return "".join(strings)
 
 
+# A + chain written straight into the top level's output, led by a string literal and of at most
+# _SHORT_CHAIN operands, is compiled to Python's + (the nodes carry this attribute; see
+# chat_template's code generator): its value is a plain string at most _SHORT_CHAIN times its
+# largest operand, which exists already, and it is counted by `render_counted` as soon as it is
+# yielded, which is the check the hook would make once it is built. Anything else is hooked.
+NATIVE_ADD = "mtp_native_add"
+
 # A chain of + with at most this many operands, all plain strings, is checked once built (it is
 # at most this many times its largest operand, which exists already); a longer one before.
 _SHORT_CHAIN = 8
@@ -260,24 +267,44 @@ def instrument(tree: Any, nodes: Any) -> Any:
             node.iter = hook("mtp_loop", node.iter, lineno=node.lineno)
             return node
 
-        def visit_Add(self, node: Any) -> Any:
+        def _operands(self, node: Any) -> list:
             operands = []
             while isinstance(node, nodes.Add):  # a + b + c parses as ((a + b) + c)
                 operands.append(node.right)
                 node = node.left
             operands.append(node)
-            operands = [self.visit(o) for o in reversed(operands)]
+            return [self.visit(o) for o in reversed(operands)]
+
+        def visit_Add(self, node: Any) -> Any:
+            operands = self._operands(node)
             name = f"mtp_add{len(operands)}" if len(operands) <= 6 else "mtp_add"
             return hook(name, operands[0], *operands[1:], lineno=operands[0].lineno)
+
+        def _output_child(self, node: Any) -> Any:
+            """A top-level output item; a short ``+`` chain led by a string literal is left to
+            Python's ``+`` (see NATIVE_ADD)."""
+            if not isinstance(node, nodes.Add):
+                return self.visit(node)
+            operands = self._operands(node)
+            if not (len(operands) <= _SHORT_CHAIN and isinstance(operands[0], nodes.Const)
+                    and type(operands[0].value) is str):
+                return hook(f"mtp_add{len(operands)}" if len(operands) <= 6 else "mtp_add", operands[0],
+                            *operands[1:], lineno=operands[0].lineno)
+            chain = operands[0]
+            for o in operands[1:]:
+                chain = nodes.Add(chain, o, lineno=o.lineno)
+                setattr(chain, NATIVE_ADD, True)
+            return chain
 
         def visit_Concat(self, node: Any) -> Any:
             node = self.generic_visit(node)
             return hook("mtp_concat", node.nodes[0], *node.nodes[1:], lineno=node.lineno)
 
         def visit_Output(self, node: Any) -> Any:
-            node = self.generic_visit(node)
             if not self.captured:
+                node.nodes = [self._output_child(c) for c in node.nodes]
                 return node
+            node = self.generic_visit(node)
             literal = sum(len(c.data) for c in node.nodes if isinstance(c, nodes.TemplateData))
             wrapped = [c if isinstance(c, nodes.TemplateData) else hook("mtp_out", c, lineno=c.lineno)
                        for c in node.nodes]
