@@ -187,6 +187,12 @@ def _jinja_env() -> Any:
     return env
 
 
+def _template_error() -> type:
+    import jinja2  # loaded by then: only looked up when a render fails
+
+    return jinja2.TemplateError
+
+
 _DEFAULT_LIMITS = RenderLimits()
 _BUILTIN_METHOD = type("".join)
 _FUNCTION = type(_strftime_now)
@@ -252,8 +258,6 @@ def render_chat_template(
     Raises MTPEngineError (naming ``file`` and ``field``) when the template calls
     ``raise_exception``, goes past its budget, or fails in any other way while rendering.
     """
-    import jinja2
-
     budget = Budget(limits or _DEFAULT_LIMITS, lambda: input_chars(messages, variables))
     token = CURRENT.set(budget)
     try:
@@ -263,12 +267,12 @@ def render_chat_template(
         raise MTPEngineError(f"chat template refused the input: {_one_line(e)}", file=file, field=field) from None
     except OverBudget as e:
         raise MTPEngineError(f"chat template stopped: {e}", file=file, field=field) from None
-    except jinja2.TemplateError as e:
-        raise MTPEngineError(f"chat template failed: {_one_line(e)}", file=file, field=field) from None
     except RecursionError:
         raise MTPEngineError("chat template failed: recursion too deep", file=file, field=field) from None
     except MemoryError:
         raise MTPEngineError("chat template failed: out of memory", file=file, field=field) from None
+    except _template_error() as e:
+        raise MTPEngineError(f"chat template failed: {_one_line(e)}", file=file, field=field) from None
     except Exception as e:  # ZeroDivisionError, TypeError, OverflowError...: the template's fault
         raise MTPEngineError(f"chat template failed: {type(e).__name__}: {_one_line(e)}",
                              file=file, field=field) from None

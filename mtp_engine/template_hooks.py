@@ -113,12 +113,18 @@ def _loop(_context: Any, iterable: Any) -> Any:
     b = CURRENT.get()
     if b is None:
         return iterable
-    # A short loop (most of a chat template's) is charged up front, with a look at the clock, and
-    # then runs on the object itself. A long one is counted item by item, so that the clock is
+    # A short loop (most of a chat template's) is charged up front and then runs on the object
+    # itself. A long one is counted item by item, so that the clock is
     # read every 64 iterations and a loop past the budget runs up to the point where it goes over.
-    if type(iterable) in _COUNTABLE and len(iterable) <= _UPFRONT_ITEMS:
-        b.step(len(iterable))
-        return iterable
+    if type(iterable) in _COUNTABLE:
+        n = len(iterable)
+        if n <= _UPFRONT_ITEMS:
+            left = b.steps_left
+            b.steps_left = left - n
+            # the clock when the count passes a multiple of 64, as often as single steps read it
+            if (left - n) >> 6 != left >> 6 or left < n:
+                b.check()
+            return iterable
     return _counted(b, iterable)
 
 
