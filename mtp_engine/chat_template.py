@@ -56,7 +56,8 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
     b = CURRENT.get()
     if b is None:
         return encoder.encode(value)
-    check_ints(b, (indent,), "the filter tojson")  # the encoder builds ' ' * indent before anything else
+    if isinstance(indent, int) and indent > b.max_chars:  # the encoder builds ' ' * indent before anything else
+        b.size(indent, "the filter tojson")
     if indent is None and (separators is None or sum(map(len, separators)) <= 8):
         # compact JSON is at most a few times the size of what it encodes, which exists already:
         # encoded at once (in C), then checked

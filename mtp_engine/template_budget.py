@@ -112,7 +112,8 @@ def current() -> Budget | None:
 
 SIZED = (str, list, tuple, dict, bytes)
 # iterated as they are, their length charged once: the types real templates loop over
-_COUNTABLE = frozenset({list, tuple, dict, str, range})
+# (and the views of a dict's items, keys and values: a loop over ``d.items()``)
+_COUNTABLE = frozenset({list, tuple, dict, str, range, type({}.items()), type({}.keys()), type({}.values())})
 
 
 def _len(x: Any) -> int:

@@ -327,10 +327,12 @@ def render_counted(template: Any, b: Budget, context: dict) -> str:
     parts: list[str] = []
     append = parts.append
     for chunk in template.root_render_func(template.new_context(context)):
-        b.chars_left -= len(chunk)
-        if b.chars_left < 0:
-            b.emit(0)
         append(chunk)
+        # read again at every chunk: the hooks count captured output into it while the render runs
+        left = b.chars_left - len(chunk)
+        b.chars_left = left
+        if left < 0:
+            b.emit(0)
     return "".join(parts)
 
 
