@@ -34,6 +34,7 @@ from .template_budget import (
     check_ints, check_str_call, input_chars,
 )
 from .template_hooks import HOOKS, NATIVE_ADD, guard_filter, instrument, render_counted
+from .template_json import indented_json
 
 __all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS"]
 
@@ -66,7 +67,15 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
             b.size(len(out), "the filter tojson")
         return out
     # indented (or with long separators) it can be far larger than the value (an indent of 10^6 on
-    # a nested value): streamed, and refused before the text exists
+    # a nested value): counted while it is built, and refused before the text exists
+    if (isinstance(indent, (int, str)) and type(encoder.item_separator) is str
+            and type(encoder.key_separator) is str):
+        def over(size: int) -> int:
+            b.size(size, "the filter tojson")
+            return b.max_chars  # widened by the input's share
+
+        return indented_json(value, ensure_ascii=ensure_ascii, indent=indent, item_separator=encoder.item_separator,
+                             key_separator=encoder.key_separator, sort_keys=sort_keys, limit=b.max_chars, over=over)
     parts, size, limit = [], 0, b.max_chars
     for chunk in encoder.iterencode(value):
         size += len(chunk)

@@ -235,3 +235,95 @@ def test_walking_filters_are_charged_per_item_only_when_they_walk_in_python():
         _render("{{ (messages * 3000)|join(',', attribute='role')|length }}", chat, True, {}, limits)
     with pytest.raises(MTPEngineError, match="loop iterations"):
         _render("{{ messages[0].content|map('upper')|list|length }}", chat, True, {}, limits)
+
+
+def test_indented_json_is_the_json_modules_text():
+    # tojson(indent=...) under a budget is written by template_json, not json.dumps: the same text,
+    # and the same errors, over a seeded sample of values, indents, separators and key types
+    import random
+
+    from markupsafe import Markup
+
+    from mtp_engine.template_json import indented_json
+
+    rng = random.Random(15)
+    scalars = [0, -7, 2**70, True, False, None, 1.5, -0.0, float("nan"), float("inf"), -float("inf"), "",
+               "é\n\"\\x\u2028", "\ud83d\ude00", Markup("<b>"), "\x00\x1f"]
+    keys = ["k", "", "é", "a", 1, 2.5, True, False, None]
+
+    def value(depth=0):
+        r = rng.random()
+        if depth > 4 or r < 0.35:
+            return rng.choice(scalars + ([object()] if rng.random() < 0.02 else []))
+        if r < 0.6:
+            items = [value(depth + 1) for _ in range(rng.randint(0, 4))]
+            return tuple(items) if rng.random() < 0.2 else items
+        return {rng.choice(keys + ([(1,)] if rng.random() < 0.03 else [])): value(depth + 1)
+                for _ in range(rng.randint(0, 4))}
+
+    def outcome(f):
+        try:
+            return f()
+        except Exception as e:  # noqa: BLE001 - the error is part of what is compared
+            return type(e).__name__, str(e)
+
+    for _ in range(3000):
+        v = value()
+        if rng.random() < 0.02:
+            v = [v]
+            v.append(v)  # circular
+        indent = rng.choice([0, 1, 4, -2, True, "\t", "ab"])
+        ascii_, sort = rng.random() < 0.5, rng.random() < 0.2
+        seps = rng.choice([None, (",", ": "), (" , ", ":"), ("", "")])
+        item, key = seps or (",", ": ")
+        expected = outcome(lambda: json.dumps(v, indent=indent, ensure_ascii=ascii_, separators=seps, sort_keys=sort))
+        got = outcome(lambda: indented_json(v, ensure_ascii=ascii_, indent=indent, item_separator=item,
+                                            key_separator=key, sort_keys=sort, limit=1 << 40, over=lambda n: 1 << 40))
+        assert got == expected, (v, indent, seps)
+
+
+def test_indented_json_is_refused_before_it_is_built():
+    # 400 levels of nesting at an indent of 100,000: ~8 GB of indentation as text
+    src = "{% set ns = namespace(v=1) %}{% for i in range(400) %}{% set ns.v = [ns.v] %}{% endfor %}" \
+          "{{ ns.v|tojson(indent=100000) }}"
+    tracemalloc.start()
+    try:
+        with pytest.raises(MTPEngineError, match="the filter tojson would build"):
+            _render(src, CHATS["one user"], True, {})
+        assert tracemalloc.get_traced_memory()[1] < 200 << 20
+    finally:
+        tracemalloc.stop()
+    # within the budget it is the json module's text, and the input's share widens the budget
+    tools = {"tools": TOOLS * 50}
+    src = "{{ tools|tojson(indent=4) }}"
+    assert _render(src, CHATS["one user"], True, tools, RenderLimits(max_chars=5_000)) == json.dumps(tools["tools"], indent=4)
+    with pytest.raises(MTPEngineError, match="the filter tojson would build"):
+        _render(src, CHATS["one user"], True, tools, RenderLimits(max_chars=5_000, chars_per_input_char=0))
+
+
+@pytest.mark.parametrize("source", [
+    "{{ 'a' + messages[0].content + 'b' }}",  # led by a literal, at the top level: Python's +
+    "{{ 'a' + 1 }}",  # TypeError, as the plain sandbox raises it
+    "{{ 'a' + undefined_name }}",
+    "{% for m in messages %}{{ '<' + m.role + '>' + m.content|trim + '</' + m.role + '>' }}{% endfor %}",
+    "{% macro f(m) %}{{ 'x' + m }}{% endmacro %}{{ f('y') }}",  # captured: the hook
+    "{{ messages[0].content + 'z' }}",  # led by a variable: the hook
+])
+def test_plus_chains_render_as_the_plain_sandbox(source):
+    env, _ = _reference_env()
+    chat = CHATS["system + turns"]
+    try:
+        expected = env.from_string(source).render(messages=chat, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - then the engine gives its error
+        with pytest.raises(MTPEngineError):
+            _render(source, chat, True, {})
+        return
+    assert _render(source, chat, True, {}) == expected
+
+
+def test_top_level_plus_chain_output_is_counted():
+    # a chain led by a literal goes straight into the output: the output's count is its check
+    src = "{% set s = 'x' * 900 %}{% for i in range(100) %}{{ '-' + s + s + s + s }}{% endfor %}"
+    with pytest.raises(MTPEngineError, match="characters of output"):
+        _render(src, CHATS["one user"], True, {}, RenderLimits(max_chars=100_000, chars_per_input_char=0))
+    assert len(_render(src, CHATS["one user"], True, {}, RenderLimits(max_chars=400_000))) == 360_100
