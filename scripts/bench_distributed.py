@@ -74,16 +74,8 @@ class RandomSource:
         lead = list(gshape[:-1])
         n_rows = len(rows) if rows is not None else None
         if not matrix:
-            shape = tuple([n_rows if n_rows is not None else gshape[0], *gshape[1:]])
-            if name.endswith("ssm_a"):
-                return -mx.exp(mx.random.uniform(-3, 0, shape))
-            if name.endswith("ssm_dt.bias"):
-                return mx.random.uniform(-1, 0, shape)
-            if name.endswith("ssm_conv1d.weight"):
-                return mx.random.normal(shape) * 0.5
-            if name.endswith("ffn_gate_inp_shexp.weight"):
-                return mx.random.normal(shape) * shape[-1] ** -0.5
-            return mx.ones(shape)
+            from bench_9b_oracle import random_vector
+            return random_vector(name, tuple([n_rows if n_rows is not None else gshape[0], *gshape[1:]]))
         total_rows = 1
         for d in lead:
             total_rows *= d
@@ -160,8 +152,9 @@ def random_runs(model, comm: Comm | None, tokens: int, oracle: float) -> dict:
     from mtp_engine.decode import PlainDecoder
     from mtp_engine.generate import run
     from mtp_engine.sampling import Sampler, SamplerConfig
-    from mtp_engine.spec.draft_mtp import DraftMTPDecoder, DraftParams
-    from mtp_engine.spec.scheduler import COMPILED_AUTO_MAX, DraftLengthScheduler
+    from mtp_engine.speculative.ablations import ablation_decoder
+    from mtp_engine.speculative.config import DraftParams
+    from mtp_engine.speculative.scheduler import COMPILED_AUTO_MAX, DraftLengthScheduler
 
     prompt = list(range(100, 164))
     out = {}
@@ -172,8 +165,8 @@ def random_runs(model, comm: Comm | None, tokens: int, oracle: float) -> dict:
             if name == "plain":
                 dec = PlainDecoder(model, sampler)
             else:
-                dec = DraftMTPDecoder(model, sampler, DraftParams("auto"), oracle_acceptance=oracle,
-                                      scheduler=DraftLengthScheduler(None, k_max=COMPILED_AUTO_MAX))
+                dec = ablation_decoder(model, sampler, DraftParams("auto"), oracle_acceptance=oracle,
+                                       scheduler=DraftLengthScheduler(None, k_max=COMPILED_AUTO_MAX))
                 if comm is not None:
                     share_decisions(dec, comm)
             chunks = run(dec, _Tok(), prompt, tokens, ignore_eos=True)
