@@ -49,17 +49,23 @@ def random_model(cfg: Qwen35Config):
             q = [a.reshape(*shape[:-1], -1) for a in mx.quantize(w, group_size=32, bits=4)]
             mx.eval(q)
             return Linear(q[0], q[1], q[2], 4, 32)
-        if name.endswith("ssm_a"):
-            return -mx.exp(mx.random.uniform(-3, 0, shape))
-        if name.endswith("ssm_dt.bias"):
-            return mx.random.uniform(-1, 0, shape)
-        if name.endswith("ssm_conv1d.weight"):
-            return mx.random.normal(shape) * 0.5
-        if name.endswith("ffn_gate_inp_shexp.weight"):
-            return mx.random.normal(shape) * shape[-1] ** -0.5
-        return mx.ones(shape)
+        return random_vector(name, shape)
 
     return build_model(cfg, fetch, lambda n: True)
+
+
+def random_vector(name: str, shape: tuple) -> mx.array:
+    """A non-matrix tensor of a random model: values in each parameter's natural range (decays,
+    time-step biases, conv taps, the shared expert's gate), ones for norms."""
+    if name.endswith("ssm_a"):
+        return -mx.exp(mx.random.uniform(-3, 0, shape))
+    if name.endswith("ssm_dt.bias"):
+        return mx.random.uniform(-1, 0, shape)
+    if name.endswith("ssm_conv1d.weight"):
+        return mx.random.normal(shape) * 0.5
+    if name.endswith("ffn_gate_inp_shexp.weight"):
+        return mx.random.normal(shape) * shape[-1] ** -0.5
+    return mx.ones(shape)
 
 
 class _Tok:

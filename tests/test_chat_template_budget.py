@@ -9,6 +9,8 @@ import tracemalloc
 
 import pytest
 
+from tests.template_conversations import reference_env
+
 from tests.chat_templates import TEMPLATES
 from tests.conftest import load_script
 from mtp_engine.chat_template import RenderLimits, compile_chat_template, render_chat_template
@@ -34,24 +36,13 @@ CHATS = {
 
 
 def _reference_env():
-    """The environment transformers renders with: a plain immutable sandbox, no budget."""
-    import datetime
-
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Raised(Exception):
-        pass
-
-    def raise_exception(msg):
-        raise Raised(msg)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda v, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        v, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env, Raised
+    """The environment transformers renders with (`template_conversations.reference_env`) and the
+    exception its `raise_exception` raises."""
+    env = reference_env()
+    try:
+        env.globals["raise_exception"]("probe")
+    except Exception as e:
+        return env, type(e)
 
 
 def _render(source: str, messages, gen: bool, variables, limits=None) -> str:

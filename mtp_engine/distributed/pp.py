@@ -57,10 +57,7 @@ class PPModel(Qwen35Model):
     def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False):
         s = int(ids.shape[1])
         if capture:
-            for c in cache.layers:
-                if isinstance(c, RecurrentCache):
-                    c.begin_capture()
-            cache._captured = s
+            cache.begin_capture(s)
         comm, r, n = self.comm, self.comm.rank, self.comm.size
         shape = (1, s, self.cfg.hidden_size)
         # Each stage boundary is an all-sum to which only the sending stage contributes; the others

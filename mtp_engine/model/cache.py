@@ -124,6 +124,13 @@ class TrunkCache:
         self.offset = 0
         self._captured = 0
 
+    def begin_capture(self, n_tokens: int) -> None:
+        """Before a forward of `n_tokens` whose tokens a later `rollback` may drop."""
+        for c in self.layers:
+            if isinstance(c, RecurrentCache):
+                c.begin_capture()
+        self._captured = n_tokens
+
     def rollback(self, n_keep: int) -> None:
         """After a captured forward of S tokens, keeps its first `n_keep` tokens."""
         drop = self._captured - n_keep

@@ -359,10 +359,7 @@ class Qwen35Model:
         `return_prenorm`, returns (post-norm, pre-norm) hidden states."""
         s = int(ids.shape[1])
         if capture:
-            for c in cache.layers:
-                if isinstance(c, RecurrentCache):
-                    c.begin_capture()
-            cache._captured = s
+            cache.begin_capture(s)
         if self._compile_steps and s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers):
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \
