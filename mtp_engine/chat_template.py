@@ -34,7 +34,7 @@ from .template_budget import (
     check_ints, check_str_call, input_chars,
 )
 from .template_hooks import HOOKS, NATIVE_ADD, guard_filter, instrument, render_counted
-from .template_json import indented_json
+from .template_json import compact_json_bound, compact_json_size, indented_json
 
 __all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS"]
 
@@ -59,21 +59,23 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
         return encoder.encode(value)
     if isinstance(indent, int) and indent > b.max_chars:  # the encoder builds ' ' * indent before anything else
         b.size(indent, "the filter tojson")
+
+    def over(size: int) -> int:
+        b.size(size, "the filter tojson")
+        return b.max_chars  # widened by the input's share
+
     if indent is None and (separators is None or sum(map(len, separators)) <= 8):
-        # compact JSON is at most a few times the size of what it encodes, which exists already:
-        # encoded at once (in C), then checked
-        out = encoder.encode(value)
-        if len(out) > b.max_chars:
-            b.size(len(out), "the filter tojson")
-        return out
+        # compact: measured first (shared parts once, so a value repeating a large part is refused
+        # before its text exists), then encoded at once in C; the exact count only when the quick
+        # bound is over the budget
+        seps = {"item_separator": encoder.item_separator, "key_separator": encoder.key_separator}
+        if compact_json_bound(value, ensure_ascii=ensure_ascii, **seps) > b.max_chars:
+            compact_json_size(value, ensure_ascii=ensure_ascii, **seps, limit=b.max_chars, over=over)
+        return encoder.encode(value)
     # indented (or with long separators) it can be far larger than the value (an indent of 10^6 on
     # a nested value): counted while it is built, and refused before the text exists
     if (isinstance(indent, (int, str)) and type(encoder.item_separator) is str
             and type(encoder.key_separator) is str):
-        def over(size: int) -> int:
-            b.size(size, "the filter tojson")
-            return b.max_chars  # widened by the input's share
-
         return indented_json(value, ensure_ascii=ensure_ascii, indent=indent, item_separator=encoder.item_separator,
                              key_separator=encoder.key_separator, sort_keys=sort_keys, limit=b.max_chars, over=over)
     parts, size, limit = [], 0, b.max_chars

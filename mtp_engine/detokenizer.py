@@ -44,7 +44,9 @@ def _emit_len(buf: bytearray) -> int:
 
 
 # Why not `tokenizers.decoders.DecodeStream`: on every valid UTF-8 stream it emits the same text
-# (tests/test_tokenizer.py compares them on the shipped model's tokenizer), but it has no flush:
+# (tests/test_tokenizer.py compares them on the shipped model's tokenizer), though later: it holds
+# back a whole token whose text ends inside a character, where we hold back only those bytes
+# (' ' of ' ━' comes a token earlier here). And it has no flush:
 # a generation that stops inside a character (max_tokens reached after the first byte token of an
 # emoji, or ids that are not valid UTF-8) loses those bytes, where `Tokenizer.decode`, and so
 # `generate()`'s text, ends in U+FFFD. Streamed and non-streamed text must be equal, so we keep

@@ -1,4 +1,10 @@
-"""Indented JSON for a chat template's ``tojson(indent=...)``, under the render's budget.
+"""JSON for a chat template's ``tojson`` under the render's budget: the size of compact JSON
+before it is built (``compact_json_size``), and indented JSON counted as it is built.
+
+Compact JSON of a value that exists is usually a few times its size, but a template can make
+a value whose JSON is enormous from shared parts (``[[s] * 1000] * 1000`` holds one string a
+million times in two small lists): its size is worked out per distinct object first, so the text
+is refused before it exists.
 
 Indented JSON can be far larger than the value it encodes (an indent of 10^6 on a nested value),
 so its size is counted while it is built and the encoding stops as soon as it passes the budget.
@@ -14,7 +20,7 @@ from collections.abc import Callable
 from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Any
 
-__all__ = ["indented_json"]
+__all__ = ["indented_json", "compact_json_bound", "compact_json_size"]
 
 _INF = float("inf")
 
@@ -27,6 +33,114 @@ def _float(o: float) -> str:
     if o == -_INF:
         return "-Infinity"
     return float.__repr__(o)
+
+
+def compact_json_bound(value: Any, *, ensure_ascii: bool, item_separator: str, key_separator: str) -> int:
+    """An upper bound of ``len(json.dumps(value, separators=...))``, each distinct container
+    walked once, strings by their length (every character escaped at its longest), about as fast
+    as the encoding itself: when it is within the budget the text is built without counting."""
+    per_char = 12 if ensure_ascii else 6  # "\ud83c\udf89" for one astral character, "\u0001" otherwise
+    item_sep, key_sep = len(item_separator), len(key_separator)
+    sizes: dict[int, int] = {}
+
+    def scalar(o: Any) -> int:
+        if isinstance(o, str):
+            return per_char * len(o) + 2
+        if isinstance(o, int) and o is not True and o is not False:
+            return len(int.__repr__(o))
+        return 24  # null, true, false, any float ("-1.2345678901234567e-308"), or not JSON: 0 would do
+
+    def measure(o: Any) -> int:
+        t = type(o)
+        if t is str:
+            return per_char * len(o) + 2
+        if t is dict or t is list or t is tuple or isinstance(o, (dict, list, tuple)):
+            mark = id(o)
+            known = sizes.get(mark)
+            if known is not None:
+                return known
+            sizes[mark] = 0  # a cycle counts 0: the encoder refuses it
+            size = 2 + (len(o) - 1) * item_sep if o else 2
+            if isinstance(o, dict):
+                size += len(o) * key_sep
+                for k, v in o.items():
+                    size += (per_char * len(k) + 2 if type(k) is str else scalar(k) + 2) + measure(v)
+            else:
+                for v in o:
+                    size += measure(v)
+            sizes[mark] = size
+            return size
+        return scalar(o)
+
+    return measure(value)
+
+
+def compact_json_size(value: Any, *, ensure_ascii: bool, item_separator: str, key_separator: str,
+                      limit: int, over: Callable[[int], int]) -> int:
+    """The length of ``json.dumps(value, separators=(item_separator, key_separator), ...)`` without
+    building it, each distinct container and string measured once (so a value made of shared parts
+    costs its distinct parts, not its size). ``over(size)`` as for :func:`indented_json`, called
+    as soon as any part passes ``limit``. Values the json module refuses (other types, circular
+    references) count 0 here: the encoder raises its own error for them afterwards."""
+    encode = encode_basestring_ascii if ensure_ascii else encode_basestring
+    item_sep, key_sep = len(item_separator), len(key_separator)
+    sizes: dict[int, int] = {}
+    walking: set[int] = set()
+
+    def measure(o: Any) -> int:
+        nonlocal limit
+        if isinstance(o, str):
+            known = sizes.get(id(o))
+            if known is None:
+                known = sizes[id(o)] = len(encode(o))
+            return known
+        if o is None or o is True:
+            return 4
+        if o is False:
+            return 5
+        if isinstance(o, int):
+            return len(int.__repr__(o))
+        if isinstance(o, float):
+            return len(_float(o))
+        is_list = isinstance(o, (list, tuple))
+        if not is_list and not isinstance(o, dict):
+            return 0
+        mark = id(o)
+        known = sizes.get(mark)
+        if known is not None:
+            return known
+        if mark in walking:
+            return 0
+        walking.add(mark)
+        size = 2 + max(len(o) - 1, 0) * item_sep
+        if is_list:
+            for item in o:
+                size += measure(item)
+                if size > limit:
+                    limit = over(size)
+        else:
+            for k, v in o.items():
+                key = k if isinstance(k, str) else _key_text(k) if isinstance(k, (int, float)) or k is None else ""
+                size += len(encode(key)) + key_sep + measure(v)
+                if size > limit:
+                    limit = over(size)
+        walking.discard(mark)
+        sizes[mark] = size
+        return size
+
+    return measure(value)
+
+
+def _key_text(k: Any) -> str:
+    if isinstance(k, float):
+        return _float(k)
+    if k is True:
+        return "true"
+    if k is False:
+        return "false"
+    if k is None:
+        return "null"
+    return int.__repr__(k)
 
 
 def indented_json(value: Any, *, ensure_ascii: bool, indent: int | str, item_separator: str,

@@ -292,6 +292,77 @@ def test_indented_json_is_refused_before_it_is_built():
         _render(src, CHATS["one user"], True, tools, RenderLimits(max_chars=5_000, chars_per_input_char=0))
 
 
+def test_compact_json_size_is_the_json_modules_length():
+    # the size compact tojson is checked against before it is built: exactly the length of
+    # json.dumps's text wherever json.dumps succeeds, over a seeded sample with shared parts
+    import random
+
+    from markupsafe import Markup
+
+    from mtp_engine.template_json import compact_json_bound, compact_json_size
+
+    rng = random.Random(16)
+    scalars = [0, -7, 2**70, True, False, None, 1.5, -0.0, float("nan"), float("inf"), -float("inf"), "",
+               "é\n\"\\x\u2028", "\ud83d\ude00", "🎉", Markup("<b>"), "\x00\x1f", "🎉🎉\x01", 10**50, 5e-324]
+    keys = ["k", "", "é", "a", 1, 2.5, True, False, None, -3, 10**40, -1.2345678901234567e-308, Markup("\x01"), "\x00🎉"]
+    made = []
+
+    def value(depth=0):
+        r = rng.random()
+        if made and r < 0.1:
+            return rng.choice(made)  # a part used twice
+        if depth > 4 or r < 0.4:
+            return rng.choice(scalars)
+        if r < 0.65:
+            v = [value(depth + 1) for _ in range(rng.randint(0, 4))]
+            v = tuple(v) if rng.random() < 0.2 else v
+        else:
+            v = {rng.choice(keys): value(depth + 1) for _ in range(rng.randint(0, 4))}
+        made.append(v)
+        return v
+
+    for _ in range(3000):
+        v = value()
+        ascii_ = rng.random() < 0.5
+        item, key = rng.choice([(", ", ": "), (",", ":"), (" , ", " :: ")])
+        expected = len(json.dumps(v, ensure_ascii=ascii_, separators=(item, key)))
+        got = compact_json_size(v, ensure_ascii=ascii_, item_separator=item, key_separator=key,
+                                limit=1 << 40, over=lambda n: 1 << 40)
+        assert got == expected, (v, ascii_, item, key)
+        # the quick bound that decides whether to count exactly is never below it
+        assert compact_json_bound(v, ensure_ascii=ascii_, item_separator=item, key_separator=key) >= expected
+
+
+@pytest.mark.parametrize("src", [
+    "{% set a = ['x' * 3000] * 1000 %}{{ ([a] * 1000)|tojson }}",  # 3 GB of text from two small lists
+    "{% set a = {'k': 'x' * 3000} %}{% set ns = namespace(v=[a]) %}"
+    "{% for i in range(12) %}{% set ns.v = [ns.v] * 10 %}{% endfor %}{{ ns.v|tojson }}",  # 10^12 copies
+    "{% set a = 'y' * 1000 %}{{ ([a] * 1000000)|tojson(separators=(',', ':')) }}",
+])
+def test_compact_json_of_shared_parts_is_refused_before_it_is_built(src):
+    tracemalloc.start()
+    try:
+        with pytest.raises(MTPEngineError, match="the filter tojson would build"):
+            _render(src, CHATS["one user"], True, {})
+        assert tracemalloc.get_traced_memory()[1] < 100 << 20
+    finally:
+        tracemalloc.stop()
+    # the same shapes, small, are the json module's text
+    small = src.replace("3000", "3").replace("1000000", "10").replace("1000", "10").replace("range(12)", "range(2)")
+    assert _render(small, CHATS["one user"], True, {}) == reference_env().from_string(small).render(
+        messages=CHATS["one user"], add_generation_prompt=True)
+
+
+def test_compact_json_counted_exactly_when_the_quick_bound_is_over():
+    # 10 x 1,000 'x': 10,021 characters of JSON, a quick bound of ~60,000 (every character
+    # escaped): under a 20,000 budget it renders, counted exactly; under 10,000 it is refused
+    src = "{{ (['x' * 1000] * 10)|tojson }}"
+    limits = RenderLimits(max_chars=20_000, chars_per_input_char=0)
+    assert _render(src, CHATS["one user"], True, {}, limits) == json.dumps(["x" * 1000] * 10)
+    with pytest.raises(MTPEngineError, match="the filter tojson would build"):
+        _render(src, CHATS["one user"], True, {}, RenderLimits(max_chars=10_000, chars_per_input_char=0))
+
+
 @pytest.mark.parametrize("source", [
     "{{ 'a' + messages[0].content + 'b' }}",  # led by a literal, at the top level: Python's +
     "{{ 'a' + 1 }}",  # TypeError, as the plain sandbox raises it

@@ -269,13 +269,31 @@ def _decode_stream(tok, ids):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.text(alphabet=st.one_of(ASSIGNED, st.sampled_from("é你🎉👍🏽👨‍👩‍👧‍👦한€𝔘")), max_size=60))
+@given(st.text(alphabet=st.one_of(ASSIGNED, st.sampled_from("é你🎉👍🏽👨‍👩‍👧‍👦한€𝔘━")), max_size=60))
 def test_streaming_matches_tokenizers_decode_stream(shipped, text):
-    """On valid UTF-8 `tokenizers`' DecodeStream gives the same pieces, token by token (the reason
-    we keep our own is the end of a stream: see the next test and detokenizer.py)."""
+    """On valid UTF-8 `tokenizers`' DecodeStream gives the same text, and ours is never behind it:
+    after every token, what we emitted so far starts with what DecodeStream emitted so far. (Ours
+    may be ahead: DecodeStream holds back a whole token whose text ends inside a character, we
+    hold back only that character's bytes.)"""
     ids = shipped.encode(text)
     pieces, rest = _stream(shipped, ids)
-    assert pieces == _decode_stream(shipped, ids) and rest == ""
+    theirs = _decode_stream(shipped, ids)
+    assert rest == "" and "".join(pieces) == "".join(theirs)
+    ours_so_far = theirs_so_far = ""
+    for mine, other in zip(pieces, theirs):
+        ours_so_far += mine
+        theirs_so_far += other
+        assert ours_so_far.startswith(theirs_so_far)
+
+
+def test_streaming_emits_the_complete_part_of_a_token_early(shipped):
+    """' ━' is two tokens, 'Ġ' + two bytes of '━', then its last byte: the space is complete after
+    the first token and we emit it then; DecodeStream waits for the second token (found by the
+    property test above in CI)."""
+    ids = shipped.encode(" ━")
+    assert len(ids) == 2
+    assert _stream(shipped, ids) == ([" ", "━"], "")
+    assert _decode_stream(shipped, ids) == ["", " ━"]
 
 
 def test_decode_stream_drops_a_truncated_character(shipped, tiny):
