@@ -50,6 +50,15 @@ def test_ctx_size_maps_to_max_context(command):
     assert p.parse_args(extra).max_context is None
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "x", "1.5"])
+def test_ctx_size_refuses_what_is_not_a_positive_integer(value, capsys):
+    # named by its flag (the API's own check would name `max_context`, which the user never typed)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "-p", "x", "-c", value])
+    assert e.value.code == 2
+    assert f"argument -c/--ctx-size: expected a positive integer, found '{value}'" in capsys.readouterr().err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
