@@ -94,14 +94,9 @@ def compact_json_size(value: Any, *, ensure_ascii: bool, item_separator: str, ke
             if known is None:
                 known = sizes[id(o)] = len(encode(o))
             return known
-        if o is None or o is True:
-            return 4
-        if o is False:
-            return 5
-        if isinstance(o, int):
-            return len(int.__repr__(o))
-        if isinstance(o, float):
-            return len(_float(o))
+        text = _scalar_text(o, encode)
+        if text is not None:
+            return len(text)
         is_list = isinstance(o, (list, tuple))
         if not is_list and not isinstance(o, dict):
             return 0
@@ -120,7 +115,10 @@ def compact_json_size(value: Any, *, ensure_ascii: bool, item_separator: str, ke
                     limit = over(size)
         else:
             for k, v in o.items():
-                key = k if isinstance(k, str) else _key_text(k) if isinstance(k, (int, float)) or k is None else ""
+                try:
+                    key = _key_text(k)
+                except TypeError:
+                    key = ""
                 size += len(encode(key)) + key_sep + measure(v)
                 if size > limit:
                     limit = over(size)
@@ -131,16 +129,31 @@ def compact_json_size(value: Any, *, ensure_ascii: bool, item_separator: str, ke
     return measure(value)
 
 
-def _key_text(k: Any) -> str:
-    if isinstance(k, float):
-        return _float(k)
-    if k is True:
-        return "true"
-    if k is False:
-        return "false"
-    if k is None:
+def _scalar_text(o: Any, encode: Callable[[str], str]) -> str | None:
+    """A scalar's JSON text (the json module's order: str, None, True, False, int, float), None
+    for anything else."""
+    if isinstance(o, str):
+        return encode(o)
+    if o is None:
         return "null"
-    return int.__repr__(k)
+    if o is True:
+        return "true"
+    if o is False:
+        return "false"
+    if isinstance(o, int):
+        return int.__repr__(o)
+    if isinstance(o, float):
+        return _float(o)
+    return None
+
+
+def _key_text(k: Any) -> str:
+    """A dict key as the json module turns it into a string (before encoding)."""
+    if isinstance(k, str):
+        return k
+    if k is None or isinstance(k, (int, float)):  # bool is an int
+        return _scalar_text(k, str)
+    raise TypeError(f"keys must be str, int, float, bool or None, not {k.__class__.__name__}")
 
 
 def indented_json(value: Any, *, ensure_ascii: bool, indent: int | str, item_separator: str,
@@ -156,40 +169,9 @@ def indented_json(value: Any, *, ensure_ascii: bool, indent: int | str, item_sep
     markers: dict[int, Any] = {}
     size = 0
 
-    def scalar(o: Any) -> str | None:
-        # the json module's order: str, None, True, False, int, float
-        if isinstance(o, str):
-            return encode(o)
-        if o is None:
-            return "null"
-        if o is True:
-            return "true"
-        if o is False:
-            return "false"
-        if isinstance(o, int):
-            return int.__repr__(o)
-        if isinstance(o, float):
-            return _float(o)
-        return None
-
-    def key_text(k: Any) -> str:
-        if isinstance(k, str):
-            return k
-        if isinstance(k, float):
-            return _float(k)
-        if k is True:
-            return "true"
-        if k is False:
-            return "false"
-        if k is None:
-            return "null"
-        if isinstance(k, int):
-            return int.__repr__(k)
-        raise TypeError(f"keys must be str, int, float, bool or None, not {k.__class__.__name__}")
-
     def walk(o: Any, level: int) -> None:
         nonlocal size, limit
-        text = scalar(o)
+        text = _scalar_text(o, encode)
         if text is not None:
             append(text)
             size += len(text)
@@ -218,7 +200,7 @@ def indented_json(value: Any, *, ensure_ascii: bool, indent: int | str, item_sep
                 append(separator)
                 size += len(separator)
             if not is_list:
-                key = encode(key_text(item[0])) + key_separator
+                key = encode(_key_text(item[0])) + key_separator
                 append(key)
                 size += len(key)
                 item = item[1]
