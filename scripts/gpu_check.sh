@@ -1,8 +1,8 @@
 #!/bin/sh
 # One device call's worth of GPU checks (after the three MLX-CUDA staging calls, see
 # ../shared/device/mlx-cuda/README.md): the CUDA-only tests, start-up in two processes, and the
-# decode benchmarks, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|startup|bench|all]
+# decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|startup|bench|server|all]
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 what=${1:-all}
@@ -24,4 +24,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     echo "plain/verify rc=$?"
     timeout 200 python3 scripts/bench_gpu.py --sections loop --quick > "$out/loop.json" 2> "$out/loop.log"
     echo "loop rc=$?"
+fi
+if [ "$what" = server ] || [ "$what" = all ]; then
+    for spec in none draft-mtp; do
+        timeout 150 python3 scripts/bench_server.py -n 256 --repeats 9 --spec $spec --n-max auto \
+            --out "$out/server-$spec.json" > "$out/server-$spec.log" 2>&1
+        echo "server $spec rc=$?"; tail -3 "$out/server-$spec.log"
+    done
 fi
