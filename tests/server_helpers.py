@@ -23,6 +23,7 @@ class LiveServer:
                                       *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=str(ROOT))
         self.stderr: list[str] = []
+        self.banner = ""  # the line that says where it serves
         threading.Thread(target=self._drain, daemon=True).start()
         self.url = self._wait_url(timeout)
         u = urlparse(self.url)
@@ -40,6 +41,7 @@ class LiveServer:
             for line in self.proc.stdout:
                 m = re.search(r"(http://\S+/)", line)
                 if m:
+                    self.banner = line.strip()
                     box.append(m.group(1))
                     return
 

@@ -3,6 +3,7 @@ generations): the official `openai` client (chat and completions, streaming and 
 equal to `generate()`'s, 16 concurrent streams, a disconnect mid-stream, 400 and 503 answers."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -213,3 +214,31 @@ def test_full_queue_answers_503():
         assert s.request("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
     finally:
         s.stop()
+
+
+def test_default_settings_serve_draft_mtp_auto():
+    """`mtp-engine serve` with no flags (draft-mtp, n-max auto): it warms up with those settings
+    before saying it is ready, and its spec_decode figures count only the rounds that drafted."""
+    s = LiveServer(need(MODEL))
+    try:
+        assert re.search(r"warmed up in \d+\.\d s\)$", s.banner), s.banner
+        status, body = s.request("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True})
+        assert status == 200, body
+        sd = body["usage"]["spec_decode"]
+        assert sd["num_drafts"] <= sd["num_draft_tokens"] <= 8 * sd["num_drafts"]
+        if sd["num_drafts"]:
+            assert sd["mean_acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
+    finally:
+        s.stop()
+
+
+def test_spec_decode_counts_drafting_rounds_as_drafts():
+    from mtp_engine.server.responses import usage
+
+    stats = {"rounds": 10, "drafting_rounds": 4, "drafted": 8, "accepted": 6, "acceptance_rate": 0.75,
+             "mean_accepted_length": 0.6, "acceptance_per_position": [1.0, 0.5]}
+    sd = usage(stats, 5, 16)["spec_decode"]
+    assert (sd["num_drafts"], sd["num_draft_tokens"], sd["num_accepted_tokens"]) == (4, 8, 6)
+    assert sd["mean_acceptance_length"] == 2.5 and sd["mean_accepted_length"] == 0.6
+    assert usage({**stats, "drafting_rounds": 0, "drafted": 0, "accepted": 0}, 5, 10)["spec_decode"][
+        "mean_acceptance_length"] == 0.0

@@ -41,12 +41,16 @@ def run_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="mtp-engine: %(message)s", stream=sys.stderr)
     defaults = defaults_from_args(args)
-    warm = defaults.spec == "draft-mtp" and defaults.n_max == "auto"
+    from .schemas import parse_completion
+
+    # the server's own default settings, as a request without settings gets them
+    warm = parse_completion({"prompt": "x"}, defaults).kwargs
+    warm.pop("prompt")
     from ..cli import _model_label
     from ..load_progress import load_progress
 
     worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
-                              warm_auto=warm, idle_release_s=args.idle_release,
+                              warm_up=warm, idle_release_s=args.idle_release,
                               load_progress=load_progress(_model_label(args.model)))
     worker.start()
     model = wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main
@@ -66,7 +70,8 @@ def run_serve(args) -> int:
         if server.started:
             port = server.servers[0].sockets[0].getsockname()[1]
             host = f"[{args.host}]" if ":" in args.host else args.host
-            print(f"mtp-engine: serving {name} at http://{host}:{port}/ (OpenAI API under /v1)", flush=True)
+            warmed = f", warmed up in {worker.warm_seconds:.1f} s" if worker.warm_seconds is not None else ""
+            print(f"mtp-engine: serving {name} at http://{host}:{port}/ (OpenAI API under /v1{warmed})", flush=True)
         await task
 
     try:

@@ -4,10 +4,11 @@ Field names for the draft figures (documented in README.md):
   usage.timings      llama.cpp server's `timings` (prompt_n, prompt_ms, prompt_per_second,
                      predicted_n, predicted_ms, predicted_per_second, draft_n, draft_n_accepted);
                      also at the top level of the response / the final stream chunk, as llama-server
-  usage.spec_decode  vLLM's speculative-decoding figures (num_drafts, num_draft_tokens,
-                     num_accepted_tokens, draft_acceptance_rate, mean_acceptance_length = 1 +
-                     accepted / drafts, num_accepted_tokens_per_pos) plus this engine's
-                     mean_accepted_length (accepted / rounds) and decode_tokens_per_second
+  usage.spec_decode  vLLM's speculative-decoding figures (num_drafts = rounds that drafted,
+                     num_draft_tokens, num_accepted_tokens, draft_acceptance_rate,
+                     mean_acceptance_length = 1 + accepted / num_drafts) plus this engine's
+                     mean_accepted_length (accepted / rounds, plain rounds included),
+                     acceptance_rate_per_pos and decode_tokens_per_second
 """
 from __future__ import annotations
 
@@ -44,14 +45,16 @@ def usage(stats: dict, prompt_tokens: int, completion_tokens: int) -> dict:
          "total_tokens": prompt_tokens + completion_tokens,
          "timings": timings(stats, prompt_tokens, completion_tokens)}
     if "drafted" in stats:
-        rounds = stats.get("rounds", 0)
+        # vLLM counts a draft per round that proposed tokens: auto's plain rounds and rounds whose
+        # drafts p-min cut to none are not drafts, and would dilute the acceptance length
+        drafts = stats.get("drafting_rounds", stats.get("rounds", 0))
         per_pos = [None if a is None else a for a in stats.get("acceptance_per_position", [])]
         u["spec_decode"] = {
-            "num_drafts": rounds,
+            "num_drafts": drafts,
             "num_draft_tokens": stats["drafted"],
             "num_accepted_tokens": stats["accepted"],
             "draft_acceptance_rate": stats["acceptance_rate"],
-            "mean_acceptance_length": 1 + stats["accepted"] / rounds if rounds else 0.0,
+            "mean_acceptance_length": 1 + stats["accepted"] / drafts if drafts else 0.0,
             "mean_accepted_length": stats["mean_accepted_length"],
             "acceptance_rate_per_pos": per_pos,
             "decode_tokens_per_second": stats.get("decode_tokens_per_second", 0.0),

@@ -64,6 +64,10 @@ class Job:
             self.cancel()
 
 
+WARM_UP_PROMPT = "Hello"
+WARM_UP_TOKENS = 8
+
+
 class QueueFull(Exception):
     pass
 
@@ -72,19 +76,22 @@ class GenerationWorker:
     """Loads the model in its own thread, then runs queued jobs one by one."""
 
     def __init__(self, model_path: str | None, queue_size: int, exact: bool = False,
-                 max_context: int | None = None, warm_auto: bool = False, idle_release_s: float = 0.0,
+                 max_context: int | None = None, warm_up: dict | None = None, idle_release_s: float = 0.0,
                  load_progress=None):
-        """`idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
+        """`warm_up`: `generate` keyword arguments (the server's default settings) for one short
+        generation before the worker says it is ready, so the first request does not pay for
+        tracing and compiling the steps (seconds each on a GPU). `idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
         long. Off by default: MLX keeps freed buffers for reuse, as generate() in a loop does, and
         clearing them makes the next request pay fresh allocations (page faults on the CPU, device
         allocations on a GPU)."""
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.queue_size = queue_size
-        self._path, self._exact, self._max_context, self._warm_auto = model_path, exact, max_context, warm_auto
+        self._path, self._exact, self._max_context, self._warm_up = model_path, exact, max_context, warm_up
         self._idle_release = idle_release_s if idle_release_s and idle_release_s > 0 else None
         self._load_progress = load_progress  # progress(done, total) while the model loads
         self.model: api.Model | None = None
         self.load_error: BaseException | None = None
+        self.warm_seconds: float | None = None
         self.ready = threading.Event()
         self.busy = False
         self.completed = 0
@@ -130,10 +137,8 @@ class GenerationWorker:
                 tok.chat_template = CHATML
                 log.warning("%s has no chat template: using ChatML (<|im_start|>role ... <|im_end|>), as "
                             "llama.cpp does", self.model.path)
-            if self._warm_auto and self.model.model.mtp is not None:
-                from ..speculative.scheduler import device_costs
-
-                device_costs(self.model.model, self.model.path)  # n-max auto's costs, before any request
+            if self._warm_up is not None:
+                self._warm(dict(self._warm_up))
         except BaseException as e:  # reported by the main thread, which exits cleanly
             self.load_error = e
             self.ready.set()
@@ -158,6 +163,16 @@ class GenerationWorker:
             finally:
                 self.busy = False
                 self.completed += 1
+
+    def _warm(self, kw: dict) -> None:
+        if kw.get("spec") == "draft-mtp" and self.model.model.mtp is None:
+            kw["spec"] = "none"  # served plainly (run_serve says so)
+        log.info("warming up: %d tokens with the default settings", WARM_UP_TOKENS)
+        t0 = time.monotonic()
+        # enough rounds for a plain step and the first drafting rounds' shapes; EOS ignored so a
+        # model that would stop at once still runs them
+        api.generate(WARM_UP_PROMPT, self.model, **{**kw, "max_tokens": WARM_UP_TOKENS, "ignore_eos": True})
+        self.warm_seconds = time.monotonic() - t0
 
     def _prompt_ids(self, kw: dict) -> list[int]:
         # the same bounded, strict paths as generate(): invalid Unicode refused naming the field,

@@ -65,6 +65,7 @@ class SpeculativeDecoder(DecoderBase):
         drafter.bind(DraftContext(model, sampler, self.prof))
         # statistics
         self.rounds = 0
+        self.drafting_rounds = 0  # rounds that drafted at least one token (auto and p-min make others)
         self.drafted = 0
         self.accepted = 0
         self.per_position_drafted: list[int] = [0] * params.k_max
@@ -270,6 +271,7 @@ class SpeculativeDecoder(DecoderBase):
     # ---- statistics ---------------------------------------------------------------------------
     def _record(self, k: int, n: int) -> None:
         self.rounds += 1
+        self.drafting_rounds += int(k > 0)
         self.drafted += k
         self.accepted += n
         for i in range(k):
@@ -287,6 +289,7 @@ class SpeculativeDecoder(DecoderBase):
         extra.update(self._moe_stats())
         return {**extra,
             "rounds": self.rounds,
+            "drafting_rounds": self.drafting_rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
