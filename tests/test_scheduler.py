@@ -211,3 +211,40 @@ def test_compiled_auto_cap_bounds_the_draft_length():
     for _ in range(50):
         s.update(COMPILED_AUTO_MAX, COMPILED_AUTO_MAX)
     assert s.next_k() == COMPILED_AUTO_MAX
+
+
+class _Uncached(DraftLengthScheduler):
+    """The scheduler with every estimate recomputed on each call (what the caches must equal)."""
+
+    def _median(self, k, b, steady=False):
+        return self._measure_median(k, b, steady)
+
+    def alphas(self):
+        self._alphas = None
+        return super().alphas()
+
+
+def test_cached_estimates_choose_exactly_as_recomputed_ones():
+    # the choice's medians and acceptance estimates are kept between observations: the same
+    # seeded run of rounds (acceptance changing mid-way, contexts crossing ranges, first uses)
+    # makes the same choices and the same statistics as recomputing them every time
+    import random
+
+    runs = []
+    for cls in (DraftLengthScheduler, _Uncached):
+        rng = random.Random(7)
+        s = cls(None, k_max=8)
+        choices = []
+        for i in range(1500):
+            ctx = 100 + 3 * i
+            k = s.next_k(ctx)
+            accept_p = 0.9 if 400 <= i < 900 else 0.3
+            n = 0
+            while n < k and rng.random() < accept_p:
+                n += 1
+            seconds = 0.02 * (1 + 0.3 * k) * rng.uniform(0.95, 1.1)
+            s.observe(k, n, seconds, ctx, first_use=rng.random() < 0.01)
+            choices.append(k)
+        runs.append((choices, s.stats(), s.compile_seconds(), s.message(), s.alphas()))
+    assert runs[0] == runs[1]
+    assert 0 < sum(1 for k in runs[0][0] if k) < len(runs[0][0])  # it drafted and it did not

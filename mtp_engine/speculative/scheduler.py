@@ -78,6 +78,10 @@ class DraftLengthScheduler:
         self.decode_seconds = 0.0
         self.probes = 0
         self.probe_seconds = 0.0  # probes' time beyond the plain step each replaced
+        # a choice asks for the same medians and acceptance estimates ~150 times: kept until the
+        # next observation changes them (the choice runs on the host every round)
+        self._medians: dict[tuple[int, int, bool], float | None] = {}
+        self._alphas: list[float] | None = None
 
     # ---- estimates --------------------------------------------------------------------------
     def alphas(self) -> list[float]:
@@ -85,13 +89,16 @@ class DraftLengthScheduler:
         counts, with a prior centred on position j-1's estimate (position 1: 0.75, strength 4; later
         positions strength 8), so a position drafted rarely is expected to do about as well as the
         one before it, and one unlucky round does not rule a long draft out."""
+        if self._alphas is not None:
+            return list(self._alphas)
         out, prior, strength = [], _PRIOR[0] / sum(_PRIOR), sum(_PRIOR)
         for a, r, seen in zip(self.acc, self.rej, self.seen):
             w = strength * self.decay ** seen  # the prior fades like an old observation
             prior = (a + w * prior) / (a + r + w)
             out.append(prior)
             strength = _INHERIT
-        return out
+        self._alphas = out
+        return list(out)
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
@@ -102,6 +109,12 @@ class DraftLengthScheduler:
 
     def _median(self, k: int, b: int, steady: bool = False) -> float | None:
         """Median seconds of a k-round in context range b, or the nearest range that has enough."""
+        key = (k, b, steady)
+        if key not in self._medians:
+            self._medians[key] = self._measure_median(k, b, steady)
+        return self._medians[key]
+
+    def _measure_median(self, k: int, b: int, steady: bool) -> float | None:
         found = [(abs(bb - b), bb) for (bb, kk), d in self._times.items() if kk == k and len(d) >= MIN_SAMPLES]
         if not found:
             if k == 1 and not steady and len(self._probe_times) >= 1:  # only probes measured it: an upper bound
@@ -216,6 +229,7 @@ class DraftLengthScheduler:
         drafts once saw fades back to the estimate of the positions before them."""
         if k <= 0:
             return
+        self._alphas = None
         tested = min(n + 1, k, self.k_max)
         for i in range(self.k_max):
             self.acc[i] *= self.decay
@@ -234,6 +248,7 @@ class DraftLengthScheduler:
         time (its time includes compiling and is not a sample of t(k))."""
         k, probe = self._queue.popleft() if self._queue else (drafted, False)
         self.update(drafted, n)
+        self._medians.clear()
         b = context_bucket(context)
         if not first_use:  # the probe budget is a share of decode time, compiles excluded
             self.decode_seconds += seconds
