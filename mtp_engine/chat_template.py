@@ -36,10 +36,17 @@ from .template_budget import (
 from .template_hooks import HOOKS, NATIVE_ADD, guard_filter, instrument, render_counted
 from .template_json import compact_json_bound, compact_json_size, indented_json
 
-__all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS"]
+__all__ = ["compile_chat_template", "render_chat_template", "RenderLimits", "MAX_TEMPLATE_CHARS", "CHATML",
+           "CHATML_NOTE"]
 
 # A template source longer than this is refused before compiling: real chat templates are 1-20 KB.
 MAX_TEMPLATE_CHARS = 1 << 20
+
+# llama.cpp's built-in "chatml" template, its fallback for a model without a chat template (the
+# command line's --chat and the server use it too; the API refuses `messages` without a template)
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_NOTE = "has no chat template: using ChatML (<|im_start|>role ... <|im_end|>), as llama.cpp does"
 
 
 class _TemplateRaised(Exception):

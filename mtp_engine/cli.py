@@ -214,6 +214,11 @@ def _generate(args) -> int:
                   frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
                   repeat_last_n=args.repeat_last_n, logprobs=args.logprobs)
     if args.chat:
+        if model.tokenizer.chat_template is None:
+            from .chat_template import CHATML, CHATML_NOTE
+
+            model.tokenizer.chat_template = CHATML
+            print(f"mtp-engine: {model.path} {CHATML_NOTE}", file=sys.stderr)
         kwargs["messages"] = [{"role": "user", "content": prompt}]
     else:
         kwargs["prompt"] = prompt

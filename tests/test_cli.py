@@ -182,7 +182,6 @@ BAD = [
     ("no prompt", []),
     ("-p and -f", ["-p", PROMPT, "-f", "x.txt"]),
     ("-f nonexistent", ["-f", "/nonexistent/prompt.txt"]),
-    ("--chat without template", ["-p", PROMPT, "--chat"]),
     ("--profile bad mode", ["-p", PROMPT, "--profile", "bogus"]),
     ("unknown flag", ["-p", PROMPT, "--bogus-flag"]),
 ]
@@ -207,6 +206,23 @@ def test_prompt_beyond_context_names_prompt(capsys, model_path):
     rc, out, err = gen(capsys, model_path, "-n", "1", "-p", "a " * 5000)
     assert_one_error_line(rc, out, err)
     assert "prompt" in err and "context length" in err
+
+
+def test_chat_without_template_uses_chatml_as_llamacpp(capsys, model_path):
+    # llama.cpp's CLI and server fall back to ChatML for a model without a template, and so do ours
+    # (said on stderr); the API's `messages` still refuses it (test_generate_api.py)
+    from mtp_engine import load
+    from mtp_engine.chat_template import CHATML
+
+    rc, out, err = gen(capsys, model_path, "-n", "3", "-p", PROMPT, "--chat", "--json")
+    assert rc == 0 and "has no chat template: using ChatML" in err and "Traceback" not in err
+    m = load(model_path)
+    assert m.tokenizer.chat_template is None
+    m.tokenizer.chat_template = CHATML
+    ref = generate(messages=[{"role": "user", "content": PROMPT}], model=m, max_tokens=3)
+    got = json.loads(out)
+    assert got["prompt_token_ids"] == ref.prompt_token_ids and got["token_ids"] == ref.token_ids
+    assert m.tokenizer.decode(got["prompt_token_ids"]) == f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.mark.parametrize("path", ["/nonexistent/model.gguf", "DIR", "TEXTFILE"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import api
+from ..chat_template import CHATML, CHATML_NOTE
 from ..errors import MTPEngineError
 from ..prompt_encode import encode_prompt
 from ..text_input import check_messages
@@ -24,9 +25,6 @@ from ..generate import Chunk
 
 log = logging.getLogger("mtp_engine.server")
 
-# llama.cpp's built-in "chatml" template, its fallback for a model without a chat template
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 @dataclass
@@ -135,8 +133,7 @@ class GenerationWorker:
             tok = self.model.tokenizer
             if tok.chat_template is None:
                 tok.chat_template = CHATML
-                log.warning("%s has no chat template: using ChatML (<|im_start|>role ... <|im_end|>), as "
-                            "llama.cpp does", self.model.path)
+                log.warning("%s %s", self.model.path, CHATML_NOTE)
             if self._warm_up is not None:
                 self._warm(dict(self._warm_up))
         except BaseException as e:  # reported by the main thread, which exits cleanly
