@@ -176,10 +176,10 @@ def _convert(args) -> int:
         if args.q_mtp:
             spec += f",mtp={args.q_mtp}"
 
-    def progress(i: int, n: int) -> None:
-        if not args.json and (i == n or i % max(n // 20, 1) == 0):
-            print(f"\rconverting: {i}/{n} tensors", end="\n" if i == n else "", file=sys.stderr, flush=True)
+    from .load_progress import load_progress
 
+    # as a model's load: in place on a terminal, a line per tenth in a log, nothing for a quick one
+    progress = load_progress(_model_label(args.src), quiet=args.json, verb="converting", unit="tensors")
     report = convert(args.src, args.out, quantize=spec, gguf_type=args.gguf, overwrite=args.force,
                      scales=args.q_scales or "float32", progress=progress)
     if args.json:

@@ -14,10 +14,11 @@ QUIET_SECONDS = 1.0  # loads that finish sooner print nothing
 
 
 def load_progress(label: str, quiet: bool = False, stream: TextIO | None = None,
-                  after: float = QUIET_SECONDS) -> Callable[[int, int], None]:
+                  after: float = QUIET_SECONDS, verb: str = "loading", unit: str = "blocks") -> Callable[[int, int], None]:
     """A `progress(done, total)` callback that writes "loading LABEL: done/total blocks (p%)" to
     `stream` (default stderr) once the load has taken `after` seconds: rewritten in place on a
-    terminal, one line per tenth otherwise (logs). `quiet` turns it off."""
+    terminal, one line per tenth otherwise (logs). `quiet` turns it off; `verb` and `unit` name
+    other long work (``converting``, ``tensors``)."""
     t0 = time.perf_counter()
     state = {"shown": False, "last_tenth": -1}
 
@@ -30,7 +31,7 @@ def load_progress(label: str, quiet: bool = False, stream: TextIO | None = None,
             return
         state["shown"] = True
         pct = 100 * done // total
-        line = f"loading {label}: {done}/{total} blocks ({pct}%), {elapsed:.1f} s"
+        line = f"{verb} {label}: {done}/{total} {unit} ({pct}%), {elapsed:.1f} s"
         if getattr(out, "isatty", lambda: False)():
             out.write("\r" + line + ("\n" if done >= total else ""))
         elif pct // 10 != state["last_tenth"] or done >= total:

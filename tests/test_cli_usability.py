@@ -106,6 +106,13 @@ def test_progress_line_for_a_slow_load(tty):
         assert out.count("\n") <= 11 and "\r" not in out
 
 
+def test_progress_names_other_work():
+    s = _Stream(tty=False)
+    p = load_progress("ckpt", stream=s, after=0.0, verb="converting", unit="tensors")
+    p(71, 71)
+    assert s.getvalue().startswith("converting ckpt: 71/71 tensors (100%)")
+
+
 def test_progress_quiet_and_the_cli_keeps_stdout_for_json(capsys):
     s = _Stream(tty=True)
     p = load_progress("m.gguf", quiet=True, stream=s, after=0.0)
