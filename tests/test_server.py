@@ -242,3 +242,34 @@ def test_spec_decode_counts_drafting_rounds_as_drafts():
     assert sd["mean_acceptance_length"] == 2.5 and sd["mean_accepted_length"] == 0.6
     assert usage({**stats, "drafting_rounds": 0, "drafted": 0, "accepted": 0}, 5, 10)["spec_decode"][
         "mean_acceptance_length"] == 0.0
+
+
+def test_interrupt_ends_open_streams_cleanly():
+    """Ctrl-C while a stream runs and another request waits: the stream ends with a "shutting
+    down" error event, the waiting request gets a 503, the process exits within seconds, and no
+    traceback is printed (uvicorn used to cancel the open stream after its grace period)."""
+    import signal
+
+    s = LiveServer(need(MODEL), "--spec-type", "none")
+    try:
+        c, resp = s.open_stream("/v1/completions", {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True})
+        assert resp.readline().startswith(b"data: ")  # it generates
+        box = {}
+        waiting = threading.Thread(target=lambda: box.update(r=s.request("POST", "/v1/completions",
+                                                                         {"prompt": PROMPT, "max_tokens": 2})),
+                                   daemon=True)
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while s.health()["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGINT)
+        events = sse_events(resp)
+        assert events and events[-1]["error"]["code"] == "shutting_down", events[-3:]
+        waiting.join(10)
+        status, body = box["r"]
+        assert status == 503 and body["error"]["code"] == "shutting_down"
+        s.proc.wait(10)
+        assert "Traceback" not in "".join(s.stderr), "".join(s.stderr)[-2000:]
+    finally:
+        s.stop()

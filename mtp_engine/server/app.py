@@ -21,7 +21,7 @@ from starlette.routing import Route
 from ..errors import MTPEngineError
 from . import responses as R
 from .schemas import MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, parse_chat, parse_completion, parse_json
-from .worker import Event, GenerationWorker, Job, QueueFull
+from .worker import Event, GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("mtp_engine.server")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -54,6 +54,8 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), code="shutting_down")
     if isinstance(e, MTPEngineError):
         code = "context_length_exceeded" if "context" in str(e) else None
         return APIError(400, str(e), e.field, code)
@@ -185,6 +187,8 @@ async def _generate(request: Request, parse) -> Response:
     job = Job(req.kwargs, req.max_tokens_given, state.defaults.max_tokens, req.mtp_trace, asyncio.get_running_loop())
     try:
         state.worker.submit(job)
+    except ShuttingDown as e:
+        return _error(_engine_error(e))
     except QueueFull:
         return _error(APIError(503, f"the server is busy: {state.worker.queue_size} requests are already waiting; "
                                     "retry later", code="queue_full"))

@@ -61,7 +61,15 @@ def run_serve(args) -> int:
     app = create_app(worker, defaults, name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             lifespan="off", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # before uvicorn waits for open connections: the running generation ends at its next
+            # chunk and every stream gets a "shutting down" error and closes, so none is still
+            # open when the grace period ends (uvicorn would cancel it with a traceback)
+            worker.shutdown()
+            await super().shutdown(sockets)
+
+    server = Server(config)
 
     async def main() -> None:
         task = asyncio.create_task(server.serve())

@@ -70,6 +70,13 @@ class QueueFull(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    """A request ended because the server is stopping."""
+
+    def __str__(self) -> str:
+        return "the server is shutting down; retry on another instance or after it restarts"
+
+
 class GenerationWorker:
     """Loads the model in its own thread, then runs queued jobs one by one."""
 
@@ -100,15 +107,19 @@ class GenerationWorker:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queues a job, or raises QueueFull when `queue_size` jobs are already waiting."""
+        """Queues a job, or raises QueueFull when `queue_size` jobs are already waiting
+        (ShuttingDown once the server is stopping)."""
+        if self._stopping:
+            raise ShuttingDown
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
             raise QueueFull from None
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Ends the running generation at its next chunk, drops waiting jobs, joins the thread
-        (a thread left inside MLX while the interpreter exits aborts the process)."""
+    def shutdown(self) -> None:
+        """The server is stopping (safe from a signal handler: it does not wait): the running
+        generation ends at its next chunk and every request, running or waiting, gets a
+        "shutting down" error event, so open streams end properly before the server closes them."""
         self._stopping = True
         while True:
             try:
@@ -116,7 +127,13 @@ class GenerationWorker:
             except queue.Empty:
                 break
             if job is not None:
+                job.put(Event("error", error=ShuttingDown()))
                 job.cancel()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """:meth:`shutdown`, then joins the thread (a thread left inside MLX while the interpreter
+        exits aborts the process)."""
+        self.shutdown()
         self.jobs.put_nowait(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -152,7 +169,10 @@ class GenerationWorker:
                 continue
             if job is None:
                 return
-            if job.cancelled.is_set() or self._stopping:
+            if self._stopping:
+                job.put(Event("error", error=ShuttingDown()))
+                continue
+            if job.cancelled.is_set():
                 continue  # its client left while it waited: the slot is free
             self.busy = dirty = True
             try:
@@ -205,7 +225,10 @@ class GenerationWorker:
             detok = self.model.tokenizer.detokenizer() if job.trace else None
             gen = api.stream_generate(ids, self.model, **kw)
             for chunk in gen:
-                if job.cancelled.is_set() or self._stopping:
+                if self._stopping:
+                    job.put(Event("error", error=ShuttingDown()))
+                    return
+                if job.cancelled.is_set():
                     log.info("client gone: generation stopped")
                     return
                 pieces = [detok.add(t) for t in chunk.token_ids] if detok else []
