@@ -273,3 +273,48 @@ def test_interrupt_ends_open_streams_cleanly():
         assert "Traceback" not in "".join(s.stderr), "".join(s.stderr)[-2000:]
     finally:
         s.stop()
+
+
+def test_tools_reach_the_template_and_calls_come_back(tmp_path):
+    """A model whose template renders tools (Qwen3.5's): the request's tools and an earlier call
+    and its result are rendered into the prompt exactly as the template renders them in-process
+    (the answer equals `generate` on that text); tool_choice "none" leaves them out; a model
+    without such a template (ChatML fallback) refuses tools by name."""
+    from pathlib import Path as P
+
+    from mtp_engine.server.tool_calls import message_tool_calls
+    from tests.server_helpers import with_chat_template
+    from tests.test_tool_calls import TOOLS
+
+    template = (P(__file__).resolve().parent / "fixtures" / "chat_templates" / "Qwen3.5-4B.jinja").read_text()
+    path = with_chat_template(need(TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"), tmp_path / "tools.gguf", template)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    m = load(str(path))
+    rendered = [dict(msgs[0]), {"role": "assistant", "content": "", "tool_calls": message_tool_calls(1, [call])},
+                {"role": "tool", "content": "18C", "tool_call_id": "call_1"}]
+    text = m.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tools=TOOLS)
+    assert "<function=get_weather>" in text and "<parameter=city>\nParis\n</parameter>" in text and "18C" in text
+    ref = generate(text, model=m, max_tokens=6)
+    s = LiveServer(path, "--spec-draft-n-max", "2")
+    try:
+        status, body = s.request("POST", "/v1/chat/completions",
+                                 {"messages": msgs, "tools": TOOLS, "max_tokens": 6, "temperature": 0})
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+        msg = body["choices"][0]["message"]
+        # this tiny model writes no call: its text is the answer, as generate's
+        assert msg["content"] == ref.text and "tool_calls" not in msg
+        status, none = s.request("POST", "/v1/chat/completions", {"messages": msgs[:1], "tools": TOOLS,
+                                                                   "tool_choice": "none", "max_tokens": 1})
+        status2, plain = s.request("POST", "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 1})
+        assert status == status2 == 200 and none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    finally:
+        s.stop()
+    s = LiveServer(need(MODEL), "--spec-type", "none")
+    try:
+        status, body = s.request("POST", "/v1/chat/completions", {"messages": msgs[:1], "tools": TOOLS})
+        assert status == 400 and body["error"]["param"] == "tools" and "chat template" in body["error"]["message"]
+    finally:
+        s.stop()

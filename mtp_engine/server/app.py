@@ -21,6 +21,7 @@ from starlette.routing import Route
 from ..errors import MTPEngineError
 from . import responses as R
 from .schemas import MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, parse_chat, parse_completion, parse_json
+from .tool_calls import ToolCallStream, split_tool_calls, template_format
 from .worker import Event, GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("mtp_engine.server")
@@ -109,6 +110,10 @@ class Generation:
         self.tok = state.worker.model.tokenizer
         self.offset = 0  # completions' text_offset
         self.counters = {"drafted": 0, "accepted": 0, "tokens": 0, "t0": None}
+        fmt = template_format(self.tok.chat_template) if req.tools else None
+        self.calls = ToolCallStream(fmt, req.tools) if fmt else None  # None: no tools in this request
+        self.n_calls = 0
+        self.pending_lps: list = []
 
     def logprobs(self, lps: list[dict] | None) -> dict | None:
         if self.req.logprobs is None or lps is None:
@@ -132,8 +137,13 @@ class Generation:
             raise _engine_error(ev.error)
         lp = self.logprobs(lps)
         u = self.final_usage(ev, last)
+        content, calls = "".join(text), None
+        if self.calls is not None:
+            content, calls = split_tool_calls(content, self.calls.fmt, self.calls.tools)
+        finish = "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
         body = R.envelope(self.kind, self.rid, self.state.model_name, self.created,
-                          [R.choice(self.kind, "".join(text), last.finish_reason, lp, stream=False)], stream=False)
+                          [R.choice(self.kind, content, finish, lp, stream=False, tool_calls=calls or None)],
+                          stream=False)
         body["usage"] = u
         body["timings"] = u["timings"]
         return body
@@ -145,21 +155,22 @@ class Generation:
                 c = last = ev.chunk
                 last_ev = ev
                 if c.text or c.token_ids:  # the final chunk only carries the finish reason and stats
-                    body = R.envelope(self.kind, self.rid, self.state.model_name, self.created,
-                                      [R.choice(self.kind, c.text, None, self.logprobs(c.logprobs), True,
-                                                not opened)], True)
-                    if self.req.mtp_trace:
-                        body["mtp"] = _trace(ev, self.counters)
-                    opened = True
-                    yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+                    for body in self._chunk_bodies(ev, not opened):
+                        opened = True
+                        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
                 ev = await _next_event(self.job, request)
             if ev.kind == "error":  # headers are sent: the error travels as an event
                 yield f"data: {json.dumps(_engine_error(ev.error).body())}\n\n"
                 return
+            if self.calls is not None:
+                rest = self.calls.finish()  # a block max_tokens cut, or one that did not parse
+                if rest:
+                    yield f"data: {json.dumps(self._body(rest, None, not opened), ensure_ascii=False)}\n\n"
+                    opened = True
             u = self.final_usage(ev, last)
             end = R.envelope(self.kind, self.rid, self.state.model_name, self.created,
-                             [R.choice(self.kind, None if self.kind == "chat" else "", last.finish_reason, None,
-                                       True, not opened)], True)
+                             [R.choice(self.kind, None if self.kind == "chat" else "", self.finish_reason(last),
+                                       None, True, not opened)], True)
             end["timings"] = u["timings"]
             if self.req.mtp_trace:
                 end["mtp"] = {**_trace(last_ev, self.counters), "usage": u}
@@ -174,6 +185,40 @@ class Generation:
         finally:
             self.job.cancel()  # closed early (client gone) or done: either way nothing more to run
 
+    def _body(self, text: str | None, logprobs, first: bool, tool_calls: list | None = None) -> dict:
+        return R.envelope(self.kind, self.rid, self.state.model_name, self.created,
+                          [R.choice(self.kind, text, None, logprobs, True, first, tool_calls)], True)
+
+    def _chunk_bodies(self, ev: Event, first: bool) -> list[dict]:
+        """The stream chunks for one generated chunk: its text; with tools, the text outside
+        tool-call blocks and each call once its block has closed (logprobs and the mtp trace ride
+        on the first chunk sent, or wait for the next one)."""
+        c = ev.chunk
+        lps = self.logprobs(c.logprobs)
+        trace = _trace(ev, self.counters) if self.req.mtp_trace else None
+        if self.calls is None:
+            bodies = [self._body(c.text, lps, first)]
+        else:
+            text, calls = self.calls.feed(c.text)
+            self.pending_lps.extend((lps or {}).get("content", []))
+            bodies = [self._body(text, None, first)] if text else []
+            for call in calls:
+                bodies.append(self._body(None, None, first and not bodies, [R.tool_call_delta(call, self.n_calls)]))
+                self.n_calls += 1
+            if not bodies and trace is not None:
+                bodies = [self._body(None, None, first)]  # the page still sees every token
+            if bodies and self.pending_lps:
+                bodies[0]["choices"][0]["logprobs"] = {"content": self.pending_lps}
+                self.pending_lps = []
+        if bodies and trace is not None:
+            bodies[0]["mtp"] = trace
+        return bodies
+
+    def finish_reason(self, last) -> str | None:
+        if self.calls is not None and self.calls.calls and last.finish_reason == "stop":
+            return "tool_calls"
+        return last.finish_reason
+
 
 async def _generate(request: Request, parse) -> Response:
     state: ServerState = request.app.state.mtp
@@ -184,6 +229,11 @@ async def _generate(request: Request, parse) -> Response:
     except ClientDisconnect:
         return Response(status_code=499)
     req.kwargs["logprobs"] = req.logprobs
+    if req.tools:
+        if template_format(state.worker.model.tokenizer.chat_template) is None:
+            return _error(APIError(400, "tools: the model's chat template does not render tools in a format this "
+                                        "server parses (Qwen's <function=...> XML or <tool_call>{json})", "tools"))
+        req.kwargs["tools"] = req.tools
     job = Job(req.kwargs, req.max_tokens_given, state.defaults.max_tokens, req.mtp_trace, asyncio.get_running_loop())
     try:
         state.worker.submit(job)

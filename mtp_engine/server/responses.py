@@ -92,7 +92,8 @@ def completion_logprobs(tok: Tokenizer, lps: list[dict], offset: int) -> tuple[d
     return out, offset
 
 
-def choice(kind: str, text: str | None, finish: str | None, logprobs, stream: bool, first: bool = False) -> dict:
+def choice(kind: str, text: str | None, finish: str | None, logprobs, stream: bool, first: bool = False,
+           tool_calls: list[dict] | None = None) -> dict:
     if kind == "chat":
         if stream:
             delta = {}
@@ -100,10 +101,19 @@ def choice(kind: str, text: str | None, finish: str | None, logprobs, stream: bo
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
     return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+
+def tool_call_delta(call: dict, index: int) -> dict:
+    """A whole tool call as one streamed delta (clients join `arguments` pieces; this is one)."""
+    return {"index": index, **call}
 
 
 def envelope(kind: str, rid: str, model: str, created: int, choices: list, stream: bool) -> dict:

@@ -3,7 +3,7 @@ arguments of `stream_generate`, or refused with an OpenAI-style error naming the
 
 Unknown fields are ignored (as OpenAI-compatible servers do, so clients that send extras work);
 known fields of the wrong type or out of range, and features this engine cannot honour (n > 1,
-tools, JSON response formats, logit_bias), are refused with 400.
+forced tool choice, JSON response formats, logit_bias), are refused with 400. Tools: tool_calls.py.
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ class GenRequest:
     include_usage: bool = False
     mtp_trace: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs in the answer
+    tools: list[dict] | None = None  # tools the template renders and the answer may call (chat only)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -109,14 +110,14 @@ def _boolean(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, chat: bool = False) -> None:
     n = _integer(body, "n", 1, 2**31, 1)
     if n != 1:
         raise APIError(400, f"n: only n = 1 is supported (one choice per request), found {n}", "n")
     if _integer(body, "best_of", 1, 2**31, 1) != 1:
         raise APIError(400, "best_of: only 1 is supported", "best_of")
-    if body.get("tools") or body.get("functions"):
-        raise APIError(400, "tools: tool calling is not supported by this server", "tools")
+    if not chat and (body.get("tools") or body.get("functions")):
+        raise APIError(400, "tools: tool calling is for /v1/chat/completions", "tools")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
@@ -184,7 +185,10 @@ def _stream_options(body: dict) -> bool:
 
 def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
     """POST /v1/chat/completions."""
-    _refuse_unsupported(body)
+    from .tool_calls import check_tools, message_tool_calls
+
+    _refuse_unsupported(body, chat=True)
+    tools = check_tools(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, f"messages: expected a non-empty array of messages, found {_type_name(msgs)}", "messages")
@@ -196,14 +200,23 @@ def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
         if role not in ("system", "user", "assistant", "developer", "tool"):
             raise APIError(400, f"messages[{i}].role: expected system, user, assistant or tool, found {role!r:.40}",
                            "messages")
+        calls = m.get("tool_calls") if role == "assistant" else None
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
+        if content is None and calls:  # an assistant turn that only called tools
+            content = ""
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content: expected a string, found {_type_name(content)}", "messages")
-        clean.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if calls:
+            msg["tool_calls"] = message_tool_calls(i, calls)
+        for key in ("tool_call_id", "name"):  # a tool's answer: which call it answers
+            if role == "tool" and isinstance(m.get(key), str):
+                msg[key] = m[key]
+        clean.append(msg)
     kw = _sampling(body, d)
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS, None)
     want = _boolean(body, "logprobs")
@@ -211,7 +224,7 @@ def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
         raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     kw["messages"] = clean
     return GenRequest("chat", kw, kw["max_tokens"] is not None, _boolean(body, "stream"), _stream_options(body),
-                      _boolean(body, "mtp_trace"), (top or 0) if want else None)
+                      _boolean(body, "mtp_trace"), (top or 0) if want else None, tools)
 
 
 def parse_completion(body: dict, d: ServerDefaults) -> GenRequest:

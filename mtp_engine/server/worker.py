@@ -196,10 +196,12 @@ class GenerationWorker:
         # a prompt past the context refused after tokenizing about one context of it
         tok = self.model.tokenizer
         ctx = self.model.model.cfg.context_length
+        tools = kw.pop("tools", None)
         if "messages" in kw:
             messages = kw.pop("messages")
             check_messages(messages)
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            extra = {"tools": tools} if tools else {}
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
             return encode_prompt(tok, text, ctx, "messages")
         prompt = kw.pop("prompt")
         if isinstance(prompt, str):

@@ -1,0 +1,223 @@
+"""Tool calling on the chat endpoint: the format read from real chat templates, the model's
+tool-call blocks parsed (XML with schema types, JSON), streamed in any cut the same as whole,
+malformed or cut blocks kept as text, request checks, and the answer built from generated chunks
+(non-streamed and streamed) by the server's own Generation."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mtp_engine.generate import Chunk
+from mtp_engine.server.schemas import APIError, ServerDefaults, parse_chat
+from mtp_engine.server.tool_calls import (HERMES, XML, ToolCallStream, check_tools, message_tool_calls,
+                                          split_tool_calls, template_format)
+
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "hours": {"type": "array"}, "where": {"type": "object"}, "ratio": {"type": "number"}}}}}]
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco, CA\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+            "<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=where>\n{\"lat\": 1.5}\n</parameter>\n"
+            "<parameter=ratio>\n0.5\n</parameter>\n</function>\n</tool_call>")
+XML_ARGS = {"city": "San Francisco, CA", "days": 3, "metric": True, "hours": [1, 2], "where": {"lat": 1.5}, "ratio": 0.5}
+
+
+def _args(call: dict) -> dict:
+    return json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("name, fmt", [("Qwen3.5-4B", XML), ("Qwen-Qwen3-0.6B", HERMES), ("Qwen-QwQ-32B", HERMES),
+                                       ("microsoft-Phi-3.5-mini-instruct", None)])
+def test_format_is_read_from_the_template(name, fmt):
+    assert template_format((TEMPLATES / f"{name}.jinja").read_text()) == fmt
+
+
+def test_chatml_fallback_renders_no_tools():
+    from mtp_engine.chat_template import CHATML
+
+    assert template_format(CHATML) is None and template_format(None) is None
+
+
+def test_xml_call_typed_by_the_schema():
+    content, calls = split_tool_calls("Let me look.\n\n" + XML_CALL, XML, TOOLS)
+    assert content == "Let me look."
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and _args(calls[0]) == XML_ARGS
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+
+
+def test_xml_values_that_do_not_fit_their_type_stay_strings():
+    text = XML_CALL.replace("\n3\n", "\nthree\n").replace("\ntrue\n", "\nyes\n")
+    _, calls = split_tool_calls(text, XML, TOOLS)
+    assert _args(calls[0])["days"] == "three" and _args(calls[0])["metric"] == "yes"
+    _, calls = split_tool_calls(XML_CALL.replace("get_weather", "unknown_tool"), XML, TOOLS)
+    assert _args(calls[0])["days"] == "3"  # no schema: the text as written
+
+
+def test_several_calls_and_only_calls():
+    two = XML_CALL + "\n" + XML_CALL.replace("San Francisco, CA", "Paris")
+    content, calls = split_tool_calls(two, XML, TOOLS)
+    assert content is None and [_args(c)["city"] for c in calls] == ["San Francisco, CA", "Paris"]
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+def test_hermes_json_call():
+    text = 'ok\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    content, calls = split_tool_calls(text, HERMES, TOOLS)
+    assert content == "ok" and _args(calls[0]) == {"city": "Paris", "days": 2}
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n{not json}\n</tool_call>",  # does not parse
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",  # cut by max_tokens
+    "plain answer, no call",
+    "a < b and <tool_ in the text",
+])
+def test_what_is_not_a_call_stays_text(text):
+    fmt = HERMES if "{" in text else XML
+    content, calls = split_tool_calls(text, fmt, TOOLS)
+    assert calls == [] and content == text
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (XML, "Checking both.\n\n" + XML_CALL + "\n" + XML_CALL.replace("3", "4")),
+    (HERMES, 'x <tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>\n<tool_call>\n{bad'),
+    (XML, "no calls at all, but <tool and <tool_call fragments <"),
+    (XML, XML_CALL + "\n<tool_call>\nnot a function</tool_call>\n\nthen text\n" + XML_CALL + "  \n"),
+])
+def test_streamed_in_any_cut_equals_whole(fmt, text):
+    whole_content, whole_calls = split_tool_calls(text, fmt, TOOLS)
+    for cut in range(len(text) + 1):
+        for size in (1, 3, 7):
+            s = ToolCallStream(fmt, TOOLS)
+            pieces = [text[:cut]] + [text[i:i + size] for i in range(cut, len(text), size)]
+            content, calls = [], []
+            for p in pieces:
+                c, new = s.feed(p)
+                content.append(c)
+                calls.extend(new)
+            content.append(s.finish())
+            streamed = "".join(content)
+            assert [_args(c) for c in calls] == [_args(c) for c in whole_calls]
+            assert streamed.strip() == (whole_content or "").strip()
+            assert "San Francisco" not in streamed  # a parsed call's text is never shown as content
+
+
+def test_request_checks():
+    d = ServerDefaults()
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse_chat({"messages": msgs, "tools": TOOLS}, d).tools == TOOLS
+    assert parse_chat({"messages": msgs, "tools": TOOLS, "tool_choice": "none"}, d).tools is None
+    for body, field in [({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+                        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+                        ({"tools": [{"type": "code_interpreter"}]}, "tools"),
+                        ({"tools": "x"}, "tools"),
+                        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+                        ({"functions": [{"name": "f"}]}, "functions"),
+                        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls")]:
+        with pytest.raises(APIError) as e:
+            parse_chat({"messages": msgs, **body}, d)
+        assert e.value.status == 400 and e.value.param == field, body
+
+
+def test_earlier_tool_calls_reach_the_template_as_mappings():
+    d = ServerDefaults()
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    clean = parse_chat({"messages": msgs, "tools": TOOLS}, d).kwargs["messages"]
+    assert clean[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert clean[2] == {"role": "tool", "content": "18C", "tool_call_id": "call_1"}
+    with pytest.raises(APIError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: not valid JSON"):
+        message_tool_calls(1, [{"function": {"name": "f", "arguments": "{oops"}}])
+    assert check_tools({"messages": msgs}) is None
+
+
+# ---- the answer, from generated chunks --------------------------------------------------------
+
+def _generation(tools, stream: bool, trace: bool = False):
+    from mtp_engine.server.app import Generation, ServerState
+    from mtp_engine.server.schemas import GenRequest
+    from mtp_engine.server.worker import Event, Job
+
+    template = (TEMPLATES / "Qwen3.5-4B.jinja").read_text()
+    model = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template))
+    state = ServerState(SimpleNamespace(model=model), ServerDefaults(), "m", 0)
+    req = GenRequest("chat", {}, True, stream, False, trace, None, tools)
+    loop = asyncio.new_event_loop()
+    job = Job({}, True, 16, trace, loop)
+    return Generation(state, req, job), job, Event, loop
+
+
+def _events(Event, pieces: list[str], finish: str):
+    stats = {"generated_tokens": len(pieces), "decode_tokens_per_second": 1.0}
+    evs = [Event("chunk", Chunk(p, [i], drafted=[False]), [p]) for i, p in enumerate(pieces)]
+    evs.append(Event("chunk", Chunk("", [], finish_reason=finish, stats=stats)))
+    evs.append(Event("done", prompt_tokens=3))
+    return evs
+
+
+def _run(gen, job, loop, evs, stream: bool):
+    request = SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, result=False))
+
+    async def go():
+        for e in evs[1:]:
+            job.events.put_nowait(e)
+        if not stream:
+            return await gen.collect(evs[0], request)
+        return [json.loads(x[6:]) for x in [s async for s in gen.stream(evs[0], request)] if x != "data: [DONE]\n\n"]
+
+    try:
+        return loop.run_until_complete(go())
+    finally:
+        loop.close()
+
+
+def _pieces(text: str, size: int = 5) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_answer_with_a_call_not_streamed():
+    gen, job, Event, loop = _generation(TOOLS, stream=False)
+    body = _run(gen, job, loop, _events(Event, _pieces("I'll check.\n\n" + XML_CALL), "stop"), False)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "I'll check."
+    assert _args(choice["message"]["tool_calls"][0]) == XML_ARGS
+
+
+def test_answer_with_a_call_streamed():
+    gen, job, Event, loop = _generation(TOOLS, stream=True)
+    out = _run(gen, job, loop, _events(Event, _pieces("I'll check.\n\n" + XML_CALL + "\n" + XML_CALL), "stop"), True)
+    deltas = [c["choices"][0]["delta"] for c in out if c.get("choices")]
+    content = "".join(d.get("content") or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert content.strip() == "I'll check." and "<tool_call>" not in content
+    assert [tc["index"] for tc in calls] == [0, 1] and all(_args(tc) == XML_ARGS for tc in calls)
+    assert deltas[0]["role"] == "assistant" and sum("role" in d for d in deltas) == 1
+    assert out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_cut_call_streamed_comes_back_as_text():
+    gen, job, Event, loop = _generation(TOOLS, stream=True)
+    text = "ok " + XML_CALL[:40]
+    out = _run(gen, job, loop, _events(Event, _pieces(text), "length"), True)
+    deltas = [c["choices"][0]["delta"] for c in out if c.get("choices")]
+    assert "".join(d.get("content") or "" for d in deltas) == text
+    assert out[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_without_tools_the_answer_is_unchanged():
+    gen, job, Event, loop = _generation(None, stream=False)
+    body = _run(gen, job, loop, _events(Event, _pieces(XML_CALL), "stop"), False)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": XML_CALL}
+    assert body["choices"][0]["finish_reason"] == "stop"
