@@ -85,6 +85,24 @@ def copy_metadata(src, writer, set_keys: dict | None = None, drop_keys=()) -> di
     return set_keys
 
 
+def write_gguf_copy(src, path, set_keys: dict | None = None) -> Path:
+    """A copy of GGUFReader `src` at `path` (its tensors as they are) with the key/values of
+    `set_keys` {key: (value, vtype[, subtype])} set (added when the source lacks them)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "qwen35")
+    for key, args in copy_metadata(src, w, set_keys).items():
+        w.add_key_value(key, *args)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
 def need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"fixture not found: {path}")

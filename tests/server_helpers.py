@@ -114,19 +114,8 @@ def sse_events(resp) -> list:
 def with_chat_template(src: Path, dst: Path, template: str) -> Path:
     """A copy of GGUF `src` at `dst` whose tokenizer.chat_template is `template` (tensors as they are)."""
     import gguf
-    import numpy as np
 
-    from tests.conftest import copy_metadata
+    from tests.conftest import write_gguf_copy
 
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), "qwen35")
-    rest = copy_metadata(r, w, {"tokenizer.chat_template": (template, gguf.GGUFValueType.STRING)})
-    for key, args in rest.items():  # the source had none
-        w.add_key_value(key, *args)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return write_gguf_copy(gguf.GGUFReader(str(src)), dst,
+                           {"tokenizer.chat_template": (template, gguf.GGUFValueType.STRING)})

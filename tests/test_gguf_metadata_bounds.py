@@ -7,9 +7,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType as VT, GGUFWriter
+from gguf import GGUFReader, GGUFValueType as VT
 
-from tests.conftest import TINY, copy_metadata, need
+from tests.conftest import TINY, need, write_gguf_copy
 from mtp_engine.api import load
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.reader import GGUFFile
@@ -24,16 +24,7 @@ def src() -> GGUFReader:
 
 
 def _write(src, path, set_keys=None):
-    w = GGUFWriter(path, "qwen35")
-    for key, args in copy_metadata(src, w, set_keys).items():
-        w.add_key_value(key, *args)
-    for t in src.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_gguf_copy(src, path, set_keys)
 
 
 def test_bulk_fields_match_gguf_reader(src):
