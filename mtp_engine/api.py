@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+from . import tool_calls
 from .decode import DecoderBase, PlainDecoder
 from .errors import MTPEngineError
 from .generate import Chunk, run
@@ -69,12 +70,15 @@ class GenerationResult:
     finish_reason: str
     stats: dict
     logprobs: list[dict] | None = None  # per token, when asked for (see Sampler.token_logprobs)
+    tool_calls: list[dict] = field(default_factory=list)  # with `tools`: the calls the text holds (OpenAI's shape)
 
     def to_json(self) -> dict:
         out = {"text": self.text, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
                "finish_reason": self.finish_reason, "stats": self.stats}
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
         return out
 
 
@@ -187,7 +191,7 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                     profile: str | None = None, _prompt_ids_out: list | None = None,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                     repeat_last_n: int = 64, logprobs: int | None = None,
-                    sampler: SamplerConfig | None = None) -> Iterator[Chunk]:
+                    sampler: SamplerConfig | None = None, tools: list[dict] | None = None) -> Iterator[Chunk]:
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
@@ -204,6 +208,10 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     The same options as objects: `spec=SpecConfig(method, n_max, n_min, p_min)` (n_max None =
     auto) and `sampler=SamplerConfig(temperature, top_k, top_p, min_p, seed, penalties, logprobs)`;
     a keyword moved off its default beside the object that also holds it is refused.
+
+    `tools` (with `messages`): OpenAI-style function tools, rendered by the chat template;
+    `generate` returns the calls the model wrote as `GenerationResult.tool_calls`
+    (`mtp_engine.tool_calls`). Assistant messages may carry earlier `tool_calls`.
 
     Text (`prompt`, message `role`/`content`, `stop`) must be valid Unicode: a lone surrogate is
     refused (MTPEngineError naming the argument and the index), never replaced; a prompt longer
@@ -222,9 +230,19 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     if (prompt is None) == (messages is None):
         raise MTPEngineError("give exactly one of prompt or messages", field="prompt")
     stops = _check_stop(stop)
+    if tools is not None and messages is None:
+        raise MTPEngineError("tools are rendered by the chat template: give messages, not a prompt", field="tools")
     if messages is not None:
+        if isinstance(messages, (list, tuple)):  # earlier calls' arguments as mappings; content may be None
+            messages = tool_calls.with_tool_calls(messages)
         _check_messages(messages)
-        prompt = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        extra = {}
+        if tools is not None:
+            extra["tools"] = tool_calls.check_tool_list(tools)
+            if tool_calls.template_format(m.tokenizer.chat_template) is None:
+                raise MTPEngineError("the chat template does not render tools in a format this engine parses "
+                                     "(Qwen's <function=...> XML or <tool_call>{json})", field="tools")
+        prompt = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     if isinstance(prompt, str):  # in pieces: a prompt past the context is refused early
         ids = encode_prompt(m.tokenizer, prompt, m.model.cfg.context_length,
                             "messages" if messages is not None else "prompt")
@@ -291,11 +309,13 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
              stop: list[str] | str | None = None, ignore_eos: bool = False,
              profile: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
-             sampler: SamplerConfig | None = None) -> GenerationResult:
+             sampler: SamplerConfig | None = None, tools: list[dict] | None = None) -> GenerationResult:
     """Generates up to `max_tokens` tokens; returns text, token ids and statistics.
 
     Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`, or with the options as objects
     `generate("def fib(n):", spec=SpecConfig(n_max=3), sampler=SamplerConfig(temperature=0.7))`."""
+    if tools:
+        model = _resolve(model)  # once: its template says how calls are written
     ids: list[int] = []
     text, tokens = [], []
     want_lp = logprobs is not None or (sampler is not None and getattr(sampler, "logprobs", None) is not None)
@@ -306,10 +326,14 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
                                  min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
                                  _prompt_ids_out=ids, presence_penalty=presence_penalty,
                                  frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
-                                 repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler):
+                                 repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler, tools=tools):
         text.append(chunk.text)
         tokens.extend(chunk.token_ids)
         if lps is not None and chunk.logprobs:
             lps.extend(chunk.logprobs)
         last = chunk
-    return GenerationResult("".join(text), ids, tokens, last.finish_reason, last.stats, lps)
+    out = GenerationResult("".join(text), ids, tokens, last.finish_reason, last.stats, lps)
+    if tools:
+        fmt = tool_calls.template_format(model.tokenizer.chat_template)
+        _, out.tool_calls = tool_calls.split_tool_calls(out.text, fmt, tools)
+    return out

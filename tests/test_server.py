@@ -282,7 +282,7 @@ def test_tools_reach_the_template_and_calls_come_back(tmp_path):
     without such a template (ChatML fallback) refuses tools by name."""
     from pathlib import Path as P
 
-    from mtp_engine.server.tool_calls import message_tool_calls
+    from mtp_engine.tool_calls import message_tool_calls
     from tests.server_helpers import with_chat_template
     from tests.test_tool_calls import TOOLS
 

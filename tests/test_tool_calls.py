@@ -13,8 +13,9 @@ import pytest
 
 from mtp_engine.generate import Chunk
 from mtp_engine.server.schemas import APIError, ServerDefaults, parse_chat
-from mtp_engine.server.tool_calls import (HERMES, XML, ToolCallStream, check_tools, message_tool_calls,
-                                          split_tool_calls, template_format)
+from mtp_engine.errors import MTPEngineError
+from mtp_engine.tool_calls import (HERMES, XML, ToolCallStream, check_tool_list, message_tool_calls,
+                                   split_tool_calls, template_format)
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 TOOLS = [{"type": "function", "function": {
@@ -137,9 +138,14 @@ def test_earlier_tool_calls_reach_the_template_as_mappings():
     assert clean[1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     assert clean[2] == {"role": "tool", "content": "18C", "tool_call_id": "call_1"}
-    with pytest.raises(APIError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: not valid JSON"):
+    with pytest.raises(MTPEngineError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: not valid JSON"):
         message_tool_calls(1, [{"function": {"name": "f", "arguments": "{oops"}}])
-    assert check_tools({"messages": msgs}) is None
+    with pytest.raises(APIError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: not valid JSON"):
+        parse_chat({"messages": [msgs[0], {"role": "assistant", "content": None, "tool_calls": [
+            {"function": {"name": "f", "arguments": "{oops"}}]}]}, d)
+    assert parse_chat({"messages": msgs}, d).tools is None
+    with pytest.raises(MTPEngineError, match=r"tools\[0\]\.function\.name: expected a non-empty string"):
+        check_tool_list([{"type": "function", "function": {"name": " "}}])
 
 
 # ---- the answer, from generated chunks --------------------------------------------------------
@@ -221,3 +227,48 @@ def test_without_tools_the_answer_is_unchanged():
     body = _run(gen, job, loop, _events(Event, _pieces(XML_CALL), "stop"), False)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": XML_CALL}
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+# ---- the Python API -----------------------------------------------------------------------------
+
+@pytest.fixture
+def qwen35_tiny(tiny_q4):
+    """The tiny model with Qwen3.5's chat template for the length of a test."""
+    tiny_q4.tokenizer.chat_template = (TEMPLATES / "Qwen3.5-4B.jinja").read_text()
+    try:
+        yield tiny_q4
+    finally:
+        tiny_q4.tokenizer.chat_template = None
+
+
+def test_generate_renders_tools_and_earlier_calls(qwen35_tiny):
+    from mtp_engine import generate
+
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    r = generate(messages=msgs, model=qwen35_tiny, tools=TOOLS, max_tokens=4, spec="draft-mtp", n_max=2)
+    text = qwen35_tiny.tokenizer.decode(r.prompt_token_ids)
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in text  # the earlier call
+    assert '"name": "get_weather"' in text  # the tool list
+    assert r.tool_calls == split_tool_calls(r.text, XML, TOOLS)[1]  # what the text holds (this model writes none)
+    plain = generate(messages=msgs, model=qwen35_tiny, max_tokens=0)
+    assert len(plain.prompt_token_ids) < len(r.prompt_token_ids)  # without tools: no tool list
+
+
+def test_generate_refuses_tools_it_cannot_use(tiny_q4, qwen35_tiny):
+    from mtp_engine import generate
+
+    with pytest.raises(MTPEngineError) as e:
+        generate("x", model=qwen35_tiny, tools=TOOLS, max_tokens=1)
+    assert e.value.field == "tools" and "messages" in str(e.value)
+    with pytest.raises(MTPEngineError) as e:
+        generate(messages=[{"role": "user", "content": "x"}], model=qwen35_tiny, tools=[{"type": "function"}])
+    assert e.value.field == "tools[0]"
+    from mtp_engine.chat_template import CHATML
+
+    qwen35_tiny.tokenizer.chat_template = CHATML
+    with pytest.raises(MTPEngineError, match="does not render tools") as e:
+        generate(messages=[{"role": "user", "content": "x"}], model=qwen35_tiny, tools=TOOLS, max_tokens=1)
+    assert e.value.field == "tools"

@@ -11,8 +11,10 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..errors import MTPEngineError
 from ..penalties import PenaltyConfig
 from ..sampling import MAX_LOGPROBS
+from ..tool_calls import check_tool_list, message_tool_calls
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused before it is parsed
 
@@ -183,12 +185,30 @@ def _stream_options(body: dict) -> bool:
     return _boolean(so, "include_usage")
 
 
+def _tools(body: dict) -> list[dict] | None:
+    """The request's tools for the template (None: none, or tool_choice "none")."""
+    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
+    if body.get("functions") is not None:
+        raise APIError(400, "functions: the deprecated functions API is not supported; send tools", "functions")
+    pc = body.get("parallel_tool_calls")
+    if pc is not None and not isinstance(pc, bool):
+        raise APIError(400, f"parallel_tool_calls: expected a boolean, found {_type_name(pc)}", "parallel_tool_calls")
+    if choice not in ("auto", "none"):
+        raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (forcing a call needs constrained "
+                            f"decoding), found {json.dumps(choice)[:60]}", "tool_choice")
+    if tools is None:
+        return None
+    try:
+        tools = check_tool_list(tools)
+    except MTPEngineError as e:
+        raise APIError(400, str(e), "tools") from None
+    return tools if tools and choice == "auto" else None
+
+
 def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
     """POST /v1/chat/completions."""
-    from .tool_calls import check_tools, message_tool_calls
-
     _refuse_unsupported(body, chat=True)
-    tools = check_tools(body)
+    tools = _tools(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, f"messages: expected a non-empty array of messages, found {_type_name(msgs)}", "messages")
@@ -212,7 +232,10 @@ def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
             raise APIError(400, f"messages[{i}].content: expected a string, found {_type_name(content)}", "messages")
         msg = {"role": "system" if role == "developer" else role, "content": content}
         if calls:
-            msg["tool_calls"] = message_tool_calls(i, calls)
+            try:
+                msg["tool_calls"] = message_tool_calls(i, calls)
+            except MTPEngineError as e:
+                raise APIError(400, str(e), "messages") from None
         for key in ("tool_call_id", "name"):  # a tool's answer: which call it answers
             if role == "tool" and isinstance(m.get(key), str):
                 msg[key] = m[key]

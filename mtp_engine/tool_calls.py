@@ -1,6 +1,6 @@
-"""Tool calling for the chat endpoint: the request's `tools`, `tool_choice` and earlier
-`tool_calls` checked and shaped for the chat template, and the model's tool-call blocks turned
-back into OpenAI `tool_calls`, whole or as a stream.
+"""Tool calling: OpenAI-style `tools` and earlier `tool_calls` checked and shaped for the chat
+template, and the model's tool-call blocks turned back into OpenAI `tool_calls`, whole or as a
+stream (`generate(messages=..., tools=...)` and the server's chat endpoint).
 
 The model writes its calls in the format its chat template teaches it, so the format is read from
 the template: Qwen3.5 / Qwen3-Coder write XML,
@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .schemas import APIError
+from .errors import MTPEngineError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 XML, HERMES = "xml", "hermes"
@@ -46,56 +46,58 @@ def template_format(template: str | None) -> str | None:
     return None
 
 
-def check_tools(body: dict) -> list[dict] | None:
-    """The request's tools for the template (None: none, or tool_choice "none"); APIError otherwise."""
-    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
-    if body.get("functions") is not None:
-        raise APIError(400, "functions: the deprecated functions API is not supported; send tools", "functions")
-    pc = body.get("parallel_tool_calls")
-    if pc is not None and not isinstance(pc, bool):
-        raise APIError(400, f"parallel_tool_calls: expected a boolean, found {type(pc).__name__}", "parallel_tool_calls")
-    if choice not in ("auto", "none"):
-        raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (forcing a call needs constrained "
-                            f"decoding), found {json.dumps(choice)[:60]}", "tool_choice")
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise APIError(400, f"tools: expected an array of at most {MAX_TOOLS} tools", "tools")
+def check_tool_list(tools: Any) -> list[dict]:
+    """OpenAI's tool list: [{"type": "function", "function": {"name", "description"?, "parameters"?}}];
+    MTPEngineError naming the tool and key otherwise."""
+    if not isinstance(tools, (list, tuple)) or len(tools) > MAX_TOOLS:
+        raise MTPEngineError(f"expected a list of at most {MAX_TOOLS} tools, found "
+                             f"{len(tools) if isinstance(tools, (list, tuple)) else type(tools).__name__}", field="tools")
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
-            raise APIError(400, f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+            raise MTPEngineError("expected {\"type\": \"function\", \"function\": {...}}", field=f"tools[{i}]")
         if not isinstance(f.get("name"), str) or not f["name"].strip():
-            raise APIError(400, f"tools[{i}].function.name: expected a non-empty string", "tools")
+            raise MTPEngineError("expected a non-empty string", field=f"tools[{i}].function.name")
         if "description" in f and not isinstance(f["description"], str):
-            raise APIError(400, f"tools[{i}].function.description: expected a string", "tools")
+            raise MTPEngineError("expected a string", field=f"tools[{i}].function.description")
         if "parameters" in f and not isinstance(f["parameters"], dict):
-            raise APIError(400, f"tools[{i}].function.parameters: expected a JSON schema object", "tools")
-    return tools if tools and choice == "auto" else None
+            raise MTPEngineError("expected a JSON schema object", field=f"tools[{i}].function.parameters")
+    return list(tools)
 
 
 def message_tool_calls(i: int, calls: Any) -> list[dict]:
     """An assistant message's earlier `tool_calls` as templates read them: arguments as a mapping
     (OpenAI sends them as a JSON string; Qwen3.5's template iterates their items)."""
-    if not isinstance(calls, list):
-        raise APIError(400, f"messages[{i}].tool_calls: expected an array", "messages")
+    if not isinstance(calls, (list, tuple)):
+        raise MTPEngineError("expected a list", field=f"messages[{i}].tool_calls")
     out = []
     for j, c in enumerate(calls):
         where = f"messages[{i}].tool_calls[{j}]"
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise APIError(400, f"{where}: expected {{\"function\": {{\"name\": ..., \"arguments\": ...}}}}", "messages")
+            raise MTPEngineError("expected {\"function\": {\"name\": ..., \"arguments\": ...}}", field=where)
         args = f.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
-                raise APIError(400, f"{where}.function.arguments: not valid JSON ({e.msg} at character {e.pos})",
-                               "messages") from None
+                raise MTPEngineError(f"not valid JSON ({e.msg} at character {e.pos})",
+                                     field=f"{where}.function.arguments") from None
         if not isinstance(args, dict):
-            raise APIError(400, f"{where}.function.arguments: expected a JSON object", "messages")
+            raise MTPEngineError("expected a JSON object", field=f"{where}.function.arguments")
         out.append({"id": c.get("id") or new_call_id(), "type": "function",
                     "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+def with_tool_calls(messages: list[dict]) -> list[dict]:
+    """`messages` with every assistant turn's `tool_calls` in the template's shape (an assistant
+    turn that only called tools may have no content)."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls"):
+            m = {**m, "content": m.get("content") or "", "tool_calls": message_tool_calls(i, m["tool_calls"])}
+        out.append(m)
     return out
 
 
