@@ -4,11 +4,12 @@ from importlib import metadata as _metadata
 from .api import GenerationResult, Model, generate, load, stream_generate
 from .errors import MTPEngineError
 from .options import EngineOptions
+from .prompt_cache import PromptCache
 from .sampling import SamplerConfig
 from .speculative.config import SpecConfig
 
 __all__ = ["generate", "stream_generate", "load", "Model", "GenerationResult", "MTPEngineError", "EngineOptions",
-           "SpecConfig", "SamplerConfig"]
+           "SpecConfig", "SamplerConfig", "PromptCache"]
 
 try:  # the installed distribution's version (pyproject.toml), one source of truth
     __version__ = _metadata.version("mtp-engine")

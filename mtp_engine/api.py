@@ -16,6 +16,7 @@ from .model.loader import LoadInfo, load_gguf
 from .model.qwen35 import Qwen35Model
 from .options import EngineOptions, model_path_from_env
 from .profiler import Profiler
+from .prompt_cache import PromptCache
 from .prompt_encode import encode_prompt
 from .request import sampler_config, spec_config
 from .sampling import Sampler, SamplerConfig
@@ -191,7 +192,8 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                     profile: str | None = None, _prompt_ids_out: list | None = None,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                     repeat_last_n: int = 64, logprobs: int | None = None,
-                    sampler: SamplerConfig | None = None, tools: list[dict] | None = None) -> Iterator[Chunk]:
+                    sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
+                    prompt_cache: PromptCache | None = None) -> Iterator[Chunk]:
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
@@ -212,6 +214,10 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     `tools` (with `messages`): OpenAI-style function tools, rendered by the chat template;
     `generate` returns the calls the model wrote as `GenerationResult.tool_calls`
     (`mtp_engine.tool_calls`). Assistant messages may carry earlier `tool_calls`.
+
+    `prompt_cache`: a `PromptCache` given to successive calls: each reuses the state of the
+    previous prompt where the new one starts with it (a chat's next turn prefills only what is
+    new) and keeps its own; `stats["cached_prompt_tokens"]` says how many tokens were reused.
 
     Text (`prompt`, message `role`/`content`, `stop`) must be valid Unicode: a lone surrogate is
     refused (MTPEngineError naming the argument and the index), never replaced; a prompt longer
@@ -256,6 +262,12 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
         raise MTPEngineError(f"expected text or a list of token ids, found {type(prompt).__name__}", field="prompt")
     prof = Profiler(profile or "off")
     decoder = _decoder(m, spec_cfg, Sampler(sampler_cfg), prof)
+    if prompt_cache is not None:
+        if not isinstance(prompt_cache, PromptCache):
+            raise MTPEngineError(f"expected a PromptCache, found {type(prompt_cache).__name__}", field="prompt_cache")
+        if m.comm is not None:
+            raise MTPEngineError("not supported with a distributed model", field="prompt_cache")
+        decoder.prompt_cache = prompt_cache
     if _prompt_ids_out is not None:
         _prompt_ids_out.extend(ids)
     chunks = run(decoder, m.tokenizer, ids, max_tokens, stop=stops, ignore_eos=ignore_eos, profiler=prof)
@@ -309,7 +321,8 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
              stop: list[str] | str | None = None, ignore_eos: bool = False,
              profile: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
-             sampler: SamplerConfig | None = None, tools: list[dict] | None = None) -> GenerationResult:
+             sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
+             prompt_cache: PromptCache | None = None) -> GenerationResult:
     """Generates up to `max_tokens` tokens; returns text, token ids and statistics.
 
     Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`, or with the options as objects
@@ -326,7 +339,8 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
                                  min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
                                  _prompt_ids_out=ids, presence_penalty=presence_penalty,
                                  frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
-                                 repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler, tools=tools):
+                                 repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler, tools=tools,
+                                 prompt_cache=prompt_cache):
         text.append(chunk.text)
         tokens.extend(chunk.token_ids)
         if lps is not None and chunk.logprobs:

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .model.qwen35 import Qwen35Model
 from .profiler import Profiler
+from .prompt_cache import PromptCache
 from .sampling import Sampler, check_finite
 
 
@@ -94,6 +95,8 @@ class DecoderBase:
         self.round_drafted: list[bool] = []
         self.round_logprobs: list[dict] | None = None
         self.round_n_drafted = 0
+        self.prompt_cache: PromptCache | None = None  # set by the caller: reuse and keep prompt state
+        self.cached_tokens = 0  # prompt tokens the last prefill took from the prompt cache
 
     def prefill(self, ids: list[int]) -> list[int]:
         """Processes the prompt; returns the tokens it already produces."""
@@ -140,6 +143,19 @@ class DecoderBase:
             hiddens.append(h)
         return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
 
+    def _reuse_prefix(self, prefix: list[int], drafter: str | None = None):
+        """With a prompt cache: takes over the kept state when `prefix` starts with its tokens
+        (returns it, and `self.cache` now holds it); None otherwise."""
+        pc = self.prompt_cache
+        self.cached_tokens = 0
+        if pc is None or not pc.match(self.model, prefix, drafter):
+            return None
+        kept = pc.take()
+        self.cache = kept.trunk
+        self.cache.restore(kept.snapshot)
+        self.cached_tokens = len(kept.tokens)
+        return kept
+
     def _count_experts(self, kind: str) -> None:
         """MoE models, when profiling: distinct experts each layer read in the last forward
         (verify batches read up to (k+1) x top-k experts, a single step top-k)."""
@@ -182,7 +198,13 @@ class PlainDecoder(DecoderBase):
         """Processes the prompt; returns the tokens it already produces (here the first one)."""
         self.sampler.begin(ids)
         with self.prof.stage("prefill"):
-            h = self._prefill_trunk(ids)
+            if self.prompt_cache is None:
+                h = self._prefill_trunk(ids)
+            else:  # all but the last token, kept for the next prompt that starts with them
+                self._reuse_prefix(ids[:-1])
+                self._prefill_trunk(ids[self.cached_tokens:-1])
+                self.prompt_cache.keep(self.model, ids[:-1], self.cache)
+                h = self._prefill_trunk(ids[-1:])
             logits = self.model.logits(h[0, -1])
             if self._pipelined():
                 cur = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))

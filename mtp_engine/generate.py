@@ -166,13 +166,16 @@ def _round_meta(decoder, pending: list[int]) -> tuple[list[bool], list[dict] | N
 
 def _stats(decoder, n_prompt: int, n_gen: int, from_prefill: int, t_prefill: float, t_decode: float,
            prof: Profiler) -> dict:
-    # decode speed counts only tokens produced by decode steps (a plain prefill yields the first)
+    # decode speed counts only tokens produced by decode steps (a plain prefill yields the first);
+    # prefill speed only the tokens prefilled (not those a prompt cache supplied)
+    cached = getattr(decoder, "cached_tokens", 0)
     stats = {
         "prompt_tokens": n_prompt,
+        "cached_prompt_tokens": cached,
         "generated_tokens": n_gen,
         "prefill_seconds": t_prefill,
         "decode_seconds": t_decode,
-        "prompt_tokens_per_second": n_prompt / t_prefill if t_prefill else 0.0,
+        "prompt_tokens_per_second": (n_prompt - cached) / t_prefill if t_prefill else 0.0,
         "decode_tokens_per_second": (n_gen - from_prefill) / t_decode if t_decode and n_gen > from_prefill else 0.0,
         "peak_memory_bytes": peak_memory_bytes(),
     }

@@ -318,3 +318,24 @@ def test_tools_reach_the_template_and_calls_come_back(tmp_path):
         assert status == 400 and body["error"]["param"] == "tools" and "chat template" in body["error"]["message"]
     finally:
         s.stop()
+
+
+def test_next_turn_reuses_the_prompt_cache(client, tiny):
+    """A chat's second turn starts with the first turn's prompt: only the rest is prefilled
+    (usage.prompt_tokens_details.cached_tokens, timings.cache_n), and the answer is the one a
+    fresh generation gives; `cache_prompt: false` prefills everything."""
+    turn1 = _chat("Tell me a story")
+    r1 = client.chat.completions.create(model="x", messages=turn1, max_tokens=8, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]
+    r2 = client.chat.completions.create(model="x", messages=turn2, max_tokens=8, temperature=0)
+    ref = generate(messages=turn2, model=tiny, max_tokens=8)
+    first = generate(messages=turn1, model=tiny, max_tokens=0)
+    assert r2.choices[0].message.content == ref.text
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached == len(first.prompt_token_ids) - 1
+    assert r2.usage.model_extra["timings"]["cache_n"] == cached
+    assert r2.usage.model_extra["timings"]["prompt_n"] == r2.usage.prompt_tokens - cached
+    r3 = client.chat.completions.create(model="x", messages=turn2, max_tokens=8, temperature=0,
+                                        extra_body={"cache_prompt": False})
+    assert r3.usage.prompt_tokens_details.cached_tokens == 0 and r3.choices[0].message.content == ref.text

@@ -1,9 +1,10 @@
 """OpenAI response objects built from the engine's chunks and statistics.
 
 Field names for the draft figures (documented in README.md):
-  usage.timings      llama.cpp server's `timings` (prompt_n, prompt_ms, prompt_per_second,
+  usage.timings      llama.cpp server's `timings` (cache_n, prompt_n, prompt_ms, prompt_per_second,
                      predicted_n, predicted_ms, predicted_per_second, draft_n, draft_n_accepted);
                      also at the top level of the response / the final stream chunk, as llama-server
+  usage.prompt_tokens_details.cached_tokens  OpenAI's: prompt tokens the prompt cache supplied
   usage.spec_decode  vLLM's speculative-decoding figures (num_drafts = rounds that drafted,
                      num_draft_tokens, num_accepted_tokens, draft_acceptance_rate,
                      mean_acceptance_length = 1 + accepted / num_drafts) plus this engine's
@@ -24,10 +25,13 @@ def new_id(kind: str) -> str:
 
 def timings(stats: dict, prompt_tokens: int, completion_tokens: int) -> dict:
     pre, dec = stats.get("prefill_seconds", 0.0), stats.get("decode_seconds", 0.0)
+    cached = stats.get("cached_prompt_tokens", 0)
+    processed = prompt_tokens - cached  # llama-server's prompt_n: the tokens prefilled, cache_n the rest
     out = {
-        "prompt_n": prompt_tokens,
+        "cache_n": cached,
+        "prompt_n": processed,
         "prompt_ms": pre * 1e3,
-        "prompt_per_token_ms": pre * 1e3 / prompt_tokens if prompt_tokens else 0.0,
+        "prompt_per_token_ms": pre * 1e3 / processed if processed else 0.0,
         "prompt_per_second": stats.get("prompt_tokens_per_second", 0.0),
         "predicted_n": completion_tokens,
         "predicted_ms": dec * 1e3,
@@ -43,6 +47,7 @@ def timings(stats: dict, prompt_tokens: int, completion_tokens: int) -> dict:
 def usage(stats: dict, prompt_tokens: int, completion_tokens: int) -> dict:
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
          "total_tokens": prompt_tokens + completion_tokens,
+         "prompt_tokens_details": {"cached_tokens": stats.get("cached_prompt_tokens", 0)},
          "timings": timings(stats, prompt_tokens, completion_tokens)}
     if "drafted" in stats:
         # vLLM counts a draft per round that proposed tokens: auto's plain rounds and rounds whose

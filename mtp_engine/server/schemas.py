@@ -172,6 +172,7 @@ def _sampling(body: dict, d: ServerDefaults) -> dict:
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, p.frequency_penalty),
         repeat_penalty=_number(body, "repeat_penalty", 0.0, 10.0, p.repeat_penalty, lo_open=True),
         repeat_last_n=_integer(body, "repeat_last_n", -1, 2**31, p.repeat_last_n),
+        cache_prompt=_boolean(body, "cache_prompt", True),
         **_draft(body, d),
     )
 

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .. import api
 from ..chat_template import CHATML, CHATML_NOTE
+from ..prompt_cache import PromptCache
 from ..errors import MTPEngineError
 from ..prompt_encode import encode_prompt
 from ..text_input import check_messages
@@ -97,6 +98,9 @@ class GenerationWorker:
         self.model: api.Model | None = None
         self.load_error: BaseException | None = None
         self.warm_seconds: float | None = None
+        # the last prompt's state: the next request that starts with it (a chat's next turn)
+        # prefills only the rest; one generation at a time uses it (this thread's)
+        self.prompt_cache = PromptCache()
         self.ready = threading.Event()
         self.busy = False
         self.completed = 0
@@ -182,6 +186,7 @@ class GenerationWorker:
                 self.completed += 1
 
     def _warm(self, kw: dict) -> None:
+        kw.pop("cache_prompt", None)  # the warm-up's prompt is no one's
         if kw.get("spec") == "draft-mtp" and self.model.model.mtp is None:
             kw["spec"] = "none"  # served plainly (run_serve says so)
         log.info("warming up: %d tokens with the default settings", WARM_UP_TOKENS)
@@ -225,7 +230,8 @@ class GenerationWorker:
             if not job.max_tokens_given:  # the server's default shrinks to what the context holds
                 kw["max_tokens"] = min(job.default_max_tokens, ctx - len(ids))
             detok = self.model.tokenizer.detokenizer() if job.trace else None
-            gen = api.stream_generate(ids, self.model, **kw)
+            cache = self.prompt_cache if kw.pop("cache_prompt", True) else None
+            gen = api.stream_generate(ids, self.model, prompt_cache=cache, **kw)
             for chunk in gen:
                 if self._stopping:
                     job.put(Event("error", error=ShuttingDown()))

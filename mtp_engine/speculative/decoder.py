@@ -90,9 +90,16 @@ class SpeculativeDecoder(DecoderBase):
         self.sampler.begin(ids)
         self._emitted([], 0, 0, None)
         with self.prof.stage("prefill"):
-            h = self._prefill_trunk(ids[:-1], pick=self._fed)
+            kept = self._reuse_prefix(ids[:-1], self.drafter.name)
+            h = self._prefill_trunk(ids[self.cached_tokens:-1], pick=self._fed)
             self.last_token = ids[-1]
-            self.drafter.begin(ids, h)
+            if kept is None:
+                self.drafter.begin(ids, h)
+            else:  # the drafter starts from its state after the kept tokens
+                self.drafter.begin_from(ids, h, self.cached_tokens, kept.drafter_state)
+            if self.prompt_cache is not None:
+                self.prompt_cache.keep(self.model, ids[:-1], self.cache, self.drafter.name,
+                                       self.drafter.prefix_state())
         self.clock.start()
         return []
 

@@ -65,6 +65,17 @@ class Drafter(ABC):
         """The trunk has prefilled `prompt[:-1]` (`hidden`: its hidden states, [1, len-1, H]);
         the first round drafts after `prompt[-1]`."""
 
+    def prefix_state(self) -> object:
+        """Right after `begin`: what a later prompt that starts with this one can start from (see
+        `begin_from`). The default suits a drafter that reads only tokens."""
+        return None
+
+    def begin_from(self, prompt: list[int], hidden: mx.array, start: int, state: object) -> None:
+        """As `begin`, when the trunk took over the state of `prompt[:start]` from a prompt cache:
+        `hidden` holds only rows start..len-2, and `state` is what `prefix_state()` returned after
+        the earlier `begin`. The default suits a drafter that reads only tokens."""
+        self.begin(prompt, hidden)
+
     @abstractmethod
     def draft(self, k: int, p_min: float = 0.0) -> Draft:
         """Up to k (>= 1) draft tokens after the last emitted one. A drafter that can score its

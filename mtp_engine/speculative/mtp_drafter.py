@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..decode import kv_capacity
 from ..errors import MTPEngineError
@@ -46,11 +47,29 @@ class MTPDrafter(Drafter):
 
     def begin(self, prompt: list[int], hidden: mx.array) -> None:
         """The head sees prompt row t as (token t, trunk hidden t-1), zeros before the first."""
-        zeros = mx.zeros((1, 1, self.model.cfg.hidden_size))
-        head = prompt[:-1]
+        self._rows(prompt, hidden, 0, mx.zeros((1, 1, self.model.cfg.hidden_size)))
+
+    def prefix_state(self) -> tuple:
+        # the head's cache (its rows are never rewritten below this offset) and the trunk hidden
+        # state its next row reads (copied: a slice would keep the whole prompt's hidden states)
+        return self.cache, self.cache.offset, mx.array(np.array(self.h_last))
+
+    def begin_from(self, prompt: list[int], hidden: mx.array, start: int, state: tuple) -> None:
+        cache, rows, h_last = state
+        if rows != start:
+            raise MTPEngineError(f"prompt cache: the head kept {rows} rows for a {start}-token prefix",
+                                 field="prompt_cache")
+        self.cache = cache
+        self.cache.truncate(rows)
+        self._rows(prompt, hidden, start, h_last)
+
+    def _rows(self, prompt: list[int], hidden: mx.array, start: int, h_before: mx.array) -> None:
+        """Rows start..len-2 of the prompt through the head; `hidden` holds the trunk's rows
+        start..len-2 and `h_before` the one before them."""
+        head = prompt[start:-1]
         self.last_token = prompt[-1]
-        self.h_last = hidden[:, -1:] if head else zeros
-        h_prev = mx.concatenate([zeros, hidden[:, :-1]], axis=1)
+        self.h_last = hidden[:, -1:] if head else h_before
+        h_prev = mx.concatenate([h_before, hidden[:, :-1]], axis=1)
         for s in range(0, len(head), self.prefill_chunk):
             e = slice(s, s + self.prefill_chunk)
             m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache)

@@ -1,0 +1,121 @@
+"""The prompt cache: a generation whose prompt starts with the previous one's prefills only the
+rest and gives exactly what a generation without the cache gives (plain and draft-mtp: the same
+tokens and, for draft-mtp, the same acceptance, so the MTP head's state was carried over too);
+anything else is a miss that prefills in full and is kept instead."""
+from __future__ import annotations
+
+import pytest
+
+from mtp_engine import MTPEngineError, PromptCache, generate, stream_generate
+from tests.conftest import MOE_Q4, need
+
+PROMPT = "To be or not to be, that is the question. " * 12
+SPECS = [dict(spec="none"), dict(spec="draft-mtp", n_max=3)]
+
+
+def _next_turn(m, first) -> list[int]:
+    return first.prompt_token_ids + first.token_ids + m.tokenizer.encode(" Whether tis nobler in the mind")
+
+
+@pytest.mark.parametrize("kw", SPECS, ids=["plain", "draft-mtp"])
+def test_next_prompt_reuses_the_kept_state(tiny_f32, kw):
+    pc = PromptCache()
+    a = generate(PROMPT, model=tiny_f32, max_tokens=12, prompt_cache=pc, **kw)
+    assert a.stats["cached_prompt_tokens"] == 0 and pc.tokens == len(a.prompt_token_ids) - 1
+    ids = _next_turn(tiny_f32, a)
+    b = generate(ids, model=tiny_f32, max_tokens=40, prompt_cache=pc, **kw)
+    ref = generate(ids, model=tiny_f32, max_tokens=40, **kw)
+    assert b.stats["cached_prompt_tokens"] == len(a.prompt_token_ids) - 1
+    assert b.token_ids == ref.token_ids
+    if kw["spec"] == "draft-mtp":
+        assert b.stats["accepted"] == ref.stats["accepted"] and b.stats["drafted"] == ref.stats["drafted"]
+    # the same prompt again: all but its last token come from the cache
+    c = generate(ids, model=tiny_f32, max_tokens=40, prompt_cache=pc, **kw)
+    assert c.stats["cached_prompt_tokens"] == len(ids) - 1 and c.token_ids == ref.token_ids
+    assert pc.hits == 2
+
+
+@pytest.mark.parametrize("kw", SPECS, ids=["plain", "draft-mtp"])
+def test_a_prompt_that_diverges_is_a_miss_and_is_kept_instead(tiny_f32, kw):
+    pc = PromptCache()
+    a = generate(PROMPT, model=tiny_f32, max_tokens=4, prompt_cache=pc, **kw)
+    other = "Something else entirely, " + PROMPT
+    b = generate(other, model=tiny_f32, max_tokens=20, prompt_cache=pc, **kw)
+    assert b.stats["cached_prompt_tokens"] == 0 and b.token_ids == generate(other, model=tiny_f32, max_tokens=20,
+                                                                             **kw).token_ids
+    # a prompt that shares only part of the kept tokens cannot rewind the recurrent state: a miss
+    part = a.prompt_token_ids[:10] + [7, 8, 9]
+    assert generate(part, model=tiny_f32, max_tokens=2, prompt_cache=pc, **kw).stats["cached_prompt_tokens"] == 0
+    assert pc.tokens == len(part) - 1
+
+
+def test_plain_reuses_a_draft_mtp_state_but_not_the_reverse(tiny_f32):
+    pc = PromptCache()
+    a = generate(PROMPT, model=tiny_f32, max_tokens=4, spec="draft-mtp", n_max=2, prompt_cache=pc)
+    ids = _next_turn(tiny_f32, a)
+    assert generate(ids, model=tiny_f32, max_tokens=4, prompt_cache=pc).stats["cached_prompt_tokens"] > 0
+    # the plain generation kept no MTP head state: draft-mtp prefills in full (and is right)
+    ids2 = ids + [11]
+    b = generate(ids2, model=tiny_f32, max_tokens=12, spec="draft-mtp", n_max=2, prompt_cache=pc)
+    assert b.stats["cached_prompt_tokens"] == 0
+    assert b.token_ids == generate(ids2, model=tiny_f32, max_tokens=12).token_ids
+
+
+def test_a_stream_left_early_keeps_a_valid_state(tiny_f32):
+    pc = PromptCache()
+    it = stream_generate(PROMPT, model=tiny_f32, max_tokens=50, spec="draft-mtp", n_max=3, prompt_cache=pc)
+    first = next(it)
+    it.close()  # the caller left after the first chunk: rounds may have been queued past it
+    ids = tiny_f32.tokenizer.encode(PROMPT) + first.token_ids + [42]
+    b = generate(ids, model=tiny_f32, max_tokens=20, spec="draft-mtp", n_max=3, prompt_cache=pc)
+    assert b.stats["cached_prompt_tokens"] > 0
+    assert b.token_ids == generate(ids, model=tiny_f32, max_tokens=20).token_ids
+
+
+def test_another_model_is_a_miss(tiny_f32, tiny_q4):
+    pc = PromptCache()
+    generate(PROMPT, model=tiny_f32, max_tokens=2, prompt_cache=pc)
+    r = generate(PROMPT + " more", model=tiny_q4, max_tokens=2, prompt_cache=pc)
+    assert r.stats["cached_prompt_tokens"] == 0
+
+
+def test_moe_model(models):
+    m = models(need(MOE_Q4))
+    pc = PromptCache()
+    a = generate(PROMPT, model=m, max_tokens=6, spec="draft-mtp", n_max=2, prompt_cache=pc)
+    ids = _next_turn(m, a)
+    b = generate(ids, model=m, max_tokens=16, spec="draft-mtp", n_max=2, prompt_cache=pc)
+    assert b.stats["cached_prompt_tokens"] > 0
+    assert b.token_ids == generate(ids, model=m, max_tokens=16, spec="draft-mtp", n_max=2).token_ids
+
+
+def test_not_a_prompt_cache(tiny_f32):
+    with pytest.raises(MTPEngineError) as e:
+        generate("x", model=tiny_f32, max_tokens=1, prompt_cache={})
+    assert e.value.field == "prompt_cache"
+
+
+def test_the_head_continues_exactly_from_a_kept_prefix(tiny_f32):
+    """The MTP head's rows for a prompt, begun from a kept prefix of it, equal those of a head that
+    read the whole prompt at once (its cache and the hidden state its next row reads)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mtp_engine.speculative.mtp_drafter import MTPDrafter
+
+    m = tiny_f32
+    ids = m.tokenizer.encode(PROMPT)
+    post, _ = m.model.forward(mx.array([ids[:-1]]), m.model.make_cache(), return_prenorm=True)
+    start = 37
+    whole = MTPDrafter(m.model)
+    whole.begin(ids, post)
+    earlier = MTPDrafter(m.model)
+    earlier.begin(ids[:start + 1], post[:, :start])
+    later = MTPDrafter(m.model)
+    later.begin_from(ids, post[:, start:], start, earlier.prefix_state())
+    assert later.cache.offset == whole.cache.offset == len(ids) - 1
+    for a, b in zip(later.cache.state(), whole.cache.state()):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(later.h_last), np.array(whole.h_last), rtol=1e-6)
+    with pytest.raises(MTPEngineError, match="prompt cache"):
+        MTPDrafter(m.model).begin_from(ids, post[:, start + 1:], start + 1, earlier.prefix_state())
