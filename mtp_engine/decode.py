@@ -146,11 +146,10 @@ class DecoderBase:
     def _reuse_prefix(self, prefix: list[int], drafter: str | None = None):
         """With a prompt cache: takes over the kept state when `prefix` starts with its tokens
         (returns it, and `self.cache` now holds it); None otherwise."""
-        pc = self.prompt_cache
         self.cached_tokens = 0
-        if pc is None or not pc.match(self.model, prefix, drafter):
+        kept = self.prompt_cache.take(self.model, prefix, drafter) if self.prompt_cache is not None else None
+        if kept is None:
             return None
-        kept = pc.take()
         self.cache = kept.trunk
         self.cache.restore(kept.snapshot)
         self.cached_tokens = len(kept.tokens)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import MTPEngineError
 from .model.cache import TrunkCache
 
 
@@ -34,26 +35,43 @@ class _Kept:
 
 class PromptCache:
     """Give the same `PromptCache` to successive `generate` / `stream_generate` calls on one model
-    (one at a time: it is not shared between concurrent generations). Each call reuses the state
-    of the previous prompt where the new prompt starts with it, and keeps its own for the next."""
+    (one at a time: it is not shared between concurrent generations). Each call reuses the kept
+    state that its prompt starts with (the longest, if several) and keeps its own.
 
-    def __init__(self) -> None:
-        self._kept: _Kept | None = None
+    `slots`: how many prompts' states are kept (several conversations interleaved each find
+    theirs); the least recently used goes first, and also while they hold more than `max_bytes`
+    (the state just kept is never dropped for it)."""
+
+    def __init__(self, slots: int = 1, max_bytes: int | None = None) -> None:
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise MTPEngineError(f"expected an integer >= 1, found {slots!r}", field="slots")
+        self.slots, self.max_bytes = slots, max_bytes
+        self._kept: list[_Kept] = []  # least recently used first
         self.hits = 0  # generations that reused a kept state
         self.reused_tokens = 0  # prompt tokens they did not prefill
 
-    def match(self, model: Any, prefix: list[int], drafter: str | None) -> int:
-        """How many tokens of `prefix` (a prompt without its last token) the kept state covers for
-        this model and drafter: its whole length when `prefix` starts with its tokens, else 0."""
-        k = self._kept
-        if k is None or k.model is not model or (drafter is not None and k.drafter != drafter):
-            return 0
-        n = len(k.tokens)
-        return n if 0 < n <= len(prefix) and prefix[:n] == k.tokens else 0
+    def _best(self, model: Any, prefix: list[int], drafter: str | None) -> int | None:
+        best, best_len = None, 0
+        for i, k in enumerate(self._kept):
+            n = len(k.tokens)
+            if (k.model is model and (drafter is None or k.drafter == drafter) and best_len < n <= len(prefix)
+                    and prefix[:n] == k.tokens):
+                best, best_len = i, n
+        return best
 
-    def take(self) -> _Kept:
-        """The kept state, handed to the generation that reuses it (and no longer kept here)."""
-        kept, self._kept = self._kept, None
+    def match(self, model: Any, prefix: list[int], drafter: str | None) -> int:
+        """How many tokens of `prefix` (a prompt without its last token) a kept state covers for
+        this model and drafter (0: none; a drafter's state is needed when `drafter` is given)."""
+        i = self._best(model, prefix, drafter)
+        return 0 if i is None else len(self._kept[i].tokens)
+
+    def take(self, model: Any, prefix: list[int], drafter: str | None) -> _Kept | None:
+        """The kept state `match` finds, handed to the generation that reuses it (and no longer
+        kept here: that generation changes it), or None."""
+        i = self._best(model, prefix, drafter)
+        if i is None:
+            return None
+        kept = self._kept.pop(i)
         self.hits += 1
         self.reused_tokens += len(kept.tokens)
         return kept
@@ -61,13 +79,27 @@ class PromptCache:
     def keep(self, model: Any, tokens: list[int], trunk: TrunkCache, drafter: str | None = None,
              drafter_state: Any = None) -> None:
         """The state after `tokens` (the trunk's cache as it is now; the drafter's, if any)."""
-        self._kept = _Kept(model, list(tokens), trunk, trunk.snapshot(), drafter, drafter_state)
+        if not tokens:
+            return
+        self._kept.append(_Kept(model, list(tokens), trunk, trunk.snapshot(), drafter, drafter_state))
+        while len(self._kept) > self.slots or (self.max_bytes is not None and len(self._kept) > 1
+                                               and self.nbytes() > self.max_bytes):
+            self._kept.pop(0)
 
     def clear(self) -> None:
-        """Drops the kept state (and the memory it holds)."""
-        self._kept = None
+        """Drops the kept states (and the memory they hold)."""
+        self._kept = []
+
+    def nbytes(self) -> int:
+        """Memory the kept states hold (their caches' buffers)."""
+        total = 0
+        for k in self._kept:
+            total += k.trunk.nbytes()
+            cache = k.drafter_state[0] if isinstance(k.drafter_state, tuple) else None
+            total += cache.nbytes() if hasattr(cache, "nbytes") else 0
+        return total
 
     @property
     def tokens(self) -> int:
-        """Length of the kept state in tokens (0: nothing kept)."""
-        return len(self._kept.tokens) if self._kept else 0
+        """Length of the most recently kept state in tokens (0: nothing kept)."""
+        return len(self._kept[-1].tokens) if self._kept else 0

@@ -119,3 +119,26 @@ def test_the_head_continues_exactly_from_a_kept_prefix(tiny_f32):
     np.testing.assert_allclose(np.array(later.h_last), np.array(whole.h_last), rtol=1e-6)
     with pytest.raises(MTPEngineError, match="prompt cache"):
         MTPDrafter(m.model).begin_from(ids, post[:, start + 1:], start + 1, earlier.prefix_state())
+
+
+def test_slots_keep_interleaved_conversations(tiny_f32):
+    """Two conversations taking turns: with two slots each finds its own state, with one each
+    evicts the other's; a byte bound keeps only what fits (always the newest)."""
+    def turns(pc):
+        a = generate(PROMPT, model=tiny_f32, max_tokens=3, prompt_cache=pc)
+        b = generate("Another conversation. " * 10, model=tiny_f32, max_tokens=3, prompt_cache=pc)
+        a2 = generate(_next_turn(tiny_f32, a), model=tiny_f32, max_tokens=3, prompt_cache=pc)
+        b2 = generate(_next_turn(tiny_f32, b), model=tiny_f32, max_tokens=3, prompt_cache=pc)
+        return a2.stats["cached_prompt_tokens"], b2.stats["cached_prompt_tokens"]
+
+    two = turns(PromptCache(slots=2))
+    assert two[0] > 0 and two[1] > 0
+    assert turns(PromptCache(slots=1)) == (0, 0)
+    assert turns(PromptCache(slots=2, max_bytes=1)) == (0, 0)
+    pc = PromptCache(slots=3)
+    generate(PROMPT, model=tiny_f32, max_tokens=2, spec="draft-mtp", n_max=2, prompt_cache=pc)
+    assert pc.nbytes() > 0 and pc.tokens == len(tiny_f32.tokenizer.encode(PROMPT)) - 1
+    pc.clear()
+    assert pc.nbytes() == 0 and pc.tokens == 0
+    with pytest.raises(MTPEngineError):
+        PromptCache(slots=0)
