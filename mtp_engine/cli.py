@@ -8,6 +8,7 @@ from typing import Sequence
 
 from .errors import MTPEngineError
 from .load_progress import load_progress
+from .server.flags import positive_int
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -80,18 +81,8 @@ def _add_generate(sub) -> None:
 
 def add_ctx_size(p) -> None:
     """llama.cpp's -c/--ctx-size: the API's `max_context` (generate, bench and serve alike)."""
-    p.add_argument("-c", "--ctx-size", dest="max_context", type=_positive_int, default=None,
+    p.add_argument("-c", "--ctx-size", dest="max_context", type=positive_int, default=None,
                    help="context length cap (default: the model's, up to 32768)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
-    return value
 
 
 def _add_debug(p) -> None:

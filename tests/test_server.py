@@ -339,3 +339,25 @@ def test_next_turn_reuses_the_prompt_cache(client, tiny):
     r3 = client.chat.completions.create(model="x", messages=turn2, max_tokens=8, temperature=0,
                                         extra_body={"cache_prompt": False})
     assert r3.usage.prompt_tokens_details.cached_tokens == 0 and r3.choices[0].message.content == ref.text
+
+
+def test_interleaved_conversations_each_keep_their_prompt(client):
+    """Two users taking turns (the server keeps 4 prompts by default): each one's next turn still
+    finds its own conversation's state."""
+    first = {u: _chat(f"User {u} asks about {topic}") for u, topic in (("a", "sorting"), ("b", "graphs"))}
+    answers = {u: client.chat.completions.create(model="x", messages=m, max_tokens=4, temperature=0)
+               for u, m in first.items()}
+    for u, m in first.items():
+        nxt = m + [{"role": "assistant", "content": answers[u].choices[0].message.content},
+                   {"role": "user", "content": "more"}]
+        r = client.chat.completions.create(model="x", messages=nxt, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens > 0, u
+
+
+@pytest.mark.parametrize("flag", ["--cache-slots", "--cache-ram", "-c"])
+def test_serve_refuses_a_non_positive_size(flag, capsys):
+    from mtp_engine.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", flag, "0"])
+    assert e.value.code == 2 and "expected a positive integer" in capsys.readouterr().err

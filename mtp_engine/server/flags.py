@@ -4,6 +4,19 @@ command line parses fast."""
 from __future__ import annotations
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0 (the flag's name is in argparse's message)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
+    return value
+
+
 def add_serve_parser(sub, n_max_type) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions, SSE) with a live page")
     s.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
@@ -12,7 +25,7 @@ def add_serve_parser(sub, n_max_type) -> None:
     s.add_argument("--queue-size", type=int, default=64,
                    help="requests allowed to wait while one generates; more are answered 503")
     s.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")
-    s.add_argument("-c", "--ctx-size", dest="max_context", type=int, default=None,
+    s.add_argument("-c", "--ctx-size", dest="max_context", type=positive_int, default=None,
                    help="context length cap (default: the model's, up to 32768)")
     s.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=256,
                    help="max_tokens when a request gives none (capped by the context left)")
@@ -34,6 +47,11 @@ def add_serve_parser(sub, n_max_type) -> None:
     s.add_argument("--spec-draft-p-min", type=float, default=0.0,
                    help="stop drafting when the draft's probability falls below this")
     s.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
+    s.add_argument("--cache-slots", type=positive_int, default=4,
+                   help="prompts whose state is kept for a next request that starts with them (a chat's next "
+                        "turn prefills only what is new); several interleaved conversations each keep theirs")
+    s.add_argument("--cache-ram", type=positive_int, default=4096, metavar="MIB",
+                   help="memory the kept prompt states may hold, in MiB (the least recently used go first)")
     s.add_argument("--idle-release", type=float, default=0.0,
                    help="seconds without requests after which MLX's cached buffers are freed (0: never)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],

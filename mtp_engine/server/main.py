@@ -51,6 +51,7 @@ def run_serve(args) -> int:
 
     worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
                               warm_up=warm, idle_release_s=args.idle_release,
+                              cache_slots=args.cache_slots, cache_bytes=args.cache_ram << 20,
                               load_progress=load_progress(_model_label(args.model)))
     worker.start()
     model = wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main

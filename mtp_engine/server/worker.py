@@ -83,10 +83,11 @@ class GenerationWorker:
 
     def __init__(self, model_path: str | None, queue_size: int, exact: bool = False,
                  max_context: int | None = None, warm_up: dict | None = None, idle_release_s: float = 0.0,
-                 load_progress=None):
+                 load_progress=None, cache_slots: int = 4, cache_bytes: int | None = None):
         """`warm_up`: `generate` keyword arguments (the server's default settings) for one short
         generation before the worker says it is ready, so the first request does not pay for
-        tracing and compiling the steps (seconds each on a GPU). `idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
+        tracing and compiling the steps (seconds each on a GPU). `cache_slots`, `cache_bytes`: the
+        prompt cache's (`PromptCache`). `idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
         long. Off by default: MLX keeps freed buffers for reuse, as generate() in a loop does, and
         clearing them makes the next request pay fresh allocations (page faults on the CPU, device
         allocations on a GPU)."""
@@ -100,7 +101,7 @@ class GenerationWorker:
         self.warm_seconds: float | None = None
         # the last prompt's state: the next request that starts with it (a chat's next turn)
         # prefills only the rest; one generation at a time uses it (this thread's)
-        self.prompt_cache = PromptCache()
+        self.prompt_cache = PromptCache(cache_slots, cache_bytes)
         self.ready = threading.Event()
         self.busy = False
         self.completed = 0
