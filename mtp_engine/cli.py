@@ -8,7 +8,7 @@ from typing import Sequence
 
 from .errors import MTPEngineError
 from .load_progress import load_progress
-from .server.flags import positive_int
+from .server.flags import add_sampling_flags, add_spec_flags, positive_int, sampling_kwargs
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -46,27 +46,12 @@ def _add_generate(sub) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=256, help="tokens to generate")
     add_ctx_size(g)
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set with this probability "
-                                                            "mass (1 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the most likely "
-                                                            "one's probability (0 = off)")
-    g.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+    add_sampling_flags(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a seen token's logit")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a seen token")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="divides a seen token's logit (1 = off)")
-    g.add_argument("--repeat-last-n", type=int, default=64, help="window of the penalties (0 off, -1 whole context)")
     g.add_argument("--n-probs", dest="logprobs", type=int, default=None,
                    help="with --json: each token's logprob and this many alternatives (0..20)")
-    g.add_argument("--spec-type", default="none", help="none or draft-mtp")
-    g.add_argument("--spec-draft-n-max", type=_n_max, default="auto",
-                   help="drafts per round, or auto (default): chosen each round from measured costs")
-    g.add_argument("--spec-draft-n-min", type=int, default=0, help="fewest drafts per round")
-    g.add_argument("--spec-draft-p-min", type=float, default=0.0,
-                   help="stop drafting when the draft's probability falls below this")
+    add_spec_flags(g, _n_max, "none")
     g.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
     g.add_argument("--quantize", default=None, metavar="SPEC",
                    help="HF checkpoint folders: quantize while loading, e.g. 4, 8g32, 4g64,output=8g64,mtp=float")
@@ -198,12 +183,8 @@ def _generate(args) -> int:
     from .distributed.cli import distributed_kwargs, quiet_rank
     model = api.load(args.model, exact=args.exact, quantize=args.quantize, max_context=args.max_context,
                      progress=load_progress(_model_label(args.model), quiet=args.json), **distributed_kwargs(args))
-    kwargs = dict(max_tokens=args.max_tokens, spec=args.spec_type, n_max=args.spec_draft_n_max,
-                  n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, temperature=args.temp,
-                  top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
-                  ignore_eos=args.ignore_eos, profile=args.profile, presence_penalty=args.presence_penalty,
-                  frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
-                  repeat_last_n=args.repeat_last_n, logprobs=args.logprobs)
+    kwargs = dict(max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
+                  profile=args.profile, logprobs=args.logprobs, **sampling_kwargs(args))
     if args.chat:
         if model.tokenizer.chat_template is None:
             from .chat_template import CHATML, CHATML_NOTE
@@ -286,7 +267,8 @@ def _bench(args) -> int:
 
 
 def format_stats(s: dict) -> str:
-    line = (f"prompt: {s['prompt_tokens']} tok, {s['prompt_tokens_per_second']:.1f} tok/s | "
+    cached = f" ({s['cached_prompt_tokens']} cached)" if s.get("cached_prompt_tokens") else ""
+    line = (f"prompt: {s['prompt_tokens']} tok{cached}, {s['prompt_tokens_per_second']:.1f} tok/s | "
             f"decode: {s['generated_tokens']} tok, {s['decode_tokens_per_second']:.1f} tok/s | "
             f"peak memory: {s['peak_memory_bytes'] / 2**20:.1f} MiB")
     if "time_to_first_token_seconds" in s:
@@ -310,7 +292,7 @@ def _model_label(path: str | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line: generate, bench, convert, serve."""
+    """The whole command line: generate, bench, convert, serve, chat."""
     from . import __version__
 
     parser = _Parser(prog="mtp-engine", description="MTP speculative decoding for Qwen3.5 GGUF models on MLX")
@@ -321,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     from .server.flags import add_serve_parser
     add_serve_parser(sub, _n_max)
+    from .chat_cli import add_chat_parser
+    add_chat_parser(sub, _n_max)
     return parser
 
 
@@ -338,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from .server.main import run_serve
             return run_serve(args)
+        if args.command == "chat":
+            from .chat_cli import run_chat
+            return run_chat(args)
     except MTPEngineError as e:
         msg = str(e).replace("\r", "\\r").replace("\n", "\\n")  # always one line
         print(f"mtp-engine: error: {msg}", file=sys.stderr)

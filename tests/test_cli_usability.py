@@ -13,7 +13,7 @@ from tests.conftest import TINY_Q4, need
 from mtp_engine.cli import HelpFormatter, build_parser, main
 from mtp_engine.load_progress import load_progress
 
-COMMANDS = ("generate", "bench", "serve", "convert")
+COMMANDS = ("generate", "bench", "serve", "convert", "chat")
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

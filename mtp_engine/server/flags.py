@@ -1,6 +1,6 @@
-"""`mtp-engine serve`'s flags: the generation and draft-mtp flags of `generate` (llama.cpp's
-names), as the server's defaults, plus the server's own. Kept free of heavy imports so that the
-command line parses fast."""
+"""Flags the commands share (llama.cpp's names): sampling, penalties and draft-mtp, which
+`generate`, `chat` and `serve` (as its defaults) all take, and `serve`'s own. Kept free of heavy
+imports so that the command line parses fast."""
 from __future__ import annotations
 
 
@@ -17,6 +17,42 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_sampling_flags(p) -> None:
+    """Temperature, top-k/p, min-p, seed and llama.cpp's penalties."""
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set with this probability "
+                                                            "mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the most likely "
+                                                            "one's probability (0 = off)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a seen token's logit")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a seen token")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="divides a seen token's logit (1 = off)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="window of the penalties (0 off, -1 whole context)")
+
+
+def add_spec_flags(p, n_max_type, spec_type: str) -> None:
+    """--spec-type (default `spec_type`) and llama.cpp's draft knobs."""
+    p.add_argument("--spec-type", default=spec_type,
+                   help="none or draft-mtp" + ("" if spec_type == "none" else
+                                              " (default; none for a model without an MTP head)"))
+    p.add_argument("--spec-draft-n-max", type=n_max_type, default="auto",
+                   help="drafts per round, or auto: chosen each round from measured costs")
+    p.add_argument("--spec-draft-n-min", type=int, default=0, help="fewest drafts per round")
+    p.add_argument("--spec-draft-p-min", type=float, default=0.0,
+                   help="stop drafting when the draft's probability falls below this")
+
+
+def sampling_kwargs(args) -> dict:
+    """The `generate` keywords of the flags above."""
+    return dict(spec=args.spec_type, n_max=args.spec_draft_n_max, n_min=args.spec_draft_n_min,
+                p_min=args.spec_draft_p_min, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, repeat_penalty=args.repeat_penalty,
+                repeat_last_n=args.repeat_last_n)
+
+
 def add_serve_parser(sub, n_max_type) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions, SSE) with a live page")
     s.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
@@ -29,23 +65,8 @@ def add_serve_parser(sub, n_max_type) -> None:
                    help="context length cap (default: the model's, up to 32768)")
     s.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=256,
                    help="max_tokens when a request gives none (capped by the context left)")
-    s.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    s.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = all)")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (1 = off)")
-    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top "
-                                                            "probability (0 = off)")
-    s.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
-    s.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from a seen token's logit")
-    s.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a seen token")
-    s.add_argument("--repeat-penalty", type=float, default=1.0, help="divides a seen token's logit (1 = off)")
-    s.add_argument("--repeat-last-n", type=int, default=64, help="window of the penalties (0 off, -1 whole context)")
-    s.add_argument("--spec-type", default="draft-mtp", help="none or draft-mtp (default; none for a model without "
-                                                            "an MTP head)")
-    s.add_argument("--spec-draft-n-max", type=n_max_type, default="auto",
-                   help="drafts per round, or auto: chosen each round from measured costs")
-    s.add_argument("--spec-draft-n-min", type=int, default=0, help="fewest drafts per round")
-    s.add_argument("--spec-draft-p-min", type=float, default=0.0,
-                   help="stop drafting when the draft's probability falls below this")
+    add_sampling_flags(s)
+    add_spec_flags(s, n_max_type, "draft-mtp")
     s.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
     s.add_argument("--cache-slots", type=positive_int, default=4,
                    help="prompts whose state is kept for a next request that starts with them (a chat's next "
