@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from . import tool_calls
+from .constraint import Constraint
 from .decode import DecoderBase, PlainDecoder
 from .errors import MTPEngineError
 from .generate import Chunk, run
@@ -193,7 +194,7 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                     repeat_last_n: int = 64, logprobs: int | None = None,
                     sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
-                    prompt_cache: PromptCache | None = None) -> Iterator[Chunk]:
+                    prompt_cache: PromptCache | None = None, constraint: Constraint | None = None) -> Iterator[Chunk]:
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
@@ -214,6 +215,10 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     `tools` (with `messages`): OpenAI-style function tools, rendered by the chat template;
     `generate` returns the calls the model wrote as `GenerationResult.tool_calls`
     (`mtp_engine.tool_calls`). Assistant messages may carry earlier `tool_calls`.
+
+    `constraint`: a `Constraint` (JSON schema, any JSON object, regex, Lark grammar) the text must
+    follow: every scored row's logits are masked to what the grammar allows (drafts are verified
+    against it, so draft-mtp gives what plain constrained decoding gives); needs llguidance.
 
     `prompt_cache`: a `PromptCache` given to successive calls: each reuses the state of the
     previous prompt where the new one starts with it (a chat's next turn prefills only what is
@@ -261,7 +266,16 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     else:
         raise MTPEngineError(f"expected text or a list of token ids, found {type(prompt).__name__}", field="prompt")
     prof = Profiler(profile or "off")
-    decoder = _decoder(m, spec_cfg, Sampler(sampler_cfg), prof)
+    sampler_obj = Sampler(sampler_cfg)
+    if constraint is not None:
+        if not isinstance(constraint, Constraint):
+            raise MTPEngineError(f"expected a Constraint, found {type(constraint).__name__}", field="constraint")
+        if ignore_eos:
+            raise MTPEngineError("ignore_eos would run past the end of the constrained text", field="constraint")
+        if m.comm is not None:
+            raise MTPEngineError("not supported with a distributed model", field="constraint")
+        sampler_obj.grammar = constraint.matcher(m.tokenizer, m.model.cfg.vocab_size)
+    decoder = _decoder(m, spec_cfg, sampler_obj, prof)
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):
             raise MTPEngineError(f"expected a PromptCache, found {type(prompt_cache).__name__}", field="prompt_cache")
@@ -322,7 +336,7 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
              profile: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
              sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
-             prompt_cache: PromptCache | None = None) -> GenerationResult:
+             prompt_cache: PromptCache | None = None, constraint: Constraint | None = None) -> GenerationResult:
     """Generates up to `max_tokens` tokens; returns text, token ids and statistics.
 
     Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`, or with the options as objects
@@ -340,7 +354,7 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
                                  _prompt_ids_out=ids, presence_penalty=presence_penalty,
                                  frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
                                  repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler, tools=tools,
-                                 prompt_cache=prompt_cache):
+                                 prompt_cache=prompt_cache, constraint=constraint):
         text.append(chunk.text)
         tokens.extend(chunk.token_ids)
         if lps is not None and chunk.logprobs:

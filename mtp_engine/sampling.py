@@ -7,6 +7,7 @@ and the draft's distributions with the same `distribution`, which is what makes 
 from __future__ import annotations
 
 import math
+from typing import Any
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -93,6 +94,7 @@ class Sampler:
         self.cfg = cfg
         self.rng = np.random.default_rng(None if cfg.seed in (None, -1) else cfg.seed)
         self.history = PenaltyHistory(cfg.penalties)
+        self.grammar = None  # a constraint's GrammarState (constraint.py), set by the caller
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Starts the penalty history with the prompt (llama.cpp penalises prompt tokens too)."""
@@ -102,11 +104,21 @@ class Sampler:
         """Emitted tokens join the penalty history."""
         if self.cfg.penalties.active:
             self.history.tokens.extend(int(t) for t in tokens)
+        if self.grammar is not None:
+            self.grammar.accept(tokens)
 
     def penalize(self, logits: mx.array, extra: mx.array | None = None, offset: int = 0) -> mx.array:
         """Logits with the repetition penalties applied (row r's history: the generation's plus
         extra[:offset + r]); unchanged when no penalty is set."""
         return self.history.penalize(logits, extra, offset)
+
+    def constrain(self, logits: mx.array, drafts: Any = None) -> mx.array:
+        """Logits with the tokens a constraint refuses at -inf (row r: after drafts[:r]; `drafts`
+        may be a device array, read here); unchanged without a constraint."""
+        if self.grammar is None:
+            return logits
+        host = [int(t) for t in np.array(drafts).reshape(-1)] if drafts is not None and len(drafts) else []
+        return self.grammar.apply(logits, host)
 
     def token_logprobs(self, logits: mx.array, tokens: list[int]) -> list[dict] | None:
         """Per row of logits [R, V] (R = len(tokens)): the log-probability of `tokens[r]` and the
@@ -140,12 +152,13 @@ class Sampler:
         random draws): then a decode loop may queue the next step from the token still on the
         device before the host reads it. Anything that adds such state must return False here:
         penalties read the emitted history, logprobs need the logits on the host."""
-        return self.cfg.greedy and not self.cfg.penalties.active and self.cfg.logprobs is None
+        return (self.cfg.greedy and not self.cfg.penalties.active and self.cfg.logprobs is None
+                and self.grammar is None)
 
     def sample(self, logits: mx.array) -> int:
         """One token from logits [V] (penalised first when penalties are set)."""
         finite = mx.all(mx.isfinite(logits))
-        logits = self.penalize(logits)
+        logits = self.constrain(self.penalize(logits))
         if self.cfg.greedy:
             tok = mx.argmax(logits, axis=-1)
             mx.eval(tok, finite)

@@ -3,6 +3,7 @@ generations): the official `openai` client (chat and completions, streaming and 
 equal to `generate()`'s, 16 concurrent streams, a disconnect mid-stream, 400 and 503 answers."""
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -361,3 +362,24 @@ def test_serve_refuses_a_non_positive_size(flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", flag, "0"])
     assert e.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
+
+
+def test_response_format_json(client):
+    """response_format json_object / json_schema: the answer is JSON (of that schema), as OpenAI's
+    structured outputs; a malformed response_format is a 400 naming it."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    r = client.chat.completions.create(model="x", messages=_chat("give JSON"), max_tokens=40, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "t", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"n", "ok"} and isinstance(obj["n"], int) and isinstance(obj["ok"], bool)
+    r = client.chat.completions.create(model="x", messages=_chat("give JSON"), max_tokens=60, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="x", messages=_chat("x"), response_format={"type": "yaml"})
+    assert e.value.body["param"] == "response_format"

@@ -3,7 +3,8 @@ arguments of `stream_generate`, or refused with an OpenAI-style error naming the
 
 Unknown fields are ignored (as OpenAI-compatible servers do, so clients that send extras work);
 known fields of the wrong type or out of range, and features this engine cannot honour (n > 1,
-forced tool choice, JSON response formats, logit_bias), are refused with 400. Tools: tool_calls.py.
+forced tool choice, logit_bias), are refused with 400. JSON response formats are constraints
+(constraint.py); tools: tool_calls.py.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..constraint import response_format_constraint
 from ..errors import MTPEngineError
 from ..penalties import PenaltyConfig
 from ..sampling import MAX_LOGPROBS
@@ -120,9 +122,6 @@ def _refuse_unsupported(body: dict, chat: bool = False) -> None:
         raise APIError(400, "best_of: only 1 is supported", "best_of")
     if not chat and (body.get("tools") or body.get("functions")):
         raise APIError(400, "tools: tool calling is for /v1/chat/completions", "tools")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
     if body.get("logit_bias"):
         raise APIError(400, "logit_bias: not supported", "logit_bias")
     if body.get("echo") or body.get("suffix"):
@@ -173,8 +172,20 @@ def _sampling(body: dict, d: ServerDefaults) -> dict:
         repeat_penalty=_number(body, "repeat_penalty", 0.0, 10.0, p.repeat_penalty, lo_open=True),
         repeat_last_n=_integer(body, "repeat_last_n", -1, 2**31, p.repeat_last_n),
         cache_prompt=_boolean(body, "cache_prompt", True),
+        constraint=_response_format(body),
         **_draft(body, d),
     )
+
+
+def _response_format(body: dict):
+    """OpenAI's response_format (text, json_object, json_schema) as the engine's Constraint."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    try:
+        return response_format_constraint(rf)
+    except MTPEngineError as e:
+        raise APIError(400, str(e), "response_format") from None
 
 
 def _stream_options(body: dict) -> bool:

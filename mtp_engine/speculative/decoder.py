@@ -140,7 +140,8 @@ class SpeculativeDecoder(DecoderBase):
 
     def _pipelined_rounds(self) -> bool:
         # a queued round would be scored against a penalty history that lacks this round's tokens
-        return self.pipeline and not self.prof.enabled and not self.sampler.cfg.penalties.active
+        return (self.pipeline and not self.prof.enabled and not self.sampler.cfg.penalties.active
+                and self.sampler.grammar is None)
 
     def _launch_draft(self, k: int) -> _Round:
         draft = self.drafter.draft(k, self.params.p_min)
@@ -151,6 +152,7 @@ class SpeculativeDecoder(DecoderBase):
         with self.prof.stage("sample") as out:
             # row i scores the position after drafts 1..i: its penalties count them as generated
             scored = self.sampler.penalize(logits, draft.tokens if len(draft) else None)
+            scored = self.sampler.constrain(scored, draft.tokens if len(draft) else None)
             target = mx.argmax(scored, axis=-1) if cfg.greedy else distribution(scored, cfg)
             finite = mx.all(mx.isfinite(logits))
             out.extend([target, finite])
@@ -230,6 +232,7 @@ class SpeculativeDecoder(DecoderBase):
         if target is None:
             with self.prof.stage("sample") as out:
                 scored = self.sampler.penalize(logits, drafts if len(drafts) else None)
+                scored = self.sampler.constrain(scored, drafts if len(drafts) else None)
                 target = mx.argmax(scored, axis=-1) if cfg.greedy else distribution(scored, cfg)
                 finite = mx.all(mx.isfinite(logits))
                 out.extend([target, finite])

@@ -1,0 +1,148 @@
+"""Constrained decoding: the output follows a grammar (a JSON schema, any JSON object, a regular
+expression or a Lark grammar), by masking every scored row's logits to the tokens the grammar
+allows next. The grammar engine is llguidance (optional: `pip install 'mtp-engine[constrained]'`).
+
+With draft-mtp the drafts are not constrained (the head drafts freely, on the device); the verify
+rows are: row i is masked by the grammar's state after drafts 1..i, so a draft the grammar refuses
+is never accepted (greedy: the masked argmax differs from it; sampling: its probability is 0), and
+the output is what plain constrained decoding gives. The grammar state advances with the tokens
+each round emits.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MTPEngineError
+
+FIELD = "constraint"
+
+
+def _llg() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise MTPEngineError("constrained decoding needs llguidance: pip install 'mtp-engine[constrained]'",
+                             field=FIELD) from None
+    return llguidance
+
+
+class Constraint:
+    """A grammar the generated text must follow. Build one with `Constraint.json(schema)` (None:
+    any JSON object), `Constraint.regex(pattern)` or `Constraint.lark(grammar)`; give it to
+    `generate(..., constraint=...)`. Generation stops at the end-of-sequence token once the text is
+    complete (or at max_tokens, with the text cut)."""
+
+    def __init__(self, grammar: str, what: str):
+        self.grammar, self.what = grammar, what
+        err = _llg().LLMatcher.validate_grammar(grammar)
+        if err:
+            raise MTPEngineError(f"{what}: {err}", field=FIELD)
+
+    @classmethod
+    def json(cls, schema: dict | None = None) -> "Constraint":
+        """Text that is JSON matching `schema` (a JSON Schema object), or any JSON object."""
+        if schema is not None and not isinstance(schema, dict):
+            raise MTPEngineError(f"expected a JSON schema object, found {type(schema).__name__}", field=FIELD)
+        try:
+            # no free whitespace between tokens: a model may otherwise pad forever (a known JSON-mode
+            # failure); separators as json.dumps writes them
+            grammar = _llg().LLMatcher.grammar_from_json_schema(
+                schema if schema is not None else {"type": "object"},
+                defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        except (ValueError, TypeError) as e:
+            raise MTPEngineError(f"not a usable JSON schema: {e}", field=FIELD) from None
+        return cls(grammar, "JSON schema" if schema is not None else "JSON object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Constraint":
+        """Text that matches the regular expression `pattern` in full."""
+        if not isinstance(pattern, str):
+            raise MTPEngineError(f"expected a pattern string, found {type(pattern).__name__}", field=FIELD)
+        return cls(_llg().LLMatcher.grammar_from_regex(pattern), "regex")
+
+    @classmethod
+    def lark(cls, grammar: str) -> "Constraint":
+        """Text in the language of a Lark grammar (llguidance's dialect)."""
+        if not isinstance(grammar, str):
+            raise MTPEngineError(f"expected a grammar string, found {type(grammar).__name__}", field=FIELD)
+        return cls(_llg().LLMatcher.grammar_from_lark(grammar), "Lark grammar")
+
+    def matcher(self, tokenizer: Any, vocab_size: int) -> "GrammarState":
+        """The grammar's state for one generation."""
+        return GrammarState(self, tokenizer, vocab_size)
+
+    def __repr__(self) -> str:
+        return f"Constraint({self.what})"
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of the vocabulary, built once per tokenizer (the token trie)."""
+    cache = tokenizer.__dict__.setdefault("_llguidance", {})
+    if vocab_size not in cache:
+        eos = sorted(tokenizer.eos_token_ids)
+        cache[vocab_size] = _llg().LLTokenizer(tokenizer._backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+    return cache[vocab_size]
+
+
+class GrammarState:
+    """One generation's position in the grammar."""
+
+    def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.m = _llg().LLMatcher(_ll_tokenizer(tokenizer, vocab_size), constraint.grammar)
+        if self.m.is_error():
+            raise MTPEngineError(f"{constraint.what}: {self.m.get_error()}", field=FIELD)
+
+    def _mask(self) -> np.ndarray:
+        bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+
+    def masks(self, drafts: list[int]) -> np.ndarray:
+        """[len(drafts) + 1, V]: row i, the tokens allowed after drafts 1..i (rows after a draft the
+        grammar refuses repeat the last valid one: they are never used, that draft being rejected)."""
+        valid = self.m.validate_tokens([int(d) for d in drafts]) if drafts else 0  # no state change
+        rows = [self._mask()]
+        for d in drafts[:valid]:
+            self.m.consume_token(int(d))
+            rows.append(self._mask())
+        if valid:
+            self.m.rollback(valid)
+        rows += [rows[-1]] * (len(drafts) + 1 - len(rows))
+        return np.stack(rows)
+
+    def apply(self, logits: mx.array, drafts: list[int] | None = None) -> mx.array:
+        """`logits` ([V] or [R, V], R = len(drafts) + 1) with every refused token at -inf."""
+        mask = self.masks(list(drafts or []))
+        m = mx.array(mask if logits.ndim == 2 else mask[0])
+        return mx.where(m, logits, mx.array(-np.inf, dtype=logits.dtype))
+
+    def accept(self, tokens: list[int]) -> None:
+        """The generation emitted `tokens` (which the masks allowed)."""
+        for t in tokens:
+            if not self.m.consume_token(int(t)):
+                raise MTPEngineError(f"token {int(t)} does not follow the grammar ({self.m.get_error() or 'refused'})",
+                                     field=FIELD)
+
+    @property
+    def complete(self) -> bool:
+        return self.m.is_stopped()
+
+
+def response_format_constraint(fmt: Any) -> Constraint | None:
+    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema", ...}) as a
+    Constraint (None for text)."""
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise MTPEngineError('expected {"type": "text" | "json_object" | "json_schema"}', field="response_format")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return Constraint.json()
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise MTPEngineError("json_schema: expected {\"name\": ..., \"schema\": {...}}", field="response_format")
+    return Constraint.json(json.loads(json.dumps(schema)))

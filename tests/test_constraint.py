@@ -1,0 +1,113 @@
+"""Constrained decoding: the text follows the grammar (JSON schema, any JSON object, regex), greedy
+draft-mtp gives exactly what plain constrained decoding gives at every n-max, the grammar's masks
+are right row by row and leave its state as it was, and every misuse is an MTPEngineError (or a 400
+on the server)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("llguidance", reason="constrained decoding needs llguidance (pip install -e '.[test]')")
+
+from mtp_engine import Constraint, MTPEngineError, generate  # noqa: E402
+from mtp_engine.constraint import response_format_constraint  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                    "maxItems": 2}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+def _valid(text: str) -> dict:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "tags"} and isinstance(obj["name"], str) and len(obj["name"]) <= 12
+    assert isinstance(obj["age"], int) and obj["age"] >= 0 and len(obj["tags"]) <= 2
+    return obj
+
+
+@pytest.fixture(scope="module")
+def shipped(models):
+    from tests.conftest import SHIPPED
+
+    return models(SHIPPED)
+
+
+def test_json_schema_plain_and_draft_mtp_agree(shipped):
+    prompt = "def get_user():\n    return "
+    plain = generate(prompt, model=shipped, max_tokens=80, constraint=Constraint.json(SCHEMA))
+    assert plain.finish_reason == "stop"
+    _valid(plain.text)
+    for n_max in (1, 2, 4, "auto"):
+        r = generate(prompt, model=shipped, max_tokens=80, spec="draft-mtp", n_max=n_max,
+                     constraint=Constraint.json(SCHEMA))
+        assert r.text == plain.text and r.token_ids == plain.token_ids, n_max
+
+
+def test_any_json_object_and_regex_with_sampling(shipped, tiny_q4):
+    for model in (shipped, tiny_q4):
+        r = generate("x = ", model=model, max_tokens=60, constraint=Constraint.json())
+        if r.finish_reason == "stop":
+            assert isinstance(json.loads(r.text), dict)
+        else:  # cut by max_tokens: still a prefix of an object
+            assert r.text.startswith("{")
+        for seed in range(3):
+            s = generate("answer: ", model=model, max_tokens=8, temperature=1.0, seed=seed, spec="draft-mtp", n_max=2,
+                         constraint=Constraint.regex(r"(yes|no|maybe)( please)?"))
+            assert re.fullmatch(r"(yes|no|maybe)( please)?", s.text) and s.finish_reason == "stop", s.text
+
+
+def test_masks_row_by_row_leave_the_state_alone(shipped):
+    tok = shipped.tokenizer
+    c = Constraint.json(SCHEMA)
+    good = generate("u = ", model=shipped, max_tokens=40, constraint=c).token_ids[:6]  # tokens the masks allowed
+    g = c.matcher(tok, shipped.model.cfg.vocab_size)
+    before = g.masks([])
+    bad = int((~g.masks(good)[-1]).nonzero()[0][0])  # a token the grammar refuses after them
+    rows = g.masks(good + [bad, 7])  # then anything: never looked at
+    assert rows.shape == (len(good) + 3, shipped.model.cfg.vocab_size)
+    assert rows[0].tolist() == before[0].tolist() and 1 <= rows[0].sum() < rows.shape[1]
+    for i, t in enumerate(good):  # each allowed by the row before it
+        assert rows[i][t]
+    assert not rows[len(good)][bad]
+    assert (rows[-1] == rows[len(good)]).all()
+    assert g.masks([]).tolist() == before.tolist()  # the state did not move
+    g.accept(good)
+    assert g.masks([])[0].tolist() == rows[len(good)].tolist()
+    with pytest.raises(MTPEngineError, match="does not follow the grammar"):
+        g.accept([bad])
+
+
+def test_misuse_is_an_engine_error(shipped):
+    with pytest.raises(MTPEngineError) as e:
+        Constraint.regex("(unclosed")
+    assert e.value.field == "constraint"
+    with pytest.raises(MTPEngineError):
+        Constraint.json(["not", "a", "schema"])
+    with pytest.raises(MTPEngineError, match="ignore_eos"):
+        generate("x", model=shipped, max_tokens=2, ignore_eos=True, constraint=Constraint.json())
+    with pytest.raises(MTPEngineError) as e:
+        generate("x", model=shipped, max_tokens=2, constraint={"type": "json_object"})
+    assert e.value.field == "constraint"
+    assert response_format_constraint({"type": "text"}) is None
+    for bad in ({"type": "json_schema"}, {"type": "xml"}, "json", {"type": "json_schema", "json_schema": {"schema": 3}}):
+        with pytest.raises(MTPEngineError) as e:
+            response_format_constraint(bad)
+        assert e.value.field == "response_format"
+
+
+def test_without_llguidance_the_error_says_how_to_get_it(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_llguidance(name, *a, **k):
+        if name == "llguidance":
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_llguidance)
+    with pytest.raises(MTPEngineError, match=r"mtp-engine\[constrained\]"):
+        Constraint.json()
