@@ -2,11 +2,12 @@
 expression or a Lark grammar), by masking every scored row's logits to the tokens the grammar
 allows next. The grammar engine is llguidance (optional: `pip install 'mtp-engine[constrained]'`).
 
-With draft-mtp the drafts are not constrained (the head drafts freely, on the device); the verify
-rows are: row i is masked by the grammar's state after drafts 1..i, so a draft the grammar refuses
-is never accepted (greedy: the masked argmax differs from it; sampling: its probability is 0), and
-the output is what plain constrained decoding gives. The grammar state advances with the tokens
-each round emits.
+With draft-mtp the verify rows are masked too: row i by the grammar's state after drafts 1..i, so
+a draft the grammar refuses is never accepted (greedy: the masked argmax differs from it;
+sampling: its probability is 0), and the output is what plain constrained decoding gives. The MTP
+head's drafts are masked as well (each step reads the previous draft on the host): unmasked, a
+code model drafts the pretty-printed JSON it was trained on, which the grammar then rejects. The
+grammar state advances with the tokens each round emits.
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class GrammarState:
 
     def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int):
         self.vocab_size = vocab_size
+        self.eos = set(tokenizer.eos_token_ids)
         self.m = _llg().LLMatcher(_ll_tokenizer(tokenizer, vocab_size), constraint.grammar)
         if self.m.is_error():
             raise MTPEngineError(f"{constraint.what}: {self.m.get_error()}", field=FIELD)
@@ -101,18 +103,33 @@ class GrammarState:
         bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
         return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
+    def _walk(self, tokens: list[int]) -> list[np.ndarray]:
+        """The masks before each of `tokens` and after the last one the grammar allows, the
+        state moved through them and back. Stops at a token the previous mask refuses or at an
+        end-of-sequence token (nothing follows the end)."""
+        rows, consumed = [self._mask()], 0
+        for t in tokens:
+            t = int(t)
+            if t in self.eos or not rows[-1][t]:
+                break
+            self.m.consume_token(t)
+            consumed += 1
+            rows.append(self._mask())
+        if consumed:
+            self.m.rollback(consumed)
+        return rows
+
     def masks(self, drafts: list[int]) -> np.ndarray:
         """[len(drafts) + 1, V]: row i, the tokens allowed after drafts 1..i (rows after a draft the
         grammar refuses repeat the last valid one: they are never used, that draft being rejected)."""
-        valid = self.m.validate_tokens([int(d) for d in drafts]) if drafts else 0  # no state change
-        rows = [self._mask()]
-        for d in drafts[:valid]:
-            self.m.consume_token(int(d))
-            rows.append(self._mask())
-        if valid:
-            self.m.rollback(valid)
+        rows = self._walk(drafts)
         rows += [rows[-1]] * (len(drafts) + 1 - len(rows))
         return np.stack(rows)
+
+    def allowed_after(self, tokens: list[int]) -> np.ndarray | None:
+        """[V]: the tokens allowed after `tokens` (None when one of them is refused or ends the text)."""
+        rows = self._walk(tokens)
+        return rows[-1] if len(rows) == len(tokens) + 1 else None
 
     def apply(self, logits: mx.array, drafts: list[int] | None = None) -> mx.array:
         """`logits` ([V] or [R, V], R = len(drafts) + 1) with every refused token at -inf."""
@@ -121,8 +138,11 @@ class GrammarState:
         return mx.where(m, logits, mx.array(-np.inf, dtype=logits.dtype))
 
     def accept(self, tokens: list[int]) -> None:
-        """The generation emitted `tokens` (which the masks allowed)."""
+        """The generation emitted `tokens` (which the masks allowed; a round may run past the end of
+        the text, which the generation loop cuts there)."""
         for t in tokens:
+            if self.m.is_stopped():
+                return
             if not self.m.consume_token(int(t)):
                 raise MTPEngineError(f"token {int(t)} does not follow the grammar ({self.m.get_error() or 'refused'})",
                                      field=FIELD)

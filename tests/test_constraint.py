@@ -111,3 +111,31 @@ def test_without_llguidance_the_error_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_llguidance)
     with pytest.raises(MTPEngineError, match=r"mtp-engine\[constrained\]"):
         Constraint.json()
+
+
+def test_the_head_drafts_only_what_the_grammar_allows(shipped):
+    """Masked drafting: every draft of a chain is allowed after the ones before it (unmasked, this
+    code model drafts the pretty-printed JSON it was trained on, which the grammar refuses)."""
+    import mlx.core as mx
+
+    from mtp_engine.profiler import Profiler
+    from mtp_engine.sampling import Sampler, SamplerConfig
+    from mtp_engine.speculative.drafter import DraftContext
+    from mtp_engine.speculative.mtp_drafter import MTPDrafter
+
+    tok, m = shipped.tokenizer, shipped.model
+    text = '{"name": "ab'
+    ids = tok.encode("PACKAGE = ") + tok.encode(text)
+    post, _ = m.forward(mx.array([ids[:-1]]), m.make_cache(), return_prenorm=True)
+    sampler = Sampler(SamplerConfig())
+    sampler.grammar = Constraint.json(SCHEMA).matcher(tok, m.cfg.vocab_size)
+    sampler.grammar.accept(tok.encode(text)[:-1])  # the grammar has seen the text up to the last token
+    drafter = MTPDrafter(m)
+    drafter.bind(DraftContext(m, sampler, Profiler("off")))
+    drafter.begin(ids, post)
+    drafts = [int(t) for t in drafter.draft(6).tokens.tolist()]
+    assert drafts
+    before = [tok.encode(text)[-1]]
+    for d in drafts:
+        assert sampler.grammar.allowed_after(before)[d], (tok.decode(before), d)
+        before.append(d)

@@ -91,6 +91,7 @@ class MTPDrafter(Drafter):
         self.owed_tokens, self.owed_hidden = [], []
         drafts: list[mx.array] = []
         qs: list[mx.array] = []
+        grammar, host = sampler.grammar, []  # constrained: each step masked by the drafts before it
         self.steps = 0
         for _ in range(k):
             self.steps += 1
@@ -99,6 +100,11 @@ class MTPDrafter(Drafter):
                 # the drafter sees the penalties its chain would meet (history + earlier drafts)
                 logits = sampler.penalize(model.logits(h_mtp[0, 0]),
                                           mx.stack(drafts).reshape(-1) if drafts else None, len(drafts))
+                allowed = grammar.allowed_after(host) if grammar is not None else None
+                if grammar is not None and allowed is None:  # the text ended (an end-of-sequence draft)
+                    break
+                if allowed is not None:
+                    logits = mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
                 if cfg.greedy:
                     d = mx.argmax(logits, axis=-1)
                 else:
@@ -116,6 +122,8 @@ class MTPDrafter(Drafter):
                         qs.pop()
                     break
             drafts.append(d)
+            if grammar is not None:
+                host.append(int(d.item()))
             tok, h_prev = d.reshape(1, 1), h_mtp
         cap = kv_capacity(self.cache)
         shapes = [("mtp", owed + 1, cap)] + ([("mtp", 1, cap)] if self.steps > 1 else [])
