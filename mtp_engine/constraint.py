@@ -99,24 +99,25 @@ class GrammarState:
         if self.m.is_error():
             raise MTPEngineError(f"{constraint.what}: {self.m.get_error()}", field=FIELD)
 
-    def _mask(self) -> np.ndarray:
-        bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
+    def _mask(self, m: Any = None) -> np.ndarray:
+        bits = np.frombuffer((m or self.m).compute_bitmask(), dtype=np.uint8)
         return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
     def _walk(self, tokens: list[int]) -> list[np.ndarray]:
-        """The masks before each of `tokens` and after the last one the grammar allows, the
-        state moved through them and back. Stops at a token the previous mask refuses or at an
-        end-of-sequence token (nothing follows the end)."""
-        rows, consumed = [self._mask()], 0
+        """The masks before each of `tokens` and after the last one the grammar allows. Stops at a
+        token the previous mask refuses or at an end-of-sequence token (nothing follows the end).
+        The walk runs on a copy of the state (< 1 us): llguidance cannot roll back grammars with
+        stop= or max_tokens= lexemes."""
+        rows = [self._mask()]
+        if not tokens:
+            return rows
+        walker = self.m.deep_copy()
         for t in tokens:
             t = int(t)
             if t in self.eos or not rows[-1][t]:
                 break
-            self.m.consume_token(t)
-            consumed += 1
-            rows.append(self._mask())
-        if consumed:
-            self.m.rollback(consumed)
+            walker.consume_token(t)
+            rows.append(self._mask(walker))
         return rows
 
     def masks(self, drafts: list[int]) -> np.ndarray:

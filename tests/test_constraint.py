@@ -139,3 +139,17 @@ def test_the_head_drafts_only_what_the_grammar_allows(shipped):
     for d in drafts:
         assert sampler.grammar.allowed_after(before)[d], (tok.decode(before), d)
         before.append(d)
+
+
+def test_grammars_llguidance_cannot_roll_back(shipped):
+    """A Lark grammar with a stop= lexeme (llguidance cannot roll those back): the verify rows and
+    the drafts are worked out on a copy of the state, so draft-mtp still equals plain decoding."""
+    grammar = ('%llguidance {}\nstart: "<tool_call>\\n<function=get_weather>\\n" param* "</function>"\n'
+               'param: "<parameter=" pname ">\\n" value "\\n"\npname: "city" | "days"\n'
+               'value[stop="\\n</parameter>"]: /(?s:.*)/\n')
+    c = Constraint.lark(grammar)
+    plain = generate("def f():\n    ", model=shipped, max_tokens=40, constraint=c)
+    assert plain.text.startswith("<tool_call>\n<function=get_weather>\n")
+    for n_max in (2, 4):
+        r = generate("def f():\n    ", model=shipped, max_tokens=40, constraint=c, spec="draft-mtp", n_max=n_max)
+        assert r.token_ids == plain.token_ids, n_max
