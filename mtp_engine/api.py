@@ -194,7 +194,8 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
                     repeat_last_n: int = 64, logprobs: int | None = None,
                     sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
-                    prompt_cache: PromptCache | None = None, constraint: Constraint | None = None) -> Iterator[Chunk]:
+                    prompt_cache: PromptCache | None = None, constraint: Constraint | None = None,
+                    tool_choice: str | dict = "auto") -> Iterator[Chunk]:
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
@@ -214,7 +215,9 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
 
     `tools` (with `messages`): OpenAI-style function tools, rendered by the chat template;
     `generate` returns the calls the model wrote as `GenerationResult.tool_calls`
-    (`mtp_engine.tool_calls`). Assistant messages may carry earlier `tool_calls`.
+    (`mtp_engine.tool_calls`). Assistant messages may carry earlier `tool_calls`. `tool_choice`
+    as OpenAI's: "auto", "none" (tools not rendered), "required" or {"type": "function",
+    "function": {"name": ...}} (a grammar makes the answer such a call).
 
     `constraint`: a `Constraint` (JSON schema, any JSON object, regex, Lark grammar) the text must
     follow: every scored row's logits are masked to what the grammar allows (drafts are verified
@@ -243,6 +246,11 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     stops = _check_stop(stop)
     if tools is not None and messages is None:
         raise MTPEngineError("tools are rendered by the chat template: give messages, not a prompt", field="tools")
+    forced, forced_name = tool_calls.tool_choice_name(tool_choice)
+    if forced and not tools:
+        raise MTPEngineError("forces a call, but no tools were given", field="tool_choice")
+    if tool_choice == "none":
+        tools = None
     if messages is not None:
         if isinstance(messages, (list, tuple)):  # earlier calls' arguments as mappings; content may be None
             messages = tool_calls.with_tool_calls(messages)
@@ -254,6 +262,11 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                 raise MTPEngineError("the chat template does not render tools in a format this engine parses "
                                      "(Qwen's <function=...> XML or <tool_call>{json})", field="tools")
         prompt = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        if forced:
+            if constraint is not None:
+                raise MTPEngineError("a forced call cannot be combined with a constraint", field="tool_choice")
+            constraint = tool_calls.forced_call_constraint(tool_calls.template_format(m.tokenizer.chat_template),
+                                                           extra["tools"], forced_name)
     if isinstance(prompt, str):  # in pieces: a prompt past the context is refused early
         ids = encode_prompt(m.tokenizer, prompt, m.model.cfg.context_length,
                             "messages" if messages is not None else "prompt")
@@ -336,11 +349,14 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
              profile: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
              sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
-             prompt_cache: PromptCache | None = None, constraint: Constraint | None = None) -> GenerationResult:
+             prompt_cache: PromptCache | None = None, constraint: Constraint | None = None,
+             tool_choice: str | dict = "auto") -> GenerationResult:
     """Generates up to `max_tokens` tokens; returns text, token ids and statistics.
 
     Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`, or with the options as objects
     `generate("def fib(n):", spec=SpecConfig(n_max=3), sampler=SamplerConfig(temperature=0.7))`."""
+    if tools and tool_choice == "none":
+        tools = None
     if tools:
         model = _resolve(model)  # once: its template says how calls are written
     ids: list[int] = []
@@ -354,7 +370,7 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
                                  _prompt_ids_out=ids, presence_penalty=presence_penalty,
                                  frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
                                  repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler, tools=tools,
-                                 prompt_cache=prompt_cache, constraint=constraint):
+                                 prompt_cache=prompt_cache, constraint=constraint, tool_choice=tool_choice):
         text.append(chunk.text)
         tokens.extend(chunk.token_ids)
         if lps is not None and chunk.logprobs:

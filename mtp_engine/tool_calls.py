@@ -101,6 +101,66 @@ def with_tool_calls(messages: list[dict]) -> list[dict]:
     return out
 
 
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def forced_call_constraint(fmt: str, tools: list[dict], name: str | None = None, parallel: bool = True):
+    """A Constraint that makes the answer one call (or, `parallel`, several) in the template's
+    format: to any of `tools` (tool_choice "required"), or to the tool `name`. XML parameter
+    values are free text up to "\n</parameter>"; JSON arguments follow the tool's schema."""
+    from .constraint import Constraint, _llg
+
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise MTPEngineError(f"no tool named {name!r} in tools", field="tool_choice")
+    rules, alts = [], []
+    for i, t in enumerate(chosen):
+        f = t["function"]
+        params = f.get("parameters") or {}
+        names = [f["name"], *(params.get("properties") or {})]
+        bad = [n for n in names if not isinstance(n, str) or not _SAFE_NAME.fullmatch(n)]
+        if bad:
+            raise MTPEngineError(f"a forced call needs tool and parameter names of letters, digits, _ . - "
+                                 f"(found {bad[0]!r})", field="tool_choice")
+        head = json.dumps(f"<tool_call>\n<function={f['name']}>\n")
+        if fmt == XML:
+            props = list(params.get("properties") or {})
+            if props:
+                rules.append(f"pname_{i}: " + " | ".join(json.dumps(p) for p in props))
+                rules.append(f'param_{i}: "<parameter=" pname_{i} ">\\n" value "\\n"')
+            rules.append(f"call_{i}: {head} " + (f"param_{i}* " if props else "") + '"</function>\\n</tool_call>"')
+        else:
+            schema = {"type": "object", "properties": {"name": {"const": f["name"]},
+                                                       "arguments": params or {"type": "object"}},
+                      "required": ["name", "arguments"], "additionalProperties": False,
+                      "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+            rules.append(f'call_{i}: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"')
+        alts.append(f"call_{i}")
+    lines = ["%llguidance {}", 'start: call ("\\n" call)*' if parallel else "start: call",
+             "call: " + " | ".join(alts), *rules]
+    if fmt == XML:
+        lines.append('value[stop="\\n</parameter>"]: /(?s:.*)/')
+    try:
+        grammar = _llg().LLMatcher.grammar_from_lark("\n".join(lines))
+    except ValueError as e:
+        raise MTPEngineError(f"cannot build the forced call's grammar: {e}", field="tool_choice") from None
+    return Constraint(grammar, "forced tool call")
+
+
+def tool_choice_name(choice: Any) -> tuple[bool, str | None]:
+    """(whether a call is forced, the tool it must be) of OpenAI's tool_choice: "auto" and "none"
+    force nothing, "required" any tool, {"type": "function", "function": {"name": N}} tool N."""
+    if choice in (None, "auto", "none"):
+        return False, None
+    if choice == "required":
+        return True, None
+    f = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise MTPEngineError('expected "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+                             field="tool_choice")
+    return True, f["name"]
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 

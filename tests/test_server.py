@@ -311,6 +311,20 @@ def test_tools_reach_the_template_and_calls_come_back(tmp_path):
                                                                    "tool_choice": "none", "max_tokens": 1})
         status2, plain = s.request("POST", "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 1})
         assert status == status2 == 200 and none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+        # a forced call (tool_choice names a tool): a grammar makes the answer that call
+        from tests.test_tool_calls import PING
+
+        status, forced = s.request("POST", "/v1/chat/completions", {
+            "messages": msgs[:1], "tools": [PING, *TOOLS], "max_tokens": 80,
+            "tool_choice": {"type": "function", "function": {"name": "ping"}}, "parallel_tool_calls": False})
+        assert status == 200, forced
+        choice = forced["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["ping"]
+        status, body = s.request("POST", "/v1/chat/completions", {
+            "messages": msgs[:1], "tools": TOOLS, "tool_choice": "required",
+            "response_format": {"type": "json_object"}})
+        assert status == 400 and body["error"]["param"] == "tool_choice"
     finally:
         s.stop()
     s = LiveServer(need(MODEL), "--spec-type", "none")

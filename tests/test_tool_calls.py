@@ -115,8 +115,14 @@ def test_request_checks():
     msgs = [{"role": "user", "content": "hi"}]
     assert parse_chat({"messages": msgs, "tools": TOOLS}, d).tools == TOOLS
     assert parse_chat({"messages": msgs, "tools": TOOLS, "tool_choice": "none"}, d).tools is None
-    for body, field in [({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-                        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+    assert parse_chat({"messages": msgs, "tools": TOOLS, "tool_choice": "required"}, d).forced_call == \
+        {"name": None, "parallel": True}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert parse_chat({"messages": msgs, "tools": TOOLS, "tool_choice": named, "parallel_tool_calls": False},
+                      d).forced_call == {"name": "get_weather", "parallel": False}
+    for body, field in [({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+                        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+                        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
                         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
                         ({"tools": [{"type": "code_interpreter"}]}, "tools"),
                         ({"tools": "x"}, "tools"),
@@ -272,3 +278,55 @@ def test_generate_refuses_tools_it_cannot_use(tiny_q4, qwen35_tiny):
     with pytest.raises(MTPEngineError, match="does not render tools") as e:
         generate(messages=[{"role": "user", "content": "x"}], model=qwen35_tiny, tools=TOOLS, max_tokens=1)
     assert e.value.field == "tools"
+
+
+PING = {"type": "function", "function": {"name": "ping", "description": "no arguments"}}
+SET_MODE = {"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "properties": {"mode": {"type": "string", "enum": ["on", "off"]}},
+    "required": ["mode"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("fmt, tools, name", [(XML, [PING, *TOOLS], "ping"), (HERMES, [SET_MODE, *TOOLS], "set_mode")])
+def test_a_forced_call_is_a_call_plain_and_draft_mtp(tiny_q4, fmt, tools, name):
+    """tool_choice naming a tool: the answer is exactly one call to it in the template's format
+    (plain and draft-mtp alike), which the parser turns back into that call."""
+    from mtp_engine import generate
+    from mtp_engine.tool_calls import forced_call_constraint
+
+    c = forced_call_constraint(fmt, tools, name, parallel=False)
+    plain = generate("x", model=tiny_q4, max_tokens=150, constraint=c)
+    assert plain.finish_reason == "stop", plain.text
+    content, calls = split_tool_calls(plain.text, fmt, tools)
+    assert content is None and [x["function"]["name"] for x in calls] == [name]
+    if name == "set_mode":
+        assert _args(calls[0])["mode"] in ("on", "off")
+    spec = generate("x", model=tiny_q4, max_tokens=150, constraint=c, spec="draft-mtp", n_max=3)
+    assert spec.token_ids == plain.token_ids
+
+
+def test_forced_call_refusals():
+    from mtp_engine.tool_calls import forced_call_constraint, tool_choice_name
+
+    with pytest.raises(MTPEngineError, match="no tool named"):
+        forced_call_constraint(XML, TOOLS, "nope")
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a>b": {}}}}}]
+    with pytest.raises(MTPEngineError, match="letters, digits"):
+        forced_call_constraint(XML, odd)
+    assert tool_choice_name("auto") == (False, None) and tool_choice_name("required") == (True, None)
+    with pytest.raises(MTPEngineError):
+        tool_choice_name({"type": "function", "function": {}})
+
+
+def test_generate_tool_choice(qwen35_tiny):
+    from mtp_engine import generate
+
+    msgs = [{"role": "user", "content": "ping it"}]
+    r = generate(messages=msgs, model=qwen35_tiny, tools=[PING, *TOOLS], max_tokens=80,
+                 tool_choice={"type": "function", "function": {"name": "ping"}})
+    assert [c["function"]["name"] for c in r.tool_calls] == ["ping"]
+    none = generate(messages=msgs, model=qwen35_tiny, tools=TOOLS, max_tokens=0, tool_choice="none")
+    bare = generate(messages=msgs, model=qwen35_tiny, max_tokens=0)
+    assert none.prompt_token_ids == bare.prompt_token_ids and none.tool_calls == []
+    with pytest.raises(MTPEngineError) as e:
+        generate(messages=msgs, model=qwen35_tiny, tool_choice="required", max_tokens=1)
+    assert e.value.field == "tool_choice"

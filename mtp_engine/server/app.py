@@ -21,7 +21,7 @@ from starlette.routing import Route
 from ..errors import MTPEngineError
 from . import responses as R
 from .schemas import MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, parse_chat, parse_completion, parse_json
-from ..tool_calls import ToolCallStream, split_tool_calls, template_format
+from ..tool_calls import ToolCallStream, forced_call_constraint, split_tool_calls, template_format
 from .worker import Event, GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("mtp_engine.server")
@@ -230,10 +230,20 @@ async def _generate(request: Request, parse) -> Response:
         return Response(status_code=499)
     req.kwargs["logprobs"] = req.logprobs
     if req.tools:
-        if template_format(state.worker.model.tokenizer.chat_template) is None:
+        fmt = template_format(state.worker.model.tokenizer.chat_template)
+        if fmt is None:
             return _error(APIError(400, "tools: the model's chat template does not render tools in a format this "
                                         "server parses (Qwen's <function=...> XML or <tool_call>{json})", "tools"))
         req.kwargs["tools"] = req.tools
+        if req.forced_call is not None:  # the answer is made a call by a grammar
+            if req.kwargs.get("constraint") is not None:
+                return _error(APIError(400, "tool_choice: a forced call cannot be combined with response_format",
+                                       "tool_choice"))
+            try:
+                req.kwargs["constraint"] = forced_call_constraint(fmt, req.tools, req.forced_call["name"],
+                                                                  req.forced_call["parallel"])
+            except MTPEngineError as e:
+                return _error(APIError(400, str(e), "tool_choice"))
     job = Job(req.kwargs, req.max_tokens_given, state.defaults.max_tokens, req.mtp_trace, asyncio.get_running_loop())
     try:
         state.worker.submit(job)

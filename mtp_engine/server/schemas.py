@@ -3,7 +3,7 @@ arguments of `stream_generate`, or refused with an OpenAI-style error naming the
 
 Unknown fields are ignored (as OpenAI-compatible servers do, so clients that send extras work);
 known fields of the wrong type or out of range, and features this engine cannot honour (n > 1,
-forced tool choice, logit_bias), are refused with 400. JSON response formats are constraints
+logit_bias), are refused with 400. JSON response formats are constraints
 (constraint.py); tools: tool_calls.py.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..constraint import response_format_constraint
 from ..errors import MTPEngineError
 from ..penalties import PenaltyConfig
 from ..sampling import MAX_LOGPROBS
-from ..tool_calls import check_tool_list, message_tool_calls
+from ..tool_calls import check_tool_list, message_tool_calls, tool_choice_name
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused before it is parsed
 
@@ -64,6 +64,7 @@ class GenRequest:
     mtp_trace: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs in the answer
     tools: list[dict] | None = None  # tools the template renders and the answer may call (chat only)
+    forced_call: dict | None = None  # tool_choice "required" / a named tool: {"name", "parallel"}
 
 
 def parse_json(raw: bytes) -> dict:
@@ -197,30 +198,36 @@ def _stream_options(body: dict) -> bool:
     return _boolean(so, "include_usage")
 
 
-def _tools(body: dict) -> list[dict] | None:
-    """The request's tools for the template (None: none, or tool_choice "none")."""
+def _tools(body: dict) -> tuple[list[dict] | None, dict | None]:
+    """The request's tools for the template (None: none, or tool_choice "none"), and the call it
+    forces ({"name": tool or None for any, "parallel": bool}; None: the model chooses)."""
     tools, choice = body.get("tools"), body.get("tool_choice", "auto")
     if body.get("functions") is not None:
         raise APIError(400, "functions: the deprecated functions API is not supported; send tools", "functions")
     pc = body.get("parallel_tool_calls")
     if pc is not None and not isinstance(pc, bool):
         raise APIError(400, f"parallel_tool_calls: expected a boolean, found {_type_name(pc)}", "parallel_tool_calls")
-    if choice not in ("auto", "none"):
-        raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (forcing a call needs constrained "
-                            f"decoding), found {json.dumps(choice)[:60]}", "tool_choice")
+    try:
+        forced, name = tool_choice_name(choice)
+    except MTPEngineError as e:
+        raise APIError(400, str(e), "tool_choice") from None
     if tools is None:
-        return None
+        if forced:
+            raise APIError(400, "tool_choice: forces a call, but the request has no tools", "tool_choice")
+        return None, None
     try:
         tools = check_tool_list(tools)
     except MTPEngineError as e:
         raise APIError(400, str(e), "tools") from None
-    return tools if tools and choice == "auto" else None
+    if not tools or choice == "none":
+        return None, None
+    return tools, ({"name": name, "parallel": pc is not False} if forced else None)
 
 
 def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
     """POST /v1/chat/completions."""
     _refuse_unsupported(body, chat=True)
-    tools = _tools(body)
+    tools, forced = _tools(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, f"messages: expected a non-empty array of messages, found {_type_name(msgs)}", "messages")
@@ -259,7 +266,7 @@ def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
         raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     kw["messages"] = clean
     return GenRequest("chat", kw, kw["max_tokens"] is not None, _boolean(body, "stream"), _stream_options(body),
-                      _boolean(body, "mtp_trace"), (top or 0) if want else None, tools)
+                      _boolean(body, "mtp_trace"), (top or 0) if want else None, tools, forced)
 
 
 def parse_completion(body: dict, d: ServerDefaults) -> GenRequest:
