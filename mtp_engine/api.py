@@ -244,29 +244,12 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     if (prompt is None) == (messages is None):
         raise MTPEngineError("give exactly one of prompt or messages", field="prompt")
     stops = _check_stop(stop)
-    if tools is not None and messages is None:
-        raise MTPEngineError("tools are rendered by the chat template: give messages, not a prompt", field="tools")
-    forced, forced_name = tool_calls.tool_choice_name(tool_choice)
-    if forced and not tools:
-        raise MTPEngineError("forces a call, but no tools were given", field="tool_choice")
-    if tool_choice == "none":
-        tools = None
     if messages is not None:
-        if isinstance(messages, (list, tuple)):  # earlier calls' arguments as mappings; content may be None
-            messages = tool_calls.with_tool_calls(messages)
-        _check_messages(messages)
-        extra = {}
-        if tools is not None:
-            extra["tools"] = tool_calls.check_tool_list(tools)
-            if tool_calls.template_format(m.tokenizer.chat_template) is None:
-                raise MTPEngineError("the chat template does not render tools in a format this engine parses "
-                                     "(Qwen's <function=...> XML or <tool_call>{json})", field="tools")
-        prompt = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-        if forced:
-            if constraint is not None:
-                raise MTPEngineError("a forced call cannot be combined with a constraint", field="tool_choice")
-            constraint = tool_calls.forced_call_constraint(tool_calls.template_format(m.tokenizer.chat_template),
-                                                           extra["tools"], forced_name)
+        prompt, constraint = _render_chat(m, messages, tools, tool_choice, constraint)
+    elif tools is not None:
+        raise MTPEngineError("tools are rendered by the chat template: give messages, not a prompt", field="tools")
+    elif tool_calls.tool_choice_name(tool_choice)[0]:
+        raise MTPEngineError("forces a call, but no tools were given", field="tool_choice")
     if isinstance(prompt, str):  # in pieces: a prompt past the context is refused early
         ids = encode_prompt(m.tokenizer, prompt, m.model.cfg.context_length,
                             "messages" if messages is not None else "prompt")
@@ -306,6 +289,29 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
         if chunk.finish_reason is not None:
             chunk.stats["load_seconds"] = m.load_seconds
         yield chunk
+
+
+def _render_chat(m: Model, messages, tools, tool_choice, constraint) -> tuple[str, Constraint | None]:
+    """The prompt text of a chat (with its tools, unless tool_choice is "none"), and the
+    constraint to generate under (a forced tool call's grammar, or the caller's)."""
+    forced, forced_name = tool_calls.tool_choice_name(tool_choice)
+    if forced and not tools:
+        raise MTPEngineError("forces a call, but no tools were given", field="tool_choice")
+    if isinstance(messages, (list, tuple)):  # earlier calls' arguments as mappings; content may be None
+        messages = tool_calls.with_tool_calls(messages)
+    _check_messages(messages)
+    extra = {}
+    if tools is not None and tool_choice != "none":
+        extra["tools"] = tool_calls.check_tool_list(tools)
+        fmt = tool_calls.template_format(m.tokenizer.chat_template)
+        if fmt is None:
+            raise MTPEngineError("the chat template does not render tools in a format this engine parses "
+                                 "(Qwen's <function=...> XML or <tool_call>{json})", field="tools")
+        if forced:
+            if constraint is not None:
+                raise MTPEngineError("a forced call cannot be combined with a constraint", field="tool_choice")
+            constraint = tool_calls.forced_call_constraint(fmt, extra["tools"], forced_name)
+    return m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra), constraint
 
 
 def _decoder(m: Model, spec: SpecConfig, sampler: Sampler, prof: Profiler) -> DecoderBase:
