@@ -14,6 +14,7 @@ from typing import TextIO
 from .errors import MTPEngineError
 from .server.flags import add_sampling_flags, add_spec_flags, positive_int, sampling_kwargs
 
+MAX_LINE_CHARS = 1 << 22  # one message; a longer line is refused without being held in memory
 HELP = ("/exit (or Ctrl-D) ends the chat, /reset starts over (the system prompt stays), /stats shows the "
         "last answer's statistics, /help this; Ctrl-C stops an answer")
 
@@ -65,11 +66,16 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
         if tty:
             stdout.write("> ")
             stdout.flush()
-        line = stdin.readline()
+        line = stdin.readline(MAX_LINE_CHARS + 1)
         if not line:  # end of input (Ctrl-D)
             if tty:
                 stdout.write("\n")
             return 0
+        if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):  # bounded memory: drop the rest of it
+            while (rest := stdin.readline(MAX_LINE_CHARS)) and not rest.endswith("\n"):
+                pass
+            print(f"mtp-engine: error: message: longer than {MAX_LINE_CHARS} characters", file=stderr)
+            continue
         text = line.rstrip("\n")
         command = text.strip()
         if not command:

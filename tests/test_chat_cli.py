@@ -60,3 +60,12 @@ def test_bad_sizes_refused(flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["chat", *flag])
     assert e.value.code == 2 and "positive integer" in capsys.readouterr().err
+
+
+def test_an_overlong_line_is_refused_in_bounded_memory(monkeypatch):
+    import mtp_engine.chat_cli as chat_cli
+
+    monkeypatch.setattr(chat_cli, "MAX_LINE_CHARS", 100)
+    rc, out, err = _chat(["x" * 1000, "To be"])
+    assert rc == 0 and "longer than 100 characters" in err
+    assert len([a for a in out.split("\n") if a]) == 1  # the next line was still answered
