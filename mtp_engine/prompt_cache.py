@@ -16,6 +16,7 @@ costs no copy; it holds the cache's memory until the next generation replaces it
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +35,10 @@ class _Kept:
 
 
 class PromptCache:
-    """Give the same `PromptCache` to successive `generate` / `stream_generate` calls on one model
-    (one at a time: it is not shared between concurrent generations). Each call reuses the kept
-    state that its prompt starts with (the longest, if several) and keeps its own.
+    """Give the same `PromptCache` to successive `generate` / `stream_generate` calls on one model.
+    Each call reuses the kept state that its prompt starts with (the longest, if several) and
+    keeps its own. Generations in several threads may share one: a state is handed to one
+    generation at a time (taking it removes it).
 
     `slots`: how many prompts' states are kept (several conversations interleaved each find
     theirs); the least recently used goes first, and also while they hold more than `max_bytes`
@@ -47,6 +49,7 @@ class PromptCache:
             raise MTPEngineError(f"expected an integer >= 1, found {slots!r}", field="slots")
         self.slots, self.max_bytes = slots, max_bytes
         self._kept: list[_Kept] = []  # least recently used first
+        self._lock = threading.Lock()
         self.hits = 0  # generations that reused a kept state
         self.reused_tokens = 0  # prompt tokens they did not prefill
 
@@ -62,33 +65,37 @@ class PromptCache:
     def match(self, model: Any, prefix: list[int], drafter: str | None) -> int:
         """How many tokens of `prefix` (a prompt without its last token) a kept state covers for
         this model and drafter (0: none; a drafter's state is needed when `drafter` is given)."""
-        i = self._best(model, prefix, drafter)
-        return 0 if i is None else len(self._kept[i].tokens)
+        with self._lock:
+            i = self._best(model, prefix, drafter)
+            return 0 if i is None else len(self._kept[i].tokens)
 
     def take(self, model: Any, prefix: list[int], drafter: str | None) -> _Kept | None:
         """The kept state `match` finds, handed to the generation that reuses it (and no longer
         kept here: that generation changes it), or None."""
-        i = self._best(model, prefix, drafter)
-        if i is None:
-            return None
-        kept = self._kept.pop(i)
-        self.hits += 1
-        self.reused_tokens += len(kept.tokens)
-        return kept
+        with self._lock:
+            i = self._best(model, prefix, drafter)
+            if i is None:
+                return None
+            kept = self._kept.pop(i)
+            self.hits += 1
+            self.reused_tokens += len(kept.tokens)
+            return kept
 
     def keep(self, model: Any, tokens: list[int], trunk: TrunkCache, drafter: str | None = None,
              drafter_state: Any = None) -> None:
         """The state after `tokens` (the trunk's cache as it is now; the drafter's, if any)."""
         if not tokens:
             return
-        self._kept.append(_Kept(model, list(tokens), trunk, trunk.snapshot(), drafter, drafter_state))
-        while len(self._kept) > self.slots or (self.max_bytes is not None and len(self._kept) > 1
-                                               and self.nbytes() > self.max_bytes):
-            self._kept.pop(0)
+        with self._lock:
+            self._kept.append(_Kept(model, list(tokens), trunk, trunk.snapshot(), drafter, drafter_state))
+            while len(self._kept) > self.slots or (self.max_bytes is not None and len(self._kept) > 1
+                                                   and self.nbytes() > self.max_bytes):
+                self._kept.pop(0)
 
     def clear(self) -> None:
         """Drops the kept states (and the memory they hold)."""
-        self._kept = []
+        with self._lock:
+            self._kept = []
 
     def nbytes(self) -> int:
         """Memory the kept states hold (their caches' buffers)."""

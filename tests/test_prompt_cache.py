@@ -142,3 +142,22 @@ def test_slots_keep_interleaved_conversations(tiny_f32):
     assert pc.nbytes() == 0 and pc.tokens == 0
     with pytest.raises(MTPEngineError):
         PromptCache(slots=0)
+
+
+def test_threads_sharing_one_cache(tiny_f32):
+    """Two threads, one cache (two slots), each continuing its own conversation: the answers are
+    those of generations without a cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pc = PromptCache(slots=2)
+    prompts = [PROMPT, "Another conversation altogether. " * 8]
+
+    def converse(p):
+        a = generate(p, model=tiny_f32, max_tokens=4, prompt_cache=pc)
+        ids = _next_turn(tiny_f32, a)
+        return ids, generate(ids, model=tiny_f32, max_tokens=8, prompt_cache=pc).token_ids
+
+    with ThreadPoolExecutor(2) as ex:
+        results = list(ex.map(converse, prompts))
+    for ids, tokens in results:
+        assert tokens == generate(ids, model=tiny_f32, max_tokens=8).token_ids
