@@ -52,6 +52,12 @@ def _add_generate(sub) -> None:
     g.add_argument("--n-probs", dest="logprobs", type=int, default=None,
                    help="with --json: each token's logprob and this many alternatives (0..20)")
     add_spec_flags(g, _n_max, "none")
+    con = g.add_mutually_exclusive_group()
+    con.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                     help="constrain the output to JSON of this schema (JSON text; {} = any JSON object)")
+    con.add_argument("--json-schema-file", default=None, metavar="FILE", help="the same, the schema read from FILE")
+    con.add_argument("--grammar", default=None, help="constrain the output to a GBNF grammar (llama.cpp's; Lark too)")
+    con.add_argument("--grammar-file", default=None, metavar="FILE", help="the same, the grammar read from FILE")
     g.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
     g.add_argument("--quantize", default=None, metavar="SPEC",
                    help="HF checkpoint folders: quantize while loading, e.g. 4, 8g32, 4g64,output=8g64,mtp=float")
@@ -184,7 +190,7 @@ def _generate(args) -> int:
     model = api.load(args.model, exact=args.exact, quantize=args.quantize, max_context=args.max_context,
                      progress=load_progress(_model_label(args.model), quiet=args.json), **distributed_kwargs(args))
     kwargs = dict(max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
-                  profile=args.profile, logprobs=args.logprobs, **sampling_kwargs(args))
+                  profile=args.profile, logprobs=args.logprobs, constraint=_constraint(args), **sampling_kwargs(args))
     if args.chat:
         if model.tokenizer.chat_template is None:
             from .chat_template import CHATML, CHATML_NOTE
@@ -216,6 +222,28 @@ def _generate(args) -> int:
         from .profiler import format_report
         print(format_report(last.stats["profile"]), file=sys.stderr)
     return 0
+
+
+def _constraint(args):
+    """The Constraint of -j/--json-schema(-file) or --grammar(-file), or None."""
+    from .constraint import Constraint
+    from .text_input import read_prompt_file
+
+    if args.json_schema is None and args.json_schema_file is None and args.grammar is None \
+            and args.grammar_file is None:
+        return None
+    if args.grammar is not None or args.grammar_file is not None:
+        text = args.grammar if args.grammar is not None else read_prompt_file(args.grammar_file, "grammar-file")
+        return Constraint.gbnf(text)
+    flag = "json-schema" if args.json_schema is not None else "json-schema-file"
+    text = args.json_schema if args.json_schema is not None else read_prompt_file(args.json_schema_file, flag)
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MTPEngineError(f"not JSON: {e.msg} at line {e.lineno} column {e.colno}", field=flag) from None
+    if not isinstance(schema, dict):
+        raise MTPEngineError(f"expected a JSON schema object, found {type(schema).__name__}", field=flag)
+    return Constraint.json(schema or None)
 
 
 def _write_profile(stats: dict, path: str | None) -> None:

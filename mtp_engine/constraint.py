@@ -72,6 +72,20 @@ class Constraint:
             raise MTPEngineError(f"expected a grammar string, found {type(grammar).__name__}", field=FIELD)
         return cls(_llg().LLMatcher.grammar_from_lark(grammar), "Lark grammar")
 
+    @classmethod
+    def gbnf(cls, grammar: str) -> "Constraint":
+        """Text in the language of a llama.cpp GBNF grammar (`--grammar`; Lark is accepted too)."""
+        if not isinstance(grammar, str):
+            raise MTPEngineError(f"expected a grammar string, found {type(grammar).__name__}", field=FIELD)
+        _llg()
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            lark = any_to_lark(grammar)
+        except Exception as e:  # the converter raises plain exceptions on bad input
+            raise MTPEngineError(f"not a GBNF grammar: {type(e).__name__}: {e}", field=FIELD) from None
+        return cls(_llg().LLMatcher.grammar_from_lark(lark), "GBNF grammar")
+
     def matcher(self, tokenizer: Any, vocab_size: int) -> "GrammarState":
         """The grammar's state for one generation."""
         return GrammarState(self, tokenizer, vocab_size)

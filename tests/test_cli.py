@@ -277,3 +277,26 @@ def test_module_entry_point_error_exit_status(model_path, tmp_path):
                         "--top-p", "0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert_one_error_line(p.returncode, p.stdout, p.stderr)
     assert "top_p" in p.stderr
+
+
+def test_json_schema_and_grammar_flags(capsys, tmp_path):
+    """llama.cpp's -j/--json-schema and --grammar(-file): the output follows them; bad ones are one
+    error line naming the flag."""
+    pytest.importorskip("llguidance")
+    path = str(need(TINY_Q8))
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], ' \
+             '"additionalProperties": false}'
+    rc, out, err = gen(capsys, path, "-p", PROMPT, "-n", "40", "-j", schema, "--json")
+    assert rc == 0 and json.loads(json.loads(out)["text"]) in ({"ok": True}, {"ok": False})
+    g = tmp_path / "g.gbnf"
+    g.write_text('root ::= "answer: " ("yes" | "no") "."\n')
+    rc, out, err = gen(capsys, path, "-p", PROMPT, "-n", "40", "--grammar-file", str(g), "--json",
+                       "--spec-type", "draft-mtp", "--spec-draft-n-max", "3")
+    assert rc == 0 and json.loads(out)["text"] in ("answer: yes.", "answer: no.")
+    for args, flag in [(["-j", "{bad"], "json-schema"), (["-j", "[1]"], "json-schema"),
+                       (["--grammar", "root ::= ("], "constraint"), (["--json-schema-file", "/nonexistent"], "json-schema-file")]:
+        rc, out, err = gen(capsys, path, "-p", PROMPT, "-n", "4", *args)
+        assert_one_error_line(rc, out, err)
+        assert flag in err, (args, err)
+    with pytest.raises(SystemExit):
+        main(["generate", "-m", path, "-p", PROMPT, "-j", "{}", "--grammar", "root ::= \"x\""])
