@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from mtp_engine.generate import Chunk
 from mtp_engine.server.schemas import APIError, ServerDefaults, parse_chat
@@ -330,3 +331,32 @@ def test_generate_tool_choice(qwen35_tiny):
     with pytest.raises(MTPEngineError) as e:
         generate(messages=msgs, model=qwen35_tiny, tool_choice="required", max_tokens=1)
     assert e.value.field == "tool_choice"
+
+
+_FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "<function=get_weather>", "</function>",
+              "<parameter=city>", "</parameter>", "\n", " ", "Paris", "{", "}", '"name": "get_weather"',
+              '"arguments": {"city": "P"}', "<", ">", "=", "é", "🎉", XML_CALL]
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(_FRAGMENTS), max_size=30), cuts=st.lists(st.integers(1, 9), min_size=1,
+                                                                                max_size=20),
+       fmt=st.sampled_from([XML, HERMES]))
+def test_any_text_streams_as_it_parses_whole(parts, cuts, fmt):
+    """Model output is arbitrary text: whatever it holds and however it arrives, the stream never
+    raises, loses no non-space text outside the calls it parsed, and agrees with the whole parse."""
+    text = "".join(parts)
+    whole_content, whole_calls = split_tool_calls(text, fmt, TOOLS)
+    s, pos, i = ToolCallStream(fmt, TOOLS), 0, 0
+    content, calls = [], []
+    while pos < len(text):
+        n = cuts[i % len(cuts)]
+        c, new = s.feed(text[pos:pos + n])
+        content.append(c)
+        calls.extend(new)
+        pos, i = pos + n, i + 1
+    content.append(s.finish())
+    assert [x["function"] for x in calls] == [x["function"] for x in whole_calls]
+    assert "".join(content).strip() == (whole_content or "").strip()
+    if not whole_calls:
+        assert whole_content == text  # nothing parsed: every character is still there
