@@ -214,7 +214,7 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     a keyword moved off its default beside the object that also holds it is refused.
 
     `tools` (with `messages`): OpenAI-style function tools, rendered by the chat template;
-    `generate` returns the calls the model wrote as `GenerationResult.tool_calls`
+    the last chunk's `tool_calls` (and `GenerationResult.tool_calls`) are the calls the model wrote
     (`mtp_engine.tool_calls`). Assistant messages may carry earlier `tool_calls`. `tool_choice`
     as OpenAI's: "auto", "none" (tools not rendered), "required" or {"type": "function",
     "function": {"name": ...}} (a grammar makes the answer such a call).
@@ -285,9 +285,16 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
         from .distributed import share_decisions
         share_decisions(decoder, m.comm)
         chunks = m.comm.guard(chunks)
+    calls = tool_calls.ToolCallStream(tool_calls.template_format(m.tokenizer.chat_template), tools) \
+        if tools and tool_choice != "none" else None
     for chunk in chunks:
+        if calls is not None:
+            calls.feed(chunk.text)
         if chunk.finish_reason is not None:
             chunk.stats["load_seconds"] = m.load_seconds
+            if calls is not None:
+                calls.finish()
+                chunk.tool_calls = calls.calls
         yield chunk
 
 
@@ -361,10 +368,6 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
 
     Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`, or with the options as objects
     `generate("def fib(n):", spec=SpecConfig(n_max=3), sampler=SamplerConfig(temperature=0.7))`."""
-    if tools and tool_choice == "none":
-        tools = None
-    if tools:
-        model = _resolve(model)  # once: its template says how calls are written
     ids: list[int] = []
     text, tokens = [], []
     want_lp = logprobs is not None or (sampler is not None and getattr(sampler, "logprobs", None) is not None)
@@ -383,7 +386,5 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
             lps.extend(chunk.logprobs)
         last = chunk
     out = GenerationResult("".join(text), ids, tokens, last.finish_reason, last.stats, lps)
-    if tools:
-        fmt = tool_calls.template_format(model.tokenizer.chat_template)
-        _, out.tool_calls = tool_calls.split_tool_calls(out.text, fmt, tools)
+    out.tool_calls = last.tool_calls or []
     return out

@@ -30,6 +30,7 @@ class Chunk:
     drafted: list[bool] = field(default_factory=list)  # per token: an accepted draft (else trunk-sampled)
     logprobs: list[dict] | None = None  # per token, when asked for: {"token", "logprob", "top": [(id, lp)]}
     n_drafted: int = 0  # drafts proposed by the round(s) this chunk came from (accepted or not)
+    tool_calls: list[dict] | None = None  # the last chunk, when tools were given: the calls the text holds
 
 
 class _StopMatcher:

@@ -325,6 +325,12 @@ def test_generate_tool_choice(qwen35_tiny):
     r = generate(messages=msgs, model=qwen35_tiny, tools=[PING, *TOOLS], max_tokens=80,
                  tool_choice={"type": "function", "function": {"name": "ping"}})
     assert [c["function"]["name"] for c in r.tool_calls] == ["ping"]
+    from mtp_engine import stream_generate
+
+    chunks = list(stream_generate(messages=msgs, model=qwen35_tiny, tools=[PING, *TOOLS], max_tokens=80,
+                                  tool_choice="required", spec="draft-mtp", n_max=2))
+    assert chunks[-1].tool_calls and all(c.tool_calls is None for c in chunks[:-1])
+    assert chunks[-1].tool_calls[0]["function"]["name"] in {"ping", "get_weather"}
     none = generate(messages=msgs, model=qwen35_tiny, tools=TOOLS, max_tokens=0, tool_choice="none")
     bare = generate(messages=msgs, model=qwen35_tiny, max_tokens=0)
     assert none.prompt_token_ids == bare.prompt_token_ids and none.tool_calls == []
