@@ -310,14 +310,9 @@ def _render_chat(m: Model, messages, tools, tool_choice, constraint) -> tuple[st
     extra = {}
     if tools is not None and tool_choice != "none":
         extra["tools"] = tool_calls.check_tool_list(tools)
-        fmt = tool_calls.template_format(m.tokenizer.chat_template)
-        if fmt is None:
-            raise MTPEngineError("the chat template does not render tools in a format this engine parses "
-                                 "(Qwen's <function=...> XML or <tool_call>{json})", field="tools")
+        fmt = tool_calls.call_format(m.tokenizer.chat_template)
         if forced:
-            if constraint is not None:
-                raise MTPEngineError("a forced call cannot be combined with a constraint", field="tool_choice")
-            constraint = tool_calls.forced_call_constraint(fmt, extra["tools"], forced_name)
+            constraint = tool_calls.forced_call_constraint(fmt, extra["tools"], forced_name, other=constraint)
     return m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra), constraint
 
 

@@ -11,7 +11,6 @@ grammar state advances with the tokens each round emits.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import mlx.core as mx
@@ -114,7 +113,7 @@ class GrammarState:
             raise MTPEngineError(f"{constraint.what}: {self.m.get_error()}", field=FIELD)
 
     def _mask(self, m: Any = None) -> np.ndarray:
-        bits = np.frombuffer((m or self.m).compute_bitmask(), dtype=np.uint8)
+        bits = np.frombuffer((self.m if m is None else m).compute_bitmask(), dtype=np.uint8)
         return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
     def _walk(self, tokens: list[int]) -> list[np.ndarray]:
@@ -149,8 +148,7 @@ class GrammarState:
     def apply(self, logits: mx.array, drafts: list[int] | None = None) -> mx.array:
         """`logits` ([V] or [R, V], R = len(drafts) + 1) with every refused token at -inf."""
         mask = self.masks(list(drafts or []))
-        m = mx.array(mask if logits.ndim == 2 else mask[0])
-        return mx.where(m, logits, mx.array(-np.inf, dtype=logits.dtype))
+        return masked(logits, mask if logits.ndim == 2 else mask[0])
 
     def accept(self, tokens: list[int]) -> None:
         """The generation emitted `tokens` (which the masks allowed; a round may run past the end of
@@ -162,9 +160,10 @@ class GrammarState:
                 raise MTPEngineError(f"token {int(t)} does not follow the grammar ({self.m.get_error() or 'refused'})",
                                      field=FIELD)
 
-    @property
-    def complete(self) -> bool:
-        return self.m.is_stopped()
+
+def masked(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """`logits` with the tokens `allowed` (a boolean mask of the same shape) refuses at -inf."""
+    return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
 
 
 def response_format_constraint(fmt: Any) -> Constraint | None:
@@ -180,4 +179,4 @@ def response_format_constraint(fmt: Any) -> Constraint | None:
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise MTPEngineError("json_schema: expected {\"name\": ..., \"schema\": {...}}", field="response_format")
-    return Constraint.json(json.loads(json.dumps(schema)))
+    return Constraint.json(schema)

@@ -62,16 +62,10 @@ class PromptCache:
                 best, best_len = i, n
         return best
 
-    def match(self, model: Any, prefix: list[int], drafter: str | None) -> int:
-        """How many tokens of `prefix` (a prompt without its last token) a kept state covers for
-        this model and drafter (0: none; a drafter's state is needed when `drafter` is given)."""
-        with self._lock:
-            i = self._best(model, prefix, drafter)
-            return 0 if i is None else len(self._kept[i].tokens)
-
     def take(self, model: Any, prefix: list[int], drafter: str | None) -> _Kept | None:
-        """The kept state `match` finds, handed to the generation that reuses it (and no longer
-        kept here: that generation changes it), or None."""
+        """The longest kept state for this model that `prefix` (a prompt without its last token)
+        starts with, and that holds `drafter`'s state when one is named; handed to the generation
+        that reuses it (and no longer kept here: that generation changes it), or None."""
         with self._lock:
             i = self._best(model, prefix, drafter)
             if i is None:
@@ -102,8 +96,8 @@ class PromptCache:
         total = 0
         for k in self._kept:
             total += k.trunk.nbytes()
-            cache = k.drafter_state[0] if isinstance(k.drafter_state, tuple) else None
-            total += cache.nbytes() if hasattr(cache, "nbytes") else 0
+            drafter_bytes = getattr(k.drafter_state, "nbytes", None)  # see Drafter.prefix_state
+            total += drafter_bytes() if callable(drafter_bytes) else 0
         return total
 
     @property

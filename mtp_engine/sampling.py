@@ -7,8 +7,8 @@ and the draft's distributions with the same `distribution`, which is what makes 
 from __future__ import annotations
 
 import math
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np

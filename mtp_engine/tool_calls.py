@@ -46,6 +46,16 @@ def template_format(template: str | None) -> str | None:
     return None
 
 
+def call_format(template: str | None) -> str:
+    """`template_format`, or MTPEngineError (field tools) for a template this engine cannot use
+    with tools."""
+    fmt = template_format(template)
+    if fmt is None:
+        raise MTPEngineError("the chat template does not render tools in a format this engine parses "
+                             "(Qwen's <function=...> XML or <tool_call>{json})", field="tools")
+    return fmt
+
+
 def check_tool_list(tools: Any) -> list[dict]:
     """OpenAI's tool list: [{"type": "function", "function": {"name", "description"?, "parameters"?}}];
     MTPEngineError naming the tool and key otherwise."""
@@ -104,12 +114,17 @@ def with_tool_calls(messages: list[dict]) -> list[dict]:
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
-def forced_call_constraint(fmt: str, tools: list[dict], name: str | None = None, parallel: bool = True):
+def forced_call_constraint(fmt: str, tools: list[dict], name: str | None = None, parallel: bool = True,
+                           other: Any = None):
     """A Constraint that makes the answer one call (or, `parallel`, several) in the template's
     format: to any of `tools` (tool_choice "required"), or to the tool `name`. XML parameter
-    values are free text up to "\n</parameter>"; JSON arguments follow the tool's schema."""
+    values are free text up to "\n</parameter>"; JSON arguments follow the tool's schema.
+    `other`: a constraint the request also gives (refused: one grammar at a time)."""
     from .constraint import Constraint, _llg
 
+    if other is not None:
+        raise MTPEngineError("a forced call cannot be combined with another constraint (response_format)",
+                             field="tool_choice")
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise MTPEngineError(f"no tool named {name!r} in tools", field="tool_choice")

@@ -69,7 +69,7 @@ def main() -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"model": str(model.path), "device": str(mx.default_device()),
+        out.write_text(json.dumps({"model": Path(model.path).name, "device": str(mx.default_device()),
                                    "machine": platform.machine(), "tokens": args.tokens, "repeats": args.repeats,
                                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                    "json_text": ref, "rows": rows}, indent=1))

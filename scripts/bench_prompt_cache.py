@@ -91,7 +91,7 @@ def main() -> int:
         rows.append({"turn": t + 1, "prompt_tokens": prompt_tokens[t], "cached_tokens": cached_tokens[t],
                      "ttft_ms_no_cache": a, "ttft_ms_cache": b, "ratio": b / a})
         print(f"{t + 1:>4} {prompt_tokens[t]:>7} {cached_tokens[t]:>7} {a:>17.1f} {b:>14.1f} {b / a:>6.3f}")
-    result = {"model": str(model.path), "spec": args.spec, "tokens_per_turn": args.tokens, "repeats": args.repeats,
+    result = {"model": Path(model.path).name, "spec": args.spec, "tokens_per_turn": args.tokens, "repeats": args.repeats,
               "machine": f"{platform.machine()} {platform.system()}", "device": str(mx.default_device()),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "turns": rows}
     if args.out:

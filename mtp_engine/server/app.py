@@ -21,7 +21,7 @@ from starlette.routing import Route
 from ..errors import MTPEngineError
 from . import responses as R
 from .schemas import MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, parse_chat, parse_completion, parse_json
-from ..tool_calls import ToolCallStream, forced_call_constraint, split_tool_calls, template_format
+from ..tool_calls import ToolCallStream, call_format, forced_call_constraint, split_tool_calls, template_format
 from .worker import Event, GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("mtp_engine.server")
@@ -100,6 +100,11 @@ def _trace(ev: Event, counters: dict) -> dict:
             "tokens_per_second": (counters["tokens"] - 1) / dt if dt > 0.05 and counters["tokens"] > 1 else None}
 
 
+def _finish_reason(last, calls: list | None) -> str | None:
+    """OpenAI's: an answer that stopped by itself after calling tools ends with "tool_calls"."""
+    return "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
+
+
 class Generation:
     """One request's answer, built from the worker's events."""
 
@@ -140,10 +145,9 @@ class Generation:
         content, calls = "".join(text), None
         if self.calls is not None:
             content, calls = split_tool_calls(content, self.calls.fmt, self.calls.tools)
-        finish = "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
         body = R.envelope(self.kind, self.rid, self.state.model_name, self.created,
-                          [R.choice(self.kind, content, finish, lp, stream=False, tool_calls=calls or None)],
-                          stream=False)
+                          [R.choice(self.kind, content, _finish_reason(last, calls), lp, stream=False,
+                                    tool_calls=calls or None)], stream=False)
         body["usage"] = u
         body["timings"] = u["timings"]
         return body
@@ -169,7 +173,8 @@ class Generation:
                     opened = True
             u = self.final_usage(ev, last)
             end = R.envelope(self.kind, self.rid, self.state.model_name, self.created,
-                             [R.choice(self.kind, None if self.kind == "chat" else "", self.finish_reason(last),
+                             [R.choice(self.kind, None if self.kind == "chat" else "",
+                                       _finish_reason(last, self.calls.calls if self.calls else None),
                                        None, True, not opened)], True)
             end["timings"] = u["timings"]
             if self.req.mtp_trace:
@@ -214,11 +219,6 @@ class Generation:
             bodies[0]["mtp"] = trace
         return bodies
 
-    def finish_reason(self, last) -> str | None:
-        if self.calls is not None and self.calls.calls and last.finish_reason == "stop":
-            return "tool_calls"
-        return last.finish_reason
-
 
 async def _generate(request: Request, parse) -> Response:
     state: ServerState = request.app.state.mtp
@@ -230,20 +230,15 @@ async def _generate(request: Request, parse) -> Response:
         return Response(status_code=499)
     req.kwargs["logprobs"] = req.logprobs
     if req.tools:
-        fmt = template_format(state.worker.model.tokenizer.chat_template)
-        if fmt is None:
-            return _error(APIError(400, "tools: the model's chat template does not render tools in a format this "
-                                        "server parses (Qwen's <function=...> XML or <tool_call>{json})", "tools"))
         req.kwargs["tools"] = req.tools
-        if req.forced_call is not None:  # the answer is made a call by a grammar
-            if req.kwargs.get("constraint") is not None:
-                return _error(APIError(400, "tool_choice: a forced call cannot be combined with response_format",
-                                       "tool_choice"))
-            try:
+        try:
+            fmt = call_format(state.worker.model.tokenizer.chat_template)
+            if req.forced_call is not None:  # the answer is made a call by a grammar
                 req.kwargs["constraint"] = forced_call_constraint(fmt, req.tools, req.forced_call["name"],
-                                                                  req.forced_call["parallel"])
-            except MTPEngineError as e:
-                return _error(APIError(400, str(e), "tool_choice"))
+                                                                  req.forced_call["parallel"],
+                                                                  other=req.kwargs.get("constraint"))
+        except MTPEngineError as e:
+            return _error(APIError(400, str(e), "tools" if e.field == "tools" else "tool_choice"))
     job = Job(req.kwargs, req.max_tokens_given, state.defaults.max_tokens, req.mtp_trace, asyncio.get_running_loop())
     try:
         state.worker.submit(job)

@@ -152,9 +152,7 @@ class SpeculativeDecoder(DecoderBase):
         with self.prof.stage("sample") as out:
             # row i scores the position after drafts 1..i: its penalties count them as generated
             scored = self.sampler.penalize(logits, draft.tokens if len(draft) else None)
-            if self.sampler.grammar is not None:
-                mx.async_eval(scored)  # the verify forward runs while the host works out the grammar's masks
-                scored = self.sampler.constrain(scored, draft.tokens if len(draft) else None)
+            scored = self.sampler.constrain(scored, draft.tokens if len(draft) else None)
             target = mx.argmax(scored, axis=-1) if cfg.greedy else distribution(scored, cfg)
             finite = mx.all(mx.isfinite(logits))
             out.extend([target, finite])

@@ -67,7 +67,8 @@ class Drafter(ABC):
 
     def prefix_state(self) -> object:
         """Right after `begin`: what a later prompt that starts with this one can start from (see
-        `begin_from`). The default suits a drafter that reads only tokens."""
+        `begin_from`); its `nbytes()`, if it has one, counts the memory it holds (a prompt cache's
+        bound). The default suits a drafter that reads only tokens."""
         return None
 
     def begin_from(self, prompt: list[int], hidden: mx.array, start: int, state: object) -> None:

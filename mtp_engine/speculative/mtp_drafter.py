@@ -10,14 +10,30 @@
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import numpy as np
 
+from ..constraint import masked
 from ..decode import kv_capacity
 from ..errors import MTPEngineError
+from ..model.cache import KVCache
 from ..model.qwen35 import Qwen35Model
 from ..sampling import distribution
 from .drafter import Draft, DraftContext, Drafter
+
+
+class HeadPrefix(NamedTuple):
+    """The head's state after a prompt, for a prompt cache: its cache (rows below `rows` are never
+    rewritten), and the trunk hidden state its next row reads."""
+
+    cache: KVCache
+    rows: int
+    h_last: mx.array
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
 
 
 class MTPDrafter(Drafter):
@@ -49,12 +65,11 @@ class MTPDrafter(Drafter):
         """The head sees prompt row t as (token t, trunk hidden t-1), zeros before the first."""
         self._rows(prompt, hidden, 0, mx.zeros((1, 1, self.model.cfg.hidden_size)))
 
-    def prefix_state(self) -> tuple:
-        # the head's cache (its rows are never rewritten below this offset) and the trunk hidden
-        # state its next row reads (copied: a slice would keep the whole prompt's hidden states)
-        return self.cache, self.cache.offset, mx.array(np.array(self.h_last))
+    def prefix_state(self) -> "HeadPrefix":
+        # the trunk hidden state is copied: a slice would keep the whole prompt's hidden states
+        return HeadPrefix(self.cache, self.cache.offset, mx.array(np.array(self.h_last)))
 
-    def begin_from(self, prompt: list[int], hidden: mx.array, start: int, state: tuple) -> None:
+    def begin_from(self, prompt: list[int], hidden: mx.array, start: int, state: "HeadPrefix") -> None:
         cache, rows, h_last = state
         if rows != start:
             raise MTPEngineError(f"prompt cache: the head kept {rows} rows for a {start}-token prefix",
@@ -104,7 +119,7 @@ class MTPDrafter(Drafter):
                 if grammar is not None and allowed is None:  # the text ended (an end-of-sequence draft)
                     break
                 if allowed is not None:
-                    logits = mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
+                    logits = masked(logits, allowed)
                 if cfg.greedy:
                     d = mx.argmax(logits, axis=-1)
                 else:
