@@ -148,10 +148,11 @@ def test_rollback_leaves_caches_equal_to_plain_run():
     h_prev = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
     ref_cache = m.model.mtp.make_cache()
     m.model.mtp(m.model.embed_tokens(mx.array([committed])), h_prev, ref_cache)
-    owed = dec.drafter.owed_tokens
-    if owed:
-        hp = mx.concatenate(dec.drafter.owed_hidden, axis=1)
-        m.model.mtp(m.model.embed_tokens(mx.array([owed])), hp, dec.mtp_cache)
+    block = dec.drafter.block  # device-resident rounds: owed rows, then the last token's
+    rows = int(np.array(block.valid)) - 1
+    if rows:
+        dec.mtp_cache.truncate(int(np.array(dec.mtp_cache.offset)))
+        m.model.mtp(m.model.embed_tokens(block.tokens[None, :rows]), block.hidden[:, :rows], dec.mtp_cache)
     assert dec.mtp_cache.offset == ref_cache.offset
     for x, y in zip(dec.mtp_cache.state(), ref_cache.state()):
         np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)
@@ -259,7 +260,7 @@ def test_long_plain_stretch_catches_up_only_a_window_and_output_is_unchanged():
     out = dec.prefill(ids)
     for _ in range(20):
         out += dec.plain_step()
-        assert len(dec.drafter.owed_tokens) <= dec.catch_up_window
+        assert dec.drafter.owed_rows() <= dec.catch_up_window
     mtp_before = dec.mtp_cache.offset
     while len(out) < 40:
         out += dec.step()
@@ -277,9 +278,9 @@ def test_owed_rows_stay_bounded_over_a_long_plain_stretch():
     dec.prefill([349, 220, 451])
     for _ in range(300):
         dec.plain_step()
-    assert len(dec.drafter.owed_tokens) == dec.catch_up_window
-    assert sum(int(h.shape[1]) for h in dec.drafter.owed_hidden) == dec.catch_up_window
-    assert len(dec.drafter.owed_hidden) <= dec.catch_up_window
+    assert dec.drafter.owed_rows() == dec.catch_up_window
+    block = dec.drafter.block  # the owed rows and the last token's, one array each (no chain)
+    assert block.tokens.shape == (dec.catch_up_window + 1,) and block.hidden.shape[1] == dec.catch_up_window + 1
     before = dec.mtp_cache.offset
     dec.step()  # the first draft forward carries the window's rows and the last token's
     assert dec.mtp_cache.offset == before + dec.catch_up_window + 1

@@ -3,12 +3,17 @@
 Attention KV caches are preallocated buffers with a write offset, so rollback is moving the offset.
 Gated-delta-net caches keep, during a captured forward, the conv input window and the recurrent
 state after every position, so rollback picks the state after the last accepted token.
+
+Device-resident rounds (speculative/resident.py) keep the lengths on the device: a KV cache's
+`offset` is then an MLX scalar the host has not read, `bound` a host upper bound of it (what
+capacity is reserved for), and rollback keeps a device count of tokens (`rollback_lazy`), so the
+next round can be queued before the host knows how many drafts were accepted.
 """
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .delta_rule import state_after
+from .delta_rule import state_after, state_after_masked
 
 
 class KVCache:
@@ -22,7 +27,13 @@ class KVCache:
         self.n_kv, self.head_dim, self.step, self.dtype = n_kv, head_dim, step, dtype
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
-        self.offset = 0
+        self.offset: int | mx.array = 0  # an MLX scalar during device-resident rounds
+        self.bound: int | None = None  # then: a host upper bound of the offset
+
+    @property
+    def limit(self) -> int:
+        """The offset when the host knows it, else its upper bound."""
+        return self.offset if self.bound is None else self.bound
 
     @property
     def capacity(self) -> int:
@@ -38,9 +49,11 @@ class KVCache:
         shape = (1, self.n_kv, new_cap, self.head_dim)
         k = mx.zeros(shape, self.dtype)
         v = mx.zeros(shape, self.dtype)
-        if self.keys is not None and self.offset:
-            k[:, :, : self.offset] = self.keys[:, :, : self.offset]
-            v[:, :, : self.offset] = self.values[:, :, : self.offset]
+        # a device offset is unknown here: the whole old buffer is copied (stale rows stay masked)
+        n = cap if self.bound is not None else self.offset
+        if self.keys is not None and n:
+            k[:, :, :n] = self.keys[:, :, :n]
+            v[:, :, :n] = self.values[:, :, :n]
         self.keys, self.values = k, v
 
     def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, str | None]:
@@ -54,14 +67,29 @@ class KVCache:
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end], "causal" if s > 1 else None
 
+    def to_device(self) -> None:
+        """Device-resident rounds follow: the offset may become an unread MLX scalar."""
+        if self.bound is None:
+            self.bound = int(self.offset)
+
+    def to_host(self, offset: int) -> None:
+        """Back to a host offset (`offset`: the device one, read)."""
+        self.offset, self.bound = int(offset), None
+
     def truncate(self, length: int) -> None:
         """Forgets everything after the first `length` positions."""
+        if self.bound is not None:  # a device offset: checked against its bound, then the host's again
+            if not 0 <= length <= self.bound:
+                raise ValueError(f"cannot truncate a cache of at most {self.bound} positions to {length}")
+            self.offset, self.bound = length, None
+            return
         if not 0 <= length <= self.offset:
             raise ValueError(f"cannot truncate a cache of {self.offset} positions to {length}")
         self.offset = length
 
     def state(self) -> tuple[mx.array, mx.array]:
-        return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+        n = int(self.offset.item()) if isinstance(self.offset, mx.array) else self.offset  # a host read
+        return self.keys[:, :, :n], self.values[:, :, :n]
 
     def nbytes(self) -> int:
         return 0 if self.keys is None else int(self.keys.nbytes + self.values.nbytes)
@@ -108,12 +136,31 @@ class RecurrentCache:
             self.state = state_after(state0, k, u, g, n_keep)
         self.release()
 
+    def rollback_lazy(self, n_keep: mx.array) -> None:
+        """`rollback` with the count a device scalar the host has not read (queued, not run)."""
+        if self._captured is None:
+            raise RuntimeError("rollback without a captured forward")
+        self.conv, self.state = _rollback_graph(n_keep, self.conv, self.state, *self._captured)
+        self.release()
+
     def release(self) -> None:
         self.capturing = False
         self._captured = None
 
     def nbytes(self) -> int:
         return int(self.conv.nbytes + self.state.nbytes)
+
+
+@mx.compile
+def _rollback_graph(n_keep, conv, state, conv0, x, state0, k, u, g):
+    """The conv window and state after the first n_keep (device scalar) of a pass's tokens: the
+    window by index, the state by a masked `state_after`; all kept when n_keep is the whole pass
+    (the state the pass itself left, as the host rollback keeps it). One graph per layer shape."""
+    s, width = k.shape[1], conv.shape[1]
+    window = mx.concatenate([conv0, x], axis=1)
+    conv_n = mx.take(window, n_keep + mx.arange(width), axis=1)
+    all_kept = n_keep >= s
+    return mx.where(all_kept, conv, conv_n), mx.where(all_kept, state, state_after_masked(state0, k, u, g, n_keep))
 
 
 class TrunkCache:
@@ -143,6 +190,40 @@ class TrunkCache:
                 c.rollback(n_keep)
         self.offset -= drop
         self._captured = 0
+
+    def rollback_lazy(self, n_keep: mx.array) -> None:
+        """`rollback` with n_keep a device scalar: KV offsets become device values (one array
+        shared by the layers), recurrent states are rebuilt on the device; `offset` (the host's)
+        is left to the caller, who learns n_keep later."""
+        drop = self._captured - n_keep
+        shared: dict[int, mx.array] = {}
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                c.to_device()
+                key = id(c.offset)
+                if key not in shared:
+                    shared[key] = c.offset - drop
+                c.offset = shared[key]
+            else:
+                c.rollback_lazy(n_keep)
+        self._captured = 0
+
+    def kv_to_device(self) -> None:
+        for c in self.layers:
+            if isinstance(c, KVCache):
+                c.to_device()
+
+    def set_bound(self, bound: int) -> None:
+        """A host upper bound of every device KV offset (tightened as the host reads lengths)."""
+        for c in self.layers:
+            if isinstance(c, KVCache) and c.bound is not None:
+                c.bound = bound
+
+    def to_host(self) -> None:
+        """Device offsets read back (one sync), e.g. at the end of a generation."""
+        for c in self.layers:
+            if isinstance(c, KVCache) and c.bound is not None:
+                c.to_host(int(c.offset.item()) if isinstance(c.offset, mx.array) else c.offset)
 
     def snapshot(self) -> list:
         """References to the current state (MLX arrays are values: later writes make new arrays,

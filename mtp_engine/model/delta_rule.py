@@ -102,3 +102,14 @@ def state_after(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: int)
     to_end = mx.exp(cum[:, -1:] - cum)  # decay from token j to token n-1
     kw = (k[:, :n] * to_end[..., None]).transpose(0, 2, 3, 1)  # [b, h, kd, n]
     return mx.exp(cum[:, -1])[:, :, None, None] * state0 + kw @ u[:, :n].transpose(0, 2, 1, 3)
+
+
+def state_after_masked(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: mx.array) -> mx.array:
+    """`state_after` with n a device scalar: tokens t >= n are masked out instead of sliced off,
+    so one graph serves every n (no host read, no retrace per accepted length)."""
+    keep = (mx.arange(k.shape[1]) < n)[None, :, None]  # [1, s, 1]
+    cum = mx.cumsum(mx.where(keep, g, 0.0), axis=1)  # [b, s, h]; constant from token n-1 on
+    total = cum[:, -1:]
+    to_end = mx.where(keep, mx.exp(total - cum), 0.0)
+    kw = (k * to_end[..., None]).transpose(0, 2, 3, 1)  # [b, h, kd, s]
+    return mx.exp(total[:, 0])[:, :, None, None] * state0 + kw @ u.transpose(0, 2, 1, 3)

@@ -219,14 +219,17 @@ class MTPHead:
     def make_cache(self) -> KVCache:
         return KVCache(self.cfg.n_head_kv, self.cfg.head_dim)
 
-    def __call__(self, embeds: mx.array, h_prev: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, embeds: mx.array, h_prev: mx.array, cache: KVCache, resident: bool = False) -> mx.array:
         """embeds [1, S, H] (embedding of token t), h_prev [1, S, H] (post-norm hidden at t-1);
-        returns the head's normed hidden state [1, S, H] (feed it back for the next draft step)."""
+        returns the head's normed hidden state [1, S, H] (feed it back for the next draft step).
+        `resident`: the cache's offset may be a device value (compiled or not, the graph form)."""
         s = int(embeds.shape[1])
-        if self.compile_steps and s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp):
+        fits = s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp)
+        if (self.compile_steps and fits) or resident:
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("mtp")) if self.expert_use \
                 else (None, None)
-            return compiled.run(self, self._body, [embeds, h_prev], [cache], s, side=side, set_side=set_side)[0]
+            return compiled.run(self, self._body, [embeds, h_prev], [cache], s, side=side, set_side=set_side,
+                                compiled=self.compile_steps and fits)[0]
         return self._body(embeds, h_prev, [cache])[0]
 
     def _body(self, embeds: mx.array, h_prev: mx.array, caches: list) -> list[mx.array]:
@@ -352,23 +355,28 @@ class Qwen35Model:
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.embed.rows(ids)
 
-    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False):
+    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False,
+                resident: bool = False):
         """Runs ids [1, S] through the trunk, appending to `cache`; returns the hidden state after
         `output_norm` [1, S, H] (what the output head and the MTP head read). With `capture`, the
         caches keep what `cache.rollback(n)` needs to keep only the first n of these tokens. With
-        `return_prenorm`, returns (post-norm, pre-norm) hidden states."""
+        `return_prenorm`, returns (post-norm, pre-norm) hidden states. `resident`: a
+        device-resident round's forward (KV offsets may be device values; `cache.offset`, the
+        host's count, is left to the round)."""
         s = int(ids.shape[1])
         if capture:
             cache.begin_capture(s)
-        if self._compile_steps and s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers):
+        fits = s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers)
+        if (self._compile_steps and fits) or resident:
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \
                 else (None, None)
             post, x = compiled.run(self, self._body, [ids], cache.layers, s, capture=capture,
-                                   side=side, set_side=set_side)
+                                   side=side, set_side=set_side, compiled=self._compile_steps and fits)
         else:
             post, x = self._body(ids, cache.layers)
-        cache.offset += s
+        if not resident:
+            cache.offset += s
         return (post, x) if return_prenorm else post
 
     def _body(self, ids: mx.array, caches: list) -> list[mx.array]:

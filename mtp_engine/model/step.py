@@ -65,22 +65,25 @@ def _flatten(caches: Sequence[KVCache | RecurrentCache]) -> list[mx.array]:
 
 def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
         n_tokens: int, capture: bool = False, side: Callable[[], list] | None = None,
-        set_side: Callable[[list], None] | None = None) -> list[mx.array]:
+        set_side: Callable[[list], None] | None = None, compiled: bool = True) -> list[mx.array]:
     """Runs `body(*args, views)` (which returns a list of arrays) as one compiled graph over
     `caches`, then writes the new cache contents back. `owner` keeps the traced graphs (one per
     shape key). `side()` lists extra per-forward values the body leaves on objects (MoE routing),
-    returned through the graph and handed to `set_side`. Returns the body's outputs."""
+    returned through the graph and handed to `set_side`. Returns the body's outputs.
+    `compiled=False` runs the same graph uncompiled (device-resident rounds where steps are not
+    compiled: the cache offsets are device values only this form takes)."""
     kinds = tuple(isinstance(c, KVCache) for c in caches)
     for c in caches:
         if isinstance(c, KVCache):
-            c.reserve(c.offset + n_tokens)
-    key = (n_tokens, kinds, capture)
+            c.reserve(c.limit + n_tokens)
+    key = (n_tokens, kinds, capture, compiled)
     fns = owner.__dict__.setdefault("_compiled_steps", {})
     if key not in fns:
         layout: dict[str, int] = {}  # filled when the graph is traced: how many outputs are the body's
-        fns[key] = (mx.compile(_traced(body, kinds, capture, side, layout)), layout)
+        fn = _traced(body, kinds, capture, side, layout)
+        fns[key] = (mx.compile(fn) if compiled else fn, layout)
     fn, layout = fns[key]
-    offsets = mx.array([c.offset for c in caches if isinstance(c, KVCache)] or [0], dtype=mx.int32)
+    offsets = _offsets([c for c in caches if isinstance(c, KVCache)])
     arrays = _flatten(caches)
     # the old buffers must not be referenced once the graph runs, so slice_update can write in place
     for c in caches:
@@ -93,10 +96,19 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
         raise
     del arrays
     body_out, rest = outs[:layout["body"]], outs[layout["body"]:]
+    advanced: dict[int, mx.array] = {}  # a device offset shared by layers is advanced once
     for c in caches:
         if isinstance(c, KVCache):
             c.keys, c.values = rest[0], rest[1]
-            c.offset += n_tokens
+            if isinstance(c.offset, mx.array):
+                key = id(c.offset)
+                if key not in advanced:
+                    advanced[key] = c.offset + n_tokens
+                c.offset = advanced[key]
+            else:
+                c.offset += n_tokens
+            if c.bound is not None:
+                c.bound += n_tokens
             rest = rest[2:]
         else:
             conv0, state0 = c.conv, c.state
@@ -109,6 +121,20 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     if set_side:
         set_side(list(rest))
     return body_out
+
+
+def _offsets(kv: list[KVCache]) -> mx.array:
+    """The KV caches' write offsets as one int32 array (host ints, or device scalars of resident
+    rounds: one stack, layers that share a device offset share its element)."""
+    if not kv:
+        return mx.array([0], dtype=mx.int32)
+    if not any(isinstance(c.offset, mx.array) for c in kv):
+        return mx.array([c.offset for c in kv], dtype=mx.int32)
+    first = kv[0].offset
+    if all(c.offset is first for c in kv):  # the trunk's layers advance together: one device value
+        return mx.broadcast_to(first.reshape(1), (len(kv),))
+    return mx.stack([c.offset.reshape(()) if isinstance(c.offset, mx.array) else mx.array(c.offset, dtype=mx.int32)
+                     for c in kv])
 
 
 def _restore(caches, arrays) -> None:

@@ -29,6 +29,7 @@ class RedecodeRollback:
 
     _snapshot: list | None = None
     _redecode_input: mx.array | None = None
+    resident_rounds = False  # a snapshot per round is host state
 
     def verify(self, drafts):
         self._snapshot = self.cache.snapshot()
@@ -68,6 +69,15 @@ class OracleAcceptance:
         while n < len(d) and self.sampler.uniform() < self.oracle:
             n += 1
         return n, int(target[n]), [int(t) for t in target[:n]] + d.tolist()[n:]
+
+    def _accept_device(self, drafts, scored, q, live):
+        if not self.sampler.cfg.greedy:
+            return super()._accept_device(drafts, scored, q, live)
+        target = mx.argmax(scored, axis=-1).astype(mx.int32)
+        self._key, sub = mx.random.split(self._key)
+        right = (mx.random.uniform(shape=drafts.shape, key=sub) < self.oracle) & live
+        n = mx.sum(mx.cumprod(right.astype(mx.int32)))
+        return n, mx.where(mx.arange(target.shape[0]) <= n, target, 0)
 
 
 def ablation_decoder(model: Qwen35Model, sampler: Sampler, params: DraftParams, profiler: Profiler | None = None,

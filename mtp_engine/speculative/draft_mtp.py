@@ -13,13 +13,15 @@ from ..sampling import Sampler
 from .config import DraftParams
 from .decoder import SpeculativeDecoder
 from .mtp_drafter import MTPDrafter
+from .resident import ResidentRounds
 from .scheduler import DraftLengthScheduler
 
 __all__ = ["DraftMTPDecoder", "DraftParams"]
 
 
-class DraftMTPDecoder(SpeculativeDecoder):
-    """Speculative decoding with the model's MTP head as the drafter."""
+class DraftMTPDecoder(ResidentRounds, SpeculativeDecoder):
+    """Speculative decoding with the model's MTP head as the drafter; rounds are device-resident
+    (speculative/resident.py) unless a grammar or precise profiling needs the host round."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None):

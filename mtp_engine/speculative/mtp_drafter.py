@@ -36,6 +36,17 @@ class HeadPrefix(NamedTuple):
         return self.cache.nbytes()
 
 
+class HeadBlock(NamedTuple):
+    """The rows the head runs before its next draft, on the device (resident rounds): owed
+    catch-up rows, then the last emitted token's row at index valid-1. After a drafting round it is
+    the round's emitted tokens ([k+1], valid = accepted + 1, a device count) with the verify's
+    hidden states, so its shape is fixed by k alone."""
+
+    tokens: mx.array  # [w] int32
+    hidden: mx.array  # [1, w, H]
+    valid: int | mx.array
+
+
 class MTPDrafter(Drafter):
     """Drafts with the model's MTP head; owns the head's KV cache and the rows it is owed."""
 
@@ -55,6 +66,7 @@ class MTPDrafter(Drafter):
         self.owed_hidden: list[mx.array] = []
         self.catch_up_dropped = 0  # owed rows skipped after long plain stretches (see _trim_owed)
         self.steps = 0  # head forwards run by the last draft (rows written), until accept
+        self.block: HeadBlock | None = None  # device-resident rounds' rows to run (to_device)
 
     def bind(self, ctx: DraftContext) -> None:
         super().bind(ctx)
@@ -186,6 +198,83 @@ class MTPDrafter(Drafter):
             else:
                 self.owed_hidden[0] = self.owed_hidden[0][:, drop:]
                 drop = 0
+
+    # ---- device-resident rounds (speculative/resident.py): no host reads --------------------------
+    def to_device(self) -> None:
+        """After `begin`: the owed rows and the last token become a `HeadBlock`."""
+        self.cache.to_device()
+        tokens = self.owed_tokens + [self.last_token]
+        self.block = HeadBlock(mx.array(tokens, dtype=mx.int32),
+                               mx.concatenate(self.owed_hidden + [self.h_last], axis=1), len(tokens))
+        self.owed_tokens, self.owed_hidden = [], []
+
+    def _run_block(self) -> mx.array:
+        """The block through the head (its valid rows stay, the cache's device offset moves past
+        them); the last valid row's output [1, 1, H]."""
+        b, cache = self.block, self.cache
+        base, bound, w = cache.offset, cache.bound, int(b.tokens.shape[0])
+        h = self.model.mtp(self.model.embed_tokens(b.tokens[None]), b.hidden, cache, resident=True)
+        cache.offset, cache.bound = base + b.valid, bound + w  # rows past valid are stale, masked, rewritten
+        if isinstance(b.valid, int):
+            return h[:, b.valid - 1:b.valid]
+        return mx.take(h, (b.valid - 1).reshape(1), axis=1)
+
+    def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """k drafts as device values: (tokens [k] int32, their distributions [k, V] when sampling,
+        whether each passed p-min [k] when p-min is set). Every step runs; p-min only says which
+        drafts count (the round keeps the shape k gives it)."""
+        model, sampler = self.model, self.ctx.sampler
+        cfg, cache = sampler.cfg, self.cache
+        with self.ctx.prof.stage("draft") as out:
+            h = self._run_block()
+            kept, bound = cache.offset, cache.bound
+            drafts, qs, confident = [], [], []
+            for i in range(k):
+                logits = sampler.penalize(model.logits(h[0, 0]), mx.stack(drafts) if drafts else None, len(drafts))
+                if cfg.greedy:
+                    d = mx.argmax(logits, axis=-1)
+                else:
+                    qi = distribution(logits, cfg)
+                    self._rng, sub = mx.random.split(self._rng)
+                    d = mx.random.categorical(mx.log(qi), key=sub)
+                    qs.append(qi)
+                if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
+                    confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) >= p_min)
+                drafts.append(d.astype(mx.int32))
+                if i + 1 < k:
+                    h = model.mtp(model.embed_tokens(d.reshape(1, 1)), h, cache, resident=True)
+            cache.offset, cache.bound = kept, bound  # rows of steps 2..k were the head's own guesses
+            tokens = mx.stack(drafts)
+            out.append(tokens)
+        self.steps = k
+        return tokens, (mx.stack(qs) if qs else None), (mx.stack(confident) if confident else None)
+
+    def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
+        """A drafting round emitted `emitted[:n+1]` (accepted drafts, then the trunk's token):
+        they, with the verify's hidden states, are the head's next block."""
+        self.block = HeadBlock(emitted, hidden, n + 1)
+        self.steps = 0
+
+    def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
+        """A plain round emitted `token` (device [1]) from trunk state `hidden` [1, 1, H]. A block
+        left by a drafting round (device count) is run now, once; host-counted rows are kept
+        (the newest `catch_up_window`) and run with the next draft."""
+        b = self.block
+        if not isinstance(b.valid, int):
+            self._run_block()
+            self.block = HeadBlock(token.astype(mx.int32).reshape(1), hidden, 1)
+            return
+        drop = max(b.valid + 1 - (self.catch_up_window + 1), 0)  # owed rows beyond the window
+        self.catch_up_dropped += drop
+        self.block = HeadBlock(mx.concatenate([b.tokens[drop:], token.astype(mx.int32).reshape(1)]),
+                               mx.concatenate([b.hidden[:, drop:], hidden], axis=1), b.valid + 1 - drop)
+
+    def owed_rows(self) -> int:
+        """Catch-up rows the head is owed (host-counted; a drafting round's block counts its width)."""
+        b = getattr(self, "block", None)
+        if b is None:
+            return len(self.owed_tokens)
+        return b.valid - 1 if isinstance(b.valid, int) else int(b.tokens.shape[0]) - 1
 
     def stats(self) -> dict:
         return {"catch_up_rows_dropped": self.catch_up_dropped}
