@@ -140,7 +140,7 @@ class RecurrentCache:
         """`rollback` with the count a device scalar the host has not read (queued, not run)."""
         if self._captured is None:
             raise RuntimeError("rollback without a captured forward")
-        self.conv, self.state = _rollback_graph(n_keep, self.conv, self.state, *self._captured)
+        self.conv, self.state = _rollback_layers(n_keep, self.conv, self.state, *self._captured)
         self.release()
 
     def release(self) -> None:
@@ -151,16 +151,25 @@ class RecurrentCache:
         return int(self.conv.nbytes + self.state.nbytes)
 
 
-@mx.compile
 def _rollback_graph(n_keep, conv, state, conv0, x, state0, k, u, g):
     """The conv window and state after the first n_keep (device scalar) of a pass's tokens: the
     window by index, the state by a masked `state_after`; all kept when n_keep is the whole pass
-    (the state the pass itself left, as the host rollback keeps it). One graph per layer shape."""
+    (the state the pass itself left, as the host rollback keeps it)."""
     s, width = k.shape[1], conv.shape[1]
     window = mx.concatenate([conv0, x], axis=1)
     conv_n = mx.take(window, n_keep + mx.arange(width), axis=1)
     all_kept = n_keep >= s
     return mx.where(all_kept, conv, conv_n), mx.where(all_kept, state, state_after_masked(state0, k, u, g, n_keep))
+
+
+@mx.compile
+def _rollback_layers(n_keep, *flat):
+    """`_rollback_graph` for every gated-delta-net layer (8 arrays each) as one compiled graph: one
+    dispatch per round instead of one per layer."""
+    out = []
+    for i in range(0, len(flat), 8):
+        out += _rollback_graph(n_keep, *flat[i:i + 8])
+    return out
 
 
 class TrunkCache:
@@ -197,6 +206,7 @@ class TrunkCache:
         is left to the caller, who learns n_keep later."""
         drop = self._captured - n_keep
         shared: dict[int, mx.array] = {}
+        recurrent: list[RecurrentCache] = []
         for c in self.layers:
             if isinstance(c, KVCache):
                 c.to_device()
@@ -205,7 +215,15 @@ class TrunkCache:
                     shared[key] = c.offset - drop
                 c.offset = shared[key]
             else:
-                c.rollback_lazy(n_keep)
+                if c._captured is None:
+                    raise RuntimeError("rollback without a captured forward")
+                recurrent.append(c)
+        if recurrent:
+            flat = [a for c in recurrent for a in (c.conv, c.state, *c._captured)]
+            out = _rollback_layers(n_keep, *flat)
+            for i, c in enumerate(recurrent):
+                c.conv, c.state = out[2 * i], out[2 * i + 1]
+                c.release()
         self._captured = 0
 
     def kv_to_device(self) -> None:
