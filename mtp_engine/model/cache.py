@@ -164,11 +164,14 @@ def _rollback_graph(n_keep, conv, state, conv0, x, state0, k, u, g):
 
 @mx.compile
 def _rollback_layers(n_keep, *flat):
-    """`_rollback_graph` for every gated-delta-net layer (8 arrays each) as one compiled graph: one
-    dispatch per round instead of one per layer."""
+    """`_rollback_graph` for every gated-delta-net layer (8 arrays each, batch 1) at once: the
+    layers are stacked on the batch axis, so a round's rollback is ~20 graph nodes instead of ~10
+    per layer (on MLX's CUDA backend each node costs the host ~8-10 us: 24 layers cost ~2.4 ms)."""
+    cols = [mx.concatenate(flat[j::8], axis=0) if len(flat) > 8 else flat[j] for j in range(8)]
+    conv, state = _rollback_graph(n_keep, *cols)
     out = []
-    for i in range(0, len(flat), 8):
-        out += _rollback_graph(n_keep, *flat[i:i + 8])
+    for i in range(len(flat) // 8):
+        out += [conv[i:i + 1], state[i:i + 1]]
     return out
 
 
