@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_9b_oracle import config_9b, decode_tps, random_model, _Tok  # noqa: E402
 from mtp_engine.generate import run  # noqa: E402

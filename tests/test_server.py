@@ -121,13 +121,13 @@ def test_stream_trace_reports_provenance(server, tiny):
 def test_16_concurrent_streaming_clients(client, tiny):
     """Sampled (seed per client) so that the 16 answers differ and a mix-up would show."""
     prompts = [f"Client {i} says" for i in range(16)]
-    expected = [generate(messages=_chat(p), model=tiny, max_tokens=8, temperature=3.0, seed=i, spec="draft-mtp",
+    expected = [generate(messages=_chat(p), model=tiny, max_tokens=16, temperature=3.0, seed=i, spec="draft-mtp",
                          n_max=3).text for i, p in enumerate(prompts)]
     assert len(set(expected)) == 16
 
     def one(i):
         return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="x", messages=_chat(prompts[i]), max_tokens=8, temperature=3.0, seed=i, stream=True) if c.choices)
+            model="x", messages=_chat(prompts[i]), max_tokens=16, temperature=3.0, seed=i, stream=True) if c.choices)
 
     with ThreadPoolExecutor(16) as ex:
         got = list(ex.map(one, range(16)))

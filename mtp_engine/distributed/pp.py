@@ -45,6 +45,7 @@ class PPModel(Qwen35Model):
 
     comm: Comm
     first_layer: int
+    resident_rounds = False  # `forward` is the pipeline's own (host KV offsets)
 
     def make_cache(self) -> TrunkCache:
         c = self.cfg

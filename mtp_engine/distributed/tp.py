@@ -103,6 +103,9 @@ class TPModel(Qwen35Model):
     """A `Qwen35Model` whose blocks hold one rank's share; caches follow the local heads."""
 
     comm: Comm
+    # a rank without a layer's heads holds no recurrent state to roll back on the device; ranks
+    # keep the host round (one sync per round is also what keeps their collectives in step)
+    resident_rounds = False
 
     def make_cache(self) -> TrunkCache:
         c = self.cfg

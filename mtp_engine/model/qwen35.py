@@ -262,6 +262,8 @@ def _checked(name: str, module, source: str, shape, run, cache_dir) -> bool:
 class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
+    resident_rounds = True  # `forward(resident=True)` takes device KV offsets (speculative/resident.py)
+
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
                  lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None,
                  expert_use: ExpertUse | None = None):

@@ -76,8 +76,8 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     for c in caches:
         if isinstance(c, KVCache):
             c.reserve(c.limit + n_tokens)
-    key = (n_tokens, kinds, capture, compiled)
-    fns = owner.__dict__.setdefault("_compiled_steps", {})
+    key = (n_tokens, kinds, capture)
+    fns = owner.__dict__.setdefault("_compiled_steps" if compiled else "_graph_steps", {})
     if key not in fns:
         layout: dict[str, int] = {}  # filled when the graph is traced: how many outputs are the body's
         fn = _traced(body, kinds, capture, side, layout)

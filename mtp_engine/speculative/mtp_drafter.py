@@ -104,7 +104,6 @@ class MTPDrafter(Drafter):
 
     def draft(self, k: int, p_min: float = 0.0) -> Draft:
         mtp, model, prof, sampler = self.model.mtp, self.model, self.ctx.prof, self.ctx.sampler
-        cfg = sampler.cfg
         owed = len(self.owed_tokens)
         if self.owed_tokens and prof.mode == "precise":
             # attribute catch-up honestly: run the owed rows as their own forward (same math)
@@ -132,13 +131,7 @@ class MTPDrafter(Drafter):
                     break
                 if allowed is not None:
                     logits = masked(logits, allowed)
-                if cfg.greedy:
-                    d = mx.argmax(logits, axis=-1)
-                else:
-                    qi = distribution(logits, cfg)
-                    self._rng, sub = mx.random.split(self._rng)
-                    d = mx.random.categorical(mx.log(qi), key=sub)
-                    qs.append(qi)
+                d = self._pick(logits, qs)
                 out.append(d)
             if p_min > 0.0:
                 with prof.stage("sync"):
@@ -157,6 +150,17 @@ class MTPDrafter(Drafter):
         if not drafts:
             return Draft([], None, shapes)
         return Draft(mx.stack(drafts), mx.stack(qs) if qs else None, shapes)
+
+    def _pick(self, logits: mx.array, qs: list) -> mx.array:
+        """The draft token on the device: argmax, or a draw from the sampler's distribution (kept
+        in `qs`: lossless acceptance needs it)."""
+        cfg = self.ctx.sampler.cfg
+        if cfg.greedy:
+            return mx.argmax(logits, axis=-1)
+        qi = distribution(logits, cfg)
+        self._rng, sub = mx.random.split(self._rng)
+        qs.append(qi)
+        return mx.random.categorical(mx.log(qi), key=sub)
 
     def rollback(self, n: int) -> None:
         if self.steps > 1:
@@ -223,21 +227,14 @@ class MTPDrafter(Drafter):
         """k drafts as device values: (tokens [k] int32, their distributions [k, V] when sampling,
         whether each passed p-min [k] when p-min is set). Every step runs; p-min only says which
         drafts count (the round keeps the shape k gives it)."""
-        model, sampler = self.model, self.ctx.sampler
-        cfg, cache = sampler.cfg, self.cache
+        model, sampler, cache = self.model, self.ctx.sampler, self.cache
         with self.ctx.prof.stage("draft") as out:
             h = self._run_block()
             kept, bound = cache.offset, cache.bound
             drafts, qs, confident = [], [], []
             for i in range(k):
                 logits = sampler.penalize(model.logits(h[0, 0]), mx.stack(drafts) if drafts else None, len(drafts))
-                if cfg.greedy:
-                    d = mx.argmax(logits, axis=-1)
-                else:
-                    qi = distribution(logits, cfg)
-                    self._rng, sub = mx.random.split(self._rng)
-                    d = mx.random.categorical(mx.log(qi), key=sub)
-                    qs.append(qi)
+                d = self._pick(logits, qs)
                 if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
                     confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) >= p_min)
                 drafts.append(d.astype(mx.int32))

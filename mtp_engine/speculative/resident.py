@@ -86,7 +86,8 @@ class ResidentRounds:
     def prefill(self, ids: list[int]) -> list[int]:
         out = super().prefill(ids)
         self._queued: list[Queued] = []
-        self._resident = (self.resident_rounds and self.sampler.grammar is None and self.prof.mode != "precise")
+        self._resident = (self.resident_rounds and self.model.resident_rounds and self.sampler.grammar is None
+                          and self.prof.mode != "precise")
         if self._resident:
             self._last_dev = mx.array([ids[-1]], dtype=mx.int32)
             self._key = mx.random.key(int(self.sampler.rng.integers(0, 2**63)))
