@@ -333,7 +333,7 @@ def _decoder(m: Model, spec: SpecConfig, sampler: Sampler, prof: Profiler) -> De
                                  "this model has none", field="spec")
         # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
         k_max = COMPILED_AUTO_MAX if m.model.compile_steps else AUTO_MAX
-        scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model), k_max=k_max)
+        scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model, m.model.options.cache_path), k_max=k_max)
     decoder = DraftMTPDecoder(m.model, sampler, params, prof, scheduler=scheduler)
     decoder.calibration_path = m.path
     return decoder

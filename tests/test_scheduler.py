@@ -16,6 +16,9 @@ from mtp_engine.speculative import calibration
 from mtp_engine.speculative import scheduler as sch
 from mtp_engine.speculative.calibration import default_seed
 from mtp_engine.speculative.scheduler import DraftLengthScheduler
+from mtp_engine.sampling import Sampler, SamplerConfig
+from mtp_engine.speculative.config import DraftParams
+from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
 from tests.sim_device import CPU, GPU, H200_9B, MOE, simulate
 
 
@@ -92,23 +95,40 @@ def test_auto_is_lossless_and_reports_its_choices(tiny):
 
 def test_no_calibration_pass_and_measured_costs_seed_the_next_run(tiny, tmp_path, monkeypatch):
     """Nothing is measured before the first token; what a run timed is stored per model and device
-    and seeds the next run's scheduler."""
-    monkeypatch.setenv("MTP_ENGINE_CACHE_DIR", str(tmp_path))
+    in the folder the model's options name (`EngineOptions.cache_dir`, not the environment) and
+    seeds the next run's scheduler."""
+    monkeypatch.setenv("MTP_ENGINE_CACHE_DIR", str(tmp_path / "from-the-environment"))
     import mtp_engine.costmodel as cm
 
     monkeypatch.setattr(cm, "measure", lambda *a, **k: pytest.fail("calibration pass before decoding"))
-    assert calibration.load_seed(tiny.path, tiny.model) is None
-    r = generate([349, 220, 451, 72], tiny, max_tokens=40, ignore_eos=True, spec="draft-mtp", n_max="auto")
-    assert r.stats["n_max"] == "auto" and "auto_message" in r.stats
-    measured = {int(k): v for k, v in r.stats["auto_round_steps"].items()}
-    if measured:  # stored, and the next run starts from it
-        assert calibration.load_seed(tiny.path, tiny.model) == pytest.approx(measured, rel=1e-3)
-    calibration.save(tiny.path, tiny.model, {1: 1.7, 2: 2.1}, 3.0)
-    seed = calibration.load_seed(tiny.path, tiny.model)
-    assert seed[1] == pytest.approx(1.7) and seed[2] == pytest.approx(2.1)
-    assert DraftLengthScheduler(seed).seed[1] == pytest.approx(1.7)
-    stored = json.loads((tmp_path / "costs.json").read_text())
-    assert len(stored) == 1 and set(next(iter(stored.values()))) >= {"round_steps", "step_ms"}
+    before = tiny.model.options
+    folder = tmp_path / "options"
+    tiny.model.use(before.updated(cache_dir=str(folder)))
+    try:
+        assert calibration.load_seed(tiny.path, tiny.model, folder) is None
+        r = generate([349, 220, 451, 72], tiny, max_tokens=40, ignore_eos=True, spec="draft-mtp", n_max="auto")
+        assert r.stats["n_max"] == "auto" and "auto_message" in r.stats
+        measured = {int(k): v for k, v in r.stats["auto_round_steps"].items()}
+        if measured:  # stored, and the next run starts from it
+            assert calibration.load_seed(tiny.path, tiny.model, folder) == pytest.approx(measured, rel=1e-3)
+        # a run whose rounds were timed at k = 0 and k = 2 stores t(2)/t(0) when it finishes
+        sched = DraftLengthScheduler(None)
+        for _ in range(6):
+            sched.observe(0, 0, 0.010, 100)
+            sched.observe(2, 1, 0.025, 100)
+        dec = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(None), scheduler=sched)
+        dec.calibration_path = tiny.path
+        dec.finish()
+        assert calibration.load_seed(tiny.path, tiny.model, folder)[2] == pytest.approx(2.5, rel=1e-3)
+        calibration.save(tiny.path, tiny.model, {1: 1.7, 2: 2.1}, 3.0, folder)
+        seed = calibration.load_seed(tiny.path, tiny.model, folder)
+        assert seed[1] == pytest.approx(1.7) and seed[2] == pytest.approx(2.1)
+        assert DraftLengthScheduler(seed).seed[1] == pytest.approx(1.7)
+        stored = json.loads((folder / "costs.json").read_text())
+        assert len(stored) == 1 and set(next(iter(stored.values()))) >= {"round_steps", "step_ms"}
+        assert not (tmp_path / "from-the-environment").exists()
+    finally:
+        tiny.model.use(before)
 
 
 def test_cli_accepts_auto_and_rejects_words(capsys):

@@ -1,6 +1,7 @@
 """Per model and device: what a round with k drafts costs, in plain decode steps, as measured by
-earlier runs (`~/.cache/mtp-engine/costs.json`, or `$MTP_ENGINE_CACHE_DIR`). It seeds n-max auto's
-estimates before the current run has measured anything; nothing is measured before the first token.
+earlier runs (`costs.json` in the folder `EngineOptions.cache_dir` names: the model's
+`options.cache_path`). It seeds n-max auto's estimates before the current run has measured
+anything; nothing is measured before the first token.
 """
 from __future__ import annotations
 
@@ -14,13 +15,8 @@ import mlx.core as mx
 MAX_K = 8  # longest draft n-max auto considers (speculative/scheduler.py's AUTO_MAX)
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("MTP_ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mtp-engine")
-    return Path(base)
-
-
-def cache_file() -> Path:
-    return cache_dir() / "costs.json"
+def cache_file(folder: Path) -> Path:
+    return Path(folder) / "costs.json"
 
 
 def costs_key(model_path: str, model) -> str:
@@ -34,8 +30,8 @@ def costs_key(model_path: str, model) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def _read_all() -> dict:
-    path = cache_file()
+def _read_all(folder: Path) -> dict:
+    path = cache_file(folder)
     if not path.exists():
         return {}
     try:
@@ -57,12 +53,12 @@ def default_seed(gpu: bool | None = None) -> dict[int, float]:
     return {k: 0.95 * (k + 1) + 0.3 * k + 0.05 for k in range(1, MAX_K + 1)}
 
 
-def load_seed(model_path: str, model) -> dict[int, float] | None:
+def load_seed(model_path: str, model, folder: Path) -> dict[int, float] | None:
     """The stored round costs {k: steps} of this model and device, or None. Entries written by the
     old calibration pass (V(S), c, f) are converted: a round of k drafts costs V(k+1) + k c + f."""
     if not model_path:
         return None
-    d = _read_all().get(costs_key(model_path, model))
+    d = _read_all(folder).get(costs_key(model_path, model))
     if not isinstance(d, dict):
         return None
     try:
@@ -78,12 +74,12 @@ def load_seed(model_path: str, model) -> dict[int, float] | None:
     return seed or None
 
 
-def save(model_path: str, model, round_steps: dict[int, float], step_ms: float | None) -> None:
+def save(model_path: str, model, round_steps: dict[int, float], step_ms: float | None, folder: Path) -> None:
     """Merges this run's measured round costs into the store (a read-only home only costs the
     next run its seed)."""
     if not model_path or not round_steps:
         return
-    data = _read_all()
+    data = _read_all(folder)
     key = costs_key(model_path, model)
     entry = data.get(key) if isinstance(data.get(key), dict) else {}
     merged = {int(k): float(v) for k, v in (entry.get("round_steps") or {}).items()} \
@@ -94,7 +90,7 @@ def save(model_path: str, model, round_steps: dict[int, float], step_ms: float |
         entry["step_ms"] = round(step_ms, 4)
     data[key] = entry
     try:
-        path = cache_file()
+        path = cache_file(folder)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1))
@@ -102,17 +98,3 @@ def save(model_path: str, model, round_steps: dict[int, float], step_ms: float |
     except OSError:
         pass
 
-
-def persist_kernel_cache() -> None:
-    """MLX's CUDA backend keeps the kernels it compiles (NVRTC) in `$MLX_PTX_CACHE_DIR`, by default
-    under the temp folder, which a reboot or a fresh container empties: the first run then spends
-    most of its time compiling. Keep them beside our costs instead, unless the user chose a place.
-    Must run before the first kernel is compiled (MLX reads the variable once)."""
-    if "MLX_PTX_CACHE_DIR" in os.environ:
-        return
-    try:
-        on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    except Exception:
-        on_cuda = False
-    if on_cuda:
-        os.environ["MLX_PTX_CACHE_DIR"] = str(cache_dir() / "mlx-ptx" / mx.__version__)

@@ -276,7 +276,7 @@ class SpeculativeDecoder(DecoderBase):
         if self.scheduler and self.calibration_path:
             t0 = self.scheduler.step_seconds()
             calibration.save(self.calibration_path, self.model, self.scheduler.measured_round_steps(),
-                             t0 * 1e3 if t0 else None)
+                             t0 * 1e3 if t0 else None, self.model.options.cache_path)
 
     # ---- statistics ---------------------------------------------------------------------------
     def _record(self, k: int, n: int) -> None:
