@@ -305,7 +305,9 @@ def format_stats(s: dict) -> str:
             line += f" (load {s['load_seconds']:.2f} s)"
         if s.get("compile_seconds"):
             line += f", compiling {s['compile_seconds']:.2f} s"
-    if "rounds" in s:
+    if "rounds" in s and not s["drafted"]:  # "0/0 accepted (0.0%)" reads like a failure
+        line += " | draft-mtp: no drafts"
+    elif "rounds" in s:
         line += (f" | draft-mtp: {s['accepted']}/{s['drafted']} accepted ({s['acceptance_rate']:.1%}), "
                  f"{s['tokens_per_round']:.2f} tok/round")
     if s.get("auto_message"):  # why n-max auto did not draft, once per run

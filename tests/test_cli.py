@@ -102,6 +102,17 @@ def test_streaming_text_and_stats_line(capsys, model_path, api_greedy):
     assert "draft-mtp" not in lines[0]
 
 
+def test_stats_line_says_no_drafts_rather_than_zero_of_zero():
+    from mtp_engine.cli import format_stats
+    base = {"prompt_tokens": 6, "prompt_tokens_per_second": 10.0, "generated_tokens": 8,
+            "decode_tokens_per_second": 20.0, "peak_memory_bytes": 2**20, "rounds": 8, "accepted": 0,
+            "acceptance_rate": 0.0, "tokens_per_round": 1.0}
+    line = format_stats({**base, "drafted": 0})
+    assert "draft-mtp: no drafts" in line and "0/0" not in line
+    line = format_stats({**base, "drafted": 4, "accepted": 3, "acceptance_rate": 0.75, "tokens_per_round": 1.375})
+    assert "draft-mtp: 3/4 accepted (75.0%), 1.38 tok/round" in line
+
+
 def test_spec_draft_mtp(capsys, model_path, api_greedy):
     rc, out, err = gen(capsys, model_path, "-p", PROMPT, "-n", "8", "--spec-type", "draft-mtp",
                        "--spec-draft-n-max", "2")
