@@ -95,6 +95,19 @@ class KVCache:
         return 0 if self.keys is None else int(self.keys.nbytes + self.values.nbytes)
 
 
+def shift_offsets(caches, delta: int | mx.array) -> None:
+    """Moves every KV cache's offset by `delta` (an int, or a device scalar). Layers whose offsets
+    are equal keep one shared value, so a device offset costs one operation per move, not one per
+    layer (and a later move, or `step._offsets`, sees a single array)."""
+    moved: dict = {}
+    for c in caches:
+        if isinstance(c, KVCache):
+            key = id(c.offset) if isinstance(c.offset, mx.array) else ("host", c.offset)
+            if key not in moved:
+                moved[key] = c.offset + delta
+            c.offset = moved[key]
+
+
 class RecurrentCache:
     """Conv window [1, kernel-1, channels] and recurrent state [1, Vh, Kd, Vd] of one gated-delta-net
     layer. After a forward with `capture=True` over S tokens, `rollback(n)` sets both to the exact
@@ -134,13 +147,6 @@ class RecurrentCache:
             window = mx.concatenate([conv0, x], axis=1)
             self.conv = window[:, n_keep:n_keep + self.kernel - 1]
             self.state = state_after(state0, k, u, g, n_keep)
-        self.release()
-
-    def rollback_lazy(self, n_keep: mx.array) -> None:
-        """`rollback` with the count a device scalar the host has not read (queued, not run)."""
-        if self._captured is None:
-            raise RuntimeError("rollback without a captured forward")
-        self.conv, self.state = _rollback_layers(n_keep, self.conv, self.state, *self._captured)
         self.release()
 
     def release(self) -> None:
@@ -207,20 +213,11 @@ class TrunkCache:
         """`rollback` with n_keep a device scalar: KV offsets become device values (one array
         shared by the layers), recurrent states are rebuilt on the device; `offset` (the host's)
         is left to the caller, who learns n_keep later."""
-        drop = self._captured - n_keep
-        shared: dict[int, mx.array] = {}
-        recurrent: list[RecurrentCache] = []
-        for c in self.layers:
-            if isinstance(c, KVCache):
-                c.to_device()
-                key = id(c.offset)
-                if key not in shared:
-                    shared[key] = c.offset - drop
-                c.offset = shared[key]
-            else:
-                if c._captured is None:
-                    raise RuntimeError("rollback without a captured forward")
-                recurrent.append(c)
+        recurrent = [c for c in self.layers if isinstance(c, RecurrentCache)]
+        if any(c._captured is None for c in recurrent):
+            raise RuntimeError("rollback without a captured forward")
+        self.kv_to_device()
+        shift_offsets(self.layers, n_keep - self._captured)
         if recurrent:
             flat = [a for c in recurrent for a in (c.conv, c.state, *c._captured)]
             out = _rollback_layers(n_keep, *flat)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .cache import KVCache, RecurrentCache
+from .cache import KVCache, RecurrentCache, shift_offsets
 
 MAX_TOKENS = 16
 
@@ -96,17 +96,10 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
         raise
     del arrays
     body_out, rest = outs[:layout["body"]], outs[layout["body"]:]
-    advanced: dict[int, mx.array] = {}  # a device offset shared by layers is advanced once
+    shift_offsets(caches, n_tokens)
     for c in caches:
         if isinstance(c, KVCache):
             c.keys, c.values = rest[0], rest[1]
-            if isinstance(c.offset, mx.array):
-                key = id(c.offset)
-                if key not in advanced:
-                    advanced[key] = c.offset + n_tokens
-                c.offset = advanced[key]
-            else:
-                c.offset += n_tokens
             if c.bound is not None:
                 c.bound += n_tokens
             rest = rest[2:]

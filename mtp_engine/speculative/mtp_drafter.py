@@ -268,7 +268,7 @@ class MTPDrafter(Drafter):
 
     def owed_rows(self) -> int:
         """Catch-up rows the head is owed (host-counted; a drafting round's block counts its width)."""
-        b = getattr(self, "block", None)
+        b = self.block
         if b is None:
             return len(self.owed_tokens)
         return b.valid - 1 if isinstance(b.valid, int) else int(b.tokens.shape[0]) - 1

@@ -177,18 +177,17 @@ class ResidentRounds:
         return accept_sampling_device(drafts, distribution(scored, cfg), q, live, sub)
 
     def _shapes(self, k: int) -> list:
-        w = int(self.drafter.block.tokens.shape[0])
-        cap = kv_capacity(self.cache)
-        head = [("mtp", w, kv_capacity(self.drafter.cache))] + ([("mtp", 1, kv_capacity(self.drafter.cache))]
-                                                               if k > 1 else [])
-        return head + [("trunk", k + 1, True, cap)]
+        w, head_cap = int(self.drafter.block.tokens.shape[0]), kv_capacity(self.drafter.cache)
+        head = [("mtp", w, head_cap)] + ([("mtp", 1, head_cap)] if k > 1 else [])
+        return head + [("trunk", k + 1, True, kv_capacity(self.cache))]
 
     # ---- the host's read, one round late -------------------------------------------------------
     def _complete_resident(self, r: Queued) -> list[int]:
         with self.prof.stage("sync"):
-            b = self.drafter.block
-            mx.eval(r.emitted, r.finite, b.tokens, b.hidden,
-                    *[a for a in (r.n, r.drafted, r.drafts) if isinstance(a, mx.array)])
+            # this round's block is evaluated with it; once a later round is queued the block is
+            # that round's (its `_queue` evaluates it): waiting for it here would serialise them
+            block = [] if self._queued else [self.drafter.block.tokens, self.drafter.block.hidden]
+            mx.eval(r.emitted, r.finite, *block, *[a for a in (r.n, r.drafted, r.drafts) if isinstance(a, mx.array)])
             check_finite(r.finite)
             n, drafted = int(r.n), int(r.drafted)
             emitted = r.emitted.tolist()
