@@ -102,8 +102,175 @@ _SOURCE = """
     }
 """
 
+_MMA_HEADER = r"""
+// bf16x2 of two floats, truncated: hi parts exact for the integers a weight can take
+// x as bf16 rounded to nearest (finite inputs); the hi + lo split below keeps ~17 bits of x
+__device__ __forceinline__ unsigned mtp_rn(float a) {
+    const unsigned u = __float_as_uint(a);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+}
+__device__ __forceinline__ unsigned mtp_pack_hi(float a, float b) { return (mtp_rn(a) >> 16) | mtp_rn(b); }
+__device__ __forceinline__ float mtp_hi(float a) { return __uint_as_float(mtp_rn(a)); }
+// bf16x2 128 + q (q OR-ed into the mantissa of 128.0) minus 128: the exact integer q, with no
+// int-to-float conversion
+__device__ __forceinline__ unsigned mtp_q(unsigned m) {
+    unsigned d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(m ), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return d;
+}
+__device__ __forceinline__ void mtp_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                        unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// A (weights) times B = (x_a, x_b) pairs, with x split into bf16 hi + lo so the sum keeps ~16 bits
+__device__ __forceinline__ void mtp_mma_x(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          float x0, float x1, float x2, float x3) {
+    mtp_mma(c, a0, a1, a2, a3, mtp_pack_hi(x0, x1), mtp_pack_hi(x2, x3));
+    mtp_mma(c, a0, a1, a2, a3, mtp_pack_hi(x0 - mtp_hi(x0), x1 - mtp_hi(x1)),
+            mtp_pack_hi(x2 - mtp_hi(x2), x3 - mtp_hi(x3)));
+}
+"""
+
+_MMA_SOURCE = r"""
+    // Tensor-core few-row product: out[m, n] = sum_k x[m, k] * (q[n, k] * s[n, g] + b[n, g]).
+    // One warp tile = 16 output features x 8 input rows (m16n8k16, weights as A, x^T as B); a block's
+    // NW warps split K and add in shared memory in a fixed order (deterministic).
+    // Fragment layout: lane = 4 * gi + t holds A rows gi and gi + 8 and B column gi (input row gi).
+    // Which physical k a fragment slot stands for is ours to choose (A and B only must agree): lane t
+    // takes the GROUP/4 consecutive values at t*GROUP/4 of each group, so a group is whole in one
+    // mma chain and its scale applies after. Weights enter as bf16 128 + q (q OR-ed into the
+    // mantissa of 128.0, then 128 taken off in bf16: exact, and no int-to-float conversions).
+    // 8-bit values go in as two nibbles (low, and high against 16 x).
+    const int M = x_shape[0];
+    const int K = x_shape[1];
+    const int N = wq_shape[0];
+    constexpr int VPW = 32 / BITS;           // values per uint32 word
+    constexpr int XT = GROUP / 4;            // values per lane per group
+    constexpr int WT = XT / VPW;             // words per lane per group
+    constexpr int WG = GROUP / VPW;          // words per group
+    const int KW = K / VPW;
+    const int G = K / GROUP;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int gi = lane >> 2, t = lane & 3;
+    const int nb = blockIdx.x * (16 * TM);
+    const bool xrow = gi < M;
+    const float* xr = x + (size_t)(xrow ? gi : 0) * K + t * XT;
+    float acc[TM][4];
+    #pragma unroll
+    for (int i = 0; i < TM; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+    for (int j0 = warp * U; j0 < G; j0 += NW * U) {
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u;
+            if (j >= G) break;
+            unsigned w[TM][2][WT];
+            float sc[TM][2], bi[TM][2];
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const size_t n = (size_t)(nb + 16 * i + gi + 8 * h);
+                    const unsigned* wp = wq + n * KW + (size_t)j * WG + t * WT;
+                    #pragma unroll
+                    for (int v = 0; v < WT; ++v) w[i][h][v] = wp[v];
+                    sc[i][h] = scales[n * G + j];
+                    bi[i][h] = biases[n * G + j];
+                }
+            }
+            float xv[XT];
+            if (xrow) {
+                const float4* xp = reinterpret_cast<const float4*>(xr + (size_t)j * GROUP);
+                #pragma unroll
+                for (int v = 0; v < XT / 4; ++v) {
+                    const float4 a = xp[v];
+                    xv[4 * v] = a.x; xv[4 * v + 1] = a.y; xv[4 * v + 2] = a.z; xv[4 * v + 3] = a.w;
+                }
+            } else {
+                #pragma unroll
+                for (int v = 0; v < XT; ++v) xv[v] = 0.0f;
+            }
+            float xs = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < XT; ++v) xs += xv[v];
+            xs += __shfl_xor_sync(0xffffffffu, xs, 1);
+            xs += __shfl_xor_sync(0xffffffffu, xs, 2);
+            // this lane's C columns are input rows 2t and 2t + 1
+            const float xs0 = __shfl_sync(0xffffffffu, xs, 8 * t);
+            const float xs1 = __shfl_sync(0xffffffffu, xs, 8 * t + 4);
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                #pragma unroll
+                for (int v = 0; v < WT; ++v) {
+                    const unsigned r0 = w[i][0][v], r1 = w[i][1][v];
+                    const float* xw = xv + v * VPW;
+                    if (BITS == 4) {
+                        // (w >> 4p) & 0x000F000F: nibbles p and p + 4 of the word as one bf16x2
+                        #pragma unroll
+                        for (int s = 0; s < 2; ++s) {
+                            const int p = 2 * s;
+                            mtp_mma_x(c, ((r0 >> (4 * p)) & 0x000F000Fu) ,
+                                      ((r1 >> (4 * p)) & 0x000F000Fu) ,
+                                      ((r0 >> (4 * p + 4)) & 0x000F000Fu) ,
+                                      ((r1 >> (4 * p + 4)) & 0x000F000Fu) ,
+                                      xw[p], xw[p + 4], xw[p + 1], xw[p + 5]);
+                        }
+                    } else {
+                        // bytes 0, 2 then 1, 3; low nibbles against x, high nibbles against 16 x
+                        #pragma unroll
+                        for (int hn = 0; hn < 2; ++hn) {
+                            const int sh = 4 * hn;
+                            const float f = hn ? 16.0f : 1.0f;
+                            mtp_mma_x(c, mtp_q((r0 >> sh) & 0x000F000Fu) ,
+                                      mtp_q((r1 >> sh) & 0x000F000Fu) ,
+                                      ((r0 >> (sh + 8)) & 0x000F000Fu) ,
+                                      ((r1 >> (sh + 8)) & 0x000F000Fu) ,
+                                      f * xw[0], f * xw[2], f * xw[1], f * xw[3]);
+                        }
+                    }
+                }
+                const float k0 = bi[i][0], k1 = bi[i][1];
+                acc[i][0] += sc[i][0] * c[0] + k0 * xs0;
+                acc[i][1] += sc[i][0] * c[1] + k0 * xs1;
+                acc[i][2] += sc[i][1] * c[2] + k1 * xs0;
+                acc[i][3] += sc[i][1] * c[3] + k1 * xs1;
+            }
+        }
+    }
+    __shared__ float red[NW > 1 ? NW - 1 : 1][TM * 4][32];
+    if (NW > 1) {
+        if (warp > 0) {
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) red[warp - 1][4 * i + e][lane] = acc[i][e];
+            }
+        }
+        __syncthreads();
+        if (warp > 0) return;
+        for (int ww = 0; ww < NW - 1; ++ww) {
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][e] += red[ww][4 * i + e][lane];
+            }
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int n = nb + 16 * i + gi;
+        const int m0 = 2 * t, m1 = 2 * t + 1;
+        if (m0 < M) { out[(size_t)m0 * N + n] = acc[i][0]; out[(size_t)m0 * N + n + 8] = acc[i][2]; }
+        if (m1 < M) { out[(size_t)m1 * N + n] = acc[i][1]; out[(size_t)m1 * N + n + 8] = acc[i][3]; }
+    }
+"""
+
 _kernel = None
 _tested: bool | None = None
+_mma_kernel = None
 
 
 def _cuda() -> bool:
@@ -146,6 +313,29 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
                   grid=(n // r * 32, 1, 1), threadgroup=(128, 1, 1),
                   output_shapes=[(rows, n)], output_dtypes=[mx.float32])[0]
     return out[:m] if rows != m else out
+
+
+def mma_supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, rows: int,
+                 tiles: int = 1) -> bool:
+    """Whether the tensor-core kernel handles this product: 4- or 8-bit, groups of 32/64/128,
+    rows 1..8, N a multiple of 16 * tiles, float32 scales."""
+    return (bits in (4, 8) and group_size in (32, 64, 128) and 1 <= rows <= MAX_ROWS and weight.ndim == 2
+            and weight.shape[0] % (16 * tiles) == 0 and scales.dtype == mx.float32)
+
+
+def quantized_rows_mma(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
+                       group_size: int, warps: int = 4, tiles: int = 1, unroll: int = 4) -> mx.array:
+    """x [M, K] (M <= 8) times W^T on the tensor cores: [M, N] float32. A block is `tiles` tiles of
+    16 output features; its `warps` warps split K, `unroll` groups per loop turn."""
+    global _mma_kernel
+    if _mma_kernel is None:
+        _mma_kernel = mx.fast.cuda_kernel(name="mtp_qmv_mma", input_names=["x", "wq", "scales", "biases"],
+                                          output_names=["out"], source=_MMA_SOURCE, header=_MMA_HEADER)
+    n = weight.shape[0]
+    return _mma_kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
+                       template=[("BITS", bits), ("GROUP", group_size), ("TM", tiles), ("NW", warps), ("U", unroll)],
+                       grid=(n // (16 * tiles) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+                       output_shapes=[(x.shape[0], n)], output_dtypes=[mx.float32])[0]
 
 
 def available() -> bool:

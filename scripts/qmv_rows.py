@@ -1,0 +1,88 @@
+"""Few-row quantized products on the GPU: the CUDA-core kernel, the tensor-core kernel (in its
+block shapes) and MLX's `quantized_matmul`, checked against each other and timed per row count.
+
+    python scripts/qmv_rows.py [--shapes 24576x4096,4096x12288] [--rows 1,2,4,8] [--repeats 5]
+
+Each timed product reads a different copy of the weight (more bytes than the L2 holds), so the
+figures are what a decode step sees; the effective bandwidth counts weights, scales and biases.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+
+from mtp_engine.model import kernels
+
+
+def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024) -> float:
+    w = mx.random.normal((n, k), key=mx.random.key(bits + group))
+    q, s, b = mx.quantize(w, group_size=group, bits=bits)
+    x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 3.0
+    ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits)
+    got = kernels.quantized_rows_mma(x, q, s, b, bits, group)
+    return float((mx.abs(got - ref).max() / mx.abs(ref).max()).item())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="24576x4096,4096x12288,8192x4096,248320x4096")
+    ap.add_argument("--rows", default="1,2,3,4,5,8")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--variants", default="4x1x4,8x1x4,4x2x4,8x1x2,2x1x4",
+                    help="tensor-core block shapes warps x tiles x unroll")
+    a = ap.parse_args()
+    worst = 0.0
+    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):
+        for rows in (1, 3, 8):
+            e = check(bits, group, rows)
+            worst = max(worst, e)
+            if e > 1e-4:
+                print(f"MISMATCH bits={bits} group={group} rows={rows}: max rel err {e:.2e}")
+    print(f"tensor-core kernel vs quantized_matmul: worst max-rel error {worst:.2e}", flush=True)
+
+    variants = [tuple(int(v) for v in s.split("x")) for s in a.variants.split(",")]
+    for shape in a.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        w = mx.random.normal((n, k), key=mx.random.key(1)) * 0.02
+        q, s, b = mx.quantize(w, group_size=a.group, bits=a.bits)
+        nbytes = q.nbytes + s.nbytes + b.nbytes
+        copies = max(2, int(400e6 // nbytes) + 1)
+        weights = [(q + mx.array(i, dtype=q.dtype) * 0, s * 1.0, b * 1.0) for i in range(copies)]
+        mx.eval(weights)
+        fns = {"mlx": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=a.group,
+                                                             bits=a.bits),
+               "simt": lambda x, q, s, b: kernels.quantized_rows(x, q, s, b, a.bits, a.group)}
+        for wv, tm, un in variants:
+            if n % (16 * tm) == 0:
+                fns[f"tc{wv}x{tm}x{un}"] = (lambda wv, tm, un: lambda x, q, s, b: kernels.quantized_rows_mma(
+                    x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, unroll=un))(wv, tm, un)
+        print(f"\n{n}x{k} {a.bits}-bit g{a.group}: {nbytes / 1e6:.1f} MB per copy, {copies} copies; "
+              "us per product (GB/s)", flush=True)
+        print("rows " + "".join(f"{name:>18}" for name in fns))
+        for rows in (int(r) for r in a.rows.split(",")):
+            x = mx.random.normal((rows, k), key=mx.random.key(7))
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for name, f in fns.items():  # warm-up (compiles)
+                mx.eval([f(x, *wt) for wt in weights[:2]])
+            for _ in range(a.repeats):
+                for name, f in fns.items():
+                    outs = [f(x, *wt) for _ in range(2) for wt in weights]  # graph built untimed
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    mx.eval(outs)
+                    mx.synchronize()
+                    times[name].append((time.perf_counter() - t0) / (2 * copies))
+            cells = []
+            for name in fns:
+                t = statistics.median(times[name])
+                cells.append(f"{t * 1e6:8.1f} ({nbytes / t / 1e9:5.0f})")
+            print(f"{rows:>4} " + "".join(f"{c:>18}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
