@@ -22,8 +22,11 @@ def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024) -> floa
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 3.0
     ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits)
-    got = kernels.quantized_rows_mma(x, q, s, b, bits, group)
-    return float((mx.abs(got - ref).max() / mx.abs(ref).max()).item())
+    errs = []
+    for got in (kernels.quantized_rows_mma(x, q, s, b, bits, group),
+                kernels.quantized_rows_mma2(x, q, s, b, bits, group)):
+        errs.append(float((mx.abs(got - ref).max() / mx.abs(ref).max()).item()))
+    return max(errs)
 
 
 def main() -> None:
@@ -33,11 +36,13 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--variants", default="4x1x4,8x1x4,4x2x4,8x1x2,2x1x4",
+    ap.add_argument("--variants", default="4x4x4",
                     help="tensor-core block shapes warps x tiles x unroll")
+    ap.add_argument("--variants2", default="4x1x4,4x2x3,2x4x3,8x1x3,2x2x4",
+                    help="shared-memory tensor-core block shapes warps x tiles x stages")
     a = ap.parse_args()
     worst = 0.0
-    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):
+    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):  # mma2: 8-bit up to g64
         for rows in (1, 3, 8):
             e = check(bits, group, rows)
             worst = max(worst, e)
@@ -61,6 +66,10 @@ def main() -> None:
             if n % (16 * tm) == 0:
                 fns[f"tc{wv}x{tm}x{un}"] = (lambda wv, tm, un: lambda x, q, s, b: kernels.quantized_rows_mma(
                     x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, unroll=un))(wv, tm, un)
+        for wv, tm, st in (tuple(int(v) for v in s.split("x")) for s in a.variants2.split(",")):
+            if n % (16 * tm) == 0:
+                fns[f"sm{wv}x{tm}x{st}"] = (lambda wv, tm, st: lambda x, q, s, b: kernels.quantized_rows_mma2(
+                    x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, stages=st))(wv, tm, st)
         print(f"\n{n}x{k} {a.bits}-bit g{a.group}: {nbytes / 1e6:.1f} MB per copy, {copies} copies; "
               "us per product (GB/s)", flush=True)
         print("rows " + "".join(f"{name:>18}" for name in fns))

@@ -103,7 +103,6 @@ _SOURCE = """
 """
 
 _MMA_HEADER = r"""
-// bf16x2 of two floats, truncated: hi parts exact for the integers a weight can take
 // x as bf16 rounded to nearest (finite inputs); the hi + lo split below keeps ~17 bits of x
 __device__ __forceinline__ unsigned mtp_rn(float a) {
     const unsigned u = __float_as_uint(a);
@@ -115,7 +114,7 @@ __device__ __forceinline__ float mtp_hi(float a) { return __uint_as_float(mtp_rn
 // int-to-float conversion
 __device__ __forceinline__ unsigned mtp_q(unsigned m) {
     unsigned d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(m ), "r"(0x3F803F80u), "r"(0xC300C300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(m | 0x43004300u), "r"(0x3F803F80u), "r"(0xC300C300u));
     return d;
 }
 __device__ __forceinline__ void mtp_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -162,12 +161,13 @@ _MMA_SOURCE = r"""
     #pragma unroll
     for (int i = 0; i < TM; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
     for (int j0 = warp * U; j0 < G; j0 += NW * U) {
+        // all U groups' loads first: bytes in flight per lane are what bounds this loop
+        unsigned w[U][TM][2][WT];
+        float sc[U][TM][2], bi[U][TM][2];
+        float xa[U][XT];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int j = j0 + u;
-            if (j >= G) break;
-            unsigned w[TM][2][WT];
-            float sc[TM][2], bi[TM][2];
+            const int j = min(j0 + u, G - 1);  // past the end: reloads the last group, not summed
             #pragma unroll
             for (int i = 0; i < TM; ++i) {
                 #pragma unroll
@@ -175,23 +175,27 @@ _MMA_SOURCE = r"""
                     const size_t n = (size_t)(nb + 16 * i + gi + 8 * h);
                     const unsigned* wp = wq + n * KW + (size_t)j * WG + t * WT;
                     #pragma unroll
-                    for (int v = 0; v < WT; ++v) w[i][h][v] = wp[v];
-                    sc[i][h] = scales[n * G + j];
-                    bi[i][h] = biases[n * G + j];
+                    for (int v = 0; v < WT; ++v) w[u][i][h][v] = wp[v];
+                    sc[u][i][h] = scales[n * G + j];
+                    bi[u][i][h] = biases[n * G + j];
                 }
             }
-            float xv[XT];
             if (xrow) {
                 const float4* xp = reinterpret_cast<const float4*>(xr + (size_t)j * GROUP);
                 #pragma unroll
                 for (int v = 0; v < XT / 4; ++v) {
                     const float4 a = xp[v];
-                    xv[4 * v] = a.x; xv[4 * v + 1] = a.y; xv[4 * v + 2] = a.z; xv[4 * v + 3] = a.w;
+                    xa[u][4 * v] = a.x; xa[u][4 * v + 1] = a.y; xa[u][4 * v + 2] = a.z; xa[u][4 * v + 3] = a.w;
                 }
             } else {
                 #pragma unroll
-                for (int v = 0; v < XT; ++v) xv[v] = 0.0f;
+                for (int v = 0; v < XT; ++v) xa[u][v] = 0.0f;
             }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (j0 + u >= G) break;
+            const float* xv = xa[u];
             float xs = 0.0f;
             #pragma unroll
             for (int v = 0; v < XT; ++v) xs += xv[v];
@@ -205,17 +209,17 @@ _MMA_SOURCE = r"""
                 float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 #pragma unroll
                 for (int v = 0; v < WT; ++v) {
-                    const unsigned r0 = w[i][0][v], r1 = w[i][1][v];
+                    const unsigned r0 = w[u][i][0][v], r1 = w[u][i][1][v];
                     const float* xw = xv + v * VPW;
                     if (BITS == 4) {
                         // (w >> 4p) & 0x000F000F: nibbles p and p + 4 of the word as one bf16x2
                         #pragma unroll
                         for (int s = 0; s < 2; ++s) {
                             const int p = 2 * s;
-                            mtp_mma_x(c, ((r0 >> (4 * p)) & 0x000F000Fu) ,
-                                      ((r1 >> (4 * p)) & 0x000F000Fu) ,
-                                      ((r0 >> (4 * p + 4)) & 0x000F000Fu) ,
-                                      ((r1 >> (4 * p + 4)) & 0x000F000Fu) ,
+                            mtp_mma_x(c, mtp_q((r0 >> (4 * p)) & 0x000F000Fu),
+                                      mtp_q((r1 >> (4 * p)) & 0x000F000Fu),
+                                      mtp_q((r0 >> (4 * p + 4)) & 0x000F000Fu),
+                                      mtp_q((r1 >> (4 * p + 4)) & 0x000F000Fu),
                                       xw[p], xw[p + 4], xw[p + 1], xw[p + 5]);
                         }
                     } else {
@@ -224,19 +228,19 @@ _MMA_SOURCE = r"""
                         for (int hn = 0; hn < 2; ++hn) {
                             const int sh = 4 * hn;
                             const float f = hn ? 16.0f : 1.0f;
-                            mtp_mma_x(c, mtp_q((r0 >> sh) & 0x000F000Fu) ,
-                                      mtp_q((r1 >> sh) & 0x000F000Fu) ,
-                                      ((r0 >> (sh + 8)) & 0x000F000Fu) ,
-                                      ((r1 >> (sh + 8)) & 0x000F000Fu) ,
+                            mtp_mma_x(c, mtp_q((r0 >> sh) & 0x000F000Fu),
+                                      mtp_q((r1 >> sh) & 0x000F000Fu),
+                                      mtp_q((r0 >> (sh + 8)) & 0x000F000Fu),
+                                      mtp_q((r1 >> (sh + 8)) & 0x000F000Fu),
                                       f * xw[0], f * xw[2], f * xw[1], f * xw[3]);
                         }
                     }
                 }
-                const float k0 = bi[i][0], k1 = bi[i][1];
-                acc[i][0] += sc[i][0] * c[0] + k0 * xs0;
-                acc[i][1] += sc[i][0] * c[1] + k0 * xs1;
-                acc[i][2] += sc[i][1] * c[2] + k1 * xs0;
-                acc[i][3] += sc[i][1] * c[3] + k1 * xs1;
+                const float k0 = bi[u][i][0], k1 = bi[u][i][1];
+                acc[i][0] += sc[u][i][0] * c[0] + k0 * xs0;
+                acc[i][1] += sc[u][i][0] * c[1] + k0 * xs1;
+                acc[i][2] += sc[u][i][1] * c[2] + k1 * xs0;
+                acc[i][3] += sc[u][i][1] * c[3] + k1 * xs1;
             }
         }
     }
@@ -268,8 +272,191 @@ _MMA_SOURCE = r"""
     }
 """
 
+_MMA2_HEADER = r"""
+__device__ __forceinline__ void mtp_cp16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
+}
+template <int SZ>
+__device__ __forceinline__ void mtp_cp(unsigned dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(dst), "l"(src), "n"(SZ));
+}
+__device__ __forceinline__ void mtp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void mtp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+__device__ __forceinline__ void mtp_ldsm4(unsigned* d, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
+}
+"""
+
+_MMA2_SOURCE = r"""
+    // As the kernel above (same fragments, same sums), with the weights streamed through shared
+    // memory: each lane copies whole 16-byte pieces (cp.async, ST stages in flight, no registers
+    // held), and ldmatrix hands every lane the word of each piece its fragment needs. A stage is a
+    // chunk of 64 bytes (4 pieces) of each of the warp's 16 * TM rows, with those rows' scales and
+    // biases; warps split the chunks of K.
+    const int M = x_shape[0];
+    const int K = x_shape[1];
+    const int N = wq_shape[0];
+    constexpr int VPW = 32 / BITS;
+    constexpr int CV = 16 * VPW;             // values per chunk (64 bytes) of a row
+    constexpr int WT = GROUP / 4 / VPW;      // words per lane per group = 16-byte pieces per group
+    constexpr int GPC = 4 / WT;              // groups per chunk
+    constexpr int XT = GROUP / 4;
+    const int KW = K / VPW;
+    const int G = K / GROUP;
+    const int NCH = K / CV;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int gi = lane >> 2, t = lane & 3;
+    const int nb = blockIdx.x * (16 * TM);
+    __shared__ __align__(16) unsigned ws[ST][NW][TM][16][20];      // rows padded to 80 bytes: no bank conflicts
+    __shared__ __align__(16) float sbs[ST][NW][TM][2][16][4];
+    // this lane's copies: weight rows gi and gi + 8, piece t; scale (lane < 16) or bias row lane & 15
+    const unsigned* wsrc = wq + (size_t)(nb + gi) * KW + 4 * t;
+    const float* ssrc = (lane < 16 ? scales : biases) + (size_t)(nb + (lane & 15)) * G;
+    auto issue = [&](int stage, int c) {
+        #pragma unroll
+        for (int i = 0; i < TM; ++i) {
+            const size_t roff = (size_t)(16 * i) * KW + (size_t)c * 16;
+            mtp_cp16((unsigned)__cvta_generic_to_shared(&ws[stage][warp][i][gi][4 * t]), wsrc + roff);
+            mtp_cp16((unsigned)__cvta_generic_to_shared(&ws[stage][warp][i][gi + 8][4 * t]), wsrc + roff + (size_t)8 * KW);
+            mtp_cp<4 * GPC>((unsigned)__cvta_generic_to_shared(&sbs[stage][warp][i][lane >> 4][lane & 15][0]),
+                            ssrc + (size_t)(16 * i) * G + (size_t)c * GPC);
+        }
+    };
+    const bool xrow = gi < M;
+    const float* xr = x + (size_t)(xrow ? gi : 0) * K;
+    float acc[TM][4];
+    #pragma unroll
+    for (int i = 0; i < TM; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+    int next = warp;
+    #pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+        if (next < NCH) issue(s, next);
+        mtp_commit();
+        next += NW;
+    }
+    int stage = 0;
+    for (int c = warp; c < NCH; c += NW) {
+        if (next < NCH) issue((stage + ST - 1) % ST, next);
+        mtp_commit();
+        next += NW;
+        mtp_wait<ST - 1>();
+        __syncwarp();
+        // fragments: wr[i][h][p] = word t of piece p of row gi + 8h (ldmatrix: lanes 8m..8m+7 name
+        // the 8 rows of matrix m; matrices = (rows 0-7, piece 2q), (8-15, 2q), (0-7, 2q+1), (8-15, 2q+1))
+        unsigned wr[TM][2][4];
+        #pragma unroll
+        for (int i = 0; i < TM; ++i) {
+            #pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int mi = lane >> 3;
+                unsigned d[4];
+                mtp_ldsm4(d, (unsigned)__cvta_generic_to_shared(&ws[stage][warp][i][(lane & 7) + 8 * (mi & 1)][4 * (2 * q + (mi >> 1))]));
+                wr[i][0][2 * q] = d[0]; wr[i][1][2 * q] = d[1]; wr[i][0][2 * q + 1] = d[2]; wr[i][1][2 * q + 1] = d[3];
+            }
+        }
+        #pragma unroll
+        for (int gl = 0; gl < GPC; ++gl) {
+            const int jg = c * GPC + gl;
+            // lane t's v-th word of the group is word 4v + t (piece v): its x values
+            float xv[XT];
+            if (xrow) {
+                #pragma unroll
+                for (int v = 0; v < WT; ++v) {
+                    const float4* xp = reinterpret_cast<const float4*>(xr + (size_t)jg * GROUP + (4 * v + t) * VPW);
+                    #pragma unroll
+                    for (int e = 0; e < VPW / 4; ++e) {
+                        const float4 a = xp[e];
+                        xv[v * VPW + 4 * e] = a.x; xv[v * VPW + 4 * e + 1] = a.y;
+                        xv[v * VPW + 4 * e + 2] = a.z; xv[v * VPW + 4 * e + 3] = a.w;
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (int v = 0; v < XT; ++v) xv[v] = 0.0f;
+            }
+            float xs = 0.0f;
+            #pragma unroll
+            for (int v = 0; v < XT; ++v) xs += xv[v];
+            xs += __shfl_xor_sync(0xffffffffu, xs, 1);
+            xs += __shfl_xor_sync(0xffffffffu, xs, 2);
+            const float xs0 = __shfl_sync(0xffffffffu, xs, 8 * t);
+            const float xs1 = __shfl_sync(0xffffffffu, xs, 8 * t + 4);
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                #pragma unroll
+                for (int v = 0; v < WT; ++v) {
+                    const unsigned r0 = wr[i][0][gl * WT + v], r1 = wr[i][1][gl * WT + v];
+                    const float* xw = xv + v * VPW;
+                    if (BITS == 4) {
+                        #pragma unroll
+                        for (int s = 0; s < 2; ++s) {
+                            const int p = 2 * s;
+                            mtp_mma_x(c4, mtp_q((r0 >> (4 * p)) & 0x000F000Fu),
+                                      mtp_q((r1 >> (4 * p)) & 0x000F000Fu),
+                                      mtp_q((r0 >> (4 * p + 4)) & 0x000F000Fu),
+                                      mtp_q((r1 >> (4 * p + 4)) & 0x000F000Fu),
+                                      xw[p], xw[p + 4], xw[p + 1], xw[p + 5]);
+                        }
+                    } else {
+                        #pragma unroll
+                        for (int hn = 0; hn < 2; ++hn) {
+                            const int sh = 4 * hn;
+                            const float f = hn ? 16.0f : 1.0f;
+                            mtp_mma_x(c4, mtp_q((r0 >> sh) & 0x000F000Fu),
+                                      mtp_q((r1 >> sh) & 0x000F000Fu),
+                                      mtp_q((r0 >> (sh + 8)) & 0x000F000Fu),
+                                      mtp_q((r1 >> (sh + 8)) & 0x000F000Fu),
+                                      f * xw[0], f * xw[2], f * xw[1], f * xw[3]);
+                        }
+                    }
+                }
+                const float s0 = sbs[stage][warp][i][0][gi][gl], s1 = sbs[stage][warp][i][0][gi + 8][gl];
+                const float b0 = sbs[stage][warp][i][1][gi][gl], b1 = sbs[stage][warp][i][1][gi + 8][gl];
+                acc[i][0] += s0 * c4[0] + b0 * xs0;
+                acc[i][1] += s0 * c4[1] + b0 * xs1;
+                acc[i][2] += s1 * c4[2] + b1 * xs0;
+                acc[i][3] += s1 * c4[3] + b1 * xs1;
+            }
+        }
+        __syncwarp();  // the next turn's copies overwrite the stage ST - 1 turns on, this one included
+        stage = stage + 1 == ST ? 0 : stage + 1;
+    }
+    mtp_wait<0>();
+    __shared__ float red[NW > 1 ? NW - 1 : 1][TM * 4][32];
+    if (NW > 1) {
+        if (warp > 0) {
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) red[warp - 1][4 * i + e][lane] = acc[i][e];
+            }
+        }
+        __syncthreads();
+        if (warp > 0) return;
+        for (int ww = 0; ww < NW - 1; ++ww) {
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][e] += red[ww][4 * i + e][lane];
+            }
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int n = nb + 16 * i + gi;
+        const int m0 = 2 * t, m1 = 2 * t + 1;
+        if (m0 < M) { out[(size_t)m0 * N + n] = acc[i][0]; out[(size_t)m0 * N + n + 8] = acc[i][2]; }
+        if (m1 < M) { out[(size_t)m1 * N + n] = acc[i][1]; out[(size_t)m1 * N + n + 8] = acc[i][3]; }
+    }
+"""
+
 _kernel = None
 _tested: bool | None = None
+_mma2_kernel = None
 _mma_kernel = None
 
 
@@ -336,6 +523,21 @@ def quantized_rows_mma(x: mx.array, weight: mx.array, scales: mx.array, biases: 
                        template=[("BITS", bits), ("GROUP", group_size), ("TM", tiles), ("NW", warps), ("U", unroll)],
                        grid=(n // (16 * tiles) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
                        output_shapes=[(x.shape[0], n)], output_dtypes=[mx.float32])[0]
+
+
+def quantized_rows_mma2(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
+                        group_size: int, warps: int = 4, tiles: int = 2, stages: int = 3) -> mx.array:
+    """As `quantized_rows_mma`, the weights streamed through shared memory (`stages` deep)."""
+    global _mma2_kernel
+    if _mma2_kernel is None:
+        _mma2_kernel = mx.fast.cuda_kernel(name="mtp_qmv_mma2", input_names=["x", "wq", "scales", "biases"],
+                                           output_names=["out"], source=_MMA2_SOURCE,
+                                           header=_MMA_HEADER + _MMA2_HEADER)
+    n = weight.shape[0]
+    return _mma2_kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
+                        template=[("BITS", bits), ("GROUP", group_size), ("TM", tiles), ("NW", warps), ("ST", stages)],
+                        grid=(n // (16 * tiles) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+                        output_shapes=[(x.shape[0], n)], output_dtypes=[mx.float32])[0]
 
 
 def available() -> bool:
