@@ -1,4 +1,4 @@
-"""Few-row quantized products on the GPU: the CUDA-core kernel, the tensor-core kernel (in its
+"""Few-row quantized products on the GPU: the CUDA-core kernel, the tensor-core kernel (in several
 block shapes) and MLX's `quantized_matmul`, checked against each other and timed per row count.
 
     python scripts/qmv_rows.py [--shapes 24576x4096,4096x12288] [--rows 1,2,4,8] [--repeats 5]
@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from mtp_engine.model import kernels
+from mtp_engine.model import kernels, mma_kernel
 
 
 def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024) -> float:
@@ -22,11 +22,8 @@ def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024) -> floa
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 3.0
     ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits)
-    errs = []
-    for got in (kernels.quantized_rows_mma(x, q, s, b, bits, group),
-                kernels.quantized_rows_mma2(x, q, s, b, bits, group)):
-        errs.append(float((mx.abs(got - ref).max() / mx.abs(ref).max()).item()))
-    return max(errs)
+    got = mma_kernel.quantized_rows(x, q, s, b, bits, group)
+    return float((mx.abs(got - ref).max() / mx.abs(ref).max()).item())
 
 
 def main() -> None:
@@ -36,13 +33,11 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--variants", default="4x4x4",
-                    help="tensor-core block shapes warps x tiles x unroll")
-    ap.add_argument("--variants2", default="4x1x4,4x2x3,2x4x3,8x1x3,2x2x4",
-                    help="shared-memory tensor-core block shapes warps x tiles x stages")
+    ap.add_argument("--variants", default="4x2x3,4x1x4,2x4x3,8x1x3",
+                    help="tensor-core block shapes: warps x tiles x stages")
     a = ap.parse_args()
     worst = 0.0
-    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):  # mma2: 8-bit up to g64
+    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):
         for rows in (1, 3, 8):
             e = check(bits, group, rows)
             worst = max(worst, e)
@@ -61,14 +56,10 @@ def main() -> None:
         mx.eval(weights)
         fns = {"mlx": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=a.group,
                                                              bits=a.bits),
-               "simt": lambda x, q, s, b: kernels.quantized_rows(x, q, s, b, a.bits, a.group)}
-        for wv, tm, un in variants:
+               "simt": lambda x, q, s, b: kernels.simt_rows(x, q, s, b, a.bits, a.group)}
+        for wv, tm, st in variants:
             if n % (16 * tm) == 0:
-                fns[f"tc{wv}x{tm}x{un}"] = (lambda wv, tm, un: lambda x, q, s, b: kernels.quantized_rows_mma(
-                    x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, unroll=un))(wv, tm, un)
-        for wv, tm, st in (tuple(int(v) for v in s.split("x")) for s in a.variants2.split(",")):
-            if n % (16 * tm) == 0:
-                fns[f"sm{wv}x{tm}x{st}"] = (lambda wv, tm, st: lambda x, q, s, b: kernels.quantized_rows_mma2(
+                fns[f"tc{wv}x{tm}x{st}"] = (lambda wv, tm, st: lambda x, q, s, b: mma_kernel.quantized_rows(
                     x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, stages=st))(wv, tm, st)
         print(f"\n{n}x{k} {a.bits}-bit g{a.group}: {nbytes / 1e6:.1f} MB per copy, {copies} copies; "
               "us per product (GB/s)", flush=True)

@@ -108,11 +108,30 @@ class _FakeKernel:
         return [mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=t["GROUP"], bits=t["BITS"])]
 
 
-def test_kernel_wrapper_pads_rows_to_few_variants(monkeypatch):
-    from mtp_engine.model import kernels
+class _FakeMmaKernel:
+    """Stands in for the tensor-core kernel: checks its launch shape, computes MLX's product."""
 
-    fake = _FakeKernel()
+    def __init__(self):
+        self.rows = set()
+
+    def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        x, wq, s, b = inputs
+        t = dict(template)
+        n = wq.shape[0]
+        assert n % (16 * t["TM"]) == 0 and grid[0] == n // (16 * t["TM"]) * threadgroup[0]
+        assert threadgroup[0] == 32 * t["NW"] and output_shapes == [(x.shape[0], n)]
+        # each warp's shared memory: ST stages of 16 * TM rows x 80 bytes + their scales and biases
+        assert t["ST"] * t["NW"] * t["TM"] * 1792 <= 48 * 1024
+        self.rows.add(x.shape[0])
+        return [mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=t["GROUP"], bits=t["BITS"])]
+
+
+def test_kernel_wrapper_pads_rows_to_few_variants(monkeypatch):
+    from mtp_engine.model import kernels, mma_kernel
+
+    fake, fake_mma = _FakeKernel(), _FakeMmaKernel()
     monkeypatch.setattr(kernels, "_kernel", fake)
+    monkeypatch.setattr(mma_kernel, "_kernel", fake_mma)
     w = mx.random.normal((64, 256), key=mx.random.key(5))
     q, s, b = mx.quantize(w, group_size=32, bits=8)
     assert kernels.supports(q, s, 8, 32, 8) and not kernels.supports(q, s, 8, 32, 9)
@@ -124,7 +143,14 @@ def test_kernel_wrapper_pads_rows_to_few_variants(monkeypatch):
         assert got.shape == (m, 64)
         # 1e-3 (of values ~16): on a GPU MLX's product takes different kernels for different row counts
         np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-3)
-    assert fake.variants == set(kernels.ROW_VARIANTS)
+    # one row on the CUDA cores (plain decoding's fastest), 2..8 on the tensor cores
+    assert fake.variants == {1} and fake_mma.rows == set(range(2, 9))
+    assert mma_kernel.supports(q[:48], s[:48], 8, 32, 2)  # 48 features: 16-feature tiles
+    assert not mma_kernel.supports(q, s, 8, 128, 2) and not mma_kernel.supports(q, s, 4, 32, 1)
+    for m in (2, 5):  # the CUDA-core kernel alone still pads to its variants
+        got = kernels.simt_rows(mx.random.normal((m, 256)), q, s, b, 8, 32)
+        assert got.shape == (m, 64)
+    assert fake.variants == {1, 2, 8}
 
 
 def test_kernel_self_test_falls_back_when_the_kernel_fails(monkeypatch):

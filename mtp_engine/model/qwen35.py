@@ -18,7 +18,7 @@ from . import attn_kernel, gdn, gdn_kernel, selftest_cache
 from .norm_kernel import add_rms_norm
 from . import norm_kernel
 from .layers import Linear, concat_outputs, rms_norm
-from . import kernels
+from . import kernels, mma_kernel
 from . import step as compiled
 from ..options import EngineOptions
 
@@ -288,7 +288,7 @@ class Qwen35Model:
         gdn_dims = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel,
                             c.eps) if any(c.recurrent) else None
         attn_shape = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot)
-        checks = {"qmv": (kernels, kernels._SOURCE, None, kernels.available),
+        checks = {"qmv": (kernels, kernels._SOURCE + mma_kernel.SOURCE, None, kernels.available),
                   "gdn": (gdn_kernel, gdn_kernel._SOURCE, gdn_dims, lambda: gdn_kernel.available(gdn_dims)),
                   "attn": (attn_kernel, attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE, attn_shape,
                            lambda: attn_kernel.available(attn_shape)),
