@@ -24,7 +24,7 @@ from .sampling import Sampler, SamplerConfig
 from .speculative import calibration
 from .speculative.config import SPEC_METHODS, SpecConfig
 from .speculative.draft_mtp import DraftMTPDecoder
-from .speculative.scheduler import AUTO_MAX, COMPILED_AUTO_MAX, DraftLengthScheduler
+from .speculative.scheduler import DraftLengthScheduler, auto_k_max
 from .text_input import check_messages, check_stop
 from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
 from .tokenizer import Tokenizer
@@ -332,8 +332,8 @@ def _decoder(m: Model, spec: SpecConfig, sampler: Sampler, prof: Profiler) -> De
             raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
                                  "this model has none", field="spec")
         # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
-        k_max = COMPILED_AUTO_MAX if m.model.compile_steps else AUTO_MAX
-        scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model, m.model.options.cache_path), k_max=k_max)
+        scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model, m.model.options.cache_path),
+                                         k_max=auto_k_max(m.model))
     decoder = DraftMTPDecoder(m.model, sampler, params, prof, scheduler=scheduler)
     decoder.calibration_path = m.path
     return decoder

@@ -38,9 +38,11 @@ class RoundClock:
     def start(self) -> None:
         self._t = time.perf_counter()
 
-    def lap(self, k: int, shapes: list) -> tuple[float, bool]:
+    def lap(self, k: int, shapes: list, shift: float = 0.0) -> tuple[float, bool]:
+        """This round's seconds since the last lap (plus `shift`, a pipelined round's correction
+        for work of another round inside its interval) and whether it first used a shape."""
         now = time.perf_counter()
-        seconds = now - (self._t if self._t is not None else now)
+        seconds = max(now - (self._t if self._t is not None else now) + shift, 0.0)
         self._t = now
         first = self.costly and any(s not in self.seen for s in shapes)
         self.seen.update(shapes)

@@ -24,7 +24,7 @@ from mtp_engine.model.layers import Linear
 from mtp_engine.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.ablations import ablation_decoder
 from mtp_engine.speculative.config import DraftParams
-from mtp_engine.speculative.scheduler import DraftLengthScheduler
+from mtp_engine.speculative.scheduler import DraftLengthScheduler, auto_k_max
 
 
 def config_9b(small: bool) -> Qwen35Config:
@@ -86,7 +86,8 @@ def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=Non
     if spec is None:
         dec = PlainDecoder(model, sampler)
     else:
-        sched = DraftLengthScheduler(costs) if n_max == "auto" else None
+        # as the API builds it (compiled steps: drafts up to 4)
+        sched = DraftLengthScheduler(costs, k_max=auto_k_max(model)) if n_max == "auto" else None
         dec = ablation_decoder(model, sampler, DraftParams(n_max), scheduler=sched, oracle_acceptance=oracle)
     last = None
     for last in run(dec, _Tok(), prompt, tokens, ignore_eos=True):

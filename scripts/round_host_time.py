@@ -30,16 +30,22 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     model = random_model(config_9b(a.small))
-    launch: list[float] = []
-    orig = resident.ResidentRounds._launch_resident
+    # host time per part of a round: building its graph (launch, incl. async_eval), the async_eval
+    # call alone, and the read of a finished round (mostly waiting for the device)
+    parts: dict[str, list[float]] = {"launch": [], "async_eval": [], "read": []}
 
-    def timed(self, k):
-        t = time.perf_counter()
-        r = orig(self, k)
-        launch.append(time.perf_counter() - t)
-        return r
+    def timed(name, orig):
+        def wrapper(self, *args):
+            t = time.perf_counter()
+            r = orig(self, *args)
+            parts[name].append(time.perf_counter() - t)
+            return r
+        return wrapper
 
-    resident.ResidentRounds._launch_resident = timed
+    R = resident.ResidentRounds
+    R._launch_resident = timed("launch", R._launch_resident)
+    R._queue = timed("async_eval", R._queue)
+    R._complete_resident = timed("read", R._complete_resident)
     prompt = list(range(100, 164))
     ks = [int(x) for x in a.ks.split(",")]
     for k in ks:  # warm-up: every shape traced once
@@ -48,13 +54,14 @@ def main() -> int:
     for rep in range(3):
         row = {"rep": rep, "plain_ms": 1e3 / decode_tps(model, prompt, a.tokens)[0]}
         for k in ks:
-            launch.clear()
+            for v in parts.values():
+                v.clear()
             dec = ablation_decoder(model, Sampler(SamplerConfig(seed=0)), DraftParams(k), oracle_acceptance=a.a)
             last = None
             for last in run(dec, _Tok(), prompt, a.tokens, ignore_eos=True):
                 pass
             rounds = [s for _, s, first in dec.clock.rounds if not first]
-            row[f"k{k}"] = {"launch_ms": round(statistics.median(launch) * 1e3, 3),
+            row[f"k{k}"] = {**{f"{n}_ms": round(statistics.median(v) * 1e3, 3) for n, v in parts.items() if v},
                             "round_ms": round(statistics.median(rounds) * 1e3, 3),
                             "tok_s": round(last.stats["decode_tokens_per_second"], 1),
                             "speedup": round(last.stats["decode_tokens_per_second"] * row["plain_ms"] / 1e3, 3),

@@ -4,6 +4,7 @@ compile time; n-max auto says once why it did not draft."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -74,3 +75,29 @@ def test_stats_report_ttft_load_compile_and_autos_reason(tiny, capsys, tmp_path,
         assert st["auto_message"] in format_stats(st)
     plain = generate(IDS, tiny, max_tokens=4).stats
     assert "auto_message" not in plain and "time_to_first_token_seconds" in plain
+
+
+def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny, monkeypatch):
+    """With device-resident rounds the host queues round r+1 before it reads round r: r's interval
+    holds r+1's queuing. A drafting round that is slow to queue must not make the plain round
+    before it look slow (auto measured drafting as free that way and kept drafting at a = 0.5)."""
+    from mtp_engine.speculative import resident
+
+    ks = iter([1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0] + [0] * 40)
+    orig = resident.ResidentRounds._launch_resident
+
+    def slow_drafting(self, k):
+        if k:
+            time.sleep(0.05)  # a drafting round costs the host 50 ms to queue; a plain one ~nothing
+        return orig(self, k)
+
+    monkeypatch.setattr(resident.ResidentRounds, "_launch_resident", slow_drafting)
+    d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(1))
+    monkeypatch.setattr(d, "_choose_k", lambda: next(ks))
+    _tokens(d, tiny.tokenizer, 16)
+    assert d._resident and d.pipeline
+    timed = [(k, s) for k, s, first in d.clock.rounds[1:-1] if not first]
+    plain = [s for k, s in timed if k == 0]
+    drafting = [s for k, s in timed if k == 1]
+    assert plain and drafting
+    assert max(plain) < 0.04 <= min(drafting), timed

@@ -193,7 +193,7 @@ class SpeculativeDecoder(DecoderBase):
         """Statistics, the round's time, the scheduler's observation and the trace; its emitted
         tokens (`r.logits`: the rows that scored them, for logprobs)."""
         emitted = self._emitted(drafts[:n] + [token], n, len(drafts), r.logits)
-        seconds, first_use = self.clock.lap(r.k, r.shapes)
+        seconds, first_use = self.clock.lap(r.k, r.shapes, getattr(r, "shift", 0.0))
         self._record(len(drafts), n)
         self.k_histogram[r.k] += 1
         if self.scheduler:

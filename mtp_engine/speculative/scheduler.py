@@ -36,6 +36,11 @@ _PROBE_EVERY = 16  # plain rounds between probes at least (the budget usually sp
 _WINDOW = 32  # timed rounds kept per (context range, k); the median is robust to stalls
 
 
+def auto_k_max(model) -> int:
+    """The longest draft auto considers for `model`: COMPILED_AUTO_MAX under compiled steps."""
+    return COMPILED_AUTO_MAX if getattr(model, "compile_steps", False) else AUTO_MAX
+
+
 def context_bucket(context: int) -> int:
     """Context ranges [0, 512), [512, 1024), [1024, 2048), ...: attention cost grows with context."""
     return max(0, int(context).bit_length() - 9)
