@@ -101,3 +101,22 @@ def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny, monkey
     drafting = [s for k, s in timed if k == 1]
     assert plain and drafting
     assert max(plain) < 0.04 <= min(drafting), timed
+
+
+def test_plain_stretches_of_any_length_reuse_a_few_head_shapes(tiny, monkeypatch):
+    """After j plain rounds the MTP head owes j rows; the block it runs is padded to 1, 2, 4 or 8
+    rows, so stretches of every length cost no new compile (each was seconds at 9B), and the
+    output is still plain decoding's."""
+    pattern = [k for j in range(1, 10) for k in [0] * j + [2]] + [0] * 200
+    ks = iter(pattern)
+    d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(2))
+    monkeypatch.setattr(d, "_choose_k", lambda: next(ks))
+    used = []
+    shapes = d._shapes
+    monkeypatch.setattr(d, "_shapes", lambda k: used.extend(shapes(k)) or shapes(k))
+    n = 60
+    got, _ = _tokens(d, tiny.tokenizer, n)
+    ref, _ = _tokens(PlainDecoder(tiny.model, Sampler(SamplerConfig())), tiny.tokenizer, n)
+    assert got == ref
+    widths = {s[1] for s in used if s[0] == "mtp"}
+    assert widths <= {1, 2, 3, 4, 8}, widths  # 3: a drafting round's k + 1

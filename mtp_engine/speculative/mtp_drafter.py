@@ -52,7 +52,12 @@ class MTPDrafter(Drafter):
 
     name = "draft-mtp"
     prefill_chunk = 512
-    catch_up_window = 8  # owed rows kept across plain rounds (see _trim_owed)
+    # owed rows kept across plain rounds (see _trim_owed): with the last token's row a block is at
+    # most 8 rows, what the few-row product kernels take
+    catch_up_window = 7
+    # widths a block of host-counted rows is padded to (`block_width`): a plain stretch of any
+    # length then reuses the head's compiled shapes (each new width was a compile: seconds at 9B)
+    BLOCK_WIDTHS = (1, 2, 4, 8)
 
     def __init__(self, model: Qwen35Model):
         if model.mtp is None:
@@ -212,12 +217,25 @@ class MTPDrafter(Drafter):
                                mx.concatenate(self.owed_hidden + [self.h_last], axis=1), len(tokens))
         self.owed_tokens, self.owed_hidden = [], []
 
+    def block_width(self) -> int:
+        """Rows the head runs for the current block: a drafting round's k+1, or the host-counted
+        rows padded up to one of `BLOCK_WIDTHS`."""
+        w = int(self.block.tokens.shape[0])
+        if not isinstance(self.block.valid, int):
+            return w
+        return next((x for x in self.BLOCK_WIDTHS if x >= w), w)
+
     def _run_block(self) -> mx.array:
         """The block through the head (its valid rows stay, the cache's device offset moves past
-        them); the last valid row's output [1, 1, H]."""
+        them; padding rows are written past them, masked and rewritten like stale rows); the last
+        valid row's output [1, 1, H]."""
         b, cache = self.block, self.cache
-        base, bound, w = cache.offset, cache.bound, int(b.tokens.shape[0])
-        h = self.model.mtp(self.model.embed_tokens(b.tokens[None]), b.hidden, cache, resident=True)
+        base, bound, w = cache.offset, cache.bound, self.block_width()
+        tokens, hidden = b.tokens, b.hidden
+        if w > tokens.shape[0]:
+            tokens = mx.pad(tokens, [(0, w - tokens.shape[0])])
+            hidden = mx.pad(hidden, [(0, 0), (0, w - hidden.shape[1]), (0, 0)])
+        h = self.model.mtp(self.model.embed_tokens(tokens[None]), hidden, cache, resident=True)
         cache.offset, cache.bound = base + b.valid, bound + w  # rows past valid are stale, masked, rewritten
         if isinstance(b.valid, int):
             return h[:, b.valid - 1:b.valid]

@@ -187,7 +187,7 @@ class ResidentRounds:
         return accept_sampling_device(drafts, distribution(scored, cfg), q, live, sub)
 
     def _shapes(self, k: int) -> list:
-        w, head_cap = int(self.drafter.block.tokens.shape[0]), kv_capacity(self.drafter.cache)
+        w, head_cap = self.drafter.block_width(), kv_capacity(self.drafter.cache)
         head = [("mtp", w, head_cap)] + ([("mtp", 1, head_cap)] if k > 1 else [])
         return head + [("trunk", k + 1, True, kv_capacity(self.cache))]
 
