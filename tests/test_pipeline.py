@@ -92,9 +92,15 @@ def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny, monkey
         return orig(self, k)
 
     monkeypatch.setattr(resident.ResidentRounds, "_launch_resident", slow_drafting)
+    steady = []
+    complete = resident.ResidentRounds._complete_resident
+    monkeypatch.setattr(resident.ResidentRounds, "_complete_resident",
+                        lambda self, r: steady.append((r.k, r.steady)) or complete(self, r))
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(1))
     monkeypatch.setattr(d, "_choose_k", lambda: next(ks))
-    _tokens(d, tiny.tokenizer, 16)
+    _tokens(d, tiny.tokenizer, 36)
+    # alternating rounds are no samples of t(k) for auto; a plain stretch is (but for its ends)
+    assert not any(st for _, st in steady[:12]) and any(st for _, st in steady[15:-1]), steady
     assert d._resident and d.pipeline
     timed = [(k, s) for k, s, first in d.clock.rounds[1:-1] if not first]
     plain = [s for k, s in timed if k == 0]

@@ -5,6 +5,7 @@ fixed n-max where it pays, and follows a change of text mid-stream."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -197,17 +198,23 @@ RETURN_ROUNDS = 150  # ... and drafts again after prose turns back to code (a GP
 
 
 def test_a_change_of_text_mid_stream_is_followed():
-    """Code (drafts accepted with p 0.9) for 600 rounds, prose (0.15) for 600, code again."""
+    """Code (drafts accepted with p 0.9) for 600 rounds, prose (0.15) for 600, code again; medians
+    over 5 noise seeds (one seed's timing noise moves the return by +-60 rounds)."""
     switch1, switch2 = 600, 1200
     acc = lambda i: 0.9 if i < switch1 or i >= switch2 else 0.15
-    s = DraftLengthScheduler(GPU.seed_costs())
-    ch = simulate(GPU, acc, 1800, sched=s).chosen
-    assert sum(k > 1 for k in ch[switch1 - 100:switch1]) >= 95  # code: long drafts
-    prose = ch[switch1 + FOLLOW_ROUNDS:switch2]
-    assert sum(k > 0 for k in prose) <= len(prose) * 0.1  # plain, but for probes (and what they start)
-    assert sum(k > 1 for k in prose) <= len(prose) * 0.03
-    back = next(i for i in range(switch2, len(ch)) if sum(k > 1 for k in ch[i:i + 10]) >= 8)
-    assert back - switch2 <= RETURN_ROUNDS, back - switch2
+    code, drafting, long_drafts, back = [], [], [], []
+    for seed in range(5):
+        ch = simulate(GPU, acc, 1800, sched=DraftLengthScheduler(GPU.seed_costs()), seed=seed).chosen
+        code.append(sum(k > 1 for k in ch[switch1 - 100:switch1]))  # code: long drafts
+        prose = ch[switch1 + FOLLOW_ROUNDS:switch2]
+        drafting.append(sum(k > 0 for k in prose) / len(prose))  # plain, but for probes (and what they start)
+        long_drafts.append(sum(k > 1 for k in prose) / len(prose))
+        back.append(next(i for i in range(switch2, len(ch)) if sum(k > 1 for k in ch[i:i + 10]) >= 8) - switch2)
+    med = statistics.median
+    assert min(code) >= 95, code
+    assert med(drafting) <= 0.1 and max(drafting) <= 0.15, drafting
+    assert med(long_drafts) <= 0.03, long_drafts
+    assert med(back) <= RETURN_ROUNDS and max(back) <= 1.5 * RETURN_ROUNDS, back
 
 
 def test_probe_times_are_not_stored_as_round_costs():

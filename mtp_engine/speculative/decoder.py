@@ -197,7 +197,8 @@ class SpeculativeDecoder(DecoderBase):
         self._record(len(drafts), n)
         self.k_histogram[r.k] += 1
         if self.scheduler:
-            self.scheduler.observe(len(drafts), n, seconds, self.cache.offset, first_use)
+            self.scheduler.observe(len(drafts), n, seconds, self.cache.offset, first_use,
+                                   getattr(r, "steady", True))
         if self.trace is not None:
             self.trace.append({"draft": drafts, "n_accepted": n, "emitted": emitted})
         return emitted

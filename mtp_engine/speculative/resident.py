@@ -77,6 +77,7 @@ class Queued:
     shapes: list = field(default_factory=list)
     launch_s: float = 0.0  # host seconds it took to queue, when queued ahead of another round's read
     shift: float = 0.0  # correction to its timed interval (`step`)
+    steady: bool = True  # queued between rounds of its own k: its time is a sample of t(k)
 
 
 class ResidentRounds:
@@ -89,6 +90,7 @@ class ResidentRounds:
     def prefill(self, ids: list[int]) -> list[int]:
         out = super().prefill(ids)
         self._queued: list[Queued] = []
+        self._prev_k = -1
         self._resident = (self.resident_rounds and self.model.resident_rounds and self.sampler.grammar is None
                           and self.prof.mode != "precise")
         if self._resident:
@@ -112,6 +114,10 @@ class ResidentRounds:
             # them, or a plain round before a drafting one times like a drafting round and auto
             # sees drafting as free (it kept drafting at acceptance 0.5 and lost 40% on the H200)
             cur.shift = cur.launch_s - nxt.launch_s
+            cur.steady = self._prev_k == cur.k == nxt.k
+        elif self._pipelined_rounds():
+            cur.steady = False  # the last round: nothing queued behind it
+        self._prev_k = cur.k
         return self._complete_resident(cur)
 
     def plain_step(self) -> list[int]:

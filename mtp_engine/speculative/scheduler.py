@@ -80,6 +80,7 @@ class DraftLengthScheduler:
         self._bucket = 0
         self._last_k = 0
         self._plain_streak = 0
+        self._forced_plain = 0  # plain rounds still owed to a measurement of t(0)
         self.decode_seconds = 0.0
         self.probes = 0
         self.probe_seconds = 0.0  # probes' time beyond the plain step each replaced
@@ -195,8 +196,12 @@ class DraftLengthScheduler:
         best = max(range(1, self.k_max + 1), key=lambda k: rates[k])
         threshold = 1.0 + MARGIN[0] if self._last_k == 0 else 1.0 - MARGIN[1]
         k = best if rates[best] > threshold else 0
-        if k and self._plain_unmeasured() and self.rounds % 4 == 3:
-            k = 0  # every rate is relative to a plain step's time: measure it, whatever the seed says
+        if self._forced_plain:
+            k, self._forced_plain = 0, self._forced_plain - 1
+        elif k and self._plain_unmeasured() and self.rounds % 8 == 3:
+            # every rate is relative to a plain step's time: measure it, whatever the seed says; three
+            # in a row, as a pipelined round times cleanly only between rounds of its own k
+            k, self._forced_plain = 0, 2
         probe = False
         if k == 0:
             self._plain_streak += 1
@@ -247,10 +252,15 @@ class DraftLengthScheduler:
                 else:
                     self.rej[i] += 1.0
 
-    def observe(self, drafted: int, n: int, seconds: float, context: int = 0, first_use: bool = False) -> None:
+    def observe(self, drafted: int, n: int, seconds: float, context: int = 0, first_use: bool = False,
+                steady: bool = True) -> None:
         """One finished round: `drafted` drafts (after p-min/n-min), n accepted, `seconds` of wall
         time since the previous round's host read; `first_use` when it ran a shape for the first
-        time (its time includes compiling and is not a sample of t(k))."""
+        time (its time includes compiling and is not a sample of t(k)); `steady` False when its
+        neighbours drafted otherwise: with device-resident rounds the host queues round r+1 before
+        it reads round r and `mx.async_eval` waits for the device, so a round's interval carries its
+        neighbours' work (a plain round between drafting rounds timed like one, and auto saw
+        drafting as free at acceptance 0.5 on the H200)."""
         k, probe = self._queue.popleft() if self._queue else (drafted, False)
         self.update(drafted, n)
         self._medians.clear()
@@ -268,7 +278,8 @@ class DraftLengthScheduler:
             self.probe_seconds += max(seconds - (t0 or seconds), 0.0)
             self._probe_times.append(seconds)
             return
-        self._times.setdefault((b, k), deque(maxlen=_WINDOW)).append(seconds)
+        if steady:
+            self._times.setdefault((b, k), deque(maxlen=_WINDOW)).append(seconds)
 
     # ---- reporting --------------------------------------------------------------------------
     def compile_seconds(self) -> float:
