@@ -1,0 +1,43 @@
+"""The custom few-row quantized products on a CUDA GPU (issue 25 point 4): the CUDA-core kernel
+(one row) and the tensor-core kernel (2..8 rows) against MLX's `quantized_matmul`, through the
+`Linear` the model uses, for 1..16 rows (9..16 take MLX's own path), 4- and 8-bit, groups
+32/64/128, shapes that do and do not fill a block. Skipped where MLX has no CUDA device."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtp_engine.model import kernels, mma_kernel
+from mtp_engine.model.layers import Linear
+
+pytestmark = pytest.mark.skipif(not kernels.cuda(), reason="needs MLX's CUDA backend (a GPU)")
+
+CASES = [(4, 32, 512, 1024), (4, 64, 272, 512), (4, 128, 256, 1024), (8, 32, 96, 512), (8, 64, 512, 256)]
+
+
+@pytest.mark.parametrize("bits,group,n,k", CASES)
+def test_products_match_mlx_for_1_to_16_rows(bits, group, n, k):
+    assert kernels.available()
+    w = mx.random.normal((n, k), key=mx.random.key(bits * group + n)) * k ** -0.5
+    q, s, b = mx.quantize(w, group_size=group, bits=bits)
+    lin = Linear(q, s, b, bits, group, custom_kernel=True)
+    for rows in range(1, 17):
+        x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 2.0
+        ref = np.array(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits))
+        got = np.array(lin(x))
+        scale = np.abs(ref).max()
+        assert np.abs(got - ref).max() <= 1e-5 * scale + 1e-6, (rows, np.abs(got - ref).max() / scale)
+
+
+def test_tensor_core_block_shapes_agree():
+    """Every block shape scripts/qmv_rows.py times computes the same product (split-K sums are
+    added in a fixed order: run twice, bit-identical)."""
+    w = mx.random.normal((1024, 2048), key=mx.random.key(9)) * 0.02
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    x = mx.random.normal((5, 2048), key=mx.random.key(10))
+    ref = np.array(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4))
+    for warps, tiles, stages in ((4, 2, 3), (4, 1, 4), (2, 4, 3), (8, 1, 3)):
+        a = np.array(mma_kernel.quantized_rows(x, q, s, b, 4, 32, warps, tiles, stages))
+        assert np.array_equal(a, np.array(mma_kernel.quantized_rows(x, q, s, b, 4, 32, warps, tiles, stages)))
+        np.testing.assert_allclose(a, ref, atol=1e-5 * np.abs(ref).max())

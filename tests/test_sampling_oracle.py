@@ -1,0 +1,202 @@
+"""Independent oracles for sampling and acceptance (issue 25 point 2): a float64 NumPy statement of
+llama.cpp's filter chain that `sampling.distribution` must match, the rejection samplers (host and
+device) checked against the exact target distribution rather than against plain sampling, and
+acceptance counted on hand-built rounds (all k accepted, the first rejected, one in the middle)."""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtp_engine.sampling import Sampler, SamplerConfig, distribution
+from mtp_engine.speculative.accept import accept_greedy, accept_sampling
+from mtp_engine.speculative.resident import accept_greedy_device, accept_sampling_device
+
+
+def reference_distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                           min_p: float = 0.0) -> np.ndarray:
+    """llama.cpp's default chain, in float64: top-k on the logits; then, on the softmax of what is
+    left, top-p (the most likely tokens until their mass reaches top_p, the crossing one included,
+    and every token as likely as the last one kept) and min-p (tokens at least min_p times the most
+    likely one); then the temperature on the surviving logits."""
+    x = np.asarray(logits, dtype=np.float64)
+    keep = np.ones(x.shape, dtype=bool)
+    if 0 < top_k < x.size:
+        kth = np.sort(x)[-top_k]
+        keep &= x >= kth
+    p = np.where(keep, np.exp(x - x[keep].max()), 0.0)
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        mass, last = 0.0, None
+        for i in order:
+            if mass >= top_p:
+                break
+            mass += p[i]
+            last = p[i]
+        keep &= p >= last
+    if min_p > 0.0:
+        keep &= p >= min_p * p.max()
+    z = np.where(keep, x / temperature, -np.inf)
+    out = np.exp(z - z.max())
+    return out / out.sum()
+
+
+CONFIGS = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.5, top_k=5),
+           dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_p=0.5), dict(temperature=1.0, min_p=0.05),
+           dict(temperature=0.6, min_p=0.2), dict(temperature=1.2, top_k=40, top_p=0.95, min_p=0.05),
+           dict(temperature=1.0, top_k=1), dict(temperature=0.9, top_p=1e-6), dict(temperature=2.0, top_k=3, min_p=0.3)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_distribution_matches_the_float64_reference(cfg):
+    rng = np.random.default_rng(0)
+    for scale in (0.5, 3.0, 12.0):  # flat, typical and peaked logits
+        logits = (rng.standard_normal((4, 97)) * scale).astype(np.float32)
+        got = np.array(distribution(mx.array(logits), SamplerConfig(**cfg)))
+        for row, g in zip(logits, got):
+            ref = reference_distribution(row, **cfg)
+            # the same tokens survive the filters (a float32 probability may underflow to 0)
+            assert np.all(ref[g > 0] > 0) and np.all(ref[g == 0] < 1e-37), (cfg, scale)
+            np.testing.assert_allclose(g, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_the_reference_itself_on_hand_computed_cases():
+    """The oracle pinned by hand: probabilities 0.5, 0.3, 0.15, 0.05 (logits their logs)."""
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(reference_distribution(logits, 1.0), [0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(reference_distribution(logits, 1.0, top_p=0.79), [0.5 / 0.8, 0.3 / 0.8, 0, 0])
+    np.testing.assert_allclose(reference_distribution(logits, 1.0, top_p=0.81), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
+    np.testing.assert_allclose(reference_distribution(logits, 1.0, min_p=0.3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
+    np.testing.assert_allclose(reference_distribution(logits, 1.0, min_p=0.31), [0.5 / 0.8, 0.3 / 0.8, 0, 0])
+    np.testing.assert_allclose(reference_distribution(logits, 1.0, top_k=2), [0.5 / 0.8, 0.3 / 0.8, 0, 0])
+    t = reference_distribution(logits, 0.5)  # p^(1/T) renormalised
+    np.testing.assert_allclose(t, np.array([0.5, 0.3, 0.15, 0.05]) ** 2 / np.sum(np.array([0.5, 0.3, 0.15, 0.05]) ** 2))
+
+
+# ---- rejection sampling against the exact target ------------------------------------------------
+P = np.array([[0.40, 0.30, 0.20, 0.10, 0.00],   # target rows: after the context, after d1, after d1 d2
+              [0.05, 0.15, 0.50, 0.20, 0.10],
+              [0.25, 0.25, 0.25, 0.15, 0.10]])
+Q = np.array([[0.10, 0.60, 0.10, 0.10, 0.10],   # the drafter's rows (a poor, overconfident drafter)
+              [0.00, 0.10, 0.80, 0.10, 0.00]])
+TRIALS = 6000
+
+
+def _chi2_ok(counts: np.ndarray, probs: np.ndarray) -> bool:
+    """Pearson chi-square goodness of fit at p > 1e-4 (a wrong sampler fails by hundreds of sigma)."""
+    n = counts.sum()
+    m = probs > 0
+    assert counts[~m].sum() == 0, "a token of probability 0 was emitted"
+    stat = float(np.sum((counts[m] - n * probs[m]) ** 2 / (n * probs[m])))
+    dof = int(m.sum()) - 1
+    # Wilson-Hilferty: chi2(dof) quantile at 1 - 1e-4
+    z = 3.719
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat < crit
+
+
+def _draws(sample_round) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """First emitted token's counts, second emitted token's counts given d1 was accepted, and how
+    many drafts were accepted, over TRIALS rounds whose drafts are drawn from Q."""
+    rng = np.random.default_rng(1)
+    first, second, accepted = np.zeros(5), np.zeros(5), np.zeros(3)
+    for t in range(TRIALS):
+        drafts = np.array([rng.choice(5, p=Q[0]), rng.choice(5, p=Q[1])])
+        n, emitted = sample_round(drafts, t)
+        accepted[n] += 1
+        first[emitted[0]] += 1
+        if n >= 1:
+            second[emitted[1]] += 1
+    return first, second, accepted
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_rejection_sampling_emits_the_target_distribution(where):
+    """Lossless: whatever the drafter, the first emitted token is distributed as P[0] and, once d1
+    is kept, the next as P[1]; a draft is kept with probability sum(min(P, Q)) (0.5 for row 0)."""
+    if where == "host":
+        sampler = Sampler(SamplerConfig(temperature=1.0, seed=3))
+
+        def round_(drafts, t):
+            n, token = accept_sampling(drafts, P, Q, sampler)
+            return n, list(drafts[:n]) + [token]
+    else:
+        p, q = mx.array(P, mx.float32), mx.array(Q, mx.float32)
+        live = mx.array([True, True])
+
+        def round_(drafts, t):
+            n, emitted = accept_sampling_device(mx.array(drafts, mx.int32), p, q, live, mx.random.key(t))
+            return int(n), np.array(emitted).tolist()
+    first, second, accepted = _draws(round_)
+    assert _chi2_ok(first, P[0]), first / TRIALS
+    assert _chi2_ok(second, P[1]), second / second.sum()
+    keep1 = np.minimum(P[0], Q[0]).sum()  # 0.5
+    assert abs(accepted[1:].sum() / TRIALS - keep1) < 4 * math.sqrt(keep1 * (1 - keep1) / TRIALS)
+
+
+# ---- greedy acceptance on hand-built rounds ------------------------------------------------------
+ROUNDS = [  # drafts, the target's argmax per verify row, accepted, emitted
+    ([5, 6, 7], [5, 6, 7, 9], 3, [5, 6, 7, 9]),   # every draft accepted: the bonus token follows
+    ([5, 6, 7], [1, 6, 7, 9], 0, [1]),            # the first rejected
+    ([5, 6, 7], [5, 2, 7, 9], 1, [5, 2]),         # one in the middle
+    ([5, 6, 7], [5, 6, 3, 9], 2, [5, 6, 3]),      # the last rejected
+    ([4], [4, 8], 1, [4, 8]),
+]
+
+
+@pytest.mark.parametrize("drafts,target,n,emitted", ROUNDS)
+def test_greedy_acceptance_on_hand_built_rounds(drafts, target, n, emitted):
+    assert accept_greedy(np.array(drafts), np.array(target)) == (n, emitted[-1])
+    v = 16
+    scored = mx.array(np.eye(v, dtype=np.float32)[target])  # row i's argmax is target[i]
+    k = len(drafts)
+    got_n, got = accept_greedy_device(mx.array(drafts, mx.int32), scored, mx.ones((k,), mx.bool_))
+    assert int(got_n) == n and np.array(got).tolist()[:n + 1] == emitted
+    # drafts that do not count (p-min, n-min) are never accepted, even when they match
+    cut_n, cut = accept_greedy_device(mx.array(drafts, mx.int32), scored, mx.arange(k) < min(n, 1))
+    assert int(cut_n) == min(n, 1) and np.array(cut).tolist()[min(n, 1)] == target[min(n, 1)]
+
+
+# ---- the prompt cache's reuse rule at every boundary (issue 25 point 3) ---------------------------
+class _Trunk:
+    def snapshot(self) -> list:
+        return []
+
+    def nbytes(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("prefix,reused", [
+    ([1, 2, 3], True),        # equal
+    ([1, 2, 3, 4], True),     # one longer: the kept state is a prefix
+    ([1, 2], False),          # one shorter: the kept state went past it
+    ([1, 2, 4], False),       # differs only in the last token
+    ([0, 2, 3], False),       # differs in the first
+    ([], False),
+])
+def test_prompt_cache_reuses_only_an_exact_prefix(prefix, reused):
+    from mtp_engine.prompt_cache import PromptCache
+
+    model = object()
+    pc = PromptCache(slots=2)
+    pc.keep(model, [1, 2, 3], _Trunk(), "mtp")
+    assert (pc.take(model, prefix, "mtp") is not None) == reused
+    if reused:  # taken: handed to one generation, no longer kept
+        assert pc.take(model, prefix, "mtp") is None
+
+
+def test_prompt_cache_needs_the_same_model_and_drafter():
+    from mtp_engine.prompt_cache import PromptCache
+
+    a, b = object(), object()
+    pc = PromptCache(slots=4)
+    pc.keep(a, [1, 2, 3], _Trunk(), "mtp")
+    assert pc.take(b, [1, 2, 3], None) is None  # another model
+    assert pc.take(a, [1, 2, 3], "ngram") is None  # a drafter whose state was not kept
+    assert pc.take(a, [1, 2, 3], None) is not None  # plain decoding needs only the trunk's
+    pc.keep(a, [1, 2], _Trunk(), "mtp")
+    pc.keep(a, [1, 2, 3, 4], _Trunk(), "mtp")
+    assert pc.take(a, [1, 2, 3, 4, 5], "mtp").tokens == [1, 2, 3, 4]  # the longest that fits
