@@ -57,6 +57,12 @@ TINY_Q4 = TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"
 # the Q8_0 file of the full fixture set, else the Q4_K_M one vendored in tests/fixtures
 TINY_Q8 = next((p for p in (TINY / "qwen35-mtp-tiny-Q8_0.gguf", TINY_Q4) if p.exists()), TINY / "qwen35-mtp-tiny-Q8_0.gguf")
 MOE_Q4 = MOE / "qwen35moe-mtp-tiny-Q4_K_M.gguf"
+# the trained code model: the full set's, else the byte-identical copy shipped in models/
+TRAINED_GGUF = next((p for p in (TRAINED / "qwen35-mtp-code-Q4_K_M.gguf", SHIPPED) if p.exists()),
+                    TRAINED / "qwen35-mtp-code-Q4_K_M.gguf")
+# the tiny model's tokenizer and llama.cpp's prompt ids: the f32 file of the full set, else the
+# vendored Q4_K_M (same tokenizer, same prompt ids)
+TINY_TOKENIZER = next((p for p in (TINY_F32, TINY_Q4) if p.exists()), TINY_F32)
 
 
 def load_script(name: str) -> ModuleType:

@@ -6,7 +6,7 @@ import gc
 import mlx.core as mx
 import pytest
 
-from tests.conftest import FIXTURES, SHIPPED, TINY, need
+from tests.conftest import FIXTURES, SHIPPED, TINY, TRAINED_GGUF, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.cli import main as cli_main
 from mtp_engine.memory import ENV_LIMIT, available_memory, check_fits, estimate
@@ -120,9 +120,8 @@ def test_default_model_estimate():
 
 def test_max_context_caps_generation_and_the_memory_check(monkeypatch):
     import mtp_engine as me
-    from tests.conftest import TRAINED
 
-    path = need(TRAINED / "qwen35-mtp-code-Q4_K_M.gguf")
+    path = need(TRAINED_GGUF)
     m = me.load(path, max_context=300)
     assert m.model.cfg.context_length == 300
     with pytest.raises(me.MTPEngineError, match="context length 300"):

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.conftest import TINY, TRAINED, need
+from tests.conftest import TINY, TRAINED, TRAINED_GGUF, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.model.cache import KVCache
 from mtp_engine.sampling import Sampler, SamplerConfig
@@ -93,7 +93,7 @@ def test_greedy_parity_every_fixture_file(name):
 
 def _trained_prompts(count: int) -> list[list[int]]:
     """The fixture's 5 held-out prompts, plus windows cut from them at other offsets."""
-    m = _load(TRAINED / "qwen35-mtp-code-Q4_K_M.gguf", exact=False)
+    m = _load(TRAINED_GGUF, exact=False)
     ps = json.loads(need(TRAINED / "prompts.json").read_text())["prompts"]
     out = [p["token_ids"] for p in ps]
     texts = [p["prompt"] for p in ps]
@@ -112,7 +112,7 @@ def test_greedy_parity_trained_model_20_prompts(part):
     """>= 20 prompts x 128 tokens (four parts of five, so parallel workers share them). In CI each
     prompt runs one n-max (rotating 1..6, so every n-max runs on >= 3 prompts); MTP_FULL_PARITY=1
     runs every n-max on every prompt."""
-    m = _load(TRAINED / "qwen35-mtp-code-Q4_K_M.gguf", exact=False)
+    m = _load(TRAINED_GGUF, exact=False)
     full = os.environ.get("MTP_FULL_PARITY") == "1"
     for i, ids in list(enumerate(_trained_prompts(20)))[part * 5:(part + 1) * 5]:
         base = _plain(m, ids, 128)

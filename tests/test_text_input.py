@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY, TRAINED, need
+from tests.conftest import TINY, TRAINED_GGUF, need
 from mtp_engine import api
 from mtp_engine.cli import main
 from mtp_engine.errors import MTPEngineError
@@ -83,7 +83,7 @@ def test_stop_and_messages_checked():
 @pytest.fixture(scope="module")
 def tokenizers_():
     out = []
-    for p in (TINY_Q8, TRAINED / "qwen35-mtp-code-Q4_K_M.gguf"):
+    for p in (TINY_Q8, TRAINED_GGUF):
         if p.exists():
             gf = GGUFFile(p)
             out.append(Tokenizer.from_gguf(gf.reader, gf.path))

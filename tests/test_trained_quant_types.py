@@ -7,7 +7,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from tests.conftest import TRAINED, need
+from tests.conftest import TRAINED, TRAINED_GGUF, need
 from mtp_engine import generate, load
 from mtp_engine.gguf.writer import WRITABLE, requantize
 
@@ -22,7 +22,7 @@ def _nll(m, ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def reference():
-    src = need(TRAINED / "qwen35-mtp-code-Q4_K_M.gguf")
+    src = need(TRAINED_GGUF)
     prompts = json.loads(need(TRAINED / "prompts.json").read_text())["prompts"]
     m = load(src)
     ids = prompts[1]["token_ids"]
