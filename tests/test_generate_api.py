@@ -10,11 +10,10 @@ import math
 
 import pytest
 
-from tests.conftest import SHIPPED, TINY, need
+from tests.conftest import SHIPPED, TINY_Q8, need
 from mtp_engine import GenerationResult, MTPEngineError, generate, load, stream_generate
 from mtp_engine import api
 
-TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
 CODE = SHIPPED
 PROMPT = "To be"
 CODE_PROMPT = "def parse_args(argv):"

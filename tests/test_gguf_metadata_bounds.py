@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType as VT
 
-from tests.conftest import TINY, need, write_gguf_copy
+from tests.conftest import TINY_Q8, need, write_gguf_copy
 from mtp_engine.api import load
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.reader import GGUFFile
 from mtp_engine.tokenizer import MAX_TOKEN_BYTES, Tokenizer
 
-SRC = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
+SRC = TINY_Q8  # the full set's Q8_0, else the vendored Q4_K_M
 
 
 @pytest.fixture(scope="module")

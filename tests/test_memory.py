@@ -6,7 +6,7 @@ import gc
 import mlx.core as mx
 import pytest
 
-from tests.conftest import FIXTURES, SHIPPED, TINY, TRAINED_GGUF, need
+from tests.conftest import FIXTURES, SHIPPED, TINY, TINY_Q8, TRAINED_GGUF, need
 from mtp_engine import MTPEngineError, generate, load
 from mtp_engine.cli import main as cli_main
 from mtp_engine.memory import ENV_LIMIT, available_memory, check_fits, estimate
@@ -14,7 +14,6 @@ from mtp_engine.memory import ENV_LIMIT, available_memory, check_fits, estimate
 FILES = [TINY / n for n in ("qwen35-mtp-tiny-Q4_K_M.gguf", "qwen35-mtp-tiny-Q5_K_M.gguf",
                             "qwen35-mtp-tiny-Q6_K.gguf", "qwen35-mtp-tiny-Q8_0.gguf", "qwen35-mtp-tiny-f16.gguf")]
 FILES.append(FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf")  # stacked experts
-TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
@@ -46,8 +45,10 @@ def test_kv_cache_scales_with_context():
 
 
 def test_estimate_bounds_measured_peak():
-    """A 600-token prefill and a few speculative rounds stay within the prediction for that context."""
-    path = need(TINY_Q8)
+    """A 600-token prefill and a few speculative rounds stay within the prediction for that context.
+    The full set's Q8_0 file only: on the vendored Q4_K_M the prediction holds by 0.2% alone and
+    failed by 0.17% after other tests in the same worker (issue 25: to be understood, not loosened)."""
+    path = need(TINY / "qwen35-mtp-tiny-Q8_0.gguf")
     # MLX's peak is process-wide: arrays of earlier tests still waiting in garbage cycles would count
     gc.collect()
     mx.clear_cache()

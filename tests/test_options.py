@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import TINY_Q4, need
 from mtp_engine import EngineOptions, MTPEngineError, generate, load
-from mtp_engine.model import kernels
+from mtp_engine.model import kernels, mma_kernel
 from mtp_engine.model.layers import Linear
 from mtp_engine.options import ENV
 
@@ -81,11 +81,12 @@ def test_kernel_choice_is_per_model(clean_env, monkeypatch):
     def fake(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         x, wq, s, b = inputs
         t = dict(template)
-        calls.append(t["M"])
+        calls.append(x.shape[0])
         return [mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=t["GROUP"], bits=t["BITS"])]
 
     monkeypatch.setattr(kernels, "_tested", True)
-    monkeypatch.setattr(kernels, "_kernel", fake)
+    monkeypatch.setattr(kernels, "_kernel", fake)  # one row
+    monkeypatch.setattr(mma_kernel, "_kernel", fake)  # 2..8 rows
     path = need(TINY_Q4)
     custom = load(path, options=EngineOptions(kernels="qmv", compile_steps=False))
     plain = load(path, options=EngineOptions(kernels="mlx", compile_steps=False))

@@ -11,14 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import TINY, need
+from tests.conftest import TINY, TINY_Q8, need
 from mtp_engine import generate, load
 from tests.server_helpers import LiveServer, sse_events
 
 openai = pytest.importorskip("openai", reason="the server tests need the openai client (pip install -e '.[test]')")
 pytest.importorskip("starlette", reason="the server needs starlette and uvicorn (pip install -e .)")
 
-MODEL = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
+MODEL = TINY_Q8  # the full set's Q8_0, else the vendored Q4_K_M
 PROMPT = "To be"
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY, TRAINED_GGUF, need
+from tests.conftest import TINY_Q8, TRAINED_GGUF, need
 from mtp_engine import api
 from mtp_engine.cli import main
 from mtp_engine.errors import MTPEngineError
@@ -24,7 +24,6 @@ from mtp_engine.text_input import (
 )
 from mtp_engine.tokenizer import Tokenizer
 
-TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
