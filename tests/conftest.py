@@ -65,6 +65,13 @@ TRAINED_GGUF = next((p for p in (TRAINED / "qwen35-mtp-code-Q4_K_M.gguf", SHIPPE
 TINY_TOKENIZER = next((p for p in (TINY_F32, TINY_Q4) if p.exists()), TINY_F32)
 
 
+def vendored_tokenizer(name: str, full: Path) -> Path:
+    """A Hugging Face tokenizer.json: the full set's `full`, else the copy vendored in
+    tests/fixtures/tokenizers/<name>/ (outside the fixture layout: a bare clone must not look as if
+    it had the full set's HF checkpoint folders)."""
+    return full if full.exists() else VENDORED / "tokenizers" / name / "tokenizer.json"
+
+
 def load_script(name: str) -> ModuleType:
     """scripts/NAME.py as a module (the fuzzers some tests run), without putting scripts/ on the path."""
     if name in sys.modules:
