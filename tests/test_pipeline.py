@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import TINY, need
@@ -77,10 +78,11 @@ def test_stats_report_ttft_load_compile_and_autos_reason(tiny, capsys, tmp_path,
     assert "auto_message" not in plain and "time_to_first_token_seconds" in plain
 
 
-def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny, monkeypatch):
+def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny_q4, monkeypatch):
     """With device-resident rounds the host queues round r+1 before it reads round r: r's interval
     holds r+1's queuing. A drafting round that is slow to queue must not make the plain round
     before it look slow (auto measured drafting as free that way and kept drafting at a = 0.5)."""
+    tiny = tiny_q4  # vendored: runs in a bare clone
     from mtp_engine.speculative import resident
 
     ks = iter([1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0] + [0] * 40)
@@ -109,10 +111,11 @@ def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny, monkey
     assert max(plain) < 0.04 <= min(drafting), timed
 
 
-def test_plain_stretches_of_any_length_reuse_a_few_head_shapes(tiny, monkeypatch):
+def test_plain_stretches_of_any_length_reuse_a_few_head_shapes(tiny_q4, monkeypatch):
     """After j plain rounds the MTP head owes j rows; the block it runs is padded to 1, 2, 4 or 8
     rows, so stretches of every length cost no new compile (each was seconds at 9B), and the
     output is still plain decoding's."""
+    tiny = tiny_q4  # vendored: runs in a bare clone
     pattern = [k for j in range(1, 10) for k in [0] * j + [2]] + [0] * 200
     ks = iter(pattern)
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(2))
@@ -126,3 +129,27 @@ def test_plain_stretches_of_any_length_reuse_a_few_head_shapes(tiny, monkeypatch
     assert got == ref
     widths = {s[1] for s in used if s[0] == "mtp"}
     assert widths <= {1, 2, 3, 4, 8}, widths  # 3: a drafting round's k + 1
+
+
+def test_p_min_and_n_min_decide_which_drafts_count(tiny_q4):
+    """llama.cpp's rules on the device: a draft counts while the head's top-10 probability stays
+    >= p-min (a prefix: the first unsure draft ends it), and a round with fewer than n-min counting
+    drafts drafts nothing."""
+    tiny = tiny_q4  # vendored: runs in a bare clone
+    import mlx.core as mx
+
+    def live(confident, n_min):
+        d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3, n_min))
+        return np.array(d._live(mx.array(confident), 3)).tolist()
+
+    assert live([True, True, True], 0) == [True, True, True]
+    assert live([True, False, True], 0) == [True, False, False]  # a prefix
+    assert live([False, True, True], 0) == [False, False, False]
+    assert live([True, True, False], 2) == [True, True, False]
+    assert live([True, True, False], 3) == [False, False, False]  # fewer than n-min: none
+    for p_min, counted in ((1e-9, 3), (1.0, 0)):  # every top-10 probability passes 1e-9; none reaches 1
+        d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3, 0, p_min))
+        d.prefill(IDS)
+        _, _, confident = d.drafter.draft_resident(3, p_min)
+        assert confident is not None and int(np.array(confident).sum()) == counted, (p_min, confident)
+        d.finish()

@@ -1,0 +1,111 @@
+"""Deliberate bugs against the test suite (issue 25 point 6): each mutation is applied to a copy of
+the repository, the tests that should catch it run there as a bare clone would run them
+(`MTP_FIXTURES` = the vendored set), and the mutation is reported caught (a test failed) or missed.
+
+    python scripts/mutation_check.py [--only NAME ...] [--tests "tests/x.py tests/y.py"]
+
+Prints a markdown table (docs/testing.md records the last one). Each mutation must match its
+source text exactly once: a refactor that moves the text fails the script loudly, not silently.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (name, file, source text, mutated text)
+MUTATIONS = [
+    ("greedy acceptance: last draft never accepted (host)", "mtp_engine/speculative/accept.py",
+     "while n < k and int(drafts[n]) == int(target_argmax[n]):",
+     "while n < k - 1 and int(drafts[n]) == int(target_argmax[n]):"),
+    ("greedy acceptance: last draft never accepted (device)", "mtp_engine/speculative/resident.py",
+     "ok = (drafts == target[:-1]) & live",
+     "ok = (drafts == target[:-1]) & live & (mx.arange(drafts.shape[0]) < drafts.shape[0] - 1)"),
+    ("greedy acceptance: token after the accepted ones off by one (device)", "mtp_engine/speculative/resident.py",
+     "token = mx.take(target, n)\n", "token = mx.take(target, mx.maximum(n - 1, 0))\n"),
+    ("p-min flipped (device rounds)", "mtp_engine/speculative/mtp_drafter.py",
+     "confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) >= p_min)",
+     "confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) < p_min)"),
+    ("n-min ignored (device rounds)", "mtp_engine/speculative/resident.py",
+     "if self.params.n_min > 1:", "if False:"),
+    ("temperature ignored", "mtp_engine/sampling.py",
+     "return mx.softmax(logits / cfg.temperature, axis=-1)", "return mx.softmax(logits, axis=-1)"),
+    ("rejection sampler: residual not subtracted (host)", "mtp_engine/speculative/accept.py",
+     "residual = np.maximum(p[i].astype(np.float64) - q[i].astype(np.float64), 0.0)",
+     "residual = p[i].astype(np.float64)"),
+    ("rejection sampler: residual not subtracted (device)", "mtp_engine/speculative/resident.py",
+     "residual = mx.maximum(p - q_live, 0.0)", "residual = p"),
+    ("MTP head cache one row short after a block", "mtp_engine/speculative/mtp_drafter.py",
+     "cache.offset, cache.bound = base + b.valid, bound + w",
+     "cache.offset, cache.bound = base + b.valid - 1, bound + w"),
+    ("top-k off by one", "mtp_engine/sampling.py",
+     "kth = mx.sort(logits, axis=-1)[..., -cfg.top_k][..., None]",
+     "kth = mx.sort(logits, axis=-1)[..., -cfg.top_k - 1][..., None]"),
+    ("min-p flipped", "mtp_engine/sampling.py",
+     "logits = mx.where(probs < cfg.min_p * probs.max(axis=-1, keepdims=True), neg, logits)",
+     "logits = mx.where(probs > cfg.min_p * probs.max(axis=-1, keepdims=True), neg, logits)"),
+    ("prompt cache reuses a state whose last token differs", "mtp_engine/prompt_cache.py",
+     "and prefix[:n] == k.tokens):", "and prefix[:n - 1] == k.tokens[:-1]):"),
+]
+
+TESTS = ("tests/test_sampling_oracle.py tests/test_spec.py tests/test_pipeline.py tests/test_prompt_cache.py "
+         "tests/test_drafters.py tests/test_penalties.py")
+# the trained model's 20-prompt parity takes minutes per mutation; the rest catches what it would
+DESELECT = "not trained_model_20_prompts"
+
+
+def copy_repo(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split("\n")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="substrings of mutation names to run")
+    ap.add_argument("--tests", default=TESTS)
+    a = ap.parse_args()
+    todo = [m for m in MUTATIONS if not a.only or any(s in m[0] for s in a.only)]
+    rows, missed = [], 0
+    with tempfile.TemporaryDirectory(prefix="mtp-mutation-") as tmp:
+        work = Path(tmp)
+        copy_repo(work)
+        env = dict(os.environ, MTP_FIXTURES=str(work / "tests" / "fixtures"), PYTHONPATH=str(work))
+        for i, (name, rel, old, new) in enumerate(todo, 1):
+            path = work / rel
+            text = path.read_text()
+            if text.count(old) != 1:
+                print(f"mutation {name!r}: its source text occurs {text.count(old)} times in {rel}", file=sys.stderr)
+                return 2
+            path.write_text(text.replace(old, new))
+            t = time.perf_counter()
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "2", "-p", "no:cacheprovider",
+                                "-k", DESELECT, *a.tests.split()], cwd=work, env=env, capture_output=True, text=True)
+            path.write_text(text)
+            failed = next((ln.split(" ")[1] for ln in r.stdout.splitlines() if ln.startswith("FAILED ")), "")
+            caught = bool(failed)  # (with -x, xdist reports the stop as an interruption: exit code 2)
+            if not failed and r.returncode != 0:
+                print(r.stdout[-2000:], r.stderr[-2000:], file=sys.stderr)
+            missed += not caught
+            rows.append((name, "caught" if caught else "**missed**", failed.split("::")[-1][:70]))
+            print(f"[{i}/{len(todo)}] {name}: {'caught' if caught else 'MISSED'} ({time.perf_counter() - t:.0f} s) "
+                  f"{failed}", file=sys.stderr, flush=True)
+    print("| mutation | result | first failing test |\n|---|---|---|")
+    for name, res, test in rows:
+        print(f"| {name} | {res} | {test} |")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
