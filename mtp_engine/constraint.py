@@ -98,7 +98,11 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     cache = tokenizer.__dict__.setdefault("_llguidance", {})
     if vocab_size not in cache:
         eos = sorted(tokenizer.eos_token_ids)
-        cache[vocab_size] = _llg().LLTokenizer(tokenizer._backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+        llg, source = _llg(), tokenizer._backend.to_str()
+        try:
+            cache[vocab_size] = llg.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos or None)
+        except TypeError:  # llguidance < 1.7 takes one end-of-text token: the first ends grammars
+            cache[vocab_size] = llg.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
     return cache[vocab_size]
 
 

@@ -153,3 +153,25 @@ def test_grammars_llguidance_cannot_roll_back(shipped):
     for n_max in (2, 4):
         r = generate("def f():\n    ", model=shipped, max_tokens=40, constraint=c, spec="draft-mtp", n_max=n_max)
         assert r.token_ids == plain.token_ids, n_max
+
+
+def test_llguidance_before_1_7_gets_one_end_token(monkeypatch):
+    """llguidance 1.0-1.6 take one `eos_token` int (a list raises TypeError); 1.7 on take a list.
+    pyproject's `llguidance>=1.0` holds because the first end token is passed to the old ones
+    (checked by hand with 1.0.0, 1.6.0 and 1.9.1: the tests above pass on each)."""
+    import types
+
+    from mtp_engine import constraint
+
+    seen = []
+
+    class OldTokenizer:
+        def __init__(self, source, n_vocab, eos_token):
+            if isinstance(eos_token, list):
+                raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+            seen.append(eos_token)
+
+    monkeypatch.setattr(constraint, "_llg", lambda: types.SimpleNamespace(LLTokenizer=OldTokenizer))
+    tok = types.SimpleNamespace(eos_token_ids={7, 3}, _backend=types.SimpleNamespace(to_str=lambda: "{}"))
+    constraint._ll_tokenizer(tok, 16)
+    assert seen == [3]
