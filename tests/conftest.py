@@ -162,6 +162,13 @@ def tiny_f32(models):
 
 
 @pytest.fixture(scope="session")
+def tiny_any(models):
+    """The tiny model where any of its files does (no llama.cpp reference of one file compared):
+    the f32 file of the full set, else the vendored Q4_K_M (a bare clone runs the test)."""
+    return models(TINY_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
 def tiny_q8(models):
     """The tiny Q8_0 model (the vendored Q4_K_M one in a bare clone)."""
     return models(TINY_Q8)

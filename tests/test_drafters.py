@@ -20,8 +20,8 @@ IDS = [349, 220, 451, 72, 389, 349, 220, 451, 72, 389, 349, 220]
 
 
 @pytest.fixture
-def tiny(tiny_f32):
-    return tiny_f32  # the session's tiny f32 model (tests/conftest.py)
+def tiny(tiny_any):
+    return tiny_any  # the session's tiny f32 model (tests/conftest.py)
 
 
 def _tokens(dec, tok, n, ids=IDS):

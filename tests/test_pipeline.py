@@ -21,8 +21,8 @@ IDS = [349, 220, 451, 72, 389]
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_f32):
-    return tiny_f32
+def tiny(tiny_any):
+    return tiny_any
 
 
 def _tokens(dec, tok, n):

@@ -16,8 +16,8 @@ IDS = [349, 220, 451, 72, 389]
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_f32):
-    return tiny_f32
+def tiny(tiny_any):
+    return tiny_any
 
 
 @pytest.mark.parametrize("spec", [None, "draft-mtp"])

@@ -18,61 +18,61 @@ def _next_turn(m, first) -> list[int]:
 
 
 @pytest.mark.parametrize("kw", SPECS, ids=["plain", "draft-mtp"])
-def test_next_prompt_reuses_the_kept_state(tiny_f32, kw):
+def test_next_prompt_reuses_the_kept_state(tiny_any, kw):
     pc = PromptCache()
-    a = generate(PROMPT, model=tiny_f32, max_tokens=12, prompt_cache=pc, **kw)
+    a = generate(PROMPT, model=tiny_any, max_tokens=12, prompt_cache=pc, **kw)
     assert a.stats["cached_prompt_tokens"] == 0 and pc.tokens == len(a.prompt_token_ids) - 1
-    ids = _next_turn(tiny_f32, a)
-    b = generate(ids, model=tiny_f32, max_tokens=40, prompt_cache=pc, **kw)
-    ref = generate(ids, model=tiny_f32, max_tokens=40, **kw)
+    ids = _next_turn(tiny_any, a)
+    b = generate(ids, model=tiny_any, max_tokens=40, prompt_cache=pc, **kw)
+    ref = generate(ids, model=tiny_any, max_tokens=40, **kw)
     assert b.stats["cached_prompt_tokens"] == len(a.prompt_token_ids) - 1
     assert b.token_ids == ref.token_ids
     if kw["spec"] == "draft-mtp":
         assert b.stats["accepted"] == ref.stats["accepted"] and b.stats["drafted"] == ref.stats["drafted"]
     # the same prompt again: all but its last token come from the cache
-    c = generate(ids, model=tiny_f32, max_tokens=40, prompt_cache=pc, **kw)
+    c = generate(ids, model=tiny_any, max_tokens=40, prompt_cache=pc, **kw)
     assert c.stats["cached_prompt_tokens"] == len(ids) - 1 and c.token_ids == ref.token_ids
     assert pc.hits == 2
 
 
 @pytest.mark.parametrize("kw", SPECS, ids=["plain", "draft-mtp"])
-def test_a_prompt_that_diverges_is_a_miss_and_is_kept_instead(tiny_f32, kw):
+def test_a_prompt_that_diverges_is_a_miss_and_is_kept_instead(tiny_any, kw):
     pc = PromptCache()
-    a = generate(PROMPT, model=tiny_f32, max_tokens=4, prompt_cache=pc, **kw)
+    a = generate(PROMPT, model=tiny_any, max_tokens=4, prompt_cache=pc, **kw)
     other = "Something else entirely, " + PROMPT
-    b = generate(other, model=tiny_f32, max_tokens=20, prompt_cache=pc, **kw)
-    assert b.stats["cached_prompt_tokens"] == 0 and b.token_ids == generate(other, model=tiny_f32, max_tokens=20,
+    b = generate(other, model=tiny_any, max_tokens=20, prompt_cache=pc, **kw)
+    assert b.stats["cached_prompt_tokens"] == 0 and b.token_ids == generate(other, model=tiny_any, max_tokens=20,
                                                                              **kw).token_ids
     # a prompt that shares only part of the kept tokens cannot rewind the recurrent state: a miss
     part = a.prompt_token_ids[:10] + [7, 8, 9]
-    assert generate(part, model=tiny_f32, max_tokens=2, prompt_cache=pc, **kw).stats["cached_prompt_tokens"] == 0
+    assert generate(part, model=tiny_any, max_tokens=2, prompt_cache=pc, **kw).stats["cached_prompt_tokens"] == 0
     assert pc.tokens == len(part) - 1
 
 
-def test_plain_reuses_a_draft_mtp_state_but_not_the_reverse(tiny_f32):
+def test_plain_reuses_a_draft_mtp_state_but_not_the_reverse(tiny_any):
     pc = PromptCache()
-    a = generate(PROMPT, model=tiny_f32, max_tokens=4, spec="draft-mtp", n_max=2, prompt_cache=pc)
-    ids = _next_turn(tiny_f32, a)
-    assert generate(ids, model=tiny_f32, max_tokens=4, prompt_cache=pc).stats["cached_prompt_tokens"] > 0
+    a = generate(PROMPT, model=tiny_any, max_tokens=4, spec="draft-mtp", n_max=2, prompt_cache=pc)
+    ids = _next_turn(tiny_any, a)
+    assert generate(ids, model=tiny_any, max_tokens=4, prompt_cache=pc).stats["cached_prompt_tokens"] > 0
     # the plain generation kept no MTP head state: draft-mtp prefills in full (and is right)
     ids2 = ids + [11]
-    b = generate(ids2, model=tiny_f32, max_tokens=12, spec="draft-mtp", n_max=2, prompt_cache=pc)
+    b = generate(ids2, model=tiny_any, max_tokens=12, spec="draft-mtp", n_max=2, prompt_cache=pc)
     assert b.stats["cached_prompt_tokens"] == 0
-    assert b.token_ids == generate(ids2, model=tiny_f32, max_tokens=12).token_ids
+    assert b.token_ids == generate(ids2, model=tiny_any, max_tokens=12).token_ids
 
 
-def test_a_stream_left_early_keeps_a_valid_state(tiny_f32):
+def test_a_stream_left_early_keeps_a_valid_state(tiny_any):
     pc = PromptCache()
-    it = stream_generate(PROMPT, model=tiny_f32, max_tokens=50, spec="draft-mtp", n_max=3, prompt_cache=pc)
+    it = stream_generate(PROMPT, model=tiny_any, max_tokens=50, spec="draft-mtp", n_max=3, prompt_cache=pc)
     first = next(it)
     it.close()  # the caller left after the first chunk: rounds may have been queued past it
-    ids = tiny_f32.tokenizer.encode(PROMPT) + first.token_ids + [42]
-    b = generate(ids, model=tiny_f32, max_tokens=20, spec="draft-mtp", n_max=3, prompt_cache=pc)
+    ids = tiny_any.tokenizer.encode(PROMPT) + first.token_ids + [42]
+    b = generate(ids, model=tiny_any, max_tokens=20, spec="draft-mtp", n_max=3, prompt_cache=pc)
     assert b.stats["cached_prompt_tokens"] > 0
-    assert b.token_ids == generate(ids, model=tiny_f32, max_tokens=20).token_ids
+    assert b.token_ids == generate(ids, model=tiny_any, max_tokens=20).token_ids
 
 
-def test_another_model_is_a_miss(tiny_f32, tiny_q4):
+def test_another_model_is_a_miss(tiny_f32, tiny_q4):  # two distinct files: the full set only
     pc = PromptCache()
     generate(PROMPT, model=tiny_f32, max_tokens=2, prompt_cache=pc)
     r = generate(PROMPT + " more", model=tiny_q4, max_tokens=2, prompt_cache=pc)
@@ -89,13 +89,13 @@ def test_moe_model(models):
     assert b.token_ids == generate(ids, model=m, max_tokens=16, spec="draft-mtp", n_max=2).token_ids
 
 
-def test_not_a_prompt_cache(tiny_f32):
+def test_not_a_prompt_cache(tiny_any):
     with pytest.raises(MTPEngineError) as e:
-        generate("x", model=tiny_f32, max_tokens=1, prompt_cache={})
+        generate("x", model=tiny_any, max_tokens=1, prompt_cache={})
     assert e.value.field == "prompt_cache"
 
 
-def test_the_head_continues_exactly_from_a_kept_prefix(tiny_f32):
+def test_the_head_continues_exactly_from_a_kept_prefix(tiny_any):
     """The MTP head's rows for a prompt, begun from a kept prefix of it, equal those of a head that
     read the whole prompt at once (its cache and the hidden state its next row reads)."""
     import mlx.core as mx
@@ -103,7 +103,7 @@ def test_the_head_continues_exactly_from_a_kept_prefix(tiny_f32):
 
     from mtp_engine.speculative.mtp_drafter import MTPDrafter
 
-    m = tiny_f32
+    m = tiny_any
     ids = m.tokenizer.encode(PROMPT)
     post, _ = m.model.forward(mx.array([ids[:-1]]), m.model.make_cache(), return_prenorm=True)
     start = 37
@@ -121,14 +121,14 @@ def test_the_head_continues_exactly_from_a_kept_prefix(tiny_f32):
         MTPDrafter(m.model).begin_from(ids, post[:, start + 1:], start + 1, earlier.prefix_state())
 
 
-def test_slots_keep_interleaved_conversations(tiny_f32):
+def test_slots_keep_interleaved_conversations(tiny_any):
     """Two conversations taking turns: with two slots each finds its own state, with one each
     evicts the other's; a byte bound keeps only what fits (always the newest)."""
     def turns(pc):
-        a = generate(PROMPT, model=tiny_f32, max_tokens=3, prompt_cache=pc)
-        b = generate("Another conversation. " * 10, model=tiny_f32, max_tokens=3, prompt_cache=pc)
-        a2 = generate(_next_turn(tiny_f32, a), model=tiny_f32, max_tokens=3, prompt_cache=pc)
-        b2 = generate(_next_turn(tiny_f32, b), model=tiny_f32, max_tokens=3, prompt_cache=pc)
+        a = generate(PROMPT, model=tiny_any, max_tokens=3, prompt_cache=pc)
+        b = generate("Another conversation. " * 10, model=tiny_any, max_tokens=3, prompt_cache=pc)
+        a2 = generate(_next_turn(tiny_any, a), model=tiny_any, max_tokens=3, prompt_cache=pc)
+        b2 = generate(_next_turn(tiny_any, b), model=tiny_any, max_tokens=3, prompt_cache=pc)
         return a2.stats["cached_prompt_tokens"], b2.stats["cached_prompt_tokens"]
 
     two = turns(PromptCache(slots=2))
@@ -136,15 +136,15 @@ def test_slots_keep_interleaved_conversations(tiny_f32):
     assert turns(PromptCache(slots=1)) == (0, 0)
     assert turns(PromptCache(slots=2, max_bytes=1)) == (0, 0)
     pc = PromptCache(slots=3)
-    generate(PROMPT, model=tiny_f32, max_tokens=2, spec="draft-mtp", n_max=2, prompt_cache=pc)
-    assert pc.nbytes() > 0 and pc.tokens == len(tiny_f32.tokenizer.encode(PROMPT)) - 1
+    generate(PROMPT, model=tiny_any, max_tokens=2, spec="draft-mtp", n_max=2, prompt_cache=pc)
+    assert pc.nbytes() > 0 and pc.tokens == len(tiny_any.tokenizer.encode(PROMPT)) - 1
     pc.clear()
     assert pc.nbytes() == 0 and pc.tokens == 0
     with pytest.raises(MTPEngineError):
         PromptCache(slots=0)
 
 
-def test_threads_sharing_one_cache(tiny_f32):
+def test_threads_sharing_one_cache(tiny_any):
     """Two threads, one cache (two slots), each continuing its own conversation: the answers are
     those of generations without a cache."""
     from concurrent.futures import ThreadPoolExecutor
@@ -153,11 +153,11 @@ def test_threads_sharing_one_cache(tiny_f32):
     prompts = [PROMPT, "Another conversation altogether. " * 8]
 
     def converse(p):
-        a = generate(p, model=tiny_f32, max_tokens=4, prompt_cache=pc)
-        ids = _next_turn(tiny_f32, a)
-        return ids, generate(ids, model=tiny_f32, max_tokens=8, prompt_cache=pc).token_ids
+        a = generate(p, model=tiny_any, max_tokens=4, prompt_cache=pc)
+        ids = _next_turn(tiny_any, a)
+        return ids, generate(ids, model=tiny_any, max_tokens=8, prompt_cache=pc).token_ids
 
     with ThreadPoolExecutor(2) as ex:
         results = list(ex.map(converse, prompts))
     for ids, tokens in results:
-        assert tokens == generate(ids, model=tiny_f32, max_tokens=8).token_ids
+        assert tokens == generate(ids, model=tiny_any, max_tokens=8).token_ids

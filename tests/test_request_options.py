@@ -13,8 +13,8 @@ IDS = [349, 220, 451, 72, 389]
 
 
 @pytest.fixture
-def tiny(tiny_f32):
-    return tiny_f32  # the session's tiny f32 model (tests/conftest.py)
+def tiny(tiny_any):
+    return tiny_any  # the session's tiny f32 model (tests/conftest.py)
 
 
 def test_auto_is_none_inside_the_engine():

@@ -79,8 +79,8 @@ def test_update_counts_only_tested_positions():
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_f32):
-    return tiny_f32
+def tiny(tiny_any):
+    return tiny_any
 
 
 def test_auto_is_lossless_and_reports_its_choices(tiny):
