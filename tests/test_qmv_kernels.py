@@ -27,7 +27,7 @@ def test_products_match_mlx_for_1_to_16_rows(bits, group, n, k):
         ref = np.array(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits))
         got = np.array(lin(x))
         scale = np.abs(ref).max()
-        assert np.abs(got - ref).max() <= 1e-5 * scale + 1e-6, (rows, np.abs(got - ref).max() / scale)
+        assert np.abs(got - ref).max() <= 3e-5 * scale + 1e-6, (rows, np.abs(got - ref).max() / scale)
 
 
 def test_tensor_core_block_shapes_agree():
@@ -40,4 +40,4 @@ def test_tensor_core_block_shapes_agree():
     for warps, tiles, stages in ((4, 2, 3), (4, 1, 4), (2, 4, 3), (8, 1, 3)):
         a = np.array(mma_kernel.quantized_rows(x, q, s, b, 4, 32, warps, tiles, stages))
         assert np.array_equal(a, np.array(mma_kernel.quantized_rows(x, q, s, b, 4, 32, warps, tiles, stages)))
-        np.testing.assert_allclose(a, ref, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(a, ref, atol=3e-5 * np.abs(ref).max())
