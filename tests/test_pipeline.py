@@ -78,11 +78,10 @@ def test_stats_report_ttft_load_compile_and_autos_reason(tiny, capsys, tmp_path,
     assert "auto_message" not in plain and "time_to_first_token_seconds" in plain
 
 
-def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny_q4, monkeypatch):
+def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny, monkeypatch):
     """With device-resident rounds the host queues round r+1 before it reads round r: r's interval
     holds r+1's queuing. A drafting round that is slow to queue must not make the plain round
     before it look slow (auto measured drafting as free that way and kept drafting at a = 0.5)."""
-    tiny = tiny_q4  # vendored: runs in a bare clone
     from mtp_engine.speculative import resident
 
     ks = iter([1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0] + [0] * 40)
@@ -111,11 +110,10 @@ def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny_q4, mon
     assert max(plain) < 0.04 <= min(drafting), timed
 
 
-def test_plain_stretches_of_any_length_reuse_a_few_head_shapes(tiny_q4, monkeypatch):
+def test_plain_stretches_of_any_length_reuse_a_few_head_shapes(tiny, monkeypatch):
     """After j plain rounds the MTP head owes j rows; the block it runs is padded to 1, 2, 4 or 8
     rows, so stretches of every length cost no new compile (each was seconds at 9B), and the
     output is still plain decoding's."""
-    tiny = tiny_q4  # vendored: runs in a bare clone
     pattern = [k for j in range(1, 10) for k in [0] * j + [2]] + [0] * 200
     ks = iter(pattern)
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(2))
@@ -131,11 +129,10 @@ def test_plain_stretches_of_any_length_reuse_a_few_head_shapes(tiny_q4, monkeypa
     assert widths <= {1, 2, 3, 4, 8}, widths  # 3: a drafting round's k + 1
 
 
-def test_p_min_and_n_min_decide_which_drafts_count(tiny_q4):
+def test_p_min_and_n_min_decide_which_drafts_count(tiny):
     """llama.cpp's rules on the device: a draft counts while the head's top-10 probability stays
     >= p-min (a prefix: the first unsure draft ends it), and a round with fewer than n-min counting
     drafts drafts nothing."""
-    tiny = tiny_q4  # vendored: runs in a bare clone
     import mlx.core as mx
 
     def live(confident, n_min):

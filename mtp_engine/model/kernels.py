@@ -107,12 +107,6 @@ _SOURCE = """
     }
 """
 
-
-
-
-
-
-
 _kernel = None
 _tested: bool | None = None
 
