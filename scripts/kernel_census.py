@@ -49,11 +49,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="fused")
     ap.add_argument("--tokens", type=int, default=1, help="rows of the measured forward (1: a decode step)")
+    ap.add_argument("--round", type=int, default=None,
+                    help="instead: 4 steady device-resident draft-mtp rounds of this k (0: plain), a = 0.8")
     ap.add_argument("--summarize", default=None, help="a CSV written by ncu: print kernel counts and times")
     a = ap.parse_args()
     if a.summarize:
         print(json.dumps(summarize(a.summarize), indent=1))
         return 0
+    if a.round is not None:
+        return census_rounds(a.config, a.round)
     from bench_9b_oracle import config_9b, random_model
     from bench_gpu import use
     model = random_model(config_9b(False))
@@ -66,10 +70,7 @@ def main() -> int:
         h = model.forward(ids, cache, capture=a.tokens > 1)
         mx.eval(mx.argmax(model.logits(h[0]), axis=-1), *cache.arrays())
         cache.restore(snap)
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        cuda = None
+    cuda = _profiler()
     mx.synchronize()
     if cuda:
         cuda.cuProfilerStart()
@@ -78,6 +79,40 @@ def main() -> int:
     mx.synchronize()
     if cuda:
         cuda.cuProfilerStop()
+    return 0
+
+
+def _profiler():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def census_rounds(config: str, k: int, first: int = 12, count: int = 4) -> int:
+    """Profiles rounds first..first+count-1 of a draft-mtp generation: the device is drained before
+    the first is queued and after the last, so the range holds exactly their kernels (divide the
+    summary by `count`)."""
+    from bench_9b_oracle import config_9b, decode_tps, random_model
+    from bench_gpu import use
+    from mtp_engine.speculative import resident
+    model = random_model(config_9b(False))
+    use(model, config)
+    cuda, seen = _profiler(), [0]
+    launch = resident.ResidentRounds._launch_resident
+
+    def counted(self, kk):
+        seen[0] += 1
+        if seen[0] in (first, first + count):
+            mx.synchronize()
+            if cuda:
+                (cuda.cuProfilerStart if seen[0] == first else cuda.cuProfilerStop)()
+        return launch(self, kk)
+
+    prompt = list(range(100, 164))
+    decode_tps(model, prompt, 32, "draft-mtp", k, 0.8)  # trace and compile every shape
+    resident.ResidentRounds._launch_resident = counted
+    decode_tps(model, prompt, 4 * (first + count + 2), "draft-mtp", k, 0.8)
     return 0
 
 

@@ -3,8 +3,11 @@ block shapes) and MLX's `quantized_matmul`, checked against each other and timed
 
     python scripts/qmv_rows.py [--shapes 24576x4096,4096x12288] [--rows 1,2,4,8] [--repeats 5]
 
-Each timed product reads a different copy of the weight (more bytes than the L2 holds), so the
-figures are what a decode step sees; the effective bandwidth counts weights, scales and biases.
+Each timed product reads a different copy of the weight (more bytes than the L2 holds); the
+effective bandwidth counts weights, scales and biases. The products of one timing are independent,
+so a CUDA graph may overlap them, which flatters kernels that leave the GPU half idle (a decode
+step's products depend on each other). `--in-model` times what a step sees instead: whole 9B-shape
+forwards of S rows, queued back to back, under each tensor-core block shape.
 """
 from __future__ import annotations
 
@@ -35,7 +38,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--variants", default="4x2x3,4x1x4,2x4x3,8x1x3",
                     help="tensor-core block shapes: warps x tiles x stages")
+    ap.add_argument("--in-model", action="store_true", help="time 9B-shape forwards per block shape")
     a = ap.parse_args()
+    if a.in_model:
+        return in_model(a)
     worst = 0.0
     for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):
         for rows in (1, 3, 8):
@@ -82,6 +88,59 @@ def main() -> None:
                 t = statistics.median(times[name])
                 cells.append(f"{t * 1e6:8.1f} ({nbytes / t / 1e9:5.0f})")
             print(f"{rows:>4} " + "".join(f"{c:>18}" for c in cells), flush=True)
+
+
+def in_model(a) -> None:
+    """ms per forward of S rows (queued 20 at a time, medians of interleaved repeats) at the 9B
+    shape, per tensor-core block shape, and with every product of several rows on the CUDA cores."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_9b_oracle import config_9b, random_model
+    model = random_model(config_9b(False))
+    model.compile_steps = True
+    original, supports = mma_kernel.quantized_rows, mma_kernel.supports
+    variants = ["simt"] + a.variants.split(",")
+
+    def select(v: str) -> None:
+        if v == "simt":
+            mma_kernel.supports = lambda *args: False
+        else:
+            wv, tm, st = (int(x) for x in v.split("x"))
+            mma_kernel.supports = supports
+            mma_kernel.quantized_rows = lambda *args: original(*args, warps=wv, tiles=tm, stages=st)
+        for owner in (model, model.mtp):  # each variant keeps its own traced graphs
+            owner.__dict__["_compiled_steps"] = owner.__dict__.setdefault("_by_variant", {}).setdefault(v, {})
+
+    def forwards(s: int, n: int) -> float:
+        cache = model.make_cache()
+        mx.eval(model.forward(mx.array([list(range(100, 164))]), cache), *cache.arrays())
+        ids = mx.array([list(range(7, 7 + s))])
+        outs = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            h = model.forward(ids, cache)
+            outs.append(mx.argmax(model.logits(h[0]), axis=-1))
+            mx.async_eval(outs[-1], *cache.arrays())
+        mx.eval(outs)
+        return (time.perf_counter() - t0) / n * 1e3
+
+    rows = [int(r) for r in a.rows.split(",")]
+    times = {(v, s): [] for v in variants for s in rows}
+    for v in variants:  # trace and compile each shape
+        select(v)
+        for s in rows:
+            forwards(s, 2)
+    for _ in range(a.repeats):
+        for v in variants:
+            select(v)
+            for s in rows:
+                forwards(s, 2)
+                times[(v, s)].append(forwards(s, 20))
+    print("ms per forward of S rows (9B shape), medians of", a.repeats, flush=True)
+    print("variant " + "".join(f"{'S=' + str(s):>9}" for s in rows))
+    for v in variants:
+        print(f"{v:>7} " + "".join(f"{statistics.median(times[(v, s)]):9.2f}" for s in rows), flush=True)
 
 
 if __name__ == "__main__":
