@@ -36,7 +36,7 @@ VENDORED = ROOT / "tests" / "fixtures"
 
 def fixtures_dir() -> Path:
     """$MTP_FIXTURES, else the `shared/fixtures` folder beside (or inside) the checkout, else the
-    small set vendored in `tests/fixtures` (a bare clone still checks llama.cpp parity with it)."""
+    set vendored in `tests/fixtures` (every file the tests read: a bare clone runs them all)."""
     env = os.environ.get("MTP_FIXTURES")
     candidates = [Path(env)] if env else []
     candidates += [ROOT.parent / "shared" / "fixtures", ROOT / "shared" / "fixtures", VENDORED]
@@ -54,22 +54,12 @@ HF_TINY = TINY / "hf" / "qwen35-mtp-tiny"
 SHIPPED = ROOT / "models" / "qwen35-mtp-code-Q4_K_M.gguf"  # the model in models/ (me.load()'s default)
 TINY_F32 = TINY / "qwen35-mtp-tiny-f32.gguf"
 TINY_Q4 = TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"
-# the Q8_0 file of the full fixture set, else the Q4_K_M one vendored in tests/fixtures
-TINY_Q8 = next((p for p in (TINY / "qwen35-mtp-tiny-Q8_0.gguf", TINY_Q4) if p.exists()), TINY / "qwen35-mtp-tiny-Q8_0.gguf")
+TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
 MOE_Q4 = MOE / "qwen35moe-mtp-tiny-Q4_K_M.gguf"
 # the trained code model: the full set's, else the byte-identical copy shipped in models/
 TRAINED_GGUF = next((p for p in (TRAINED / "qwen35-mtp-code-Q4_K_M.gguf", SHIPPED) if p.exists()),
                     TRAINED / "qwen35-mtp-code-Q4_K_M.gguf")
-# the tiny model's tokenizer and llama.cpp's prompt ids: the f32 file of the full set, else the
-# vendored Q4_K_M (same tokenizer, same prompt ids)
-TINY_TOKENIZER = next((p for p in (TINY_F32, TINY_Q4) if p.exists()), TINY_F32)
-
-
-def vendored_tokenizer(name: str, full: Path) -> Path:
-    """A Hugging Face tokenizer.json: the full set's `full`, else the copy vendored in
-    tests/fixtures/tokenizers/<name>/ (outside the fixture layout: a bare clone must not look as if
-    it had the full set's HF checkpoint folders)."""
-    return full if full.exists() else VENDORED / "tokenizers" / name / "tokenizer.json"
+TINY_TOKENIZER = TINY_F32  # the tiny model's tokenizer and llama.cpp's prompt ids (any of its files has them)
 
 
 def load_script(name: str) -> ModuleType:
@@ -121,6 +111,47 @@ def need(path: Path) -> Path:
         pytest.skip(f"fixture not found: {path}")
     return path
 
+
+# ---- which tests may skip ------------------------------------------------------------------------
+# A test skips only for a reason its marker names; with MTP_STRICT_SKIPS=1 (CI sets it) any other
+# skip fails the run, so a fixture that stops being found or an import that breaks cannot quietly
+# turn tests off. Markers: `gpu` (needs MLX's CUDA backend: scripts/gpu_check.sh runs it),
+# `needs_tool` (an optional program outside Python, e.g. Chromium for the page test).
+MAY_SKIP = {"gpu": "needs MLX's CUDA backend (a GPU): scripts/gpu_check.sh runs it",
+            "needs_tool": "needs an optional program outside Python (e.g. Chromium)"}
+
+
+def _cuda() -> bool:
+    from mtp_engine.model import kernels
+    return kernels.cuda()
+
+
+GPU = _cuda()
+
+
+def pytest_configure(config) -> None:
+    for name, why in MAY_SKIP.items():
+        config.addinivalue_line("markers", f"{name}: may skip: {why}")
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("gpu") and not GPU:
+        pytest.skip(MAY_SKIP["gpu"])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and os.environ.get("MTP_STRICT_SKIPS") == "1"):
+        return
+    if any(item.get_closest_marker(m) for m in MAY_SKIP) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid} skipped in a strict run ({reason}); only tests marked "
+                       f"{' or '.join(MAY_SKIP)} may skip (tests/conftest.py: MAY_SKIP)")
+
 # measured device costs (n-max auto) are cached on disk; keep the tests' cache out of $HOME
 if "MTP_ENGINE_CACHE_DIR" not in os.environ:
     import tempfile
@@ -163,20 +194,19 @@ def tiny_f32(models):
 
 @pytest.fixture(scope="session")
 def tiny_any(models):
-    """The tiny model where any of its files does (no llama.cpp reference of one file compared):
-    the f32 file of the full set, else the vendored Q4_K_M (a bare clone runs the test)."""
+    """The tiny model where any of its files does (no llama.cpp reference of one file compared)."""
     return models(TINY_TOKENIZER)
 
 
 @pytest.fixture(scope="session")
 def tiny_q8(models):
-    """The tiny Q8_0 model (the vendored Q4_K_M one in a bare clone)."""
+    """The tiny Q8_0 model."""
     return models(TINY_Q8)
 
 
 @pytest.fixture(scope="session")
 def tiny_q4(models):
-    """The tiny Q4_K_M model (vendored: present in a bare clone)."""
+    """The tiny Q4_K_M model."""
     return models(TINY_Q4)
 
 

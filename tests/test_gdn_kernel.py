@@ -17,7 +17,7 @@ from mtp_engine.model.cache import RecurrentCache
 
 TOL = 2e-4  # float32, sums of up to 128 products of O(1) values in another order
 GPU = kernels._cuda()
-needs_gpu = pytest.mark.skipif(not GPU, reason="the fused GDN kernel runs only on a CUDA GPU")
+needs_gpu = pytest.mark.gpu  # the fused GDN kernel runs only on a CUDA GPU (conftest skips elsewhere)
 
 SHAPES = [gdn.Dims(2, 64, 4, 64, 4, 1e-6),  # tiny fixtures
           gdn.Dims(4, 64, 8, 64, 4, 1e-6),  # the shipped model

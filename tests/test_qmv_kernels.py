@@ -11,7 +11,7 @@ import pytest
 from mtp_engine.model import kernels, mma_kernel
 from mtp_engine.model.layers import Linear
 
-pytestmark = pytest.mark.skipif(not kernels.cuda(), reason="needs MLX's CUDA backend (a GPU)")
+pytestmark = pytest.mark.gpu
 
 CASES = [(4, 32, 512, 1024), (4, 64, 272, 512), (4, 128, 256, 1024), (8, 32, 96, 512), (8, 64, 512, 256)]
 

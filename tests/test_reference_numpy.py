@@ -19,7 +19,7 @@ try:
 except ImportError:  # imported as a package module
     from tests.reference_numpy import GDNState, KVCache, RefModel, load_gguf_weights
 
-from tests.conftest import FIXTURES  # noqa: E402
+from tests.conftest import FIXTURES, TRAINED_GGUF  # noqa: E402
 LLAMACPP = FIXTURES / "llamacpp"
 F32_GGUF = LLAMACPP / "qwen35-mtp-tiny-f32.gguf"
 F32_NPZ = LLAMACPP / "qwen35-mtp-tiny-f32.logits.npz"
@@ -27,7 +27,6 @@ F32_META = LLAMACPP / "qwen35-mtp-tiny-f32.logits.npz.meta.json"
 Q4KM_GGUF = LLAMACPP / "qwen35-mtp-tiny-Q4_K_M.gguf"
 Q4KM_NPZ = LLAMACPP / "qwen35-mtp-tiny-Q4_K_M.dequant.logits.npz"
 Q4KM_META = LLAMACPP / "qwen35-mtp-tiny-Q4_K_M.dequant.logits.npz.meta.json"
-TRAINED_GGUF = FIXTURES / "trained" / "qwen35-mtp-code-Q4_K_M.gguf"
 
 PROMPTS = [0, 1, 2, 3]  # the whole reference runs in well under a second per prompt
 LOGIT_TOL = 1e-3  # logits have std ~16; observed max error ~6e-5

@@ -46,6 +46,7 @@ def browser():
         b.close()
 
 
+@pytest.mark.needs_tool  # Chromium, outside Python: .ci/run installs it where it may
 def test_page_streams_and_colours_tokens(browser, tmp_path):
     if UPDATE:
         model_path, prompt, n, raw = SHIPPED, "def parse_args(argv):", 96, True

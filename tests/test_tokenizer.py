@@ -7,7 +7,6 @@ import json
 import os
 import types
 import unicodedata
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -16,23 +15,17 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY_TOKENIZER, TRAINED_GGUF, fixtures_dir, vendored_tokenizer
+from tests.conftest import TINY_TOKENIZER, TRAINED_GGUF, fixtures_dir
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.tokenizer import StreamingDetokenizer, Tokenizer
 
 FIXTURES = str(fixtures_dir())
-# a bare clone has these too: the vendored tiny Q4_K_M (same tokenizer as the f32 file) with its
-# llama.cpp reference, the trained model shipped in models/, both tokenizer.json files
 TINY_GGUF = str(TINY_TOKENIZER)
 TINY_REF = TINY_GGUF + ".ref.json"
-TINY_HF = str(vendored_tokenizer("qwen35-mtp-tiny", Path(FIXTURES) / "llamacpp/hf/qwen35-mtp-tiny/tokenizer.json"))
+TINY_HF = f"{FIXTURES}/llamacpp/hf/qwen35-mtp-tiny/tokenizer.json"
 CODE_GGUF = str(TRAINED_GGUF)
 CODE_PROMPTS = f"{FIXTURES}/trained/prompts.json"
-CODE_HF = str(vendored_tokenizer("qwen35-mtp-code", Path(FIXTURES) / "trained/hf/tokenizer.json"))
-
-pytestmark = pytest.mark.skipif(
-    not all(os.path.exists(p) for p in (TINY_GGUF, TINY_REF, TINY_HF, CODE_GGUF, CODE_PROMPTS, CODE_HF)),
-    reason="tokenizer fixtures not available")
+CODE_HF = f"{FIXTURES}/trained/hf/tokenizer.json"
 
 TRICKY = [
     "",
