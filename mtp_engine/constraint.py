@@ -19,6 +19,84 @@ import numpy as np
 from .errors import MTPEngineError
 
 FIELD = "constraint"
+# a schema past these is refused before llguidance sees it: its converter recurses (a schema nested
+# ~9000 deep, or a cyclic dict, killed the process with SIGSEGV) and its work grows with the size
+MAX_SCHEMA_DEPTH = 64  # nested objects/arrays (a deep real schema: ~20)
+MAX_SCHEMA_NODES = 20_000  # values in all
+MAX_SCHEMA_INT = 2**63  # |integers| in a schema (bounds, lengths): beyond int64 is no schema's
+MAX_GRAMMAR_CHARS = 1_000_000  # a regex, Lark or GBNF grammar
+
+
+def check_schema(schema: Any) -> None:
+    """Refuses, with the place and the limit named, a schema that is cyclic, deeper than
+    MAX_SCHEMA_DEPTH, larger than MAX_SCHEMA_NODES, holds an integer beyond MAX_SCHEMA_INT, a key
+    that is not a string, a value that is not JSON, or a string that is not valid UTF-8 (a lone
+    surrogate). Iterative: a hostile schema cannot exhaust the stack here either."""
+    stack: list[tuple[Any, str, int, tuple]] = [(schema, "$", 1, ())]
+    nodes = 0
+    while stack:
+        value, where, depth, path_ids = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise MTPEngineError(f"JSON schema too large: more than {MAX_SCHEMA_NODES} values", field=FIELD)
+        if isinstance(value, (dict, list)):
+            if id(value) in path_ids:
+                raise MTPEngineError(f"JSON schema is cyclic at {where} (it contains itself)", field=FIELD)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise MTPEngineError(f"JSON schema nested too deep at {_short(where)}: more than {MAX_SCHEMA_DEPTH} "
+                                     "levels", field=FIELD)
+            if nodes + len(stack) + len(value) > MAX_SCHEMA_NODES:
+                raise MTPEngineError(f"JSON schema too large: more than {MAX_SCHEMA_NODES} values", field=FIELD)
+            inner = path_ids + (id(value),)
+            if isinstance(value, dict):
+                for key, v in value.items():
+                    if not isinstance(key, str):
+                        raise MTPEngineError(f"JSON schema key {key!r} at {where} is not a string", field=FIELD)
+                    _check_text(key, f"{where} (a key)")
+                    stack.append((v, f"{where}.{key[:40]}", depth + 1, inner))
+            else:
+                stack.extend((v, f"{where}[{i}]", depth + 1, inner) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where)
+        elif isinstance(value, bool) or value is None:
+            pass
+        elif isinstance(value, int):
+            if abs(value) > MAX_SCHEMA_INT:
+                raise MTPEngineError(f"JSON schema integer at {where} is out of range (|n| > 2**63)", field=FIELD)
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise MTPEngineError(f"JSON schema number at {where} is not finite", field=FIELD)
+        else:
+            raise MTPEngineError(f"JSON schema value at {where} is a {type(value).__name__}, not JSON", field=FIELD)
+
+
+def _short(where: str) -> str:
+    return where if len(where) <= 120 else f"{where[:50]}...{where[-60:]}"
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise MTPEngineError(f"{where}: not valid text (a lone surrogate at character {e.start})",
+                             field=FIELD) from None
+
+
+def _check_grammar(text: Any, kind: str) -> str:
+    if not isinstance(text, str):
+        raise MTPEngineError(f"expected a {kind} string, found {type(text).__name__}", field=FIELD)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise MTPEngineError(f"{kind} too long: {len(text)} characters (at most {MAX_GRAMMAR_CHARS})", field=FIELD)
+    _check_text(text, kind)
+    return text
+
+
+def _compile(build, what: str) -> str:
+    """llguidance's grammar builders raise plain exceptions on bad input: the engine's error."""
+    try:
+        return build()
+    except (ValueError, TypeError, RuntimeError, UnicodeError) as e:
+        raise MTPEngineError(f"not a usable {what}: {e}", field=FIELD) from None
 
 
 def _llg() -> Any:
@@ -38,7 +116,7 @@ class Constraint:
 
     def __init__(self, grammar: str, what: str):
         self.grammar, self.what = grammar, what
-        err = _llg().LLMatcher.validate_grammar(grammar)
+        err = _compile(lambda: _llg().LLMatcher.validate_grammar(grammar), what)
         if err:
             raise MTPEngineError(f"{what}: {err}", field=FIELD)
 
@@ -47,35 +125,34 @@ class Constraint:
         """Text that is JSON matching `schema` (a JSON Schema object), or any JSON object."""
         if schema is not None and not isinstance(schema, dict):
             raise MTPEngineError(f"expected a JSON schema object, found {type(schema).__name__}", field=FIELD)
-        try:
-            # no free whitespace between tokens: a model may otherwise pad forever (a known JSON-mode
-            # failure); separators as json.dumps writes them
-            grammar = _llg().LLMatcher.grammar_from_json_schema(
-                schema if schema is not None else {"type": "object"},
-                defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
-        except (ValueError, TypeError) as e:
-            raise MTPEngineError(f"not a usable JSON schema: {e}", field=FIELD) from None
+        if schema is not None:
+            check_schema(schema)
+        llg = _llg()
+        # no free whitespace between tokens: a model may otherwise pad forever (a known JSON-mode
+        # failure); separators as json.dumps writes them
+        grammar = _compile(lambda: llg.LLMatcher.grammar_from_json_schema(
+            schema if schema is not None else {"type": "object"},
+            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}), "JSON schema")
         return cls(grammar, "JSON schema" if schema is not None else "JSON object")
 
     @classmethod
     def regex(cls, pattern: str) -> "Constraint":
         """Text that matches the regular expression `pattern` in full."""
-        if not isinstance(pattern, str):
-            raise MTPEngineError(f"expected a pattern string, found {type(pattern).__name__}", field=FIELD)
-        return cls(_llg().LLMatcher.grammar_from_regex(pattern), "regex")
+        pattern = _check_grammar(pattern, "pattern")
+        llg = _llg()
+        return cls(_compile(lambda: llg.LLMatcher.grammar_from_regex(pattern), "regex"), "regex")
 
     @classmethod
     def lark(cls, grammar: str) -> "Constraint":
         """Text in the language of a Lark grammar (llguidance's dialect)."""
-        if not isinstance(grammar, str):
-            raise MTPEngineError(f"expected a grammar string, found {type(grammar).__name__}", field=FIELD)
-        return cls(_llg().LLMatcher.grammar_from_lark(grammar), "Lark grammar")
+        grammar = _check_grammar(grammar, "grammar")
+        llg = _llg()
+        return cls(_compile(lambda: llg.LLMatcher.grammar_from_lark(grammar), "Lark grammar"), "Lark grammar")
 
     @classmethod
     def gbnf(cls, grammar: str) -> "Constraint":
         """Text in the language of a llama.cpp GBNF grammar (`--grammar`; Lark is accepted too)."""
-        if not isinstance(grammar, str):
-            raise MTPEngineError(f"expected a grammar string, found {type(grammar).__name__}", field=FIELD)
+        grammar = _check_grammar(grammar, "grammar")
         _llg()
         from llguidance.gbnf_to_lark import any_to_lark
 
@@ -83,7 +160,7 @@ class Constraint:
             lark = any_to_lark(grammar)
         except Exception as e:  # the converter raises plain exceptions on bad input
             raise MTPEngineError(f"not a GBNF grammar: {type(e).__name__}: {e}", field=FIELD) from None
-        return cls(_llg().LLMatcher.grammar_from_lark(lark), "GBNF grammar")
+        return cls(_compile(lambda: _llg().LLMatcher.grammar_from_lark(lark), "GBNF grammar"), "GBNF grammar")
 
     def matcher(self, tokenizer: Any, vocab_size: int) -> "GrammarState":
         """The grammar's state for one generation."""

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("llguidance", reason="constrained decoding needs llguidance (pip install -e '.[test]')")
 
 from mtp_engine import Constraint, MTPEngineError, generate  # noqa: E402
+from mtp_engine import constraint as constraint_module  # noqa: E402
 from mtp_engine.constraint import response_format_constraint  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -175,3 +176,50 @@ def test_llguidance_before_1_7_gets_one_end_token(monkeypatch):
     tok = types.SimpleNamespace(eos_token_ids={7, 3}, _backend=types.SimpleNamespace(to_str=lambda: "{}"))
     constraint._ll_tokenizer(tok, 16)
     assert seen == [3]
+
+
+def _nested(depth: int) -> dict:
+    root = cur = {"type": "object"}
+    for _ in range(depth):
+        cur["properties"] = {"a": {"type": "object"}}
+        cur = cur["properties"]["a"]
+    return root
+
+
+def _cyclic() -> dict:
+    s = {"type": "object"}
+    s["properties"] = {"self": s}
+    return s
+
+
+@pytest.mark.parametrize("schema, says", [
+    (_nested(9000), "nested too deep"),  # llguidance's converter recursed into a SIGSEGV
+    (_cyclic(), "cyclic at $.properties.self"),
+    ({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(30_000)}}, "too large"),
+    ({"type": "string", "maxLength": 10 ** 5000}, "integer at $.maxLength is out of range"),
+    ({"type": "number", "maximum": float("inf")}, "not finite"),
+    ({"type": "string", "pattern": "\ud800"}, "lone surrogate"),
+    ({"type": "object", "properties": {1: {"type": "string"}}}, "key 1 at $.properties is not a string"),
+    ({"type": str}, "is a type, not JSON"),
+])
+def test_pathological_schemas_are_refused_before_llguidance(schema, says):
+    import time
+    t = time.perf_counter()
+    with pytest.raises(MTPEngineError) as e:
+        Constraint.json(schema)
+    assert says in str(e.value) and time.perf_counter() - t < 2.0
+    # a schema at the depth limit still compiles: the limit is where it says
+    depth_ok = _nested(constraint_module.MAX_SCHEMA_DEPTH // 2 - 1)
+    assert Constraint.json(depth_ok).what == "JSON schema"
+
+
+@pytest.mark.parametrize("make, text, says", [
+    (Constraint.regex, "\ud800+", "lone surrogate"),
+    (Constraint.regex, "a(", "invalid regex"),
+    (Constraint.lark, "start: \ud800", "lone surrogate"),
+    (Constraint.regex, "a" * 1_000_001, "too long"),
+])
+def test_bad_grammar_text_is_an_engine_error(make, text, says):
+    with pytest.raises(MTPEngineError) as e:
+        make(text)
+    assert says in str(e.value)
