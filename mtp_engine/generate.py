@@ -90,18 +90,27 @@ def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_t
     if len(prompt_ids) + max_tokens > ctx:
         raise MTPEngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                              f"context length {ctx}", field="max_tokens")
-    eos = set() if ignore_eos else set(tokenizer.eos_token_ids)
-    detok = tokenizer.detokenizer()
-    matcher = _StopMatcher(stop or [])
     prof = profiler or decoder.prof
-    generated: list[int] = []
-    finish = "length"
     t0 = time.perf_counter()
     if max_tokens == 0:
         st = _stats(decoder, len(prompt_ids), 0, 0, 0.0, 0.0, prof)
         st["time_to_first_token_seconds"] = 0.0
         yield Chunk("", [], "length", st)
         return
+    try:
+        yield from _generate(decoder, tokenizer, prompt_ids, max_tokens, stop, ignore_eos, prof, t0)
+    finally:  # also when the caller abandons the stream: its prompt-cache state may be handed over
+        if decoder.prompt_cache is not None and decoder.cache is not None:
+            decoder.prompt_cache.release(decoder.cache)
+
+
+def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+              stop: list[str] | None, ignore_eos: bool, prof: Profiler, t0: float) -> Iterator[Chunk]:
+    eos = set() if ignore_eos else set(tokenizer.eos_token_ids)
+    detok = tokenizer.detokenizer()
+    matcher = _StopMatcher(stop or [])
+    generated: list[int] = []
+    finish = "length"
     prof.start()
     # the decoder may queue its next round before the host reads the current one (mx.async_eval), so
     # this loop's detokenization and stop checks overlap device work; `budget` keeps it from queuing

@@ -32,13 +32,25 @@ class _Kept:
     snapshot: list
     drafter: str | None  # the drafter whose state is kept (None: a plain generation kept it)
     drafter_state: Any
+    live: bool = True  # the generation that kept it still writes into its caches
+
+    def fork(self) -> "_Kept | None":
+        """This state on caches of its own (sharing buffers until either is written), for another
+        generation while the one that kept it goes on; None if it cannot be had now."""
+        trunk = self.trunk.fork(self.snapshot)
+        if trunk is None:
+            return None
+        fork_state = getattr(self.drafter_state, "fork", None)  # None: an immutable state
+        state = fork_state() if callable(fork_state) else self.drafter_state
+        return _Kept(self.model, self.tokens, trunk, trunk.snapshot(), self.drafter, state, live=False)
 
 
 class PromptCache:
     """Give the same `PromptCache` to successive `generate` / `stream_generate` calls on one model.
     Each call reuses the kept state that its prompt starts with (the longest, if several) and
-    keeps its own. Generations in several threads may share one: a state is handed to one
-    generation at a time (taking it removes it).
+    keeps its own. Generations in several threads may share one: a state whose generation has
+    ended is handed over (and no longer kept here); one whose generation is still running is
+    shared copy-on-write (its caches' buffers are copied by the first write of either).
 
     `slots`: how many prompts' states are kept (several conversations interleaved each find
     theirs); the least recently used goes first, and also while they hold more than `max_bytes`
@@ -70,7 +82,12 @@ class PromptCache:
             i = self._best(model, prefix, drafter)
             if i is None:
                 return None
-            kept = self._kept.pop(i)
+            if self._kept[i].live:  # the generation that kept it still writes into these caches
+                kept = self._kept[i].fork()
+                if kept is None:
+                    return None
+            else:
+                kept = self._kept.pop(i)
             self.hits += 1
             self.reused_tokens += len(kept.tokens)
             return kept
@@ -85,6 +102,13 @@ class PromptCache:
             while len(self._kept) > self.slots or (self.max_bytes is not None and len(self._kept) > 1
                                                    and self.nbytes() > self.max_bytes):
                 self._kept.pop(0)
+
+    def release(self, trunk: TrunkCache) -> None:
+        """The generation whose caches are `trunk` has ended: its kept state can be handed over."""
+        with self._lock:
+            for k in self._kept:
+                if k.trunk is trunk:
+                    k.live = False
 
     def clear(self) -> None:
         """Drops the kept states (and the memory they hold)."""

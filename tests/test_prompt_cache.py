@@ -161,3 +161,36 @@ def test_threads_sharing_one_cache(tiny_any):
         results = list(ex.map(converse, prompts))
     for ids, tokens in results:
         assert tokens == generate(ids, model=tiny_any, max_tokens=8).token_ids
+
+
+@pytest.mark.parametrize("kw", SPECS, ids=["plain", "draft-mtp"])
+def test_a_state_taken_while_its_generation_runs_is_not_shared(tiny_any, kw):
+    """Generation A keeps its prompt's state and goes on decoding; B, whose prompt starts with it,
+    takes the state while A still runs, and the two streams then advance in turn. Each must give
+    what it gives alone (the kept caches were once handed over live: B rewound A's caches and both
+    wrote into the same buffers)."""
+    pc = PromptCache(slots=2)
+    tok = tiny_any.tokenizer
+    a_ids = tok.encode(PROMPT)
+    b_ids = a_ids + tok.encode(" Whether tis nobler in the mind to suffer")
+    ref_a = generate(a_ids, model=tiny_any, max_tokens=24, **kw).token_ids
+    ref_b = generate(b_ids, model=tiny_any, max_tokens=24, **kw).token_ids
+    sa = stream_generate(a_ids, model=tiny_any, max_tokens=24, prompt_cache=pc, **kw)
+    got = {"a": [], "b": []}
+    got["a"] += next(sa).token_ids  # A prefilled and kept its state; it has not finished
+    sb = stream_generate(b_ids, model=tiny_any, max_tokens=24, prompt_cache=pc, **kw)
+    streams = {"a": sa, "b": sb}
+    while streams:
+        for name in list(streams):
+            try:
+                chunk = next(streams[name])
+            except StopIteration:
+                del streams[name]
+                continue
+            got[name] += chunk.token_ids
+            if chunk.stats and name == "b":
+                assert chunk.stats["cached_prompt_tokens"] == len(a_ids) - 1  # B did reuse A's state
+    assert got["a"] == ref_a and got["b"] == ref_b
+    # A has ended: its state is handed over as it is now
+    c = generate(b_ids, model=tiny_any, max_tokens=24, prompt_cache=pc, **kw)
+    assert c.token_ids == ref_b

@@ -67,6 +67,14 @@ class KVCache:
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end], "causal" if s > 1 else None
 
+    def view(self, offset: int) -> "KVCache":
+        """A new cache holding this one's first `offset` positions without a copy: both hold the
+        same buffers, and MLX copies a buffer on the first write while another holder has it, so
+        neither ever sees the other's later writes."""
+        c = KVCache(self.n_kv, self.head_dim, self.step, self.dtype)
+        c.keys, c.values, c.offset = self.keys, self.values, int(offset)
+        return c
+
     def to_device(self) -> None:
         """Device-resident rounds follow: the offset may become an unread MLX scalar."""
         if self.bound is None:
@@ -247,6 +255,26 @@ class TrunkCache:
         """References to the current state (MLX arrays are values: later writes make new arrays,
         except KV buffers, whose valid length is their offset)."""
         return [c.offset if isinstance(c, KVCache) else (c.conv, c.state) for c in self.layers] + [self.offset]
+
+    def fork(self, snap: list) -> "TrunkCache | None":
+        """A new cache in the state of `snapshot()` `snap`, sharing buffers with this one (see
+        `KVCache.view`): another generation may go on from it while this one is still written.
+        None while a forward holds the buffers (mid-step in another thread)."""
+        layers: list[KVCache | RecurrentCache] = []
+        for c, s in zip(self.layers, snap[:-1]):
+            if isinstance(c, KVCache):
+                if c.keys is None and s:
+                    return None
+                layers.append(c.view(s))
+            else:
+                r = RecurrentCache.__new__(RecurrentCache)
+                r.__dict__.update(c.__dict__)
+                r.conv, r.state = s
+                r.capturing, r._captured = False, None
+                layers.append(r)
+        fork = TrunkCache(layers)
+        fork.offset = snap[-1]
+        return fork
 
     def restore(self, snap: list) -> None:
         """Returns to a `snapshot()`; the re-decoding rollback llama.cpp falls back to."""

@@ -32,6 +32,11 @@ class HeadPrefix(NamedTuple):
     rows: int
     h_last: mx.array
 
+    def fork(self) -> "HeadPrefix":
+        """The same state on a cache of its own (a generation may go on from it while the one that
+        kept it still writes its cache)."""
+        return HeadPrefix(self.cache.view(self.rows), self.rows, self.h_last)
+
     def nbytes(self) -> int:
         return self.cache.nbytes()
 
