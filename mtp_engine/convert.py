@@ -44,6 +44,16 @@ class ConvertReport:
     peak_memory_bytes: int = 0
 
 
+def _check_not_source(src: str | os.PathLike, out: str | os.PathLike) -> None:
+    """The output must not be the source, nor a folder the source lies in: writing it would
+    overwrite what is still being read (symbolic links resolved)."""
+    s, o = os.path.realpath(os.fspath(src)), os.path.realpath(os.fspath(out))
+    if s == o or s.startswith(o.rstrip(os.sep) + os.sep):
+        raise MTPEngineError(f"the output {os.fspath(out)!r} is {'the source' if s == o else 'a folder the source is in'}: "
+                             "writing it would overwrite the source while it is read; choose another output",
+                             file=os.fspath(src), field="out")
+
+
 def _prepare_out(out: str, overwrite: bool) -> None:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
         raise MTPEngineError("output exists and is not an empty folder (pass overwrite=True / --force)", file=out)
@@ -197,7 +207,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, quantize: QuantSpec 
             gguf_type: str | None = None, overwrite: bool = False, scales: str = "float32",
             progress: Callable[[int, int], None] | None = None) -> ConvertReport:
     """An MLX folder (default; see `convert_to_mlx`), or with `gguf_type` (F32, F16, BF16, Q8_0,
-    Q4_0, ...) one GGUF file."""
+    Q4_0, ...) one GGUF file. Refuses an output that is the source or holds it (`--force` once
+    overwrote the source while reading it)."""
+    _check_not_source(src, out)
     if gguf_type is not None:
         from .gguf.from_hf import write_gguf
 

@@ -16,6 +16,7 @@ from ..constraint import response_format_constraint
 from ..errors import MTPEngineError
 from ..penalties import PenaltyConfig
 from ..sampling import MAX_LOGPROBS
+from ..text_input import check_stop
 from ..tool_calls import check_tool_list, message_tool_calls, tool_choice_name
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused before it is parsed
@@ -133,11 +134,12 @@ def _stop(body: dict):
     v = body.get("stop")
     if v is None:
         return None
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return v
-    raise APIError(400, f"stop: expected a string or an array of strings, found {_type_name(v)}", "stop")
+    if not (isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise APIError(400, f"stop: expected a string or an array of strings, found {_type_name(v)}", "stop")
+    try:
+        return check_stop(v)  # the engine's bounds (count, length, valid text)
+    except MTPEngineError as e:
+        raise APIError(400, str(e), "stop") from None
 
 
 def _draft(body: dict, d: ServerDefaults) -> dict:

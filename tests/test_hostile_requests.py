@@ -1,0 +1,68 @@
+"""Hostile inputs to the Python API and the command line (issue 28): each gets the right result or
+one clear error (the engine's own exception, naming what and where) in bounded time, and nothing a
+user owns is overwritten."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+
+import pytest
+
+import mtp_engine as me
+from mtp_engine.convert import convert
+from mtp_engine.text_input import MAX_STOP_CHARS, MAX_STOPS
+from tests.conftest import HF_TINY, need
+
+
+@pytest.mark.parametrize("path", [123, 1.5, b"models/x.gguf", ["a.gguf"]])
+def test_load_names_a_path_that_is_not_one(path):
+    with pytest.raises(me.MTPEngineError, match="expected a path"):
+        me.load(path)
+
+
+def test_stop_strings_are_bounded(tiny_q4):
+    with pytest.raises(me.MTPEngineError, match=f"at most {MAX_STOPS}"):
+        me.generate("hello", model=tiny_q4, max_tokens=4, stop=["zz"] * (MAX_STOPS + 1))
+    with pytest.raises(me.MTPEngineError, match=f"at most {MAX_STOP_CHARS}"):
+        me.generate("hello", model=tiny_q4, max_tokens=4, stop=["z" * (MAX_STOP_CHARS + 1)])
+    # the most a request may ask for costs little: every stop at its longest, none matching
+    stops = [f"{i:04d}" + "\u2603" * (MAX_STOP_CHARS - 4) for i in range(MAX_STOPS)]
+    t = time.perf_counter()
+    out = me.generate("hello", model=tiny_q4, max_tokens=32, stop=stops, ignore_eos=True)
+    free = me.generate("hello", model=tiny_q4, max_tokens=32, ignore_eos=True)
+    assert out.token_ids == free.token_ids and time.perf_counter() - t < 30
+
+
+def _digest(folder) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_convert_never_writes_over_its_source(tmp_path, where):
+    src = tmp_path / "ckpt"
+    shutil.copytree(need(HF_TINY), src)
+    before = _digest(src)
+    out = src if where == "same" else tmp_path
+    with pytest.raises(me.MTPEngineError, match="overwrite the source"):
+        convert(src, out, overwrite=True)
+    with pytest.raises(me.MTPEngineError, match="overwrite the source"):
+        convert(src / "model.safetensors", src / "model.safetensors", gguf_type="F32", overwrite=True)
+    assert _digest(src) == before
+
+
+def test_convert_from_the_command_line_says_it_in_one_line(tmp_path, capsys):
+    from mtp_engine.cli import main
+    src = tmp_path / "ckpt"
+    shutil.copytree(need(HF_TINY), src)
+    rc = main(["convert", str(src), str(src), "--force"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "overwrite the source" in err[0]
+
+
+def test_server_refuses_too_many_stops_with_a_400():
+    from mtp_engine.server.schemas import APIError, _stop
+    with pytest.raises(APIError) as e:
+        _stop({"stop": ["x"] * (MAX_STOPS + 1)})
+    assert e.value.status == 400 and "at most" in str(e.value)
+    assert _stop({"stop": "ab"}) == ["ab"]
