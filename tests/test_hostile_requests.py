@@ -66,3 +66,23 @@ def test_server_refuses_too_many_stops_with_a_400():
         _stop({"stop": ["x"] * (MAX_STOPS + 1)})
     assert e.value.status == 400 and "at most" in str(e.value)
     assert _stop({"stop": "ab"}) == ["ab"]
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "unreadable JSON body"),
+    (b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deep"),
+])
+def test_server_json_bodies_that_python_cannot_read_are_400(raw, says):
+    from mtp_engine.server.schemas import APIError, parse_json
+    with pytest.raises(APIError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and says in e.value.message
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 10 ** 400), ("top_p", -(10 ** 30)),
+                                          ("max_tokens", 10 ** 4000), ("frequency_penalty", 10 ** 20)])
+def test_server_huge_integers_are_400(field, value):
+    from mtp_engine.server.schemas import APIError, ServerDefaults, parse_completion
+    with pytest.raises(APIError) as e:
+        parse_completion({"prompt": "x", field: value}, ServerDefaults())
+    assert e.value.status == 400 and e.value.param == field and len(e.value.message) < 200

@@ -75,6 +75,10 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "JSON body nested too deep", code="invalid_json") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits (Python's conversion limit)
+        raise APIError(400, f"unreadable JSON body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"expected a JSON object, found {type(body).__name__}")
     return body
@@ -85,11 +89,20 @@ def _type_name(v) -> str:
                                       list: "array", dict: "object"}.get(type(v), type(v).__name__)
 
 
+def _shown(v) -> str:
+    """A value for an error message: a huge integer by its size, not its 4000 digits."""
+    return f"an integer of {len(str(abs(v)))} digits" if isinstance(v, int) and abs(v) > 10**15 else str(v)
+
+
 def _number(body: dict, name: str, lo: float, hi: float, default, lo_open: bool = False):
     v = body.get(name)
     if v is None:
         return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise APIError(400, f"{name}: expected a number, found {_type_name(v)}", name)
+    if isinstance(v, int) and abs(v) > 2**53:  # beyond float precision (and math.isfinite's reach)
+        raise APIError(400, f"{name}: expected a number in [{lo}, {hi}], found {_shown(v)}", name)
+    if not math.isfinite(v):
         raise APIError(400, f"{name}: expected a number, found {_type_name(v)}", name)
     if v < lo or v > hi or (lo_open and v == lo):
         raise APIError(400, f"{name}: expected a number in {'(' if lo_open else '['}{lo}, {hi}], found {v}", name)
@@ -103,7 +116,7 @@ def _integer(body: dict, name: str, lo: int, hi: int, default):
     if not isinstance(v, int) or isinstance(v, bool):
         raise APIError(400, f"{name}: expected an integer, found {_type_name(v)}", name)
     if not lo <= v <= hi:
-        raise APIError(400, f"{name}: expected an integer in [{lo}, {hi}], found {v}", name)
+        raise APIError(400, f"{name}: expected an integer in [{lo}, {hi}], found {_shown(v)}", name)
     return v
 
 
