@@ -86,3 +86,17 @@ def test_server_huge_integers_are_400(field, value):
     with pytest.raises(APIError) as e:
         parse_completion({"prompt": "x", field: value}, ServerDefaults())
     assert e.value.status == 400 and e.value.param == field and len(e.value.message) < 200
+
+
+def test_serve_on_a_port_in_use_says_so_before_loading(capsys):
+    import socket
+
+    from mtp_engine.cli import main
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t = time.perf_counter()
+        rc = main(["serve", "-m", "no-such-model.gguf", "--port", str(port), "--host", "127.0.0.1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "in use" in err[0] and time.perf_counter() - t < 5

@@ -33,6 +33,27 @@ def defaults_from_args(args) -> ServerDefaults:
                           args.spec_draft_n_max, args.spec_draft_n_min, args.spec_draft_p_min, pen)
 
 
+def check_bind(host: str, port: int) -> None:
+    """Refuses, before the model loads, an address this process cannot listen on (a port in use
+    once printed uvicorn's 39-line traceback after the whole load)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise MTPEngineError(f"cannot listen on host {host!r}: {e}", field="host") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            why = "in use" if e.errno in (98, 48, 10048) else (e.strerror or str(e))
+            raise MTPEngineError(f"cannot listen on {host}:{port}: {why} (choose another --port)", field="port") from None
+
+
 def run_serve(args) -> int:
     import uvicorn
 
@@ -41,6 +62,7 @@ def run_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="mtp-engine: %(message)s", stream=sys.stderr)
     defaults = defaults_from_args(args)
+    check_bind(args.host, args.port)
     from .schemas import parse_completion
 
     # the server's own default settings, as a request without settings gets them
