@@ -69,10 +69,19 @@ _registered = False
 _lock = threading.RLock()
 
 
+_closing = threading.Event()  # the interpreter is exiting: the engine thread takes no new work
+EXIT_WAIT_S = 10.0  # how long exit waits for the engine thread's current step
+
+
 def _release() -> None:
     # Compiled functions and cached buffers freed by interpreter teardown after worker threads
     # ended is where MLX aborts; finishing the work and dropping them while the runtime is intact
-    # avoids it.
+    # avoids it. A generation still running in a daemon thread (the program exits without waiting
+    # for it) aborted the same way, mid-step: the engine thread finishes its current step, takes
+    # no other, and the callers wait until the interpreter is gone.
+    _closing.set()
+    if _engine is not None and _engine.thread.is_alive():
+        _engine.idle.wait(EXIT_WAIT_S)
     try:
         mx.synchronize()
     except Exception:  # nothing to wait for, or MLX already shutting down
@@ -101,12 +110,17 @@ class _EngineThread:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = threading.Event()  # set while it waits for work
         self.thread = threading.Thread(target=self._serve, name="mtp-engine-mlx", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         while True:
+            self.idle.set()
             fn, fut = self._jobs.get()
+            self.idle.clear()
+            if _closing.is_set():  # queued as the interpreter began to exit: never run (its daemon
+                continue  # caller waits until the process is gone)
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
@@ -114,6 +128,8 @@ class _EngineThread:
                     fut.set_exception(e)
 
     def call(self, fn: Callable[[], Any]) -> Any:
+        if _closing.is_set():  # exiting: this (daemon) caller waits for the end of the process
+            threading.Event().wait()
         if sys.is_finalizing() or not self.thread.is_alive():  # at exit the thread may be frozen
             return fn()
         fut: Future = Future()
