@@ -280,6 +280,11 @@ def _bench(args) -> int:
         raise MTPEngineError("expected -n >= 2 and --repeats >= 1", field="bench")
     if any(k != "auto" and k < 0 for k in args.n_max):
         raise MTPEngineError(f"expected n-max values >= 0, found {args.n_max}", field="n-max")
+    from .speculative.config import DraftParams
+
+    for k in args.n_max:  # every configuration's knobs, before the model loads
+        for p in args.p_min:
+            DraftParams(k, 0, p)
     if args.out:
         from .text_input import check_output_dir
 

@@ -21,6 +21,8 @@ These functions are what any entry point (API, CLI, server request bodies) calls
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 import sys
 from typing import Any, BinaryIO
 
@@ -144,6 +146,14 @@ def read_prompt_file(path: str, field: str = "file", *, limit: int = MAX_PROMPT_
         src = stdin if stdin is not None else sys.stdin.buffer
         return decode_utf8(_read_limited(src, limit, "<stdin>", field), field, file="<stdin>")
     try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise MTPEngineError(f"cannot read prompt file: {e.strerror or e}", file=path, field=field) from None
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        # a FIFO nobody writes to would block forever (a pipe is read with "-")
+        raise MTPEngineError("not a regular file (a FIFO, socket or device): pipe it to '-f -' instead",
+                             file=path, field=field)
+    try:
         with open(path, "rb") as f:  # a directory fails here (IsADirectoryError)
             data = _read_limited(f, limit, path, field)
     except OSError as e:
@@ -168,6 +178,7 @@ def check_output_file(path: str, field: str) -> None:
             raise MTPEngineError("cannot write here: the file is not writable", file=path, field=field)
         return
     _writable_dir(os.path.dirname(os.path.abspath(path)), path, field)
+    _probe(os.path.dirname(os.path.abspath(path)), path, field)
 
 
 def check_output_dir(path: str, field: str) -> None:
@@ -178,6 +189,7 @@ def check_output_dir(path: str, field: str) -> None:
             raise MTPEngineError("expected a folder, found a file", file=path, field=field)
         if not os.access(path, os.W_OK | os.X_OK):
             raise MTPEngineError("cannot write here: the folder is not writable", file=path, field=field)
+        _probe(path, path, field)
         return
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent) and parent != os.path.dirname(parent):
@@ -186,3 +198,18 @@ def check_output_dir(path: str, field: str) -> None:
         raise MTPEngineError(f"cannot create the folder: {parent!r} is not a folder", file=path, field=field)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise MTPEngineError(f"cannot create the folder: {parent!r} is not writable", file=path, field=field)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise MTPEngineError(f"cannot create the folder: {e.strerror or e}", file=path, field=field) from None
+    _probe(path, path, field)
+
+
+def _probe(folder: str, path: str, field: str) -> None:
+    """Permissions do not say everything (root passes every check; /proc, full or read-only mounts
+    refuse anyway): a file is written and removed, before the work whose results it will hold."""
+    try:
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.write(b"x")
+    except OSError as e:
+        raise MTPEngineError(f"cannot write here: {e.strerror or e}", file=path, field=field) from None

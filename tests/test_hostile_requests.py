@@ -12,7 +12,7 @@ import pytest
 import mtp_engine as me
 from mtp_engine.convert import convert
 from mtp_engine.text_input import MAX_STOP_CHARS, MAX_STOPS
-from tests.conftest import HF_TINY, need
+from tests.conftest import HF_TINY, TINY_Q4, need
 
 
 @pytest.mark.parametrize("path", [123, 1.5, b"models/x.gguf", ["a.gguf"]])
@@ -100,3 +100,29 @@ def test_serve_on_a_port_in_use_says_so_before_loading(capsys):
         rc = main(["serve", "-m", "no-such-model.gguf", "--port", str(port), "--host", "127.0.0.1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "in use" in err[0] and time.perf_counter() - t < 5
+
+
+def _cli(args, capsys) -> tuple[int, list[str], float]:
+    from mtp_engine.cli import main
+    t = time.perf_counter()
+    rc = main(args)
+    return rc, capsys.readouterr().err.strip().splitlines(), time.perf_counter() - t
+
+
+def test_a_fifo_prompt_file_is_refused_not_waited_on(tmp_path, capsys):
+    import os
+    fifo = tmp_path / "prompt"
+    os.mkfifo(fifo)
+    rc, err, dt = _cli(["generate", "-m", str(need(TINY_Q4)), "-f", str(fifo), "-n", "2"], capsys)
+    assert rc == 2 and "not a regular file" in err[-1] and dt < 10
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--p-min", "5"], "p-min"),
+    (["--n-max", "2,99"], "n-max"),
+    (["--out", "/proc/mtp-engine-test"], "--out"),
+])
+def test_bench_refuses_bad_flags_before_it_loads(flags, says, capsys):
+    rc, err, dt = _cli(["bench", "-m", str(need(TINY_Q4))] + flags, capsys)
+    # one line, and before the first pass (whose progress line would come first)
+    assert rc == 2 and len(err) == 1 and says in err[0] and dt < 10
