@@ -22,7 +22,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .errors import MTPEngineError
-from .model.hf import QuantSpec, expected_tensors, hf_source_names, quantizable
+from .model.hf import QuantSpec, expected_tensors, hf_source_names, quantizable, require_output_head
 from .model.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from .model.hf_layout import Quantized, quantize
 
@@ -132,6 +132,7 @@ def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quant: QuantS
     ckpt = HFCheckpoint(src)
     if ckpt.quantized or ckpt.norms_offset_applied:
         raise MTPEngineError("expected an HF float checkpoint; this folder is already in MLX form", file=ckpt.directory)
+    require_output_head(ckpt)
     out = str(out)
     _prepare_out(out, overwrite)
     report = ConvertReport(out=out)

@@ -126,3 +126,20 @@ def test_bench_refuses_bad_flags_before_it_loads(flags, says, capsys):
     rc, err, dt = _cli(["bench", "-m", str(need(TINY_Q4))] + flags, capsys)
     # one line, and before the first pass (whose progress line would come first)
     assert rc == 2 and len(err) == 1 and says in err[0] and dt < 10
+
+
+def test_a_checkpoint_without_its_untied_output_head_is_refused(tmp_path):
+    """config.json says the output head is its own tensor and none is stored: loading and both
+    conversions refuse (the head was silently tied to the embeddings)."""
+    import mlx.core as mx
+    src = tmp_path / "ckpt"
+    shutil.copytree(need(HF_TINY), src)
+    tensors = mx.load(str(src / "model.safetensors"))  # bf16: numpy cannot hold it
+    heads = [k for k in tensors if k.endswith("lm_head.weight")]
+    assert heads
+    mx.save_safetensors(str(src / "model.safetensors"), {k: v for k, v in tensors.items() if k not in heads})
+    for attempt in (lambda: me.load(src), lambda: convert(src, tmp_path / "mlx"),
+                    lambda: convert(src, tmp_path / "m.gguf", gguf_type="F32")):
+        with pytest.raises(me.MTPEngineError, match="tie_word_embeddings is false"):
+            attempt()
+    assert not (tmp_path / "mlx").exists() and not (tmp_path / "m.gguf").exists()

@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFile
 from gguf import quants as gq
 
 from ..errors import MTPEngineError
-from ..model.hf import TensorSource, expected_tensors
+from ..model.hf import TensorSource, expected_tensors, require_output_head
 from ..model.hf_checkpoint import HFCheckpoint
 from ..tokenizer import Tokenizer
 from .writer import _KEEP_F32, WRITABLE
@@ -143,6 +143,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, qtype: str = "BF1
     target = GGMLQuantizationType[qtype]
     ckpt = HFCheckpoint(src)
     src_reader = TensorSource(ckpt, None)
+    require_output_head(ckpt, src_reader.has)
     n_mtp = ckpt.cfg.n_mtp if ckpt.has_mtp else 0
     plan = expected_tensors(ckpt.cfg, n_mtp > 0, src_reader.has)
     for name, (shape, matrix) in plan.items():

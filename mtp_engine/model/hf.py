@@ -265,6 +265,16 @@ def _stack(parts: list):
     return mx.stack(parts)
 
 
+def require_output_head(ckpt: HFCheckpoint, has: Callable[[str], bool] | None = None) -> None:
+    """Refuses a checkpoint whose config does not tie the output head to the embeddings but that
+    stores none: the model build would fall back to the embeddings (GGUF's rule) and every logit
+    would be wrong, silently (loading, `convert` to MLX and to GGUF all check it)."""
+    has = has or TensorSource(ckpt, None).has
+    if not ckpt.cfg.tied_embeddings and not has("output.weight"):
+        raise MTPEngineError("required tensor is missing: config.json says tie_word_embeddings is false, so the "
+                             "output head must be stored", file=ckpt.directory, field="lm_head.weight")
+
+
 def load_checkpoint(directory: str | os.PathLike, quantize: QuantSpec | str | int | None = None,
                     load_mtp: bool = True,
                     progress: Callable[[int, int], None] | None = None,
@@ -282,6 +292,7 @@ def load_checkpoint(directory: str | os.PathLike, quantize: QuantSpec | str | in
             info.tensor_types[t.dtype] = info.tensor_types.get(t.dtype, 0) + 1
     info.largest_tensor_bytes = max(t.nbytes for t in ckpt.tensors.values())
     want_mtp = load_mtp and ckpt.has_mtp
+    require_output_head(ckpt, src.has)
     # every shape is checked against the headers before a byte of weights is read
     for name, (shape, matrix) in expected_tensors(ckpt.cfg, want_mtp, src.has).items():
         if name.endswith("_exps.weight"):
