@@ -54,11 +54,12 @@ class LiveServer:
         assert time.monotonic() <= deadline + 1
         return box[0]
 
-    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 60.0):
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 60.0,
+                headers: dict | None = None):
         """(status, parsed JSON or text) of one request."""
         c = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        c.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        c.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
         r = c.getresponse()
         text = r.read().decode()
         c.close()

@@ -143,3 +143,29 @@ def test_a_checkpoint_without_its_untied_output_head_is_refused(tmp_path):
         with pytest.raises(me.MTPEngineError, match="tie_word_embeddings is false"):
             attempt()
     assert not (tmp_path / "mlx").exists() and not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("host, key, warns", [("127.0.0.1", None, False), ("::1", None, False),
+                                              ("localhost", None, False), ("0.0.0.0", None, True),
+                                              ("192.168.1.5", None, True), ("0.0.0.0", "k", False)])
+def test_serve_warns_when_others_can_reach_it_without_a_key(host, key, warns):
+    from mtp_engine.server.main import open_bind_warning
+    assert (open_bind_warning(host, key) is not None) == warns
+
+
+@pytest.mark.parametrize("content, ok", [("abc123\n", True), ("", False), ("two words\n", False),
+                                         ("x" * 5000, False)])
+def test_api_key_file_is_checked(tmp_path, content, ok):
+    import types
+
+    from mtp_engine.server.main import api_key_from_args
+    f = tmp_path / "key"
+    f.write_text(content)
+    args = types.SimpleNamespace(api_key=None, api_key_file=str(f))
+    if ok:
+        assert api_key_from_args(args) == content.strip()
+    else:
+        with pytest.raises(me.MTPEngineError, match="api-key"):
+            api_key_from_args(args)
+    with pytest.raises(me.MTPEngineError, match="cannot read the API key"):
+        api_key_from_args(types.SimpleNamespace(api_key=None, api_key_file=str(tmp_path / "missing")))

@@ -397,3 +397,26 @@ def test_response_format_json(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="x", messages=_chat("x"), response_format={"type": "yaml"})
     assert e.value.body["param"] == "response_format"
+
+
+def test_api_key_guards_every_v1_route(tmp_path):
+    """`serve --api-key-file`: /v1/ routes need `Authorization: Bearer KEY` (401 in OpenAI's shape
+    otherwise, the key never echoed); /health and the page stay open; the openai client works with it."""
+    key = "mtp-test-key-3f9a"
+    f = tmp_path / "key"
+    f.write_text(key + "\n")
+    s = LiveServer(need(TINY_Q8), "--api-key-file", str(f))
+    try:
+        body = {"prompt": "Hi", "max_tokens": 2}
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            status, err = s.request("POST", "/v1/completions", body, headers=headers)
+            assert status == 401 and err["error"]["code"] == "invalid_api_key", err
+            assert err["error"]["type"] == "invalid_request_error" and key not in json.dumps(err)
+        assert s.request("GET", "/v1/models")[0] == 401
+        assert s.request("GET", "/health")[0] == 200 and s.request("GET", "/")[0] == 200
+        assert s.request("POST", "/v1/completions", body, headers={"Authorization": f"Bearer {key}"})[0] == 200
+        client = openai.OpenAI(base_url=f"http://{s.host}:{s.port}/v1", api_key=key)
+        assert client.completions.create(model="m", prompt="Hi", max_tokens=2).choices[0].text is not None
+        assert key not in "".join(s.stderr)
+    finally:
+        s.stop()

@@ -3,6 +3,8 @@ and the page at `/`. Handlers run on the event loop; generation runs on the work
 """
 from __future__ import annotations
 
+import hmac
+
 import asyncio
 import json
 import logging
@@ -307,8 +309,30 @@ async def _method(request: Request, exc) -> Response:
                         status_code=405)
 
 
-def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: str) -> Starlette:
-    """The application around a started worker whose model is loaded."""
+class RequireKey:
+    """ASGI middleware: every /v1/ request must carry `Authorization: Bearer <key>` (compared in
+    constant time); others get OpenAI's 401. The page and /health stay open (the page asks for the
+    key and sends it)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):
+                e = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+                await JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: str,
+               api_key: str | None = None) -> Starlette:
+    """The application around a started worker whose model is loaded; with `api_key`, /v1/ routes
+    require it (`RequireKey`)."""
     app = Starlette(routes=[
         Route("/", page),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -317,4 +341,6 @@ def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: s
         Route("/health", health),
     ], exception_handlers={404: _not_found, 405: _method, Exception: _internal})
     app.state.mtp = ServerState(worker, defaults, model_name, R.now())
+    if api_key:
+        app.add_middleware(RequireKey, key=api_key)
     return app

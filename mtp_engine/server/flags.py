@@ -77,3 +77,8 @@ def add_serve_parser(sub, n_max_type) -> None:
                    help="seconds without requests after which MLX's cached buffers are freed (0: never)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every /v1/ route (401 otherwise)")
+    key.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="as --api-key, the key read from the first line of FILE (not shown in ps)")

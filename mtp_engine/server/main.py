@@ -54,6 +54,41 @@ def check_bind(host: str, port: int) -> None:
             raise MTPEngineError(f"cannot listen on {host}:{port}: {why} (choose another --port)", field="port") from None
 
 
+def api_key_from_args(args) -> str | None:
+    """The key of --api-key, or the first line of --api-key-file; never logged."""
+    key = getattr(args, "api_key", None)
+    path = getattr(args, "api_key_file", None)
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline(4097).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise MTPEngineError(f"cannot read the API key: {getattr(e, 'strerror', None) or e}", file=path,
+                                 field="api-key-file") from None
+    if key is not None and (not key or len(key) > 4096 or any(c.isspace() or not c.isprintable() for c in key)):
+        raise MTPEngineError("expected a key of 1..4096 printable characters without spaces",
+                             field="api-key-file" if path else "api-key")
+    return key
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_bind_warning(host: str, api_key: str | None) -> str | None:
+    """The one warning for a server others can reach that needs no key."""
+    if api_key is None and not _loopback(host):
+        return f"listening on {host} without --api-key: anyone who can reach this port can generate"
+    return None
+
+
 def run_serve(args) -> int:
     import uvicorn
 
@@ -62,7 +97,11 @@ def run_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="mtp-engine: %(message)s", stream=sys.stderr)
     defaults = defaults_from_args(args)
+    api_key = api_key_from_args(args)
     check_bind(args.host, args.port)
+    warning = open_bind_warning(args.host, api_key)
+    if warning:
+        print(f"mtp-engine: warning: {warning}", file=sys.stderr, flush=True)
     from .schemas import parse_completion
 
     # the server's own default settings, as a request without settings gets them
@@ -81,7 +120,7 @@ def run_serve(args) -> int:
         logging.getLogger("mtp_engine.server").warning("%s has no MTP head: serving with spec-type none", model.path)
         defaults.spec = "none"
     name = args.alias or Path(model.path).name
-    app = create_app(worker, defaults, name)
+    app = create_app(worker, defaults, name, api_key=api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             lifespan="off", timeout_graceful_shutdown=2)
     class Server(uvicorn.Server):
