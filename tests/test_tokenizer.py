@@ -7,6 +7,7 @@ import json
 import os
 import types
 import unicodedata
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,14 +16,14 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY_TOKENIZER, TRAINED_GGUF, fixtures_dir
+from tests.conftest import TINY_TOKENIZER, TRAINED_GGUF, fixtures_dir, vendored_tokenizer
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.tokenizer import StreamingDetokenizer, Tokenizer
 
 FIXTURES = str(fixtures_dir())
 TINY_GGUF = str(TINY_TOKENIZER)
 TINY_REF = TINY_GGUF + ".ref.json"
-TINY_HF = f"{FIXTURES}/llamacpp/hf/qwen35-mtp-tiny/tokenizer.json"
+TINY_HF = str(vendored_tokenizer("qwen35-mtp-tiny", Path(FIXTURES) / "llamacpp/hf/qwen35-mtp-tiny/tokenizer.json"))
 CODE_GGUF = str(TRAINED_GGUF)
 CODE_PROMPTS = f"{FIXTURES}/trained/prompts.json"
 CODE_HF = f"{FIXTURES}/trained/hf/tokenizer.json"
