@@ -150,6 +150,29 @@ def test_disconnect_mid_stream_stops_generation(server, client, tiny):
     assert r.choices[0].text == generate(PROMPT, tiny, max_tokens=6).text
 
 
+def test_disconnect_of_a_non_streamed_request_stops_generation(server, client, tiny):
+    """A client that leaves a non-streamed request: the generation stops within about a poll
+    interval, although its chunks keep coming (it once ran to max_tokens)."""
+    import http.client
+
+    before = server.wait_idle()["completed"]
+    c = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 3000,
+                                                          "ignore_eos": True}).encode(),
+              headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 20
+    while not server.health()["busy"] and time.monotonic() < deadline:  # the generation runs
+        time.sleep(0.02)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    c.sock.close()
+    c.close()
+    h = server.wait_idle(timeout=20)
+    assert time.monotonic() - t0 < 15 and h["completed"] == before + 1
+    r = client.completions.create(model="x", prompt=PROMPT, max_tokens=6)
+    assert r.choices[0].text == generate(PROMPT, tiny, max_tokens=6).text
+
+
 @pytest.mark.parametrize("raw,param", [
     (b'{"prompt": "x", ', None),
     (b'[1, 2]', None),

@@ -75,11 +75,22 @@ async def _read_body(request: Request) -> bytes:
 
 
 async def _next_event(job: Job, request: Request) -> Event:
-    """The job's next event; cancels the job and raises ClientGone if the client disconnects."""
+    """The job's next event; cancels the job and raises ClientGone if the client disconnects.
+    The client is checked every POLL_S whether or not events keep coming: a fast generation never
+    let the wait time out, so a client that left a non-streamed request was noticed only at the end."""
+    now = time.monotonic()
+    if job.checked_at is None:
+        job.checked_at = now
+    elif now - job.checked_at >= POLL_S:
+        job.checked_at = now
+        if await request.is_disconnected():
+            job.cancel()
+            raise ClientGone
     while True:
         try:
             return await asyncio.wait_for(job.events.get(), POLL_S)
         except asyncio.TimeoutError:
+            job.checked_at = time.monotonic()
             if await request.is_disconnected():
                 job.cancel()
                 raise ClientGone from None

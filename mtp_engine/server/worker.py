@@ -50,6 +50,7 @@ class Job:
         self.trace = trace
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
+        self.checked_at: float | None = None  # when its handler last asked whether the client is there
         self.cancelled = threading.Event()
         self.started = threading.Event()
 
