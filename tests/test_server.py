@@ -443,3 +443,27 @@ def test_api_key_guards_every_v1_route(tmp_path):
         assert key not in "".join(s.stderr)
     finally:
         s.stop()
+
+
+def test_connections_that_never_finish_their_headers_are_closed():
+    """Half-open connections (nothing sent, or part of a request line) are closed at the header
+    deadline, so they cannot pile up until file descriptors run out; a complete request is
+    unaffected, and so is a keep-alive connection between requests."""
+    import socket
+
+    s = LiveServer(need(MODEL), "--header-timeout", "1")
+    try:
+        socks = []
+        for i in range(30):
+            c = socket.create_connection((s.host, s.port), timeout=10)
+            if i % 2:
+                c.sendall(b"GET /health HT")  # a request line that never ends
+            socks.append(c)
+        time.sleep(2.5)
+        for c in socks:  # closed by the server: recv returns b"" at once (no reply was due)
+            c.settimeout(0.5)
+            assert c.recv(1024) == b""
+            c.close()
+        assert s.health()["status"] == "ok"
+    finally:
+        s.stop()

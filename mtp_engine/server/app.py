@@ -65,13 +65,22 @@ def _engine_error(e: BaseException) -> APIError:
     return APIError(500, f"generation failed: {type(e).__name__}: {e}")
 
 
+BODY_TIMEOUT_S = 30.0  # a client that trickles its body holds a connection at most this long
+
+
 async def _read_body(request: Request) -> bytes:
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(400, f"request body exceeds {MAX_BODY_BYTES} bytes")
-    return bytes(raw)
+    async def read() -> bytes:
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(400, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        return bytes(raw)
+
+    try:
+        return await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s") from None
 
 
 async def _next_event(job: Job, request: Request) -> Event:

@@ -77,6 +77,8 @@ def add_serve_parser(sub, n_max_type) -> None:
                    help="seconds without requests after which MLX's cached buffers are freed (0: never)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers are not in within S seconds")
     key = s.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None, metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every /v1/ route (401 otherwise)")

@@ -23,6 +23,8 @@ def defaults_from_args(args) -> ServerDefaults:
         raise MTPEngineError(f"expected none or draft-mtp, found {args.spec_type!r}", field="spec-type")
     if args.max_tokens < 0:
         raise MTPEngineError(f"expected an integer >= 0, found {args.max_tokens}", field="n-predict")
+    if not 0.1 <= args.header_timeout <= 3600:
+        raise MTPEngineError(f"expected seconds in [0.1, 3600], found {args.header_timeout}", field="header-timeout")
     if not 1 <= args.queue_size <= 100_000:
         raise MTPEngineError(f"expected an integer in 1..100000, found {args.queue_size}", field="queue-size")
     if not 0 <= args.idle_release < 1e9:
@@ -121,8 +123,14 @@ def run_serve(args) -> int:
         defaults.spec = "none"
     name = args.alias or Path(model.path).name
     app = create_app(worker, defaults, name, api_key=api_key)
+    from .protocol import DeadlineH11Protocol
+
+    # every resource a client can hold is bounded: a request's headers have a deadline (the
+    # protocol), its body another (app), open connections beyond this many get 503s
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=2)
+                            lifespan="off", timeout_graceful_shutdown=2,
+                            http=type("Protocol", (DeadlineH11Protocol,), {"header_timeout_s": args.header_timeout}),
+                            limit_concurrency=max(64, 4 * args.queue_size))
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             # before uvicorn waits for open connections: the running generation ends at its next

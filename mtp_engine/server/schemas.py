@@ -30,7 +30,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-                              405: "invalid_request_error", 503: "server_overloaded"}.get(status, "server_error")
+                              405: "invalid_request_error", 408: "invalid_request_error",
+                              503: "server_overloaded"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
