@@ -242,14 +242,12 @@ class Generation:
         return bodies
 
 
-async def _generate(request: Request, parse) -> Response:
-    state: ServerState = request.app.state.mtp
-    try:
-        req = parse(parse_json(await _read_body(request)), state.defaults)
-    except APIError as e:
-        return _error(e)
-    except ClientDisconnect:
-        return Response(status_code=499)
+PREPARE_TIMEOUT_S = 10.0
+
+
+def _prepare(raw: bytes, parse, state: ServerState):
+    """The request as the engine takes it: parsed, its grammars compiled (off the event loop)."""
+    req = parse(parse_json(raw), state.defaults)
     req.kwargs["logprobs"] = req.logprobs
     if req.tools:
         req.kwargs["tools"] = req.tools
@@ -260,7 +258,24 @@ async def _generate(request: Request, parse) -> Response:
                                                                   req.forced_call["parallel"],
                                                                   other=req.kwargs.get("constraint"))
         except MTPEngineError as e:
-            return _error(APIError(400, str(e), "tools" if e.field == "tools" else "tool_choice"))
+            raise APIError(400, str(e), "tools" if e.field == "tools" else "tool_choice") from None
+    return req
+
+
+async def _generate(request: Request, parse) -> Response:
+    state: ServerState = request.app.state.mtp
+    try:
+        raw = await _read_body(request)
+        # parsing compiles grammars (JSON schemas, forced tool calls): CPU work that held the event
+        # loop, and every other client with it, for seconds; a thread does it, within a deadline
+        req = await asyncio.wait_for(asyncio.to_thread(_prepare, raw, parse, state), PREPARE_TIMEOUT_S)
+    except APIError as e:
+        return _error(e)
+    except asyncio.TimeoutError:
+        return _error(APIError(400, f"the request's grammar (schema or tools) took more than "
+                                    f"{PREPARE_TIMEOUT_S:.0f} s to compile: simplify it"))
+    except ClientDisconnect:
+        return Response(status_code=499)
     job = Job(req.kwargs, req.max_tokens_given, state.defaults.max_tokens, req.mtp_trace, asyncio.get_running_loop())
     try:
         state.worker.submit(job)

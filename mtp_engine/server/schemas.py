@@ -153,7 +153,7 @@ def _stop(body: dict):
     try:
         return check_stop(v)  # the engine's bounds (count, length, valid text)
     except MTPEngineError as e:
-        raise APIError(400, str(e), "stop") from None
+        raise APIError(400, str(e), e.field or "stop") from None
 
 
 def _draft(body: dict, d: ServerDefaults) -> dict:
