@@ -165,6 +165,9 @@ class _Trunk:
     def snapshot(self) -> list:
         return []
 
+    def fork(self, snap: list) -> "_Trunk":
+        return _Trunk()
+
     def nbytes(self) -> int:
         return 0
 
@@ -182,10 +185,16 @@ def test_prompt_cache_reuses_only_an_exact_prefix(prefix, reused):
 
     model = object()
     pc = PromptCache(slots=2)
-    pc.keep(model, [1, 2, 3], _Trunk(), "mtp")
+    t = _Trunk()
+    pc.keep(model, [1, 2, 3], t, "mtp")
+    # while the generation that kept it runs, a taker gets its own fork and the state stays kept
     assert (pc.take(model, prefix, "mtp") is not None) == reused
-    if reused:  # taken: handed to one generation, no longer kept
-        assert pc.take(model, prefix, "mtp") is None
+    assert (pc.take(model, prefix, "mtp") is not None) == reused
+    pc.release(t)  # that generation ended
+    taken = pc.take(model, prefix, "mtp")
+    assert (taken is not None) == reused
+    if reused:  # taken: handed to one generation (its own caches), no longer kept
+        assert taken.trunk is t and pc.take(model, prefix, "mtp") is None
 
 
 def test_prompt_cache_needs_the_same_model_and_drafter():
@@ -193,10 +202,14 @@ def test_prompt_cache_needs_the_same_model_and_drafter():
 
     a, b = object(), object()
     pc = PromptCache(slots=4)
-    pc.keep(a, [1, 2, 3], _Trunk(), "mtp")
+    t = _Trunk()
+    pc.keep(a, [1, 2, 3], t, "mtp")
+    pc.release(t)
     assert pc.take(b, [1, 2, 3], None) is None  # another model
     assert pc.take(a, [1, 2, 3], "ngram") is None  # a drafter whose state was not kept
     assert pc.take(a, [1, 2, 3], None) is not None  # plain decoding needs only the trunk's
-    pc.keep(a, [1, 2], _Trunk(), "mtp")
-    pc.keep(a, [1, 2, 3, 4], _Trunk(), "mtp")
+    for n in (2, 4):
+        t = _Trunk()
+        pc.keep(a, list(range(1, n + 1)), t, "mtp")
+        pc.release(t)
     assert pc.take(a, [1, 2, 3, 4, 5], "mtp").tokens == [1, 2, 3, 4]  # the longest that fits
