@@ -180,10 +180,34 @@ def engine_thread(genfunc: Callable[..., Iterator[Any]]) -> Callable[..., Iterat
     def wrapper(*args: Any, **kwargs: Any) -> Iterator[Any]:
         engine = _engine_thread()
         if engine is None:
-            return genfunc(*args, **kwargs)
+            return _pinned(genfunc(*args, **kwargs))
         return _proxy(engine, genfunc, args, kwargs)
 
     return wrapper
+
+
+def _pinned(gen: Iterator[Any]) -> Iterator[Any]:
+    """A stream run in the thread that iterates it first (the main thread): its MLX arrays live on
+    that thread's streams, and a step taken from another thread failed deep inside MLX ("There is
+    no Stream(cpu, 0) in current thread"). Said plainly instead."""
+    from .errors import MTPEngineError
+
+    owner = None
+    try:
+        while True:
+            here = threading.get_ident()
+            if owner is None:
+                owner = here
+            elif here != owner:
+                raise MTPEngineError("this stream was started in the main thread and must be iterated there; a "
+                                     "stream started in any other thread may move between threads", field="stream")
+            try:
+                item = next(gen)
+            except StopIteration:
+                return
+            yield item
+    finally:
+        gen.close()
 
 
 def _proxy(engine: _EngineThread, genfunc: Callable[..., Iterator[Any]], args: tuple, kwargs: dict) -> Iterator[Any]:

@@ -82,3 +82,21 @@ def test_clean_exit_while_a_daemon_thread_still_generates(spec):
             "started.wait(60); time.sleep(0.3)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-500:]
+
+
+def test_a_main_thread_stream_continued_elsewhere_says_so():
+    """A stream started in the main thread and iterated on in another: one clear error (MLX failed
+    with "There is no Stream(cpu, 0) in current thread"); a stream started in a worker thread may
+    move between threads and finishes with the same tokens as in one thread."""
+    m = api.load(need(TINY_Q8))
+    ref = api.generate(PROMPT, m, max_tokens=12, spec="draft-mtp", ignore_eos=True).token_ids
+    s = api.stream_generate(PROMPT, m, max_tokens=12, spec="draft-mtp", ignore_eos=True)
+    first = next(s).token_ids
+    out = _in_threads(lambda: [c.token_ids for c in s], 1)[0]
+    assert isinstance(out, api.MTPEngineError) and "main thread" in str(out), out
+    box = {}
+    _in_threads(lambda: box.setdefault("s", api.stream_generate(PROMPT, m, max_tokens=12, spec="draft-mtp",
+                                                                 ignore_eos=True)), 1)
+    head = _in_threads(lambda: next(box["s"]).token_ids, 1)[0]
+    tail = _in_threads(lambda: [t for c in box["s"] for t in c.token_ids], 1)[0]
+    assert head + tail == ref and first == ref[:len(first)]
