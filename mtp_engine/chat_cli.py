@@ -43,6 +43,8 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
     from .text_input import check_text
 
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if stdin is None:  # started with standard input closed (`<&-`): refuse before the model loads
+        raise MTPEngineError("standard input is closed: chat reads the user's messages from it", field="stdin")
     model = api.load(args.model, exact=args.exact, max_context=args.max_context,
                      progress=load_progress(_model_label(args.model)))
     tok = model.tokenizer

@@ -143,7 +143,10 @@ def read_prompt_file(path: str, field: str = "file", *, limit: int = MAX_PROMPT_
     MTPEngineError naming the file and the problem otherwise (missing, a directory, too large,
     not UTF-8 with the byte offset)."""
     if path == "-":
-        src = stdin if stdin is not None else sys.stdin.buffer
+        src = stdin if stdin is not None else getattr(sys.stdin, "buffer", None)
+        if src is None:  # started with standard input closed (`<&-`)
+            raise MTPEngineError("standard input is closed: nothing to read the prompt from", file="<stdin>",
+                                 field=field)
         return decode_utf8(_read_limited(src, limit, "<stdin>", field), field, file="<stdin>")
     try:
         mode = os.stat(path).st_mode

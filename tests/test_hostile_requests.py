@@ -169,3 +169,15 @@ def test_api_key_file_is_checked(tmp_path, content, ok):
             api_key_from_args(args)
     with pytest.raises(me.MTPEngineError, match="cannot read the API key"):
         api_key_from_args(types.SimpleNamespace(api_key=None, api_key_file=str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize("argv", [["generate", "-f", "-", "-n", "2"], ["chat"]])
+def test_a_closed_stdin_is_one_line(argv):
+    import subprocess
+    import sys
+    import os
+
+    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli", argv[0], "-m", str(need(TINY_Q4)), *argv[1:]],
+                       capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.close(0))
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "standard input is closed" in err[-1] and "Traceback" not in p.stderr
