@@ -12,7 +12,7 @@ import pytest
 import mtp_engine as me
 from mtp_engine.convert import convert
 from mtp_engine.text_input import MAX_STOP_CHARS, MAX_STOPS
-from tests.conftest import HF_TINY, TINY_Q4, need
+from tests.conftest import HF_TINY, TINY_Q4, TRAINED, need
 
 
 @pytest.mark.parametrize("path", [123, 1.5, b"models/x.gguf", ["a.gguf"]])
@@ -40,21 +40,21 @@ def _digest(folder) -> dict:
 
 @pytest.mark.parametrize("where", ["same", "parent"])
 def test_convert_never_writes_over_its_source(tmp_path, where):
-    src = tmp_path / "ckpt"
-    shutil.copytree(need(HF_TINY), src)
+    src = tmp_path / "ckpt"  # refused before anything is read: a folder without weights will do
+    shutil.copytree(need(TRAINED / "hf"), src)
     before = _digest(src)
     out = src if where == "same" else tmp_path
     with pytest.raises(me.MTPEngineError, match="overwrite the source"):
         convert(src, out, overwrite=True)
     with pytest.raises(me.MTPEngineError, match="overwrite the source"):
-        convert(src / "model.safetensors", src / "model.safetensors", gguf_type="F32", overwrite=True)
+        convert(src / "config.json", src / "config.json", gguf_type="F32", overwrite=True)
     assert _digest(src) == before
 
 
 def test_convert_from_the_command_line_says_it_in_one_line(tmp_path, capsys):
     from mtp_engine.cli import main
     src = tmp_path / "ckpt"
-    shutil.copytree(need(HF_TINY), src)
+    shutil.copytree(need(TRAINED / "hf"), src)
     rc = main(["convert", str(src), str(src), "--force"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "overwrite the source" in err[0]
@@ -181,3 +181,31 @@ def test_a_closed_stdin_is_one_line(argv):
                        capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.close(0))
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and "standard input is closed" in err[-1] and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda c: c.replace('"hidden_size"', '"nested": ' + "[" * 100_000 + "]" * 100_000 + ', "hidden_size"'),
+     "nested too deep"),
+    (lambda c: c.replace('"rms_norm_eps"', '"huge": ' + "9" * 5000 + ', "rms_norm_eps"'), "unreadable JSON"),
+    (lambda c: c + " " * (5 << 20), "not a model's config"),
+])
+def test_hostile_checkpoint_configs_are_one_clear_error(tmp_path, edit, says):
+    src = tmp_path / "ckpt"  # the config is read before any weight: the trained model's HF folder has none
+    shutil.copytree(need(TRAINED / "hf"), src)
+    cfg = src / "config.json"
+    cfg.write_text(edit(cfg.read_text()))
+    for attempt in (lambda: me.load(src), lambda: convert(src, tmp_path / "out")):
+        with pytest.raises(me.MTPEngineError, match=says):
+            attempt()
+
+
+def test_huge_integers_in_a_config_are_one_clear_error(tmp_path):
+    import json as _json
+    src = tmp_path / "ckpt"
+    shutil.copytree(need(TRAINED / "hf"), src)
+    cfg = _json.loads((src / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["hidden_size"] = 10 ** 4000
+    (src / "config.json").write_text(_json.dumps(cfg))
+    with pytest.raises(me.MTPEngineError):
+        me.load(src)

@@ -42,6 +42,9 @@ class StoredTensor:
         return n
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a model's config.json is a few KB
+
+
 def read_header(path: str) -> dict[str, StoredTensor]:
     """The tensors a safetensors file declares (name -> dtype, shape); reads no tensor data."""
     try:
@@ -98,19 +101,24 @@ class HFCheckpoint:
         if not os.path.isfile(self.config_path):
             raise MTPEngineError("missing config.json: an HF checkpoint folder needs one", file=self.config_path)
         try:
+            if os.path.getsize(self.config_path) > MAX_CONFIG_BYTES:
+                raise MTPEngineError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model's config",
+                                     file=self.config_path)
             with open(self.config_path, encoding="utf-8") as f:
                 self.raw_config = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: bad JSON, 4300+ digit integers
             raise MTPEngineError(f"unreadable JSON: {e}", file=self.config_path) from None
+        except RecursionError:
+            raise MTPEngineError("unreadable JSON: nested too deep", file=self.config_path) from None
         if not isinstance(self.raw_config, dict):
             raise MTPEngineError("expected a JSON object", file=self.config_path)
         check_architecture(self.raw_config, self.config_path)
         try:
             self.cfg = Qwen35Config.from_hf(self.raw_config, self.config_path)
-        except (TypeError, ValueError, AttributeError) as e:
+        except (TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
             if isinstance(e, MTPEngineError):
                 raise
-            raise MTPEngineError(f"malformed value: {e}", file=self.config_path) from None
+            raise MTPEngineError(f"malformed value: {type(e).__name__}: {str(e)[:200]}", file=self.config_path) from None
         self.tensors: dict[str, StoredTensor] = {}
         for path in self._shards():
             for key, t in read_header(path).items():
@@ -133,9 +141,9 @@ class HFCheckpoint:
                 with open(index, encoding="utf-8") as f:
                     weight_map = json.load(f)["weight_map"]
                 files = sorted(set(weight_map.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise MTPEngineError(f"malformed index (expected a 'weight_map' of tensor -> file): {e}",
-                                     file=index) from None
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                raise MTPEngineError(f"malformed index (expected a 'weight_map' of tensor -> file): "
+                                     f"{type(e).__name__}: {str(e)[:200]}", file=index) from None
             paths = []
             for fn in files:
                 path = os.path.join(self.directory, str(fn))
