@@ -1,0 +1,153 @@
+"""Hostile traffic against a live `mtp-engine serve` (issue 28): random and mutated OpenAI bodies,
+raw bytes, clients that disconnect at a random point, clients that trickle or never finish their
+headers, several at once. Counts answers by status and checks the server afterwards: no 5xx, still
+alive, file descriptors and memory back near where they started.
+
+    python scripts/fuzz_requests.py [-m MODEL] [--requests 10000] [--workers 8] [--seed 0] [--out FILE]
+
+Prints one JSON summary (and writes it to --out); exit status 1 if any check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.server_helpers import LiveServer  # noqa: E402
+
+FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+          "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "response_format", "tools",
+          "tool_choice", "spec_type", "spec_draft_n_max", "spec_draft_p_min", "n", "ignore_eos"]
+
+
+def rand_json(r: random.Random, depth: int = 0):
+    kind = r.randrange(9 if depth < 3 else 6)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return r.choice([True, False])
+    if kind == 2:
+        return r.choice([0, 1, -1, 7, 2**31, 2**63, -(10**30), 10**r.randrange(1, 400)])
+    if kind == 3:
+        return r.choice([0.0, 0.5, 1.5, -2.5, 1e308, float("1e-300")])
+    if kind in (4, 5):
+        return "".join(r.choice("ab {}[]\"\\\u00e9\u2603<|>\n") for _ in range(r.randrange(0, 30)))
+    if kind in (6, 7):
+        return [rand_json(r, depth + 1) for _ in range(r.randrange(0, 4))]
+    return {r.choice(FIELDS + ["x", "role", "content", "type"]): rand_json(r, depth + 1) for _ in range(r.randrange(0, 4))}
+
+
+def body(r: random.Random) -> tuple[str, bytes]:
+    chat = r.random() < 0.5
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = ({"messages": [{"role": "user", "content": "Write a loop"}]} if chat else {"prompt": "def f(x):"})
+    base["max_tokens"] = r.choice([1, 4, 16])
+    roll = r.random()
+    if roll < 0.5:  # a valid request with fields mutated
+        for _ in range(r.randrange(0, 3)):
+            base[r.choice(FIELDS)] = rand_json(r)
+        return path, json.dumps(base).encode()
+    if roll < 0.75:
+        return path, json.dumps(rand_json(r)).encode()
+    if roll < 0.85:
+        return path, b"[" * r.randrange(1, 200_000) + b"]" * r.randrange(0, 3)
+    return path, bytes(r.randrange(256) for _ in range(r.randrange(0, 300)))
+
+
+def http(host: str, port: int, method: str, path: str, data: bytes, r: random.Random) -> int | str:
+    """One request on a raw socket; the client may leave early or trickle. The status, or what happened."""
+    s = socket.create_connection((host, port), timeout=10)
+    try:
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+        style = r.random()
+        if style < 0.05:  # never finishes its headers
+            s.sendall(head[: r.randrange(1, len(head) - 4)])
+            time.sleep(r.uniform(0, 0.2))
+            return "left-in-headers"
+        s.sendall(head)
+        if style < 0.10:  # trickles part of the body, then leaves
+            s.sendall(data[: len(data) // 2])
+            return "left-in-body"
+        s.sendall(data)
+        if style < 0.20:  # leaves before or during the answer
+            time.sleep(r.uniform(0, 0.3))
+            return "left-in-answer"
+        s.settimeout(60)
+        first = s.recv(64)
+        while s.recv(65536):
+            pass
+        return int(first.split(b" ")[1]) if first.startswith(b"HTTP/1.1 ") else "no-status"
+    except (ConnectionError, socket.timeout, OSError) as e:
+        return f"client-{type(e).__name__}"
+    finally:
+        s.close()
+
+
+def proc_stats(pid: int) -> dict:
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+    return {"fds": fds, "rss_bytes": rss}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=str(ROOT / "tests/fixtures/llamacpp/qwen35-mtp-tiny-Q4_K_M.gguf"))
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    server = LiveServer(Path(a.model), "--header-timeout", "2", "--queue-size", "16")
+    try:
+        for _ in range(3):  # warm: compiled paths, caches, the first allocations
+            server.request("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
+        server.wait_idle()
+        before = proc_stats(server.proc.pid)
+        statuses: Counter = Counter()
+        t0 = time.perf_counter()
+
+        def one(i: int):
+            r = random.Random(a.seed * 1_000_003 + i)
+            path, data = body(r)
+            method = "POST" if r.random() < 0.97 else r.choice(["GET", "PUT", "DELETE"])
+            return http(server.host, server.port, method, path, data, r)
+
+        with ThreadPoolExecutor(a.workers) as ex:
+            for n, st in enumerate(ex.map(one, range(a.requests)), 1):
+                statuses[str(st)] += 1
+                if n % 1000 == 0:
+                    print(f"{n}/{a.requests} requests, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        elapsed = time.perf_counter() - t0
+        server.wait_idle(timeout=60)
+        time.sleep(2.5)  # header deadlines of the last half-open connections
+        after = proc_stats(server.proc.pid)
+        alive = server.proc.poll() is None and server.health()["status"] == "ok"
+    finally:
+        server.stop()
+    five = sum(v for k, v in statuses.items() if k.isdigit() and k.startswith("5") and k != "503")
+    summary = {"requests": a.requests, "workers": a.workers, "seconds": round(elapsed, 1),
+               "statuses": dict(sorted(statuses.items())), "server_errors_5xx": five,
+               "alive": alive, "before": before, "after": after,
+               "checks": {"no 5xx (503 = queue full is allowed)": five == 0, "server alive": alive,
+                          "fds back (+4)": after["fds"] <= before["fds"] + 4,
+                          "rss within +64 MiB": after["rss_bytes"] <= before["rss_bytes"] + (64 << 20)}}
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0 if all(summary["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
