@@ -87,8 +87,9 @@ def _peak_rss() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-def run_case(path: str) -> dict:
-    """Loads `path` and, if it loads, checks its logits and generates a few tokens."""
+def run_case(path: str, inject: bool = False) -> dict:
+    """Loads `path` and, if it loads, checks its logits and generates a few tokens. `inject`: a
+    library exception raised inside the case (the harness's self-test of its classification)."""
     import traceback
 
     import mlx.core as mx
@@ -98,6 +99,8 @@ def run_case(path: str) -> dict:
 
     stage = "load"
     try:
+        if inject:
+            raise TypeError("injected by the harness's self-test")
         m = mtp_engine.load(path)
         stage = "generate"
         spec = "draft-mtp" if m.model.mtp is not None else None
@@ -145,7 +148,7 @@ def worker_main() -> None:
             time.sleep(req["seconds"])
         _peak_rss_reset()
         t0 = time.perf_counter()
-        out = run_case(req["path"])
+        out = run_case(req["path"], inject=req.get("op") == "raise")
         out["seconds"] = time.perf_counter() - t0
         out["peak_rss"] = _peak_rss()
         proto.write(json.dumps(out) + "\n")

@@ -75,7 +75,7 @@ def test_harness_detects_crash_hang_and_exception(tmp_path, fixtures):
     try:
         out = w.ask({"path": str(fixtures / fuzz_gguf.SEED_NAMES[0])}, timeout=20)
         assert out["outcome"] == "loaded", out
-        out = w.ask({"path": 12}, timeout=20)  # a TypeError inside load: "unexpected", not clean
+        out = w.ask({"op": "raise", "path": ""}, timeout=20)  # a TypeError inside a case: "unexpected", not clean
         assert out["outcome"] == "unexpected" and "TypeError" in out["detail"]
     finally:
         w.close()
