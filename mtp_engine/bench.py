@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import api
+from .output_files import atomic_open, write_text
 from .costmodel import Costs, expected_tokens, predict_speedup
 from .speculative.scheduler import AUTO_MAX
 
@@ -255,16 +256,16 @@ def write_outputs(result: dict, out: Path) -> None:
     """bench.json (rows), bench.csv, bench.md and bench.png in `out`."""
     out.mkdir(parents=True, exist_ok=True)
     rows = result["rows"]
-    (out / "bench.json").write_text(json.dumps(rows, indent=1))
+    write_text(out / "bench.json", json.dumps(rows, indent=1))
     cols = ["spec", "n_max", "p_min", "tok_s", "speedup", "predicted_speedup", "acceptance", "mean_accepted_length",
             "profile_overhead", "ttft_s", "compile_seconds"]
-    with open(out / "bench.csv", "w", newline="") as f:
+    with atomic_open(out / "bench.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols + [f"ms_per_token_{s}" for s in ROUND_STAGES + ("decode",)])
         for r in rows:
             st = r["stage_ms_per_token"]
             w.writerow([r.get(c) for c in cols] + [round(st.get(s, 0.0), 4) for s in ROUND_STAGES + ("decode",)])
-    (out / "bench.md").write_text(format_markdown(result))
+    write_text(out / "bench.md", format_markdown(result))
     try:
         plot(result, out / "bench.png")
     except ImportError:
@@ -339,5 +340,6 @@ def plot(result: dict, path: Path) -> None:
     a2.set_title("where the time goes (precise profile)")
     a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)

@@ -15,6 +15,8 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from .output_files import atomic_open
+
 STAGES = ("prefill", "decode", "draft", "catch_up", "verify", "sample", "sync", "accept", "rollback", "other")
 
 
@@ -88,11 +90,11 @@ def format_report(rep: dict) -> str:
 def write_report(rep: dict, path: str) -> None:
     """Writes `Profiler.report()` as JSON (.json) or CSV (anything else: stage, seconds, count, share)."""
     if str(path).endswith(".json"):
-        with open(path, "w") as f:
+        with atomic_open(path) as f:
             json.dump(rep, f, indent=1)
         return
     wall = rep["wall_seconds"] or 1.0
-    with open(path, "w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["stage", "seconds", "count", "share_of_wall"])
         for name, s in rep["stages"].items():

@@ -209,3 +209,16 @@ def test_huge_integers_in_a_config_are_one_clear_error(tmp_path):
     (src / "config.json").write_text(_json.dumps(cfg))
     with pytest.raises(me.MTPEngineError):
         me.load(src)
+
+
+def test_output_files_appear_whole_or_not_at_all(tmp_path):
+    from mtp_engine.output_files import atomic_open, write_text
+    target = tmp_path / "report.json"
+    write_text(target, "old, complete")
+    with pytest.raises(RuntimeError):
+        with atomic_open(target) as f:
+            f.write("new, half")
+            raise RuntimeError("the run failed while writing")
+    assert target.read_text() == "old, complete" and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+    write_text(target, "new, complete")
+    assert target.read_text() == "new, complete"
