@@ -153,6 +153,9 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, qtype: str = "BF1
                                      field=src_reader.names.get(name, name))
             src_reader.check_shape(name, src_reader.names[name], shape, matrix)
     arch = "qwen35moe" if ckpt.cfg.is_moe else "qwen35"
+    # written under a temporary name and renamed when whole: a failed or interrupted conversion
+    # leaves no truncated GGUF (and an --force target stays as it was)
+    final, out = out, os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.{os.getpid()}.tmp")
     writer = GGUFWriter(out, arch)
     _add_metadata(writer, ckpt, arch, n_mtp, _FILE_TYPES[qtype])
     _add_tokenizer(writer, ckpt.directory, ckpt.cfg.vocab_size)
@@ -160,7 +163,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, qtype: str = "BF1
     for name, (shape, _) in plan.items():
         types[name] = _tensor_type(name, shape, target)
         writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, types[name]), raw_dtype=types[name])
-    report = ConvertReport(out=out)
+    report = ConvertReport(out=final)
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     try:
@@ -177,8 +180,14 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, qtype: str = "BF1
             report.mtp_tensors += name.startswith(f"blk.{ckpt.cfg.n_layer}.")
             if progress:
                 progress(i + 1, len(plan))
-    finally:
+    except BaseException:
         writer.close()
-    report.bytes_written = os.path.getsize(out)
+        if os.path.exists(out):
+            os.remove(out)
+        raise
+    writer.close()
+    os.replace(out, final)
+    report.out = final
+    report.bytes_written = os.path.getsize(final)
     report.peak_memory_bytes = int(mx.get_peak_memory() - before)
     return report
