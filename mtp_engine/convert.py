@@ -133,8 +133,34 @@ def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quant: QuantS
     if ckpt.quantized or ckpt.norms_offset_applied:
         raise MTPEngineError("expected an HF float checkpoint; this folder is already in MLX form", file=ckpt.directory)
     require_output_head(ckpt)
-    out = str(out)
-    _prepare_out(out, overwrite)
+    final = str(out)
+    _prepare_out(final, overwrite)
+    # built in a hidden sibling folder and moved in when complete: a failed or interrupted run
+    # leaves no half-written model where `load` would find it (and a --force target as it was)
+    staging = os.path.join(os.path.dirname(os.path.abspath(final)), f".{os.path.basename(final)}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        report = _write_folder(ckpt, spec, staging, scales, shard_bytes, progress)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _move_in(staging, final)
+    report.out = final
+    return report
+
+
+def _move_in(staging: str, final: str) -> None:
+    """Replaces folder `final` (empty, or --force) by `staging`."""
+    old = f"{staging}.old"
+    os.rename(final, old)
+    os.rename(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_folder(ckpt: HFCheckpoint, spec: QuantSpec | None, out: str, scales: str, shard_bytes: int,
+                  progress: Callable[[int, int], None] | None) -> ConvertReport:
+    """The MLX folder's files, written into `out`."""
     report = ConvertReport(out=out)
     shard: dict[str, mx.array] = {}
     shard_size = 0

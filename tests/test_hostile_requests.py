@@ -222,3 +222,20 @@ def test_output_files_appear_whole_or_not_at_all(tmp_path):
     assert target.read_text() == "old, complete" and [p.name for p in tmp_path.iterdir()] == ["report.json"]
     write_text(target, "new, complete")
     assert target.read_text() == "new, complete"
+
+
+def test_an_interrupted_conversion_leaves_the_target_as_it_was(tmp_path):
+    out = tmp_path / "mlx"
+    out.mkdir()
+    (out / "keep.txt").write_text("the previous conversion")
+
+    def stop(done, total):
+        if done == 3:
+            raise KeyboardInterrupt  # Ctrl-C mid-way
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(need(HF_TINY), out, overwrite=True, progress=stop)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and [p.name for p in tmp_path.iterdir()] == ["mlx"]
+    convert(HF_TINY, out, overwrite=True)
+    assert (out / "config.json").exists() and not (out / "keep.txt").exists()
+    assert me.load(out).model.cfg.n_layer > 0
