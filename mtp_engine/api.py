@@ -139,12 +139,22 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     ctx = min(estimate(p, exact, load_mtp=load_mtp)["context"], max_context or DEFAULT_MAX_CONTEXT)
     check_fits(p, exact=exact, context=ctx, load_mtp=load_mtp, options=opts)
     model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp, progress=progress, options=opts)
-    model.cfg.context_length = min(model.cfg.context_length, ctx)
+    _cap_context(model.cfg, max_context)
     # usable from any thread, first use included: no lazy graph may be left for another thread
     evaluate_all(model)
     release_at_exit()
     tok = Tokenizer.from_gguf(gf.reader, gf.path)
     return Model(model, tok, info, gf.path, time.perf_counter() - t0)
+
+
+def _cap_context(cfg, max_context: int | None) -> None:
+    """The context a generation may use: the model's, capped by `max_context` (-c) or by
+    DEFAULT_MAX_CONTEXT; `cfg.context_source` says which, for the errors that cite it."""
+    cap = max_context or DEFAULT_MAX_CONTEXT
+    if cap < cfg.context_length:
+        cfg.context_length = cap
+        cfg.context_source = ("the max_context / -c cap" if max_context else
+                              "the default cap (the model's is longer; raise it with max_context / -c)")
 
 
 def _load_checkpoint(p: Path, quantize, load_mtp: bool, max_context: int | None, t0: float,
@@ -157,7 +167,7 @@ def _load_checkpoint(p: Path, quantize, load_mtp: bool, max_context: int | None,
         raise MTPEngineError("missing tokenizer.json: a checkpoint folder needs its tokenizer", file=str(tok_path))
     tok = Tokenizer.from_hf_file(str(tok_path))
     model, _, info = load_checkpoint(p, quantize=quantize, load_mtp=load_mtp, progress=progress, options=opts)
-    model.cfg.context_length = min(model.cfg.context_length, max_context or DEFAULT_MAX_CONTEXT)
+    _cap_context(model.cfg, max_context)
     evaluate_all(model)  # usable from any thread, as a GGUF load is
     release_at_exit()
     # device costs are cached per model file; a folder quantized on load is its own model

@@ -77,6 +77,10 @@ def peak_memory_bytes() -> int:
     return max(peak, int(rss))
 
 
+def _context_source(decoder: DecoderBase) -> str:
+    return getattr(decoder.model.cfg, "context_source", "the model's")
+
+
 def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
         stop: list[str] | None = None, ignore_eos: bool = False,
         profiler: Profiler | None = None) -> Iterator[Chunk]:
@@ -85,11 +89,11 @@ def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_t
         raise MTPEngineError("the prompt is empty: at least one token is needed", field="prompt")
     ctx = decoder.model.cfg.context_length
     if len(prompt_ids) > ctx:  # the prompt alone is at fault, whatever max_tokens is
-        raise MTPEngineError(f"the prompt ({len(prompt_ids)} tokens) is longer than the model's context length "
-                             f"{ctx}", field="prompt")
+        raise MTPEngineError(f"the prompt ({len(prompt_ids)} tokens) is longer than the context length {ctx} "
+                             f"({_context_source(decoder)})", field="prompt")
     if len(prompt_ids) + max_tokens > ctx:
-        raise MTPEngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                             f"context length {ctx}", field="max_tokens")
+        raise MTPEngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                             f"length {ctx} ({_context_source(decoder)})", field="max_tokens")
     prof = profiler or decoder.prof
     t0 = time.perf_counter()
     if max_tokens == 0:

@@ -125,8 +125,11 @@ def test_max_context_caps_generation_and_the_memory_check(monkeypatch):
     path = need(TRAINED_GGUF)
     m = me.load(path, max_context=300)
     assert m.model.cfg.context_length == 300
-    with pytest.raises(me.MTPEngineError, match="context length 300"):
+    with pytest.raises(me.MTPEngineError, match=r"context length 300 \(the max_context / -c cap\)"):
         me.generate("x", m, max_tokens=400)
+    full = me.load(path)  # the model's own (shorter than the default cap): named as the model's
+    with pytest.raises(me.MTPEngineError, match=rf"context length {full.model.cfg.context_length} \(the model's\)"):
+        me.generate("x", full, max_tokens=full.model.cfg.context_length)
     with pytest.raises(me.MTPEngineError, match="max_context"):
         me.load(path, max_context=0)
 

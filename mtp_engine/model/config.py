@@ -52,6 +52,7 @@ class Qwen35Config:
     ssm_inner: int  # value heads x value head dim
     recurrent: list[bool]  # per trunk layer
     context_length: int = 4096
+    context_source: str = "the model's"  # what set context_length (errors name it): a cap at load, or the file
     tied_embeddings: bool = False
     rope_sections: list[int] = field(default_factory=list)
     arch: str = "qwen35"
