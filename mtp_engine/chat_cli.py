@@ -92,8 +92,10 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
                 print(format_stats(last_stats), file=stderr)
             elif command == "/stats":
                 print("mtp-engine: no answer yet", file=stderr)
-            else:
+            elif command in ("/help", "/?"):
                 print(f"mtp-engine: {HELP}", file=stderr)
+            else:
+                print(f"mtp-engine: unknown command {command.split()[0]!r}: {HELP}", file=stderr)
             continue
         try:
             check_text(text, "message")

@@ -42,7 +42,7 @@ def test_a_scripted_chat_answers_as_generate_does():
 def test_commands_and_errors_keep_the_chat_going():
     rc, out, err = _chat(["/stats", "/bogus", "   ", "bad \ud800 text", "hi", "/reset", "hi"])
     assert rc == 0
-    assert "no answer yet" in err and "/reset starts over" in err
+    assert "no answer yet" in err and "unknown command '/bogus'" in err and "/reset starts over" in err
     assert "error: message" in err and "surrogate" in err  # the bad line is refused, the chat goes on
     answers = [a for a in out.split("\n") if a]
     assert len(out.split("\n")) == 3 and answers[0] == answers[-1]  # after /reset: the same first answer
