@@ -55,6 +55,8 @@ def test_models_health_and_page(server, client):
     status, page = server.request("GET", "/")
     assert status == 200 and "<html" in page.lower() and "/v1/chat/completions" in page
     assert server.request("GET", "/nope")[0] == 404
+    status, err = server.request("GET", "/v1/completions")  # a route that takes POST only
+    assert status == 405 and err["error"]["type"] == "invalid_request_error"
     assert "ChatML" in "".join(server.stderr)  # the fallback template is said once in the log
     assert "".join(server.stderr).count("ChatML") == 1
 
