@@ -462,3 +462,27 @@ def test_connections_that_never_finish_their_headers_are_closed():
         assert s.health()["status"] == "ok"
     finally:
         s.stop()
+
+
+def test_chat_template_flag_replaces_the_models(tmp_path, capsys):
+    """`serve --chat-template-file`: chat requests render with it (llama-server's flag; a model
+    without a template gets tools and roles its own way); a template that does not compile is one
+    line before the model loads."""
+    from mtp_engine.cli import main
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}<<assistant>>")
+    s = LiveServer(need(MODEL), "--chat-template-file", str(f))
+    try:
+        status, body = s.request("POST", "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 3})
+        assert status == 200, body
+        m = load(need(MODEL))
+        rendered = "<<user>> Hi there\n<<assistant>>"
+        assert body["usage"]["prompt_tokens"] == len(m.tokenizer.encode(rendered))
+        assert "ChatML" not in "".join(s.stderr)  # no fallback note: the flag's template is used
+    finally:
+        s.stop()
+    rc = main(["serve", "-m", str(need(MODEL)), "--port", "0", "--chat-template", "{% for %}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "invalid chat template" in err[0]

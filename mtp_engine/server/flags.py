@@ -77,6 +77,11 @@ def add_serve_parser(sub, n_max_type) -> None:
                    help="seconds without requests after which MLX's cached buffers are freed (0: never)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
+    tpl = s.add_mutually_exclusive_group()
+    tpl.add_argument("--chat-template", default=None, metavar="JINJA",
+                     help="the chat template for /v1/chat/completions, replacing the model's (llama-server's flag)")
+    tpl.add_argument("--chat-template-file", default=None, metavar="FILE",
+                     help="as --chat-template, read from FILE (UTF-8)")
     s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="close a connection whose request headers are not in within S seconds")
     key = s.add_mutually_exclusive_group()

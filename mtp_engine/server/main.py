@@ -56,6 +56,20 @@ def check_bind(host: str, port: int) -> None:
             raise MTPEngineError(f"cannot listen on {host}:{port}: {why} (choose another --port)", field="port") from None
 
 
+def chat_template_from_args(args) -> str | None:
+    """The template of --chat-template or --chat-template-file, compiled once here (a bad one is
+    one line before the model loads); None: the model's own (or ChatML)."""
+    from ..chat_template import compile_chat_template
+    from ..text_input import read_prompt_file
+
+    text, path = getattr(args, "chat_template", None), getattr(args, "chat_template_file", None)
+    if path is not None:
+        text = read_prompt_file(path, "chat-template-file")
+    if text is not None:
+        compile_chat_template(text, file=path, field="chat-template-file" if path else "chat-template")
+    return text
+
+
 def api_key_from_args(args) -> str | None:
     """The key of --api-key, or the first line of --api-key-file; never logged."""
     key = getattr(args, "api_key", None)
@@ -100,6 +114,7 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="mtp-engine: %(message)s", stream=sys.stderr)
     defaults = defaults_from_args(args)
     api_key = api_key_from_args(args)
+    chat_template = chat_template_from_args(args)
     check_bind(args.host, args.port)
     warning = open_bind_warning(args.host, api_key)
     if warning:
@@ -115,6 +130,7 @@ def run_serve(args) -> int:
     worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
                               warm_up=warm, idle_release_s=args.idle_release,
                               cache_slots=args.cache_slots, cache_bytes=args.cache_ram << 20,
+                              chat_template=chat_template,
                               load_progress=load_progress(_model_label(args.model)))
     worker.start()
     model = wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main

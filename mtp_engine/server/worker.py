@@ -84,11 +84,13 @@ class GenerationWorker:
 
     def __init__(self, model_path: str | None, queue_size: int, exact: bool = False,
                  max_context: int | None = None, warm_up: dict | None = None, idle_release_s: float = 0.0,
-                 load_progress=None, cache_slots: int = 4, cache_bytes: int | None = None):
+                 load_progress=None, cache_slots: int = 4, cache_bytes: int | None = None,
+                 chat_template: str | None = None):
         """`warm_up`: `generate` keyword arguments (the server's default settings) for one short
         generation before the worker says it is ready, so the first request does not pay for
         tracing and compiling the steps (seconds each on a GPU). `cache_slots`, `cache_bytes`: the
-        prompt cache's (`PromptCache`). `idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
+        prompt cache's (`PromptCache`). `chat_template`: replaces the model's (serve
+        --chat-template). `idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
         long. Off by default: MLX keeps freed buffers for reuse, as generate() in a loop does, and
         clearing them makes the next request pay fresh allocations (page faults on the CPU, device
         allocations on a GPU)."""
@@ -97,6 +99,7 @@ class GenerationWorker:
         self._path, self._exact, self._max_context, self._warm_up = model_path, exact, max_context, warm_up
         self._idle_release = idle_release_s if idle_release_s and idle_release_s > 0 else None
         self._load_progress = load_progress  # progress(done, total) while the model loads
+        self._chat_template = chat_template
         self.model: api.Model | None = None
         self.load_error: BaseException | None = None
         self.warm_seconds: float | None = None
@@ -154,7 +157,9 @@ class GenerationWorker:
             self.model = api.load(self._path, exact=self._exact, max_context=self._max_context,
                                   progress=self._load_progress)
             tok = self.model.tokenizer
-            if tok.chat_template is None:
+            if self._chat_template is not None:
+                tok.chat_template = self._chat_template
+            elif tok.chat_template is None:
                 tok.chat_template = CHATML
                 log.warning("%s %s", self.model.path, CHATML_NOTE)
             if self._warm_up is not None:
