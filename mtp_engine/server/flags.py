@@ -77,15 +77,16 @@ def add_serve_parser(sub, n_max_type) -> None:
                    help="seconds without requests after which MLX's cached buffers are freed (0: never)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
-    tpl = s.add_mutually_exclusive_group()
-    tpl.add_argument("--chat-template", default=None, metavar="JINJA",
-                     help="the chat template for /v1/chat/completions, replacing the model's (llama-server's flag)")
-    tpl.add_argument("--chat-template-file", default=None, metavar="FILE",
-                     help="as --chat-template, read from FILE (UTF-8)")
+    _value_or_file(s, "--chat-template", "JINJA", "the chat template for /v1/chat/completions, replacing the "
+                   "model's (llama-server's flag)", "read from FILE (UTF-8)")
     s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="close a connection whose request headers are not in within S seconds")
-    key = s.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None, metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on every /v1/ route (401 otherwise)")
-    key.add_argument("--api-key-file", default=None, metavar="FILE",
-                     help="as --api-key, the key read from the first line of FILE (not shown in ps)")
+    _value_or_file(s, "--api-key", "KEY", "require 'Authorization: Bearer KEY' on every /v1/ route (401 otherwise)",
+                   "the key read from the first line of FILE (not shown in ps)")
+
+
+def _value_or_file(parser, flag: str, metavar: str, help: str, file_help: str) -> None:
+    """`flag VALUE` or `flag-file FILE`, one of them at most."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument(flag, default=None, metavar=metavar, help=help)
+    g.add_argument(f"{flag}-file", default=None, metavar="FILE", help=f"as {flag}, {file_help}")
