@@ -194,3 +194,24 @@ def test_a_state_taken_while_its_generation_runs_is_not_shared(tiny_any, kw):
     # A has ended: its state is handed over as it is now
     c = generate(b_ids, model=tiny_any, max_tokens=24, prompt_cache=pc, **kw)
     assert c.token_ids == ref_b
+
+
+def test_a_forked_kv_cache_never_sees_the_other_ones_writes():
+    """`KVCache.view` (a kept state forked for a second generation while the first goes on): each
+    cache's later writes stay its own, whichever writes first (`update` writes in place)."""
+    import mlx.core as mx
+
+    from mtp_engine.model.cache import KVCache
+
+    def row(value):
+        return mx.full((1, 1, 1, 2), float(value))
+
+    for first in ("original", "fork"):
+        a = KVCache(1, 2)
+        a.update(mx.ones((1, 1, 3, 2)), mx.ones((1, 1, 3, 2)))
+        b = a.view(2)  # the fork keeps 2 positions; a goes on from 3
+        writes = [(a, 5), (b, 7)] if first == "original" else [(b, 7), (a, 5)]
+        for cache, value in writes:
+            cache.update(row(value), row(value))
+        assert a.keys[0, 0, :4, 0].tolist() == [1, 1, 1, 5] and a.values[0, 0, :4, 0].tolist() == [1, 1, 1, 5]
+        assert b.keys[0, 0, :3, 0].tolist() == [1, 1, 7] and b.values[0, 0, :3, 0].tolist() == [1, 1, 7]

@@ -68,11 +68,15 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end], "causal" if s > 1 else None
 
     def view(self, offset: int) -> "KVCache":
-        """A new cache holding this one's first `offset` positions without a copy: both hold the
-        same buffers, and MLX copies a buffer on the first write while another holder has it, so
-        neither ever sees the other's later writes."""
+        """A new cache holding this one's first `offset` positions without a copy of the data: new
+        array objects over the same buffers. Not the same objects: `update` writes with
+        `keys[...] = k`, which changes the array object in place, so a shared object would take the
+        other cache's writes. Over a shared buffer MLX copies on the first write instead (a buffer
+        another array holds is never written in place)."""
         c = KVCache(self.n_kv, self.head_dim, self.step, self.dtype)
-        c.keys, c.values, c.offset = self.keys, self.values, int(offset)
+        if self.keys is not None:
+            c.keys, c.values = mx.array(self.keys), mx.array(self.values)
+        c.offset = int(offset)
         return c
 
     def to_device(self) -> None:
