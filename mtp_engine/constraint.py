@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import MTPEngineError
+from .text_input import check_text
 
 FIELD = "constraint"
 # a schema past these is refused before llguidance sees it: its converter recurses (a schema nested
@@ -52,12 +53,12 @@ def check_schema(schema: Any) -> None:
                 for key, v in value.items():
                     if not isinstance(key, str):
                         raise MTPEngineError(f"JSON schema key {key!r} at {where} is not a string", field=FIELD)
-                    _check_text(key, f"{where} (a key)")
+                    check_text(key, f"{FIELD} {where} (a key)")
                     stack.append((v, f"{where}.{key[:40]}", depth + 1, inner))
             else:
                 stack.extend((v, f"{where}[{i}]", depth + 1, inner) for i, v in enumerate(value))
         elif isinstance(value, str):
-            _check_text(value, where)
+            check_text(value, f"{FIELD} {where}")
         elif isinstance(value, bool) or value is None:
             pass
         elif isinstance(value, int):
@@ -74,20 +75,12 @@ def _short(where: str) -> str:
     return where if len(where) <= 120 else f"{where[:50]}...{where[-60:]}"
 
 
-def _check_text(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise MTPEngineError(f"{where}: not valid text (a lone surrogate at character {e.start})",
-                             field=FIELD) from None
-
-
 def _check_grammar(text: Any, kind: str) -> str:
     if not isinstance(text, str):
         raise MTPEngineError(f"expected a {kind} string, found {type(text).__name__}", field=FIELD)
     if len(text) > MAX_GRAMMAR_CHARS:
         raise MTPEngineError(f"{kind} too long: {len(text)} characters (at most {MAX_GRAMMAR_CHARS})", field=FIELD)
-    _check_text(text, kind)
+    check_text(text, f"{FIELD} {kind}")
     return text
 
 

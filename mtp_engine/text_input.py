@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 import sys
+import tempfile
 from typing import Any, BinaryIO
 
 from .errors import MTPEngineError
