@@ -114,7 +114,7 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     if options is not None and not isinstance(options, EngineOptions):
         raise MTPEngineError(f"expected EngineOptions, found {type(options).__name__}", field="options")
     opts = (options if options is not None else EngineOptions()).resolve()
-    if path is not None and not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+    if path is not None and not isinstance(path, (str, os.PathLike)):  # bytes and numbers included
         raise MTPEngineError(f"expected a path (a string or os.PathLike) to a GGUF file or a checkpoint folder, "
                              f"found {type(path).__name__} {path!r:.60}", field="path")
     p = Path(path) if path is not None else default_model_path()

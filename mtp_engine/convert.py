@@ -25,6 +25,7 @@ from .errors import MTPEngineError
 from .model.hf import QuantSpec, expected_tensors, hf_source_names, quantizable, require_output_head
 from .model.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from .model.hf_layout import Quantized, quantize
+from .output_files import staging_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")
@@ -137,7 +138,7 @@ def convert_to_mlx(src: str | os.PathLike, out: str | os.PathLike, quant: QuantS
     _prepare_out(final, overwrite)
     # built in a hidden sibling folder and moved in when complete: a failed or interrupted run
     # leaves no half-written model where `load` would find it (and a --force target as it was)
-    staging = os.path.join(os.path.dirname(os.path.abspath(final)), f".{os.path.basename(final)}.{os.getpid()}.tmp")
+    staging = str(staging_path(final))
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     try:

@@ -9,13 +9,19 @@ from pathlib import Path
 from typing import IO, Iterator
 
 
+def staging_path(path: str | os.PathLike) -> Path:
+    """Where `path` (a file or a folder) is built before it is renamed into place: a hidden name
+    beside it (same file system, so the rename is atomic), unique to this process."""
+    path = Path(os.path.abspath(path))
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[IO]:
     """`open(path, mode)` whose content appears at `path` only when the block ends without error."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', not {mode!r}")
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = staging_path(path)
     try:
         with open(tmp, mode, **kwargs) as f:
             yield f

@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
+from .errors import MTPEngineError
+
 __all__ = ["arrays_of", "evaluate_all", "release_at_exit", "engine_thread", "run_on_engine_thread"]
 
 
@@ -190,8 +192,6 @@ def _pinned(gen: Iterator[Any]) -> Iterator[Any]:
     """A stream run in the thread that iterates it first (the main thread): its MLX arrays live on
     that thread's streams, and a step taken from another thread failed deep inside MLX ("There is
     no Stream(cpu, 0) in current thread"). Said plainly instead."""
-    from .errors import MTPEngineError
-
     owner = None
     try:
         while True:

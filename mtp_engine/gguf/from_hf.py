@@ -19,6 +19,7 @@ from gguf import quants as gq
 from ..errors import MTPEngineError
 from ..model.hf import TensorSource, expected_tensors, require_output_head
 from ..model.hf_checkpoint import HFCheckpoint
+from ..output_files import staging_path
 from ..tokenizer import Tokenizer
 from .writer import _KEEP_F32, WRITABLE
 
@@ -155,7 +156,7 @@ def write_gguf(src: str | os.PathLike, out: str | os.PathLike, qtype: str = "BF1
     arch = "qwen35moe" if ckpt.cfg.is_moe else "qwen35"
     # written under a temporary name and renamed when whole: a failed or interrupted conversion
     # leaves no truncated GGUF (and an --force target stays as it was)
-    final, out = out, os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.{os.getpid()}.tmp")
+    final, out = out, str(staging_path(out))
     writer = GGUFWriter(out, arch)
     _add_metadata(writer, ckpt, arch, n_mtp, _FILE_TYPES[qtype])
     _add_tokenizer(writer, ckpt.directory, ckpt.cfg.vocab_size)

@@ -3,9 +3,8 @@ and the page at `/`. Handlers run on the event loop; generation runs on the work
 """
 from __future__ import annotations
 
-import hmac
-
 import asyncio
+import hmac
 import json
 import logging
 import os

@@ -21,8 +21,8 @@ class DeadlineH11Protocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -48,9 +48,8 @@ class DeadlineH11Protocol(H11Protocol):
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._expire)
 
     def _disarm(self) -> None:
-        timer = getattr(self, "_header_timer", None)
-        if timer is not None:
-            timer.cancel()
+        if self._header_timer is not None:
+            self._header_timer.cancel()
         self._header_timer = None
 
     def _expire(self) -> None:
