@@ -77,10 +77,6 @@ def peak_memory_bytes() -> int:
     return max(peak, int(rss))
 
 
-def _context_source(decoder: DecoderBase) -> str:
-    return getattr(decoder.model.cfg, "context_source", "the model's")
-
-
 def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
         stop: list[str] | None = None, ignore_eos: bool = False,
         profiler: Profiler | None = None) -> Iterator[Chunk]:
@@ -90,10 +86,10 @@ def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_t
     ctx = decoder.model.cfg.context_length
     if len(prompt_ids) > ctx:  # the prompt alone is at fault, whatever max_tokens is
         raise MTPEngineError(f"the prompt ({len(prompt_ids)} tokens) is longer than the context length {ctx} "
-                             f"({_context_source(decoder)})", field="prompt")
+                             f"({decoder.model.cfg.context_source})", field="prompt")
     if len(prompt_ids) + max_tokens > ctx:
         raise MTPEngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                             f"length {ctx} ({_context_source(decoder)})", field="max_tokens")
+                             f"length {ctx} ({decoder.model.cfg.context_source})", field="max_tokens")
     prof = profiler or decoder.prof
     t0 = time.perf_counter()
     if max_tokens == 0:
