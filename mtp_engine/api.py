@@ -7,27 +7,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import tool_calls
+from .chat import tool_calls
 from .constraint import Constraint
-from .decode import DecoderBase, PlainDecoder
+from .generation.decode import DecoderBase, PlainDecoder
 from .errors import MTPEngineError
-from .generate import Chunk, run
-from .memory import check_fits, estimate
-from .model.loader import LoadInfo, load_gguf
-from .model.qwen35 import Qwen35Model
+from .generation.loop import Chunk, run
+from .model.memory import check_fits, estimate
+from .model.loaded import Model
+from .model.loader import load_gguf
 from .options import EngineOptions, model_path_from_env
-from .profiler import Profiler
-from .prompt_cache import PromptCache
-from .prompt_encode import encode_prompt
-from .request import sampler_config, spec_config
-from .sampling import Sampler, SamplerConfig
+from .generation.profiler import Profiler
+from .generation.prompt_cache import PromptCache
+from .tokenizer.bounded import encode_prompt
+from .request.keywords import sampler_config, spec_config
+from .generation.sampling import Sampler, SamplerConfig
 from .speculative import calibration
 from .speculative.config import SPEC_METHODS, SpecConfig
 from .speculative.draft_mtp import DraftMTPDecoder
 from .speculative.scheduler import DraftLengthScheduler, auto_k_max
 from .text_input import check_messages, check_stop
 from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
-from .tokenizer import Tokenizer
+from .tokenizer.tokenizer import Tokenizer
 
 SPEC_TYPES = SPEC_METHODS
 DEFAULT_MODEL_NAME = "qwen35-mtp-code-Q4_K_M.gguf"
@@ -45,23 +45,6 @@ def default_model_path() -> Path:
     raise MTPEngineError(f"no model given and no default model found (looked for models/{DEFAULT_MODEL_NAME} "
                          "in the checkout and the current directory; set MTP_ENGINE_MODEL or pass -m)",
                          field="model")
-
-
-@dataclass
-class Model:
-    """A loaded model: the network, its tokenizer and what the load did."""
-
-    model: Qwen35Model
-    tokenizer: Tokenizer
-    info: LoadInfo
-    path: str
-    load_seconds: float = 0.0  # wall time of `load` (reported in every generation's stats)
-    comm: object = None  # a `distributed.Comm` when this process holds one rank's share
-
-    @property
-    def options(self) -> EngineOptions:
-        """The options this model runs under (resolved: no None fields)."""
-        return self.model.options
 
 
 @dataclass
@@ -99,7 +82,7 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     `mtp_engine.model.hf.QuantSpec`) quantizes float matrices as they are read; unquantized ones
     keep their dtype (bf16 stays bf16). `max_context` caps the context a generation may use
     (default: the model's, up to 32768 positions); the memory check assumes it. Refuses
-    (MTPEngineError) a model whose predicted memory (`mtp_engine.memory.estimate`) for that context
+    (MTPEngineError) a model whose predicted memory (`mtp_engine.model.memory.estimate`) for that context
     exceeds what is available. The returned model may be used from any thread (every array it
     holds is evaluated here); generations in several threads at once are independent.
 
@@ -215,7 +198,7 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     `spec` is None/"none" (plain decoding) or "draft-mtp" with llama.cpp's knobs n_max, n_min, p_min;
     n_max="auto" (the default) picks the draft length each round from the time this run measures
     per round and the acceptance seen so far (docs/spec.md, "n-max auto").
-    `profile` is None, "round" or "precise" (see `mtp_engine.profiler`).
+    `profile` is None, "round" or "precise" (see `mtp_engine.generation.profiler`).
     Penalties as llama.cpp applies them, over the last `repeat_last_n` tokens (prompt included; 0
     disables, -1 = whole context): `repeat_penalty` divides positive logits (multiplies negative
     ones) of tokens seen, `frequency_penalty` subtracts per occurrence, `presence_penalty` once.
@@ -228,7 +211,7 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
 
     `tools` (with `messages`): OpenAI-style function tools, rendered by the chat template;
     the last chunk's `tool_calls` (and `GenerationResult.tool_calls`) are the calls the model wrote
-    (`mtp_engine.tool_calls`). Assistant messages may carry earlier `tool_calls`. `tool_choice`
+    (`mtp_engine.chat.tool_calls`). Assistant messages may carry earlier `tool_calls`. `tool_choice`
     as OpenAI's: "auto", "none" (tools not rendered), "required" or {"type": "function",
     "function": {"name": ...}} (a grammar makes the answer such a call).
 
@@ -243,7 +226,7 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     Text (`prompt`, message `role`/`content`, `stop`) must be valid Unicode: a lone surrogate is
     refused (MTPEngineError naming the argument and the index), never replaced; a prompt longer
     than the context is refused after tokenizing about one context of it. The chat template renders
-    under the budget of `mtp_engine.chat_template.RenderLimits`."""
+    under the budget of `mtp_engine.chat.template.RenderLimits`."""
     m = _resolve(model)
     spec_cfg = spec_config(spec, n_max, n_min, p_min)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:

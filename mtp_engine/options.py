@@ -100,14 +100,18 @@ class EngineOptions:
         env = os.environ if environ is None else environ
         values: dict = {}
         raw = env.get(ENV["compile_steps"])
-        if raw in ("0", "1"):
+        if raw is not None and raw != "":
+            if raw not in ("0", "1"):  # "true" was once ignored without a word
+                raise MTPEngineError(f"expected 0 or 1, found {raw!r}", field=ENV["compile_steps"])
             values["compile_steps"] = raw == "1"
         raw = env.get(ENV["kernels"])
         if raw:
             parse_kernels(raw, ENV["kernels"])
             values["kernels"] = raw
         raw = env.get(ENV["row_pad"])
-        if raw is not None and raw.isdigit():
+        if raw is not None and raw != "":
+            if not (raw.isascii() and raw.isdigit()):  # "-3" was once ignored without a word
+                raise MTPEngineError(f"expected an integer >= 0, found {raw!r}", field=ENV["row_pad"])
             values["row_pad"] = int(raw)
         raw = env.get(ENV["cache_dir"])
         if raw:

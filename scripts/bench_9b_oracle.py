@@ -15,13 +15,13 @@ import time
 import mlx.core as mx
 
 import mlx_lm_ref  # scripts/ (beside this file)
-from mtp_engine.costmodel import measure
-from mtp_engine.decode import PlainDecoder
-from mtp_engine.generate import run
+from mtp_engine.speculative.costmodel import measure
+from mtp_engine.generation.decode import PlainDecoder
+from mtp_engine.generation.loop import run
 from mtp_engine.model.build import build_model
 from mtp_engine.model.config import Qwen35Config
 from mtp_engine.model.layers import Linear
-from mtp_engine.sampling import Sampler, SamplerConfig
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.ablations import ablation_decoder
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.scheduler import DraftLengthScheduler, auto_k_max

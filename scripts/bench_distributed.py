@@ -149,9 +149,9 @@ def gguf_runs(model, tokens: int, repeats: int) -> dict:
 def random_runs(model, comm: Comm | None, tokens: int, oracle: float) -> dict:
     from bench_9b_oracle import _Tok
 
-    from mtp_engine.decode import PlainDecoder
-    from mtp_engine.generate import run
-    from mtp_engine.sampling import Sampler, SamplerConfig
+    from mtp_engine.generation.decode import PlainDecoder
+    from mtp_engine.generation.loop import run
+    from mtp_engine.generation.sampling import Sampler, SamplerConfig
     from mtp_engine.speculative.ablations import ablation_decoder
     from mtp_engine.speculative.config import DraftParams
     from mtp_engine.speculative.scheduler import COMPILED_AUTO_MAX, DraftLengthScheduler

@@ -32,11 +32,11 @@ import mlx_lm_ref  # noqa: E402
 from bench_9b_oracle import config_9b, decode_tps, random_model  # noqa: E402
 from bench_moe_oracle import config_a3b  # noqa: E402
 
-from mtp_engine.costmodel import measure  # noqa: E402
-from mtp_engine.decode import PlainDecoder  # noqa: E402
+from mtp_engine.speculative.costmodel import measure  # noqa: E402
+from mtp_engine.generation.decode import PlainDecoder  # noqa: E402
 from mtp_engine.model import kernels  # noqa: E402
 from mtp_engine.model.config import Qwen35Config  # noqa: E402
-from mtp_engine.sampling import Sampler, SamplerConfig  # noqa: E402
+from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
 
 from mtp_engine.options import EngineOptions  # noqa: E402
 

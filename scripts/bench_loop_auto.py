@@ -19,9 +19,9 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import mlx_lm_ref  # noqa: E402
 from bench_9b_oracle import _Tok, decode_tps  # noqa: E402
 
-from mtp_engine.decode import PlainDecoder  # noqa: E402
-from mtp_engine.generate import run  # noqa: E402
-from mtp_engine.sampling import Sampler, SamplerConfig  # noqa: E402
+from mtp_engine.generation.decode import PlainDecoder  # noqa: E402
+from mtp_engine.generation.loop import run  # noqa: E402
+from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
 
 
 def _ours_tps(model, prompt, tokens, pipeline: bool) -> float:

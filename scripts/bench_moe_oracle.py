@@ -17,7 +17,7 @@ import mlx.core as mx
 
 import mlx_lm_ref
 from bench_9b_oracle import decode_tps, random_model  # same decode harness and weights
-from mtp_engine.costmodel import measure
+from mtp_engine.speculative.costmodel import measure
 from mtp_engine.model.config import Qwen35Config
 from mtp_engine.model.moe import experts_touched
 

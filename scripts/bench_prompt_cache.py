@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 import mtp_engine as me  # noqa: E402
-from mtp_engine.chat_template import CHATML  # noqa: E402
+from mtp_engine.chat.template import CHATML  # noqa: E402
 
 SYSTEM = ("You are a careful senior Python reviewer. Read the code the user sends, explain what it does, "
           "point out bugs and suggest fixes with short code examples. ") * 6

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from compare_chat_templates import load_templates  # noqa: E402
 from tests.template_conversations import TOOLS, reference_env  # noqa: E402
 
-from mtp_engine.chat_template import compile_chat_template, render_chat_template  # noqa: E402
+from mtp_engine.chat.template import compile_chat_template, render_chat_template  # noqa: E402
 
 CHAT = [{"role": "system", "content": "You are terse."}] + [
     m for i in range(10) for m in ({"role": "user", "content": f"Question {i}: " + "word " * 60},

@@ -131,7 +131,7 @@ def make_template(seed: int, i: int) -> str:
 
 def run_case(source: str, limits=None) -> dict:
     """Compiles and renders `source`; returns {"outcome": ...}."""
-    from mtp_engine.chat_template import compile_chat_template, render_chat_template
+    from mtp_engine.chat.template import compile_chat_template, render_chat_template
     from mtp_engine.errors import MTPEngineError
 
     field = "tokenizer.chat_template"
@@ -190,7 +190,7 @@ def worker_main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
     except (ValueError, OSError):
         pass
-    import mtp_engine.chat_template  # noqa: F401
+    import mtp_engine.chat.template  # noqa: F401
     import jinja2.sandbox  # noqa: F401
     proto.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from mtp_engine import api  # noqa: E402
-from mtp_engine.cli import main as cli_main  # noqa: E402
+from mtp_engine.cli.main import main as cli_main  # noqa: E402
 from mtp_engine.errors import MTPEngineError  # noqa: E402
 
 # any code point; one character in 15 a surrogate, so about half the strings hold one

@@ -1,6 +1,6 @@
 """Accuracy and load memory of quantize-on-load against the float checkpoint, on the tiny HF fixture
 and on the shipped trained model (its GGUF's dequantized weights written as an HF bf16 folder by
-`mtp_engine.gguf.to_hf`, the converter's inverse).
+`mtp_engine.convert.to_hf`, the converter's inverse).
 
 For each format: teacher-forced trunk logits along the float model's own greedy continuation of
 the prompts (a few hundred positions in all): mean and max KL(float || quantized) in nats and top-1
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from mtp_engine import api  # noqa: E402
 from mtp_engine.convert import convert  # noqa: E402
-from mtp_engine.gguf.to_hf import gguf_to_hf  # noqa: E402
+from mtp_engine.convert.to_hf import gguf_to_hf  # noqa: E402
 
 ON_LOAD = ["4g32", "4g64", "4g128", "8g32", "8g64", "8g128", "4g64,output=8g64,mtp=8g64"]
 SOURCE_SCALES = ["4g64", "8g64"]  # converted with bf16 scales, as mlx_lm.convert does

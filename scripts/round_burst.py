@@ -23,8 +23,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_9b_oracle import _Tok, config_9b, random_model  # noqa: E402
-from mtp_engine.generate import run  # noqa: E402
-from mtp_engine.sampling import Sampler, SamplerConfig  # noqa: E402
+from mtp_engine.generation.loop import run  # noqa: E402
+from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
 from mtp_engine.speculative.ablations import ablation_decoder  # noqa: E402
 from mtp_engine.speculative.config import DraftParams  # noqa: E402
 

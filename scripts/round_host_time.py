@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_9b_oracle import config_9b, decode_tps, random_model, _Tok  # noqa: E402
-from mtp_engine.generate import run  # noqa: E402
-from mtp_engine.sampling import Sampler, SamplerConfig  # noqa: E402
+from mtp_engine.generation.loop import run  # noqa: E402
+from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
 from mtp_engine.speculative.ablations import ablation_decoder  # noqa: E402
 from mtp_engine.speculative.config import DraftParams  # noqa: E402
 from mtp_engine.speculative import resident  # noqa: E402

@@ -8,7 +8,7 @@ import datetime
 import json
 from pathlib import Path
 
-from mtp_engine.chat_template import compile_chat_template, render_chat_template
+from mtp_engine.chat.template import compile_chat_template, render_chat_template
 from mtp_engine.errors import MTPEngineError
 
 FIELD = "tokenizer.chat_template"

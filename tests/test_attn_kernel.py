@@ -173,7 +173,8 @@ def test_model_with_kernels_equals_model_without(which, compiled):
 @gpu_only
 def test_draft_mtp_greedy_equals_plain_with_kernels():
     from tests.conftest import need
-    from mtp_engine import generate, load
+    from mtp_engine import generate
+    from mtp_engine import load
     mdl = load(need(_models()[0]))
     assert any(getattr(layer.mixer, "fused_kernel", False) and hasattr(layer.mixer, "q_norm")
                for layer in mdl.model.layers)

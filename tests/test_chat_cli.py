@@ -7,14 +7,15 @@ import io
 
 import pytest
 
-from mtp_engine import generate, load
-from mtp_engine.chat_template import CHATML
-from mtp_engine.cli import build_parser
+from mtp_engine import generate
+from mtp_engine import load
+from mtp_engine.chat.template import CHATML
+from mtp_engine.cli.main import build_parser
 from tests.conftest import TINY_Q4, need
 
 
 def _chat(lines: list[str], *flags: str) -> tuple[int, str, str]:
-    from mtp_engine.chat_cli import run_chat
+    from mtp_engine.cli.chat import run_chat
 
     args = build_parser().parse_args(["chat", "-m", str(need(TINY_Q4)), "-n", "6", "--temp", "0", *flags])
     out, err = io.StringIO(), io.StringIO()
@@ -55,7 +56,7 @@ def test_full_context_is_said_not_crashed():
 
 @pytest.mark.parametrize("flag", [["-n", "0"], ["-c", "-1"]])
 def test_bad_sizes_refused(flag, capsys):
-    from mtp_engine.cli import main
+    from mtp_engine.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["chat", *flag])
@@ -63,7 +64,7 @@ def test_bad_sizes_refused(flag, capsys):
 
 
 def test_an_overlong_line_is_refused_in_bounded_memory(monkeypatch):
-    import mtp_engine.chat_cli as chat_cli
+    import mtp_engine.cli.chat as chat_cli
 
     monkeypatch.setattr(chat_cli, "MAX_LINE_CHARS", 100)
     rc, out, err = _chat(["x" * 1000, "To be"])

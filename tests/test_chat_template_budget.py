@@ -13,7 +13,7 @@ from tests.template_conversations import reference_env
 
 from tests.chat_templates import TEMPLATES
 from tests.conftest import load_script
-from mtp_engine.chat_template import RenderLimits, compile_chat_template, render_chat_template
+from mtp_engine.chat.template import RenderLimits, compile_chat_template, render_chat_template
 from mtp_engine.errors import MTPEngineError
 
 FIELD = "tokenizer.chat_template"
@@ -192,7 +192,7 @@ def test_top_level_output_is_counted():
 
 
 def test_input_is_measured_only_past_the_base_limit():
-    from mtp_engine.template_budget import Budget
+    from mtp_engine.chat.budget import Budget
 
     def measure():
         raise AssertionError("measured")
@@ -235,7 +235,7 @@ def test_indented_json_is_the_json_modules_text():
 
     from markupsafe import Markup
 
-    from mtp_engine.template_json import indented_json
+    from mtp_engine.chat.tojson import indented_json
 
     rng = random.Random(15)
     scalars = [0, -7, 2**70, True, False, None, 1.5, -0.0, float("nan"), float("inf"), -float("inf"), "",
@@ -304,7 +304,7 @@ def test_compact_json_size_is_the_json_modules_length():
 
     from markupsafe import Markup
 
-    from mtp_engine.template_json import compact_json_bound, compact_json_size
+    from mtp_engine.chat.tojson import compact_json_bound, compact_json_size
 
     rng = random.Random(16)
     scalars = [0, -7, 2**70, True, False, None, 1.5, -0.0, float("nan"), float("inf"), -float("inf"), "",

@@ -1,5 +1,5 @@
-"""The command line: `mtp-engine generate ...` in process (`mtp_engine.cli.main`) and, once each, through
-the installed console script and `python -m mtp_engine.cli`."""
+"""The command line: `mtp-engine generate ...` in process (`mtp_engine.cli.main.main`) and, once each, through
+the installed console script and `python -m mtp_engine.cli.main`."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import TINY_Q8, need
 from mtp_engine import generate
-from mtp_engine.cli import main
+from mtp_engine.cli.main import main
 
 PROMPT = "To be"
 
@@ -103,7 +103,7 @@ def test_streaming_text_and_stats_line(capsys, model_path, api_greedy):
 
 
 def test_stats_line_says_no_drafts_rather_than_zero_of_zero():
-    from mtp_engine.cli import format_stats
+    from mtp_engine.cli.output import format_stats
     base = {"prompt_tokens": 6, "prompt_tokens_per_second": 10.0, "generated_tokens": 8,
             "decode_tokens_per_second": 20.0, "peak_memory_bytes": 2**20, "rounds": 8, "accepted": 0,
             "acceptance_rate": 0.0, "tokens_per_round": 1.0}
@@ -223,7 +223,7 @@ def test_chat_without_template_uses_chatml_as_llamacpp(capsys, model_path):
     # llama.cpp's CLI and server fall back to ChatML for a model without a template, and so do ours
     # (said on stderr); the API's `messages` still refuses it (test_generate_api.py)
     from mtp_engine import load
-    from mtp_engine.chat_template import CHATML
+    from mtp_engine.chat.template import CHATML
 
     rc, out, err = gen(capsys, model_path, "-n", "3", "-p", PROMPT, "--chat", "--json")
     assert rc == 0 and "has no chat template: using ChatML" in err and "Traceback" not in err
@@ -284,7 +284,7 @@ def test_console_script(model_path, api_greedy, tmp_path):
 
 
 def test_module_entry_point_error_exit_status(model_path, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli", "generate", "-m", model_path, "-p", PROMPT,
+    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli.main", "generate", "-m", model_path, "-p", PROMPT,
                         "--top-p", "0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert_one_error_line(p.returncode, p.stdout, p.stderr)
     assert "top_p" in p.stderr

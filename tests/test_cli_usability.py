@@ -10,7 +10,7 @@ import pytest
 
 import mtp_engine
 from tests.conftest import TINY_Q4, need
-from mtp_engine.cli import HelpFormatter, build_parser, main
+from mtp_engine.cli.main import HelpFormatter, build_parser, main
 from mtp_engine.load_progress import load_progress
 
 COMMANDS = ("generate", "bench", "serve", "convert", "chat")

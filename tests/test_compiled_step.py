@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import MOE_Q4, TINY_F32
-from mtp_engine.decode import PlainDecoder
+from mtp_engine.generation.decode import PlainDecoder
 from mtp_engine.model.cache import KVCache
-from mtp_engine.sampling import Sampler, SamplerConfig
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
 def _paths():

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("llguidance", reason="constrained decoding needs llguidance (pip install -e '.[test]')")
 
-from mtp_engine import Constraint, MTPEngineError, generate  # noqa: E402
+from mtp_engine import Constraint, MTPEngineError
+from mtp_engine import generate  # noqa: E402
 from mtp_engine import constraint as constraint_module  # noqa: E402
 from mtp_engine.constraint import response_format_constraint  # noqa: E402
 
@@ -119,8 +120,8 @@ def test_the_head_drafts_only_what_the_grammar_allows(shipped):
     code model drafts the pretty-printed JSON it was trained on, which the grammar refuses)."""
     import mlx.core as mx
 
-    from mtp_engine.profiler import Profiler
-    from mtp_engine.sampling import Sampler, SamplerConfig
+    from mtp_engine.generation.profiler import Profiler
+    from mtp_engine.generation.sampling import Sampler, SamplerConfig
     from mtp_engine.speculative.drafter import DraftContext
     from mtp_engine.speculative.mtp_drafter import MTPDrafter
 

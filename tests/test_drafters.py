@@ -7,9 +7,10 @@ import inspect
 
 import pytest
 
-from mtp_engine import MTPEngineError, generate
-from mtp_engine.generate import run
-from mtp_engine.sampling import Sampler, SamplerConfig
+from mtp_engine import MTPEngineError
+from mtp_engine import generate
+from mtp_engine.generation.loop import run
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.ablations import ablation_decoder
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.decoder import SpeculativeDecoder

@@ -11,7 +11,8 @@ import math
 import pytest
 
 from tests.conftest import SHIPPED, TINY_Q8, need
-from mtp_engine import GenerationResult, MTPEngineError, generate, load, stream_generate
+from mtp_engine import GenerationResult, MTPEngineError, load, stream_generate
+from mtp_engine import generate
 from mtp_engine import api
 
 CODE = SHIPPED

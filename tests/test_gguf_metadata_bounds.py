@@ -13,7 +13,7 @@ from tests.conftest import TINY_Q8, need, write_gguf_copy
 from mtp_engine.api import load
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.reader import GGUFFile
-from mtp_engine.tokenizer import MAX_TOKEN_BYTES, Tokenizer
+from mtp_engine.tokenizer.tokenizer import MAX_TOKEN_BYTES, Tokenizer
 
 SRC = TINY_Q8  # the full set's Q8_0, else the vendored Q4_K_M
 

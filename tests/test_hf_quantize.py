@@ -18,10 +18,10 @@ from gguf import quants as gq
 
 from tests.conftest import MODELS, TINY, need
 from mtp_engine import api
-from mtp_engine.cli import main as cli_main
+from mtp_engine.cli.main import main as cli_main
 from mtp_engine.convert import convert
 from mtp_engine.errors import MTPEngineError
-from mtp_engine.gguf.to_hf import gguf_to_hf
+from mtp_engine.convert.to_hf import gguf_to_hf
 from mtp_engine.model.hf import QuantSpec, TensorSource, expected_tensors, load_checkpoint
 from mtp_engine.model.hf_checkpoint import HFCheckpoint
 from mtp_engine.model.loader import load_gguf
@@ -366,7 +366,7 @@ def test_moe_checkpoint_quantized_on_load(tmp_path, monkeypatch):
 
 
 def test_memory_check_refuses_a_checkpoint_that_cannot_fit(monkeypatch):
-    from mtp_engine.memory import ENV_LIMIT
+    from mtp_engine.model.memory import ENV_LIMIT
     from mtp_engine.model.hf import check_checkpoint_fits
 
     est = check_checkpoint_fits(need(HF), "4g64")

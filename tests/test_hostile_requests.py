@@ -52,7 +52,7 @@ def test_convert_never_writes_over_its_source(tmp_path, where):
 
 
 def test_convert_from_the_command_line_says_it_in_one_line(tmp_path, capsys):
-    from mtp_engine.cli import main
+    from mtp_engine.cli.main import main
     src = tmp_path / "ckpt"
     shutil.copytree(need(TRAINED / "hf"), src)
     rc = main(["convert", str(src), str(src), "--force"])
@@ -91,7 +91,7 @@ def test_server_huge_integers_are_400(field, value):
 def test_serve_on_a_port_in_use_says_so_before_loading(capsys):
     import socket
 
-    from mtp_engine.cli import main
+    from mtp_engine.cli.main import main
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
@@ -103,7 +103,7 @@ def test_serve_on_a_port_in_use_says_so_before_loading(capsys):
 
 
 def _cli(args, capsys) -> tuple[int, list[str], float]:
-    from mtp_engine.cli import main
+    from mtp_engine.cli.main import main
     t = time.perf_counter()
     rc = main(args)
     return rc, capsys.readouterr().err.strip().splitlines(), time.perf_counter() - t
@@ -149,7 +149,7 @@ def test_a_checkpoint_without_its_untied_output_head_is_refused(tmp_path):
                                               ("localhost", None, False), ("0.0.0.0", None, True),
                                               ("192.168.1.5", None, True), ("0.0.0.0", "k", False)])
 def test_serve_warns_when_others_can_reach_it_without_a_key(host, key, warns):
-    from mtp_engine.server.main import open_bind_warning
+    from mtp_engine.cli.serve import open_bind_warning
     assert (open_bind_warning(host, key) is not None) == warns
 
 
@@ -158,7 +158,7 @@ def test_serve_warns_when_others_can_reach_it_without_a_key(host, key, warns):
 def test_api_key_file_is_checked(tmp_path, content, ok):
     import types
 
-    from mtp_engine.server.main import api_key_from_args
+    from mtp_engine.cli.serve import api_key_from_args
     f = tmp_path / "key"
     f.write_text(content)
     args = types.SimpleNamespace(api_key=None, api_key_file=str(f))
@@ -177,7 +177,7 @@ def test_a_closed_stdin_is_one_line(argv):
     import sys
     import os
 
-    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli", argv[0], "-m", str(need(TINY_Q4)), *argv[1:]],
+    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli.main", argv[0], "-m", str(need(TINY_Q4)), *argv[1:]],
                        capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.close(0))
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and "standard input is closed" in err[-1] and "Traceback" not in p.stderr

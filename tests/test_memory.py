@@ -1,4 +1,4 @@
-"""`mtp_engine.memory`: the load-time memory prediction and the refusal when it cannot fit."""
+"""`mtp_engine.model.memory`: the load-time memory prediction and the refusal when it cannot fit."""
 from __future__ import annotations
 
 import gc
@@ -7,9 +7,10 @@ import mlx.core as mx
 import pytest
 
 from tests.conftest import FIXTURES, SHIPPED, TINY, TINY_Q8, TRAINED_GGUF, need
-from mtp_engine import MTPEngineError, generate, load
-from mtp_engine.cli import main as cli_main
-from mtp_engine.memory import ENV_LIMIT, available_memory, check_fits, estimate
+from mtp_engine import MTPEngineError, load
+from mtp_engine import generate
+from mtp_engine.cli.main import main as cli_main
+from mtp_engine.model.memory import ENV_LIMIT, available_memory, check_fits, estimate
 
 FILES = [TINY / n for n in ("qwen35-mtp-tiny-Q4_K_M.gguf", "qwen35-mtp-tiny-Q5_K_M.gguf",
                             "qwen35-mtp-tiny-Q6_K.gguf", "qwen35-mtp-tiny-Q8_0.gguf", "qwen35-mtp-tiny-f16.gguf")]
@@ -136,8 +137,8 @@ def test_max_context_caps_generation_and_the_memory_check(monkeypatch):
 
 def test_estimate_constants_follow_the_engine():
     """memory.py mirrors a few engine constants without importing MLX; they must stay in step."""
-    from mtp_engine import memory
-    from mtp_engine.decode import PlainDecoder
+    from mtp_engine.model import memory
+    from mtp_engine.generation.decode import PlainDecoder
     from mtp_engine.model import delta_rule
     from mtp_engine.model.cache import KVCache
 

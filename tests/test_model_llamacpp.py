@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import MODELS, TINY, need
 from mtp_engine import generate
-from mtp_engine.model.loader import load_hf
+from mtp_engine.model.hf import load_hf
 
 QUANTS = ["f16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"]
 TOL = 1e-3

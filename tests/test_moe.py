@@ -17,13 +17,14 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 
 from tests.conftest import FIXTURES, MODELS, copy_metadata, need
-from mtp_engine import MTPEngineError, generate, load
+from mtp_engine import MTPEngineError, load
+from mtp_engine import generate
 from mtp_engine.model.layers import Linear
-from mtp_engine.model.loader import load_hf
+from mtp_engine.model.hf import load_hf
 from mtp_engine.model.expert_use import ExpertUse
 from mtp_engine.model.moe import SORT_THRESHOLD, ExpertLinear, MoE, SwitchGLU, experts_touched
 from mtp_engine.model.qwen35 import MLP
-from mtp_engine.sampling import Sampler, SamplerConfig
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 from tests.reference_numpy import RefModel, load_gguf_weights, moe_ffn
 
@@ -174,14 +175,14 @@ def _hf_checkpoint(directory, cfg, fused: bool) -> None:
     are named from the fixture README; the others by inverting the (separately tested) dense mapping."""
     from safetensors.numpy import save_file
 
-    from mtp_engine.model.loader import _hf_to_gguf_names
+    from mtp_engine.model.hf_layout import hf_to_gguf_names
 
     reader = GGUFReader(need(Q4KM))
     gg = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
         [int(n) for n in reversed(list(t.shape))]) for t in reader.tensors}
     kh, vh, vd, nqk = cfg.ssm_key_heads, cfg.ssm_value_heads, cfg.ssm_value_dim, 2 * cfg.ssm_key_heads * cfg.ssm_key_dim
     hf = {}
-    for hf_name, name in _hf_to_gguf_names(cfg).items():
+    for hf_name, name in hf_to_gguf_names(cfg).items():
         if "ffn_" in name or name not in gg:
             continue
         w, base = gg[name], name.split(".", 2)[-1]

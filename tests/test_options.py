@@ -6,11 +6,11 @@ import mlx.core as mx
 import pytest
 
 from tests.conftest import TINY_Q4, need
-from mtp_engine import EngineOptions, MTPEngineError, generate, load
+from mtp_engine import EngineOptions, MTPEngineError, load
+from mtp_engine import generate
 from mtp_engine.model import kernels, mma_kernel
 from mtp_engine.model.layers import Linear
 from mtp_engine.options import ENV
-
 
 
 def _linears(model):
@@ -51,11 +51,14 @@ def test_bad_options_are_refused(kw):
     assert info.value.field == next(iter(kw))
 
 
-def test_bad_environment_names_the_variable(clean_env):
-    clean_env.setenv(ENV["kernels"], "fastest")
+@pytest.mark.parametrize("name,value", [("kernels", "fastest"), ("compile_steps", "true"), ("row_pad", "-3"),
+                                        ("row_pad", "eight"), ("memory_limit", "lots")])
+def test_bad_environment_names_the_variable(clean_env, name, value):
+    # each was once ignored without a word (the engine ran on its defaults)
+    clean_env.setenv(ENV[name], value)
     with pytest.raises(MTPEngineError) as info:
         EngineOptions.from_env()
-    assert info.value.field == ENV["kernels"]
+    assert info.value.field == ENV[name]
 
 
 def test_two_models_in_one_process_keep_their_options(clean_env):

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY, need
-from mtp_engine import MTPEngineError, generate, load, stream_generate
-from mtp_engine.penalties import PenaltyConfig, PenaltyHistory
+from mtp_engine import MTPEngineError, load, stream_generate
+from mtp_engine import generate
+from mtp_engine.generation.penalties import PenaltyConfig, PenaltyHistory
 
 IDS = [349, 220, 451, 72]
 _models: dict = {}
@@ -131,7 +132,7 @@ def test_chunks_carry_provenance():
 def test_cli_penalty_flags_and_n_probs(capsys):
     """`generate --repeat-penalty ... --n-probs N --json` equals the API; `serve` refuses bad flags
     with one line and exit 2 before loading anything."""
-    from mtp_engine.cli import main
+    from mtp_engine.cli.main import main
 
     path = str(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
     kw = dict(repeat_penalty=0.5, repeat_last_n=4, presence_penalty=0.2, frequency_penalty=0.1)

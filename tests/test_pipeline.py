@@ -11,10 +11,11 @@ import pytest
 
 from tests.conftest import TINY, need
 from mtp_engine import generate
-from mtp_engine.cli import format_stats, main
-from mtp_engine.decode import PlainDecoder
-from mtp_engine.generate import run
-from mtp_engine.sampling import Sampler, SamplerConfig
+from mtp_engine.cli.main import main
+from mtp_engine.cli.output import format_stats
+from mtp_engine.generation.decode import PlainDecoder
+from mtp_engine.generation.loop import run
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
 IDS = [349, 220, 451, 72, 389]

@@ -8,9 +8,9 @@ import pytest
 
 from tests.conftest import TINY, need
 from mtp_engine import generate
-from mtp_engine.bench import BenchConfig, run_bench
-from mtp_engine.cli import main
-from mtp_engine.costmodel import Costs, expected_tokens, measure, predict_speedup
+from mtp_engine.cli.bench import BenchConfig, run_bench
+from mtp_engine.cli.main import main
+from mtp_engine.speculative.costmodel import Costs, expected_tokens, measure, predict_speedup
 
 IDS = [349, 220, 451, 72, 389]
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from mtp_engine import MTPEngineError, PromptCache, generate, stream_generate
+from mtp_engine import MTPEngineError, PromptCache, stream_generate
+from mtp_engine import generate
 from tests.conftest import MOE_Q4, need
 
 PROMPT = "To be or not to be, that is the question. " * 12

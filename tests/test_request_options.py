@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mtp_engine import MTPEngineError, SamplerConfig, SpecConfig, generate, stream_generate
-from mtp_engine.penalties import PenaltyConfig
-from mtp_engine.request import sampler_config, spec_config
+from mtp_engine import MTPEngineError, SamplerConfig, SpecConfig, stream_generate
+from mtp_engine import generate
+from mtp_engine.generation.penalties import PenaltyConfig
+from mtp_engine.request.keywords import sampler_config, spec_config
 from mtp_engine.speculative.config import DraftParams, parse_n_max
 
 IDS = [349, 220, 451, 72, 389]

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtp_engine.sampling import Sampler, SamplerConfig, distribution
+from mtp_engine.generation.sampling import Sampler, SamplerConfig, distribution
 from mtp_engine.speculative.accept import accept_greedy, accept_sampling
 from mtp_engine.speculative.resident import accept_greedy_device, accept_sampling_device
 
@@ -181,7 +181,7 @@ class _Trunk:
     ([], False),
 ])
 def test_prompt_cache_reuses_only_an_exact_prefix(prefix, reused):
-    from mtp_engine.prompt_cache import PromptCache
+    from mtp_engine.generation.prompt_cache import PromptCache
 
     model = object()
     pc = PromptCache(slots=2)
@@ -198,7 +198,7 @@ def test_prompt_cache_reuses_only_an_exact_prefix(prefix, reused):
 
 
 def test_prompt_cache_needs_the_same_model_and_drafter():
-    from mtp_engine.prompt_cache import PromptCache
+    from mtp_engine.generation.prompt_cache import PromptCache
 
     a, b = object(), object()
     pc = PromptCache(slots=4)

@@ -11,13 +11,13 @@ import pytest
 
 from tests.conftest import TINY, need
 from mtp_engine import generate
-from mtp_engine.cli import main
-from mtp_engine.costmodel import Costs
+from mtp_engine.cli.main import main
+from mtp_engine.speculative.costmodel import Costs
 from mtp_engine.speculative import calibration
 from mtp_engine.speculative import scheduler as sch
 from mtp_engine.speculative.calibration import default_seed
 from mtp_engine.speculative.scheduler import DraftLengthScheduler
-from mtp_engine.sampling import Sampler, SamplerConfig
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
 from tests.sim_device import CPU, GPU, H200_9B, MOE, simulate
@@ -99,7 +99,7 @@ def test_no_calibration_pass_and_measured_costs_seed_the_next_run(tiny, tmp_path
     in the folder the model's options name (`EngineOptions.cache_dir`, not the environment) and
     seeds the next run's scheduler."""
     monkeypatch.setenv("MTP_ENGINE_CACHE_DIR", str(tmp_path / "from-the-environment"))
-    import mtp_engine.costmodel as cm
+    import mtp_engine.speculative.costmodel as cm
 
     monkeypatch.setattr(cm, "measure", lambda *a, **k: pytest.fail("calibration pass before decoding"))
     before = tiny.model.options

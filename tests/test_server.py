@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import TINY, TINY_Q8, need
-from mtp_engine import generate, load
+from mtp_engine import generate
+from mtp_engine import load
 from tests.server_helpers import LiveServer, sse_events
 
 openai = pytest.importorskip("openai", reason="the server tests need the openai client (pip install -e '.[test]')")
@@ -301,7 +302,7 @@ def test_tools_reach_the_template_and_calls_come_back(tmp_path):
     without such a template (ChatML fallback) refuses tools by name."""
     from pathlib import Path as P
 
-    from mtp_engine.tool_calls import message_tool_calls
+    from mtp_engine.chat.tool_calls import message_tool_calls
     from tests.server_helpers import with_chat_template
     from tests.test_tool_calls import TOOLS
 
@@ -389,7 +390,7 @@ def test_interleaved_conversations_each_keep_their_prompt(client):
 
 @pytest.mark.parametrize("flag", ["--cache-slots", "--cache-ram", "-c"])
 def test_serve_refuses_a_non_positive_size(flag, capsys):
-    from mtp_engine.cli import main
+    from mtp_engine.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["serve", flag, "0"])
@@ -468,7 +469,7 @@ def test_chat_template_flag_replaces_the_models(tmp_path, capsys):
     """`serve --chat-template-file`: chat requests render with it (llama-server's flag; a model
     without a template gets tools and roles its own way); a template that does not compile is one
     line before the model loads."""
-    from mtp_engine.cli import main
+    from mtp_engine.cli.main import main
 
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}<<assistant>>")

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY, TINY_TOKENIZER, TRAINED, TRAINED_GGUF, need
-from mtp_engine import MTPEngineError, generate, load
+from mtp_engine import MTPEngineError, load
+from mtp_engine import generate
 from mtp_engine.model.cache import KVCache
-from mtp_engine.sampling import Sampler, SamplerConfig
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
 _models: dict = {}

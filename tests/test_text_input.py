@@ -15,14 +15,12 @@ from hypothesis import strategies as st
 
 from tests.conftest import TINY_Q8, TRAINED_GGUF, need
 from mtp_engine import api
-from mtp_engine.cli import main
+from mtp_engine.cli.main import main
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.reader import GGUFFile
-from mtp_engine.prompt_encode import encode_prompt
-from mtp_engine.text_input import (
-    MAX_PROMPT_FILE_BYTES, argv_text, check_messages, check_stop, check_text, decode_utf8, read_prompt_file,
-)
-from mtp_engine.tokenizer import Tokenizer
+from mtp_engine.tokenizer.bounded import encode_prompt
+from mtp_engine.text_input import MAX_PROMPT_FILE_BYTES, argv_text, check_messages, check_stop, check_text, decode_utf8, read_prompt_file
+from mtp_engine.tokenizer.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -248,7 +246,7 @@ def test_output_paths_checked_before_work(tmp_path, cli, monkeypatch):
         assert rc == 2 and "--profile-out" in err and needle in err
     afile = tmp_path / "file"
     afile.write_text("x")
-    import mtp_engine.bench as bench
+    import mtp_engine.cli.bench as bench
     monkeypatch.setattr(bench, "run_bench", no_work)
     rc, _, err = cli("bench", "--out", str(afile))
     _clean(rc, err)

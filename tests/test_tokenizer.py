@@ -1,4 +1,4 @@
-"""Tests for mtp_engine.tokenizer: ids against llama.cpp and the HF tokenizer, decoding,
+"""Tests for mtp_engine.tokenizer.tokenizer: ids against llama.cpp and the HF tokenizer, decoding,
 streaming detokenization, chat templates and errors."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import TINY_TOKENIZER, TRAINED_GGUF, fixtures_dir, vendored_tokenizer
 from mtp_engine.errors import MTPEngineError
-from mtp_engine.tokenizer import StreamingDetokenizer, Tokenizer
+from mtp_engine.tokenizer.tokenizer import StreamingDetokenizer, Tokenizer
 
 FIXTURES = str(fixtures_dir())
 TINY_GGUF = str(TINY_TOKENIZER)

@@ -12,11 +12,10 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mtp_engine.generate import Chunk
+from mtp_engine.generation.loop import Chunk
 from mtp_engine.server.schemas import APIError, ServerDefaults, parse_chat
 from mtp_engine.errors import MTPEngineError
-from mtp_engine.tool_calls import (HERMES, XML, ToolCallStream, check_tool_list, message_tool_calls,
-                                   split_tool_calls, template_format)
+from mtp_engine.chat.tool_calls import HERMES, XML, ToolCallStream, check_tool_list, message_tool_calls, split_tool_calls, template_format
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 TOOLS = [{"type": "function", "function": {
@@ -42,7 +41,7 @@ def test_format_is_read_from_the_template(name, fmt):
 
 
 def test_chatml_fallback_renders_no_tools():
-    from mtp_engine.chat_template import CHATML
+    from mtp_engine.chat.template import CHATML
 
     assert template_format(CHATML) is None and template_format(None) is None
 
@@ -273,7 +272,7 @@ def test_generate_refuses_tools_it_cannot_use(tiny_q4, qwen35_tiny):
     with pytest.raises(MTPEngineError) as e:
         generate(messages=[{"role": "user", "content": "x"}], model=qwen35_tiny, tools=[{"type": "function"}])
     assert e.value.field == "tools[0]"
-    from mtp_engine.chat_template import CHATML
+    from mtp_engine.chat.template import CHATML
 
     qwen35_tiny.tokenizer.chat_template = CHATML
     with pytest.raises(MTPEngineError, match="does not render tools") as e:
@@ -292,7 +291,7 @@ def test_a_forced_call_is_a_call_plain_and_draft_mtp(tiny_q4, fmt, tools, name):
     """tool_choice naming a tool: the answer is exactly one call to it in the template's format
     (plain and draft-mtp alike), which the parser turns back into that call."""
     from mtp_engine import generate
-    from mtp_engine.tool_calls import forced_call_constraint
+    from mtp_engine.chat.tool_calls import forced_call_constraint
 
     c = forced_call_constraint(fmt, tools, name, parallel=False)
     plain = generate("x", model=tiny_q4, max_tokens=150, constraint=c)
@@ -306,7 +305,7 @@ def test_a_forced_call_is_a_call_plain_and_draft_mtp(tiny_q4, fmt, tools, name):
 
 
 def test_forced_call_refusals():
-    from mtp_engine.tool_calls import forced_call_constraint, tool_choice_name
+    from mtp_engine.chat.tool_calls import forced_call_constraint, tool_choice_name
 
     with pytest.raises(MTPEngineError, match="no tool named"):
         forced_call_constraint(XML, TOOLS, "nope")

@@ -8,7 +8,8 @@ import mlx.core as mx
 import pytest
 
 from tests.conftest import TRAINED, TRAINED_GGUF, need
-from mtp_engine import generate, load
+from mtp_engine import generate
+from mtp_engine import load
 from mtp_engine.gguf.writer import WRITABLE, requantize
 
 

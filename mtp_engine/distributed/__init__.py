@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import MTPEngineError
 from ..gguf.reader import GGUFFile
-from ..memory import available_memory, estimate
+from ..model.memory import available_memory, estimate
 from ..model.config import Qwen35Config
 from .runtime import DEFAULT_TIMEOUT, Comm, check_mode, check_timeout, init_group, peer_error
 from .shard import GGUFSource, TPPlan, shard_weight_bytes

@@ -5,17 +5,17 @@ import time
 from pathlib import Path
 
 from ..errors import MTPEngineError
-from ..memory import estimate
+from ..model.memory import estimate
+from ..model.loaded import Model
+from ..model.loader import LoadInfo
 from ..threads import evaluate_all, release_at_exit
-from ..tokenizer import Tokenizer
+from ..tokenizer.tokenizer import Tokenizer
 from . import load_sharded
 
 
 def load_model(p: Path, mode: str, group, timeout: float, exact: bool, load_mtp: bool,
                max_context: int | None, default_context: int, t0: float):
-    """An `api.Model` holding this rank's share of the GGUF model at `p`."""
-    from ..api import Model
-
+    """A `Model` holding this rank's share of the GGUF model at `p`."""
     if p.is_dir():
         raise MTPEngineError("distributed loading reads GGUF files; convert the checkpoint folder to GGUF first",
                              file=str(p), field="distributed")
@@ -32,8 +32,6 @@ def load_model(p: Path, mode: str, group, timeout: float, exact: bool, load_mtp:
 
 
 def _info(sl):
-    from ..model.loader import LoadInfo
-
     sizes = sl.model.nbytes()
     info = LoadInfo(path=sl.gf.path, file_bytes=sl.gf.file_size(), weight_bytes=sizes["trunk"] + sizes["mtp"])
     info.distributed = {"mode": sl.comm.mode, "rank": sl.comm.rank, "size": sl.comm.size,

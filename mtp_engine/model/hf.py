@@ -23,10 +23,10 @@ from ..options import EngineOptions
 from .build import build_model
 from .config import Qwen35Config
 from .hf_checkpoint import HFCheckpoint
-from .hf_layout import Quantized, to_engine
+from .hf_layout import FUSED_GATE_UP, Quantized, hf_to_gguf_names, to_engine
 from .hf_layout import quantize as quantize_tensor
 from .layers import Linear
-from .loader import LoadInfo, _hf_to_gguf_names
+from .loader import LoadInfo
 from .qwen35 import Qwen35Model
 
 BITS = (4, 8)
@@ -139,8 +139,8 @@ def expected_tensors(cfg: Qwen35Config, load_mtp: bool, has_tensor: Callable[[st
 
 def hf_source_names(cfg: Qwen35Config) -> dict[str, str]:
     """GGUF name -> canonical HF name (stacked experts excepted)."""
-    return {g: h for h, g in _hf_to_gguf_names(cfg).items() if g.startswith(("blk.", "token", "output"))
-            and not g.endswith(("_exps.weight", "ffn_gate_up_exps"))}
+    return {g: h for h, g in hf_to_gguf_names(cfg).items() if g.startswith(("blk.", "token", "output"))
+            and not g.endswith(("_exps.weight", FUSED_GATE_UP))}
 
 
 class TensorSource:
@@ -346,7 +346,7 @@ def check_checkpoint_fits(directory: str | os.PathLike, quantize=None, load_mtp:
     """`estimate_checkpoint`; raises MTPEngineError with both numbers when it exceeds the memory
     available (`memory.available_memory`). Context-dependent memory (KV cache, states) is not
     counted here: a checkpoint load is refused only when its weights cannot fit."""
-    from ..memory import available_memory
+    from .memory import available_memory
 
     ckpt = HFCheckpoint(directory)
     est = estimate_checkpoint(ckpt, QuantSpec.parse(quantize), load_mtp)
@@ -358,3 +358,9 @@ def check_checkpoint_fits(directory: str | os.PathLike, quantize=None, load_mtp:
                              f"largest tensor while it loads) but only {limit / gib:.2f} GiB ({source}) are available",
                              file=ckpt.directory, field="memory")
     return est
+
+
+def load_hf(directory: str | os.PathLike, load_mtp: bool = True) -> Qwen35Model:
+    """Loads an HF `Qwen3_5ForCausalLM` or `Qwen3_5MoeForCausalLM` checkpoint folder unquantized
+    (bf16 matrices stay bf16); `mtp_engine.model.hf.load_checkpoint` also quantizes on load."""
+    return load_checkpoint(directory, None, load_mtp)[0]

@@ -198,3 +198,41 @@ def to_hf(gguf_name: str, w: np.ndarray, cfg: Qwen35Config) -> np.ndarray:
     if base == "ssm_out.weight":
         return _untile(w, 1, vd, kh, vh)
     return w
+
+
+# transformers' fused in-memory expert layout: gate_up_proj [E, 2F, H] = cat(gate, up) along dim 1
+FUSED_GATE_UP = "ffn_gate_up_exps"
+
+
+def hf_to_gguf_names(cfg: Qwen35Config) -> dict[str, str]:
+    """Hugging Face tensor names -> GGUF names (llama.cpp's converter's) for this config."""
+    m = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+         "lm_head.weight": "output.weight"}
+    common = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
+              "post_attention_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+              "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+              "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight":
+              "attn_gate.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+              "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+              "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
+              "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
+              # Qwen3_5Moe; the per-expert tensors are stacked by `_stack_experts`
+              "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert.gate_proj.weight":
+              "ffn_gate_shexp.weight", "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+              "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+              "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+              "mlp.experts.gate_up_proj": FUSED_GATE_UP, "mlp.experts.down_proj": "ffn_down_exps.weight"}
+    for i in range(cfg.n_layer):
+        for k, v in common.items():
+            m[f"model.layers.{i}.{k}"] = f"blk.{i}.{v}"
+    n = cfg.n_layer
+    for k, v in common.items():
+        m[f"mtp.layers.0.{k}"] = f"blk.{n}.{v}"
+    m.update({"mtp.fc.weight": f"blk.{n}.nextn.eh_proj.weight",
+              "mtp.pre_fc_norm_embedding.weight": f"blk.{n}.nextn.enorm.weight",
+              "mtp.pre_fc_norm_hidden.weight": f"blk.{n}.nextn.hnorm.weight",
+              "mtp.norm.weight": f"blk.{n}.nextn.shared_head_norm.weight"})
+    return m

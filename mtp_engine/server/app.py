@@ -22,7 +22,7 @@ from starlette.routing import Route
 from ..errors import MTPEngineError
 from . import responses as R
 from .schemas import MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, parse_chat, parse_completion, parse_json
-from ..tool_calls import ToolCallStream, call_format, forced_call_constraint, split_tool_calls, template_format
+from ..chat.tool_calls import ToolCallStream, call_format, forced_call_constraint, split_tool_calls, template_format
 from .worker import Event, GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("mtp_engine.server")

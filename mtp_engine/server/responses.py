@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from ..tokenizer import Tokenizer
+from ..tokenizer.tokenizer import Tokenizer
 
 
 def new_id(kind: str) -> str:

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from ..constraint import response_format_constraint
 from ..errors import MTPEngineError
-from ..penalties import PenaltyConfig
-from ..sampling import MAX_LOGPROBS
+from ..generation.penalties import PenaltyConfig
+from ..generation.sampling import MAX_LOGPROBS
 from ..text_input import check_stop
-from ..tool_calls import check_tool_list, message_tool_calls, tool_choice_name
+from ..chat.tool_calls import check_tool_list, message_tool_calls, tool_choice_name
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused before it is parsed
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import api
-from ..chat_template import CHATML, CHATML_NOTE
-from ..prompt_cache import PromptCache
+from ..chat.template import CHATML, CHATML_NOTE
+from ..generation.prompt_cache import PromptCache
 from ..errors import MTPEngineError
-from ..prompt_encode import encode_prompt
+from ..tokenizer.bounded import encode_prompt
 from ..text_input import check_messages
-from ..generate import Chunk
+from ..generation.loop import Chunk
 
 log = logging.getLogger("mtp_engine.server")
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from ..errors import MTPEngineError
 from ..model.qwen35 import Qwen35Model
-from ..profiler import Profiler
-from ..sampling import Sampler
+from ..generation.profiler import Profiler
+from ..generation.sampling import Sampler
 from .config import DraftParams
 from .draft_mtp import DraftMTPDecoder
 from .scheduler import DraftLengthScheduler

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sampling import Sampler
+from ..generation.sampling import Sampler
 
 
 def accept_greedy(drafts: np.ndarray, target_argmax: np.ndarray) -> tuple[int, int]:

@@ -8,8 +8,8 @@ feed, oracle acceptance) are in speculative/ablations.py.
 from __future__ import annotations
 
 from ..model.qwen35 import Qwen35Model
-from ..profiler import Profiler
-from ..sampling import Sampler
+from ..generation.profiler import Profiler
+from ..generation.sampling import Sampler
 from .config import DraftParams
 from .decoder import SpeculativeDecoder
 from .mtp_drafter import MTPDrafter

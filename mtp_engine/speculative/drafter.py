@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..model.qwen35 import Qwen35Model
-from ..profiler import Profiler
-from ..sampling import Sampler
+from ..generation.profiler import Profiler
+from ..generation.sampling import Sampler
 
 
 @dataclass

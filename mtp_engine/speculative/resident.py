@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..decode import kv_capacity
-from ..sampling import check_finite, distribution
+from ..generation.decode import kv_capacity
+from ..generation.sampling import check_finite, distribution
 
 
 @mx.compile

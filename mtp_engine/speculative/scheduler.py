@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from ..costmodel import Costs
+from .costmodel import Costs
 from .calibration import MAX_K, default_seed
 
 AUTO_MAX = MAX_K  # longest draft auto considers

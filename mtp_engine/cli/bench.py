@@ -1,0 +1,345 @@
+"""`mtp-engine bench`: the original report's table as one command.
+
+No speculation, then draft-mtp at each n-max (and p-min), on the same prompts at temperature 0:
+per config one precise-profiled pass over the first prompt (the stage breakdown, and the warm-up:
+every shape the timed runs use is compiled there), then timed repeats over all prompts (profiler
+off, interleaved across configs, medians). The cost model's components come from the profiled
+passes themselves (no separate calibration), and its predicted speedup stands beside the measured
+one. The stage column is the profiled shares scaled to the timed row's ms per token, so a row and
+its stages agree; a profiled pass that ran far from the timed speed is flagged.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import api
+from ..speculative.costmodel import Costs, expected_tokens, predict_speedup
+from ..output_files import atomic_open, write_text
+from ..speculative.scheduler import AUTO_MAX
+
+DEFAULT_PROMPTS = [
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser(",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
+    "# Read a CSV file and print the sum of each column\nimport csv\n",
+]
+ROUND_STAGES = ("draft", "verify", "sample", "sync", "accept", "rollback", "catch_up", "other")
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = None
+    n_max: tuple = (0, 1, 2, 3, 4, 5, 6, "auto")
+    p_min: tuple[float, ...] = (0.0,)
+    tokens: int = 128
+    repeats: int = 3
+    prompts: list | None = None
+    out: str | None = None
+    exact: bool = False
+    max_context: int | None = None  # -c/--ctx-size: the API's max_context
+    profile_prompts: int = 1  # prompts in each config's profiled (and warm-up) pass
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream, self.t0 = total, 0, stream, time.perf_counter()
+
+    def tick(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / self.total)
+        el = time.perf_counter() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                          f"{label:<24} {el:5.0f}s elapsed, ~{eta:4.0f}s left")
+        self.stream.flush()
+        if self.done == self.total:
+            self.stream.write("\n")
+
+
+def _run_prompts(m, prompts, cfg: BenchConfig, spec: str, n_max: int, p_min: float, profile=None):
+    """Generates on every prompt; returns (decode tok/s over all prompts, stats list)."""
+    tok, sec, stats = 0, 0.0, []
+    for p in prompts:
+        r = api.generate(p, m, max_tokens=cfg.tokens, ignore_eos=True, spec=spec, n_max=n_max, p_min=p_min,
+                         profile=profile)
+        s = r.stats
+        from_prefill = 0 if spec == "draft-mtp" else 1
+        tok += s["generated_tokens"] - from_prefill
+        sec += s["decode_seconds"]
+        stats.append(s)
+    return (tok / sec if sec else 0.0), stats
+
+
+def _stage_ms_per_token(stats: list[dict]) -> dict[str, float]:
+    """Decode-stage milliseconds per generated token, summed over prompts (prefill excluded)."""
+    total: dict[str, float] = {}
+    gen = sum(s["generated_tokens"] for s in stats)
+    for s in stats:
+        for name, v in s["profile"]["stages"].items():
+            if name != "prefill":
+                total[name] = total.get(name, 0.0) + v["seconds"]
+    return {k: v * 1e3 / gen for k, v in total.items()}
+
+
+def _merge_acceptance(stats: list[dict], k: int) -> list[float | None]:
+    """Per-position acceptance over all prompts (weighted by rounds)."""
+    out = []
+    rounds = sum(s["rounds"] for s in stats)
+    for i in range(k):
+        vals = [(s["acceptance_per_position"][i], s["rounds"]) for s in stats
+                if s["acceptance_per_position"][i] is not None]
+        out.append(sum(a * r for a, r in vals) / sum(r for _, r in vals) if vals else None)
+    return out if rounds else [None] * k
+
+
+def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
+    """Runs the sweep; returns {"rows": [...], "costs": {...}, "device": str} and writes files to cfg.out."""
+    import mlx.core as mx
+
+    t_start = time.perf_counter()
+    m = api.load(cfg.model, exact=cfg.exact, max_context=cfg.max_context, progress=load_progress)
+    prompts = cfg.prompts or DEFAULT_PROMPTS
+    configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
+    bar = Progress(len(configs) + cfg.repeats * len(prompts))
+    # the profiled pass first: it is the warm-up too (first use of each shape compiles there)
+    profiled: dict = {}
+    for c in configs:
+        profiled[c] = _run_prompts(m, prompts[:cfg.profile_prompts], cfg, *c, profile="precise")
+        bar.tick(_label(c) + " profiled")
+    costs = _costs_from_profiles(profiled)
+    # repeats are interleaved across configs, prompt by prompt, so slow drifts of the device (clocks,
+    # allocator, other tenants) hit every row alike instead of biasing whichever row ran during them
+    speeds: dict = {c: [] for c in configs}
+    ttft: dict = {c: [] for c in configs}
+    last_stats: dict = {}
+    for rep in range(cfg.repeats):
+        per: dict = {c: (0, 0.0, []) for c in configs}
+        for p in prompts:
+            for c in configs:
+                _, st = _run_prompts(m, [p], cfg, *c)
+                tok, sec, sts = per[c]
+                gen = st[0]["generated_tokens"] - (0 if c[0] == "draft-mtp" else 1)
+                per[c] = (tok + gen, sec + st[0]["decode_seconds"], sts + st)
+            bar.tick(f"repeat {rep + 1}/{cfg.repeats}")
+        for c in configs:
+            tok, sec, last_stats[c] = per[c]
+            speeds[c].append(tok / sec if sec else 0.0)
+            ttft[c] += [s["time_to_first_token_seconds"] for s in last_stats[c]]
+    rows = []
+    base_tps = statistics.median(speeds[configs[0]])
+    for c in configs:
+        spec, k, p = c
+        stats = last_stats[c]
+        plain_tps, prof_stats = profiled[c]
+        tps = statistics.median(speeds[c])
+        stages = _stage_ms_per_token(prof_stats)
+        total = sum(stages.values())
+        scale = (1e3 / tps) / total if tps and total else 1.0
+        row = {"spec": spec, "n_max": k, "p_min": p, "tok_s": tps, "speedup": tps / base_tps,
+               "tok_s_all": speeds[c], "stage_ms_per_token": stages,
+               "stage_ms_per_token_timed": {n: v * scale for n, v in stages.items()},
+               "profiled_tok_s": plain_tps, "profile_overhead": tps / plain_tps if plain_tps else None,
+               "ttft_s": statistics.median(ttft[c]) if ttft[c] else None,
+               "compile_seconds": sum(st.get("compile_seconds", 0.0) for st in prof_stats)}
+        moe = [st["moe_distinct_experts_per_layer"] for st in prof_stats if "moe_distinct_experts_per_layer" in st]
+        for kind in ("step", "verify"):
+            vals = [d[kind] for d in moe if kind in d]
+            if vals:  # MoE: distinct experts each layer reads per forward (a verify reads more)
+                row[f"moe_experts_per_{kind}"] = sum(vals) / len(vals)
+        if spec == "draft-mtp":
+            drafted = sum(s["drafted"] for s in stats)
+            accepted = sum(s["accepted"] for s in stats)
+            rounds = sum(s["rounds"] for s in stats)
+            acc_pos = _merge_acceptance(stats, AUTO_MAX if k == "auto" else k)
+            row.update(acceptance=accepted / drafted if drafted else None,
+                       mean_accepted_length=accepted / rounds if rounds else 0.0,
+                       acceptance_per_position=acc_pos)
+            # f from the profiled run: per-round time outside draft/verify/catch-up, in steps
+            per_round = {n: sum(s["profile"]["stages"].get(n, {}).get("seconds", 0.0) for s in prof_stats)
+                         for n in ("sample", "sync", "accept", "rollback", "other")}
+            prof_rounds = sum(s["rounds"] for s in prof_stats)
+            f_ms = sum(per_round.values()) * 1e3 / max(prof_rounds, 1)
+            c = Costs(costs.step_ms, costs.verify, costs.draft, f_ms / costs.step_ms if costs.step_ms else 0.0)
+            # the model's unit is its own measured step; rescale to the plain run's per-token time so
+            # prediction and measurement share one baseline
+            unit = (1e3 / base_tps) / costs.step_ms if base_tps and costs.step_ms else 1.0
+            if k == "auto":  # k varies per round: report what it chose instead of one prediction
+                hist: dict = {}
+                for st in stats:
+                    for kk, v in st.get("draft_length_histogram", {}).items():
+                        hist[kk] = hist.get(kk, 0) + v
+                row["draft_length_histogram"] = hist
+                row["explanation"] = "auto chose k per round: " + ", ".join(f"k={kk}: {v}" for kk, v in
+                                                                            sorted(hist.items()))
+                msgs = {st.get("auto_message") for st in stats} - {None}
+                if msgs:
+                    row["auto_message"] = sorted(msgs)[0]
+                    row["explanation"] += "; " + row["auto_message"]
+            else:
+                row["predicted_speedup"] = (predict_speedup(c, acc_pos, k) * unit
+                                            if k and k + 1 in c.verify else 1.0)
+                row["expected_tokens_per_round"] = expected_tokens(acc_pos, k)
+                row["explanation"] = _explain(row, c, prof_stats, k)
+        rows.append(row)
+    result = {"device": str(mx.default_device()), "model": m.path, "tokens": cfg.tokens, "repeats": cfg.repeats,
+              "prompts": len(prompts), "costs": costs.to_json(), "rows": rows,
+              "date": time.strftime("%Y-%m-%d"), "load_seconds": m.load_seconds,
+              "bench_seconds": time.perf_counter() - t_start}
+    if cfg.out:
+        write_outputs(result, Path(cfg.out))
+    return result
+
+
+def _label(c) -> str:
+    spec, k, p = c
+    return "plain" if spec == "none" else f"n-max {k} p-min {p:g}"
+
+
+def _costs_from_profiles(profiled: dict) -> Costs:
+    """The cost model's components from the profiled passes (no separate calibration): the plain
+    step's ms, V(k+1) = a fixed-k run's verify ms per round over it, c = draft ms per draft step."""
+    def stage(stats, name):
+        sec = sum(s["profile"]["stages"].get(name, {}).get("seconds", 0.0) for s in stats)
+        cnt = sum(s["profile"]["stages"].get(name, {}).get("count", 0) for s in stats)
+        return sec, cnt
+
+    plain = profiled.get(("none", 0, 0.0), (0, []))[1]
+    dec, n = stage(plain, "decode")
+    syn, _ = stage(plain, "sync")
+    step_ms = (dec + syn) * 1e3 / n if n else 0.0
+    costs = Costs(step_ms=step_ms)
+    drafts = []
+    for (spec, k, _), (_, stats) in sorted(profiled.items(), key=lambda kv: str(kv[0][1])):
+        if spec != "draft-mtp" or k == "auto" or not k or not step_ms:
+            continue
+        v, rounds = stage(stats, "verify")
+        d, steps = stage(stats, "draft")
+        if rounds:
+            costs.verify.setdefault(k + 1, v * 1e3 / rounds / step_ms)
+        if steps:
+            drafts.append(d * 1e3 / steps / step_ms)
+    costs.draft = statistics.median(drafts) if drafts else 0.0
+    return costs
+
+
+def _explain(row: dict, c: Costs, prof_stats: list[dict], k: int) -> str:
+    """Where the measured round differs most from the model's components (in decode steps)."""
+    if not k or not c.step_ms:
+        return "no drafting: a plain step through the speculative path"
+    rounds = max(sum(s["rounds"] for s in prof_stats), 1)
+
+    def per_round(name: str) -> float:
+        return sum(s["profile"]["stages"].get(name, {}).get("seconds", 0.0) for s in prof_stats) * 1e3 / rounds / c.step_ms
+
+    if k + 1 not in c.verify:
+        return "no verify cost measured for this k"
+    parts = {"verify": (per_round("verify"), c.verify[k + 1]),
+             "draft": (per_round("draft") + per_round("catch_up"), k * c.draft)}
+    name, (meas, model) = max(parts.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]))
+    gap = row["speedup"] - row["predicted_speedup"]
+    return (f"measured/predicted {row['speedup']:.2f}/{row['predicted_speedup']:.2f} ({gap:+.2f}); largest gap: "
+            f"{name} costs {meas:.2f} steps per round in the run vs {model:.2f} in the model"
+            + (" (includes fused catch-up rows)" if name == "draft" else ""))
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    """bench.json (rows), bench.csv, bench.md and bench.png in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
+    write_text(out / "bench.json", json.dumps(rows, indent=1))
+    cols = ["spec", "n_max", "p_min", "tok_s", "speedup", "predicted_speedup", "acceptance", "mean_accepted_length",
+            "profile_overhead", "ttft_s", "compile_seconds"]
+    with atomic_open(out / "bench.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols + [f"ms_per_token_{s}" for s in ROUND_STAGES + ("decode",)])
+        for r in rows:
+            st = r["stage_ms_per_token"]
+            w.writerow([r.get(c) for c in cols] + [round(st.get(s, 0.0), 4) for s in ROUND_STAGES + ("decode",)])
+    write_text(out / "bench.md", format_markdown(result))
+    try:
+        plot(result, out / "bench.png")
+    except ImportError:
+        print("matplotlib not installed: bench.png skipped (pip install matplotlib)", file=sys.stderr)
+
+
+def format_markdown(result: dict) -> str:
+    c = result["costs"]
+    lines = [f"# mtp-engine bench ({result['date']})", "",
+             f"model `{Path(result['model']).name}`, device {result['device']}, {result['prompts']} prompts x "
+             f"{result['tokens']} tokens, temperature 0, median of {result['repeats']}; model load "
+             f"{result.get('load_seconds', 0.0):.2f} s, whole bench {result.get('bench_seconds', 0.0):.0f} s", "",
+             f"cost model (from the profiled passes): decode step {c['step_ms']:.2f} ms; V(S) = "
+             + ", ".join(f"{s}: {v:.2f}" for s, v in c["verify"].items()) + f"; draft step c = {c['draft']:.2f}", "",
+             "| config | tok/s | speedup | predicted | acceptance | accepted/round | TTFT ms | compile s "
+             "| stage ms/token (profiled shares of the timed ms/token) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        name = "plain" if r["spec"] == "none" else f"draft-mtp n-max {r['n_max']} p-min {r['p_min']:g}"
+        stages = r.get("stage_ms_per_token_timed") or r["stage_ms_per_token"]
+        st = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+        if r.get("profile_overhead") and not 0.8 <= r["profile_overhead"] <= 1.25:
+            st += f" (noisy: the profiled pass ran at {r['profiled_tok_s']:.1f} tok/s)"
+        acc = f"{r['acceptance']:.1%}" if r.get("acceptance") is not None else "-"
+        mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
+        pred = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
+        if "moe_experts_per_verify" in r or "moe_experts_per_step" in r:
+            st += "; MoE experts/layer: " + ", ".join(f"{k} {r[f'moe_experts_per_{k}']:.1f}" for k in ("step", "verify")
+                                                      if f"moe_experts_per_{k}" in r)
+        ttft = f"{r['ttft_s'] * 1e3:.0f}" if r.get("ttft_s") is not None else "-"
+        comp = f"{r.get('compile_seconds', 0.0):.2f}"
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {pred} | {acc} | {mal} | {ttft} | {comp} | {st} |")
+    notes = [f"- n-max {r['n_max']} p-min {r['p_min']:g}: {r['explanation']}" for r in result["rows"]
+             if r.get("explanation")]
+    if notes:
+        lines += ["", "Prediction vs measurement:"] + notes
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    base = rows[0]["tok_s"]
+    spec_rows = [r for r in rows if r["spec"] != "none" and r["n_max"] != "auto"]
+    for r in rows:
+        if r["n_max"] == "auto":
+            a1.axhline(r["tok_s"], color="g", ls="-.", label="draft-mtp n-max auto")
+    for p in sorted({r["p_min"] for r in spec_rows}):
+        rs = [r for r in spec_rows if r["p_min"] == p]
+        a1.plot([r["n_max"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"draft-mtp p-min {p:g}")
+        a1.plot([r["n_max"] for r in rs], [base * r.get("predicted_speedup", 1.0) for r in rs], "x:",
+                label=f"predicted p-min {p:g}")
+    a1.axhline(base, color="k", ls="--", label="plain decoding")
+    a1.set_xlabel("n-max")
+    a1.set_ylabel("decode tok/s")
+    a1.set_title("throughput")
+    a1.legend(fontsize=8)
+    labels = ["plain" if r["spec"] == "none" else f"{r['n_max']}/{r['p_min']:g}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for stage in ("decode",) + ROUND_STAGES:
+        vals = [r["stage_ms_per_token"].get(stage, 0.0) for r in rows]
+        if any(vals):
+            a2.bar(labels, vals, bottom=bottom, label=stage)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    a2.set_ylabel("ms per generated token")
+    a2.set_xlabel("n-max / p-min")
+    a2.set_title("where the time goes (precise profile)")
+    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
+    plt.close(fig)

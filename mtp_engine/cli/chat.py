@@ -1,0 +1,131 @@
+"""`mtp-engine chat`: a conversation in the terminal (llama-cli's conversation mode).
+
+Each turn renders the whole conversation with the chat template and generates the answer,
+streamed; a `PromptCache` makes the turn prefill only what is new since the last one. Lines that
+start with "/" are commands (/help lists them). Ctrl-C stops an answer (what was written is kept
+in the conversation), Ctrl-D or /exit ends the chat. Standard input that is not a terminal is read
+line by line, one message per line, so a chat can be scripted.
+"""
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from ..errors import MTPEngineError
+from .flags import add_debug_flag, add_sampling_flags, add_spec_flags, positive_int, sampling_kwargs
+
+MAX_LINE_CHARS = 1 << 22  # one message; a longer line is refused without being held in memory
+HELP = ("/exit (or Ctrl-D) ends the chat, /reset starts over (the system prompt stays), /stats shows the "
+        "last answer's statistics, /help this; Ctrl-C stops an answer")
+
+
+def add_chat_parser(sub, n_max_type) -> None:
+    c = sub.add_parser("chat", help="a conversation in the terminal (each turn prefills only what is new)")
+    c.add_argument("-m", "--model", help="GGUF file or HF folder (default: the model in models/)")
+    c.add_argument("-sys", "--system-prompt", default=None, help="the conversation's system message")
+    c.add_argument("-n", "--n-predict", dest="max_tokens", type=positive_int, default=1024,
+                   help="most tokens per answer (fewer when the context is nearly full)")
+    c.add_argument("-c", "--ctx-size", dest="max_context", type=positive_int, default=None,
+                   help="context length cap (default: the model's, up to 32768)")
+    add_sampling_flags(c)
+    add_spec_flags(c, n_max_type, "draft-mtp")
+    c.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
+    c.add_argument("--stats", action="store_true", help="print each answer's statistics line on stderr")
+    add_debug_flag(c)
+
+
+def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    from .. import api
+    from ..chat.template import CHATML, CHATML_NOTE
+    from .output import format_stats, model_label
+    from ..load_progress import load_progress
+    from ..generation.prompt_cache import PromptCache
+    from ..text_input import check_text
+
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if stdin is None:  # started with standard input closed (`<&-`): refuse before the model loads
+        raise MTPEngineError("standard input is closed: chat reads the user's messages from it", field="stdin")
+    model = api.load(args.model, exact=args.exact, max_context=args.max_context,
+                     progress=load_progress(model_label(args.model)))
+    tok = model.tokenizer
+    if tok.chat_template is None:
+        tok.chat_template = CHATML
+        print(f"mtp-engine: {model.path} {CHATML_NOTE}", file=stderr)
+    kwargs = sampling_kwargs(args)
+    if kwargs["spec"] == "draft-mtp" and model.model.mtp is None:
+        kwargs["spec"] = "none"
+        print(f"mtp-engine: {model.path} has no MTP head: chatting with spec-type none", file=stderr)
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    if args.system_prompt:
+        check_text(args.system_prompt, "system-prompt")
+    messages = list(system)
+    cache = PromptCache()
+    ctx = model.model.cfg.context_length
+    tty = stdin.isatty()
+    last_stats: dict | None = None
+    print(f"mtp-engine: chatting with {model_label(args.model)}; {HELP}", file=stderr)
+    while True:
+        if tty:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline(MAX_LINE_CHARS + 1)
+        if not line:  # end of input (Ctrl-D)
+            if tty:
+                stdout.write("\n")
+            return 0
+        if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):  # bounded memory: drop the rest of it
+            while (rest := stdin.readline(MAX_LINE_CHARS)) and not rest.endswith("\n"):
+                pass
+            print(f"mtp-engine: error: message: longer than {MAX_LINE_CHARS} characters", file=stderr)
+            continue
+        text = line.rstrip("\n")
+        command = text.strip()
+        if not command:
+            continue
+        if command.startswith("/"):
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/reset":
+                messages = list(system)
+                print("mtp-engine: the conversation starts over", file=stderr)
+            elif command == "/stats" and last_stats:
+                print(format_stats(last_stats), file=stderr)
+            elif command == "/stats":
+                print("mtp-engine: no answer yet", file=stderr)
+            elif command in ("/help", "/?"):
+                print(f"mtp-engine: {HELP}", file=stderr)
+            else:
+                print(f"mtp-engine: unknown command {command.split()[0]!r}: {HELP}", file=stderr)
+            continue
+        try:
+            check_text(text, "message")
+            ids = tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": text}],
+                                                     add_generation_prompt=True))
+        except MTPEngineError as e:
+            print(f"mtp-engine: error: {e}", file=stderr)
+            continue
+        room = ctx - len(ids)
+        if room <= 0:
+            print(f"mtp-engine: error: the conversation ({len(ids)} tokens) fills the context ({ctx}); "
+                  "/reset starts over", file=stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        answer: list[str] = []
+        gen = api.stream_generate(ids, model, max_tokens=min(args.max_tokens, room), prompt_cache=cache, **kwargs)
+        try:
+            for chunk in gen:
+                if chunk.text:
+                    answer.append(chunk.text)
+                    stdout.write(chunk.text)
+                    stdout.flush()
+                if chunk.finish_reason is not None:
+                    last_stats = chunk.stats
+        except KeyboardInterrupt:
+            stdout.write(" [stopped]")
+        finally:
+            gen.close()
+        stdout.write("\n")
+        stdout.flush()
+        messages.append({"role": "assistant", "content": "".join(answer)})
+        if args.stats and last_stats:
+            print(format_stats(last_stats), file=stderr)

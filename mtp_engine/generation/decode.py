@@ -1,0 +1,242 @@
+"""Plain autoregressive decoding: chunked prefill, then one trunk step per token.
+
+A decoder turns a prompt into a stream of token lists (one list per round: a plain step emits one
+token, a speculative round one or more); the generation loop above handles stopping and text.
+
+Pipelining (`pipeline = True`, set by the generation loop): greedy plain steps queue the next step
+on the device (`mx.async_eval`) before the host reads the current token, as mlx-lm's
+`generate_step` does, so the device never waits for the host's detokenization and stop checks.
+Sampling at temperature > 0 draws on the host and is not pipelined.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import mlx.core as mx
+
+from ..model.qwen35 import Qwen35Model
+from .profiler import Profiler
+from .prompt_cache import PromptCache
+from .sampling import Sampler, check_finite
+
+
+class RoundClock:
+    """Wall time between consecutive rounds' host reads (what a round costs the caller, host work
+    included), and whether a round first used a shape: a forward of a new row count or cache
+    capacity is traced (`mx.compile`) and its kernels JIT-compiled on a GPU, so its time is not a
+    sample of the round's cost. The shapes seen are kept on the model, for the whole process."""
+
+    def __init__(self, model: Qwen35Model):
+        self.seen: set = model.__dict__.setdefault("_shapes_seen", set())
+        # the MLX CPU backend compiles nothing unless steps are compiled: no first use to exclude
+        self.costly = bool(getattr(model, "compile_steps", False)) or mx.default_device() == mx.gpu
+        self._t: float | None = None
+        self.rounds: list[tuple[int, float, bool]] = []  # (k, seconds, first use)
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, k: int, shapes: list, shift: float = 0.0) -> tuple[float, bool]:
+        """This round's seconds since the last lap (plus `shift`, a pipelined round's correction
+        for work of another round inside its interval) and whether it first used a shape."""
+        now = time.perf_counter()
+        seconds = max(now - (self._t if self._t is not None else now) + shift, 0.0)
+        self._t = now
+        first = self.costly and any(s not in self.seen for s in shapes)
+        self.seen.update(shapes)
+        self.rounds.append((k, seconds, first))
+        return seconds, first
+
+    def compile_seconds(self) -> float:
+        """First-use rounds' time beyond the median of the warm rounds of the same k (or of all)."""
+        warm: dict[int, list[float]] = {}
+        for k, s, first in self.rounds:
+            if not first:
+                warm.setdefault(k, []).append(s)
+        every = [s for v in warm.values() for s in v]
+        total = 0.0
+        for k, s, first in self.rounds:
+            if first:
+                ref = warm.get(k) or every
+                total += max(s - statistics.median(ref), 0.0) if ref else 0.0
+        return total
+
+
+def kv_capacity(cache) -> int:
+    """Capacity of a cache's first attention buffer (compiled graphs are specialised to it)."""
+    for c in getattr(cache, "layers", [cache]):
+        cap = getattr(c, "capacity", None)
+        if cap is not None:
+            return int(cap)
+    return 0
+
+
+class DecoderBase:
+    """What plain and speculative decoders share: the trunk's cache and chunked prefill, the
+    sampler, the round clock, per-round provenance for the generation loop, and (MoE models, when
+    profiling) expert counts. A decoder turns a prompt into a stream of token lists: `prefill`,
+    then `step` per round, then `finish`; `stats` at the end."""
+
+    prefill_chunk = 512
+    pipeline: bool | None = None  # queue the next round before reading the current one; None: off,
+    # but the generation loop turns it on (False keeps it off there too)
+    budget: int | None = None  # tokens the caller still wants: no round is queued past them
+
+    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None):
+        self.model = model
+        self.sampler = sampler
+        self.prof = profiler or Profiler("off")
+        self.cache = model.make_cache()
+        self.last_token: int | None = None
+        self.moe_experts: dict[str, tuple[int, float]] = {}  # kind -> (forwards, sum of per-layer means)
+        self.clock = RoundClock(model)
+        # what the last prefill/step emitted, for the generation loop: per token whether it was an
+        # accepted draft, its logprobs (when asked for), and how many drafts the round proposed
+        self.round_drafted: list[bool] = []
+        self.round_logprobs: list[dict] | None = None
+        self.round_n_drafted = 0
+        self.prompt_cache: PromptCache | None = None  # set by the caller: reuse and keep prompt state
+        self.cached_tokens = 0  # prompt tokens the last prefill took from the prompt cache
+
+    def prefill(self, ids: list[int]) -> list[int]:
+        """Processes the prompt; returns the tokens it already produces."""
+        raise NotImplementedError
+
+    def step(self) -> list[int]:
+        """One round; returns the tokens it emits (at least one)."""
+        raise NotImplementedError
+
+    def _pipelined(self) -> bool:
+        # precise profiling must see each stage's own work; sampling draws on the host
+        return bool(self.pipeline) and self.sampler.argmax_on_device and not self.prof.enabled
+
+    def _wanted(self) -> int:
+        return self.budget if self.budget is not None else 1 << 30
+
+    @staticmethod
+    def _read(pair: tuple[mx.array, mx.array]) -> int:
+        tok, finite = pair
+        mx.eval(tok, finite)
+        check_finite(finite)
+        return int(tok.item())
+
+    def _emitted(self, tokens: list[int], n_accepted: int, n_drafted: int, logits: mx.array | None) -> list[int]:
+        """Records a round's provenance and logprobs (rows of `logits` score `tokens`) and adds
+        the tokens to the sampler's penalty history."""
+        self.round_drafted = [True] * n_accepted + [False] * (len(tokens) - n_accepted)
+        self.round_n_drafted = n_drafted
+        self.round_logprobs = self.sampler.token_logprobs(logits, tokens) if logits is not None else None
+        self.sampler.accept(tokens)
+        return tokens
+
+    def _prefill_trunk(self, ids: list[int], pick: Callable[[mx.array, mx.array], mx.array] | None = None) -> mx.array:
+        """Runs the prompt through the trunk in chunks; returns every row's post-norm hidden state,
+        or `pick(post, pre)` of it (what a drafter is fed)."""
+        if not ids:
+            return mx.zeros((1, 0, self.model.cfg.hidden_size))
+        hiddens = []
+        for s in range(0, len(ids), self.prefill_chunk):
+            post, pre = self.model.forward(mx.array([ids[s:s + self.prefill_chunk]]), self.cache,
+                                           return_prenorm=True)
+            h = pick(post, pre) if pick else post
+            mx.eval(h, *self.cache.arrays())
+            hiddens.append(h)
+        return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
+
+    def _reuse_prefix(self, prefix: list[int], drafter: str | None = None):
+        """With a prompt cache: takes over the kept state when `prefix` starts with its tokens
+        (returns it, and `self.cache` now holds it); None otherwise."""
+        self.cached_tokens = 0
+        kept = self.prompt_cache.take(self.model, prefix, drafter) if self.prompt_cache is not None else None
+        if kept is None:
+            return None
+        self.cache = kept.trunk
+        self.cache.restore(kept.snapshot)
+        self.cached_tokens = len(kept.tokens)
+        return kept
+
+    def _count_experts(self, kind: str) -> None:
+        """MoE models, when profiling: distinct experts each layer read in the last forward
+        (verify batches read up to (k+1) x top-k experts, a single step top-k)."""
+        use = self.model.expert_use
+        if not self.prof.enabled or use is None:
+            return
+        counts = [use.distinct(s) for s in use.slots("trunk")]
+        if counts:
+            n, total = self.moe_experts.get(kind, (0, 0.0))
+            self.moe_experts[kind] = (n + 1, total + sum(counts) / len(counts))
+
+    def finish(self) -> None:
+        """The generation is over."""
+
+    def stats(self) -> dict:
+        return {"compile_seconds": self.clock.compile_seconds(), **self._moe_stats()}
+
+    def _moe_stats(self) -> dict:
+        if not self.moe_experts:
+            return {}
+        return {"moe_distinct_experts_per_layer": {k: t / n for k, (n, t) in self.moe_experts.items()}}
+
+
+class PlainDecoder(DecoderBase):
+    """Decodes one token per trunk forward."""
+
+    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None):
+        super().__init__(model, sampler, profiler)
+        self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
+
+    def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:
+        """The next greedy step from a token still on the device, evaluated asynchronously."""
+        h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
+        logits = self.model.logits(h[0, -1])
+        nxt = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))
+        mx.async_eval(*nxt)
+        return nxt
+
+    def prefill(self, ids: list[int]) -> list[int]:
+        """Processes the prompt; returns the tokens it already produces (here the first one)."""
+        self.sampler.begin(ids)
+        with self.prof.stage("prefill"):
+            if self.prompt_cache is None:
+                h = self._prefill_trunk(ids)
+            else:  # all but the last token, kept for the next prompt that starts with them
+                self._reuse_prefix(ids[:-1])
+                self._prefill_trunk(ids[self.cached_tokens:-1])
+                self.prompt_cache.keep(self.model, ids[:-1], self.cache)
+                h = self._prefill_trunk(ids[-1:])
+            logits = self.model.logits(h[0, -1])
+            if self._pipelined():
+                cur = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))
+                mx.async_eval(*cur)
+                if self._wanted() > 1:
+                    self._next = self._queue_step(cur[0])
+                self.last_token = self._read(cur)
+                logits = None  # pipelined means no logprobs were asked for (argmax_on_device)
+            else:
+                self.last_token = self.sampler.sample(logits)
+        self.clock.start()
+        return self._emitted([self.last_token], 0, 0, logits)
+
+    def step(self) -> list[int]:
+        """Feeds the last token; returns the next one."""
+        if self._pipelined():
+            cur = self._next or self._queue_step(mx.array(self.last_token))
+            self._next = self._queue_step(cur[0]) if self._wanted() > 1 else None
+            self.last_token = self._read(cur)
+            self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
+            return self._emitted([self.last_token], 0, 0, None)
+        with self.prof.stage("decode") as out:
+            h = self.model.forward(mx.array([[self.last_token]]), self.cache)
+            logits = self.model.logits(h[0, -1])
+            out.append(logits)
+        with self.prof.stage("sync"):
+            self.last_token = self.sampler.sample(logits)
+        self._count_experts("step")
+        self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
+        return self._emitted([self.last_token], 0, 0, logits)
+
+    def finish(self) -> None:
+        """The generation is over (a queued step, if any, is dropped)."""
+        self._next = None

@@ -1,0 +1,195 @@
+"""The generation loop: prompt in, streamed text chunks out, with stopping rules and statistics.
+
+Decoders (plain or speculative) emit lists of tokens per round; this loop cuts them at EOS,
+max_tokens and stop strings, detokenizes incrementally and times prefill and decode separately.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+
+from .decode import DecoderBase
+from ..errors import MTPEngineError
+from .profiler import Profiler
+from ..tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output. The last chunk has `finish_reason` and `stats` set."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+    drafted: list[bool] = field(default_factory=list)  # per token: an accepted draft (else trunk-sampled)
+    logprobs: list[dict] | None = None  # per token, when asked for: {"token", "logprob", "top": [(id, lp)]}
+    n_drafted: int = 0  # drafts proposed by the round(s) this chunk came from (accepted or not)
+    tool_calls: list[dict] | None = None  # the last chunk, when tools were given: the calls the text holds
+
+
+class _StopMatcher:
+    """Holds back text that could still turn into a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.buffer = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        self.buffer += text
+        if not self.stops:
+            out, self.buffer = self.buffer, ""
+            return out, False
+        hits = [(self.buffer.find(s), s) for s in self.stops if s in self.buffer]
+        if hits:
+            pos = min(h[0] for h in hits)
+            out, self.buffer = self.buffer[:pos], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.buffer)), 0, -1):
+                if self.buffer.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        out = self.buffer[: len(self.buffer) - hold]
+        self.buffer = self.buffer[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buffer = self.buffer, ""
+        return out
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: MLX's allocator peak where it tracks one, else max RSS."""
+    try:
+        peak = int(mx.get_peak_memory())
+    except Exception:
+        peak = 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = rss if sys.platform == "darwin" else rss * 1024
+    return max(peak, int(rss))
+
+
+def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+        stop: list[str] | None = None, ignore_eos: bool = False,
+        profiler: Profiler | None = None) -> Iterator[Chunk]:
+    """Streams the generation of up to `max_tokens` tokens after `prompt_ids`."""
+    if not prompt_ids:
+        raise MTPEngineError("the prompt is empty: at least one token is needed", field="prompt")
+    ctx = decoder.model.cfg.context_length
+    if len(prompt_ids) > ctx:  # the prompt alone is at fault, whatever max_tokens is
+        raise MTPEngineError(f"the prompt ({len(prompt_ids)} tokens) is longer than the context length {ctx} "
+                             f"({decoder.model.cfg.context_source})", field="prompt")
+    if len(prompt_ids) + max_tokens > ctx:
+        raise MTPEngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                             f"length {ctx} ({decoder.model.cfg.context_source})", field="max_tokens")
+    prof = profiler or decoder.prof
+    t0 = time.perf_counter()
+    if max_tokens == 0:
+        st = _stats(decoder, len(prompt_ids), 0, 0, 0.0, 0.0, prof)
+        st["time_to_first_token_seconds"] = 0.0
+        yield Chunk("", [], "length", st)
+        return
+    try:
+        yield from _generate(decoder, tokenizer, prompt_ids, max_tokens, stop, ignore_eos, prof, t0)
+    finally:  # also when the caller abandons the stream: its prompt-cache state may be handed over
+        if decoder.prompt_cache is not None and decoder.cache is not None:
+            decoder.prompt_cache.release(decoder.cache)
+
+
+def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+              stop: list[str] | None, ignore_eos: bool, prof: Profiler, t0: float) -> Iterator[Chunk]:
+    eos = set() if ignore_eos else set(tokenizer.eos_token_ids)
+    detok = tokenizer.detokenizer()
+    matcher = _StopMatcher(stop or [])
+    generated: list[int] = []
+    finish = "length"
+    prof.start()
+    # the decoder may queue its next round before the host reads the current one (mx.async_eval), so
+    # this loop's detokenization and stop checks overlap device work; `budget` keeps it from queuing
+    # rounds past max_tokens
+    if decoder.pipeline is None:
+        decoder.pipeline = True
+    decoder.budget = max_tokens
+    pending = decoder.prefill(prompt_ids)
+    meta = _round_meta(decoder, pending)
+    from_prefill = len(pending)
+    t_prefill = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    ttft = None
+    done = False
+    while not done:
+        # token by token, so a round that overshoots EOS, max_tokens or a stop string is cut exactly
+        out_ids: list[int] = []
+        text = ""
+        hit = False
+        drafted, logprobs, n_drafted = meta
+        for tok in pending:
+            if tok in eos:
+                finish, done = "stop", True
+                break
+            generated.append(tok)
+            out_ids.append(tok)
+            piece, hit = matcher.push(detok.add(tok))
+            text += piece
+            if hit:
+                finish, done = "stop", True
+                break
+            if len(generated) >= max_tokens:
+                done = True
+                break
+        if done and not hit:  # held-back bytes and stop-string prefixes are final text now
+            tail, _ = matcher.push(detok.flush())
+            text += tail + matcher.flush()
+        if ttft is None and pending:
+            ttft = time.perf_counter() - t0
+        if text or out_ids:
+            yield Chunk(text, out_ids, drafted=drafted[:len(out_ids)], n_drafted=n_drafted,
+                        logprobs=logprobs[:len(out_ids)] if logprobs is not None else None)
+        if not done:
+            decoder.budget = max_tokens - len(generated)
+            pending = decoder.step()
+            meta = _round_meta(decoder, pending)
+    t_decode = time.perf_counter() - t1
+    prof.stop()
+    decoder.finish()
+    stats = _stats(decoder, len(prompt_ids), len(generated), from_prefill, t_prefill, t_decode, prof)
+    stats["time_to_first_token_seconds"] = ttft if ttft is not None else t_prefill + t_decode
+    yield Chunk("", [], finish, stats)
+
+
+def _round_meta(decoder, pending: list[int]) -> tuple[list[bool], list[dict] | None, int]:
+    """What the decoder recorded about the round that emitted `pending`: per-token provenance,
+    logprobs and the number of drafts it proposed (defaults for a decoder that records none)."""
+    drafted = getattr(decoder, "round_drafted", None)
+    if drafted is None or len(drafted) != len(pending):
+        drafted = [False] * len(pending)
+    return drafted, getattr(decoder, "round_logprobs", None), getattr(decoder, "round_n_drafted", 0)
+
+
+def _stats(decoder, n_prompt: int, n_gen: int, from_prefill: int, t_prefill: float, t_decode: float,
+           prof: Profiler) -> dict:
+    # decode speed counts only tokens produced by decode steps (a plain prefill yields the first);
+    # prefill speed only the tokens prefilled (not those a prompt cache supplied)
+    cached = getattr(decoder, "cached_tokens", 0)
+    stats = {
+        "prompt_tokens": n_prompt,
+        "cached_prompt_tokens": cached,
+        "generated_tokens": n_gen,
+        "prefill_seconds": t_prefill,
+        "decode_seconds": t_decode,
+        "prompt_tokens_per_second": (n_prompt - cached) / t_prefill if t_prefill else 0.0,
+        "decode_tokens_per_second": (n_gen - from_prefill) / t_decode if t_decode and n_gen > from_prefill else 0.0,
+        "peak_memory_bytes": peak_memory_bytes(),
+    }
+    stats.update(decoder.stats())
+    if prof.enabled:
+        stats["profile"] = prof.report()
+    return stats

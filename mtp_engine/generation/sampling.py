@@ -1,0 +1,179 @@
+"""Token sampling: greedy, or temperature with top-k / top-p / min-p, as one distribution.
+
+The filters run on the raw logits' softmax and the temperature after them, as in llama.cpp's
+default chain (top-k, top-p, min-p, temperature). Speculative sampling builds both the target's
+and the draft's distributions with the same `distribution`, which is what makes it lossless.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import MTPEngineError
+from .penalties import PenaltyConfig, PenaltyHistory
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1 and min_p 0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # None or -1: a fresh random seed (llama.cpp's -s -1)
+    penalties: PenaltyConfig = PenaltyConfig()  # applied to the logits first (llama.cpp's chain)
+    logprobs: int | None = None  # report the chosen token's logprob and this many alternatives
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise MTPEngineError(f"expected a finite number >= 0, found {t!r}", field="temperature")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise MTPEngineError(f"expected an integer >= 0 (0 disables), found {self.top_k!r}", field="top_k")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+            raise MTPEngineError(f"expected a number in (0, 1], found {p!r}", field="top_p")
+        m = self.min_p
+        if not isinstance(m, (int, float)) or not math.isfinite(m) or not 0 <= m < 1:
+            raise MTPEngineError(f"expected a number in [0, 1), found {m!r}", field="min_p")
+        sd = self.seed
+        if sd is not None and (not isinstance(sd, int) or isinstance(sd, bool) or not -1 <= sd < 2**63):
+            raise MTPEngineError(f"expected an integer in 0..2^63-1, or -1 / None for a random seed, found {sd!r}",
+                                 field="seed")
+        if not isinstance(self.penalties, PenaltyConfig):
+            raise MTPEngineError(f"expected a PenaltyConfig, found {type(self.penalties).__name__}", field="penalties")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+            raise MTPEngineError(f"expected an integer in 0..{MAX_LOGPROBS} or None, found {lp!r}", field="logprobs")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def distribution(logits: mx.array, cfg: SamplerConfig) -> mx.array:
+    """Sampling probabilities [..., V] for logits [..., V] under `cfg` (temperature > 0)."""
+    logits = logits.astype(mx.float32)
+    neg = mx.array(-math.inf, mx.float32)
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = mx.sort(logits, axis=-1)[..., -cfg.top_k][..., None]
+        logits = mx.where(logits < kth, neg, logits)
+    if cfg.top_p < 1.0 or cfg.min_p > 0.0:
+        probs = mx.softmax(logits, axis=-1)
+        if cfg.top_p < 1.0:
+            # keep the smallest prefix of the sorted distribution whose mass reaches top_p
+            sorted_p = -mx.sort(-probs, axis=-1)
+            before = mx.cumsum(sorted_p, axis=-1) - sorted_p
+            keep = before < cfg.top_p
+            cutoff = mx.min(mx.where(keep, sorted_p, mx.array(math.inf)), axis=-1, keepdims=True)
+            logits = mx.where(probs < cutoff, neg, logits)
+        if cfg.min_p > 0.0:
+            logits = mx.where(probs < cfg.min_p * probs.max(axis=-1, keepdims=True), neg, logits)
+    return mx.softmax(logits / cfg.temperature, axis=-1)
+
+
+def check_finite(finite: mx.array) -> None:
+    """Refuses to go on from NaN/inf logits: finite but huge weights in a corrupt file overflow,
+    and an argmax of NaN would silently produce text."""
+    if not bool(finite.item()):
+        raise MTPEngineError("the model produced non-finite logits (NaN/inf): its weights are corrupt or out of "
+                             "range", field="logits")
+
+
+class Sampler:
+    """Draws tokens for one generation; holds its random generator (seeded for reproducibility)."""
+
+    def __init__(self, cfg: SamplerConfig):
+        self.cfg = cfg
+        self.rng = np.random.default_rng(None if cfg.seed in (None, -1) else cfg.seed)
+        self.history = PenaltyHistory(cfg.penalties)
+        self.grammar = None  # a constraint's GrammarState (constraint.py), set by the caller
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Starts the penalty history with the prompt (llama.cpp penalises prompt tokens too)."""
+        self.history.tokens = list(prompt_ids)
+
+    def accept(self, tokens: list[int]) -> None:
+        """Emitted tokens join the penalty history."""
+        if self.cfg.penalties.active:
+            self.history.tokens.extend(int(t) for t in tokens)
+        if self.grammar is not None:
+            self.grammar.accept(tokens)
+
+    def penalize(self, logits: mx.array, extra: mx.array | None = None, offset: int = 0) -> mx.array:
+        """Logits with the repetition penalties applied (row r's history: the generation's plus
+        extra[:offset + r]); unchanged when no penalty is set."""
+        return self.history.penalize(logits, extra, offset)
+
+    def constrain(self, logits: mx.array, drafts: Any = None) -> mx.array:
+        """Logits with the tokens a constraint refuses at -inf (row r: after drafts[:r]; `drafts`
+        may be a device array, read here); unchanged without a constraint."""
+        if self.grammar is None:
+            return logits
+        host = [int(t) for t in np.array(drafts).reshape(-1)] if drafts is not None and len(drafts) else []
+        return self.grammar.apply(logits, host)
+
+    def token_logprobs(self, logits: mx.array, tokens: list[int]) -> list[dict] | None:
+        """Per row of logits [R, V] (R = len(tokens)): the log-probability of `tokens[r]` and the
+        `cfg.logprobs` most likely alternatives, from the model's raw distribution (before
+        penalties, temperature and filters, as vLLM and llama.cpp's server report them).
+        None when logprobs were not asked for."""
+        n = self.cfg.logprobs
+        if n is None or not tokens:
+            return None
+        rows = logits.reshape(-1, logits.shape[-1])[: len(tokens)].astype(mx.float32)
+        lse = mx.logsumexp(rows, axis=-1, keepdims=True)
+        lp = rows - lse
+        chosen = mx.take_along_axis(lp, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+        parts = [chosen]
+        if n:
+            part = mx.argpartition(-lp, kth=n - 1, axis=-1)[:, :n]  # a full sort of V is wasted work
+            vals = mx.take_along_axis(lp, part, axis=-1)
+            order = mx.argsort(-vals, axis=-1)
+            parts += [mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
+        mx.eval(*parts)
+        ch = np.array(parts[0], dtype=np.float64)
+        ti = np.array(parts[1]) if n else None
+        tv = np.array(parts[2], dtype=np.float64) if n else None
+        return [{"token": int(t), "logprob": float(ch[r]),
+                 "top": [(int(ti[r, j]), float(tv[r, j])) for j in range(n)] if n else []}
+                for r, t in enumerate(tokens)]
+
+    @property
+    def argmax_on_device(self) -> bool:
+        """Whether the next token is just the logits' argmax, with no host-side state (history,
+        random draws): then a decode loop may queue the next step from the token still on the
+        device before the host reads it. Anything that adds such state must return False here:
+        penalties read the emitted history, logprobs need the logits on the host."""
+        return (self.cfg.greedy and not self.cfg.penalties.active and self.cfg.logprobs is None
+                and self.grammar is None)
+
+    def sample(self, logits: mx.array) -> int:
+        """One token from logits [V] (penalised first when penalties are set)."""
+        finite = mx.all(mx.isfinite(logits))
+        logits = self.constrain(self.penalize(logits))
+        if self.cfg.greedy:
+            tok = mx.argmax(logits, axis=-1)
+            mx.eval(tok, finite)
+            check_finite(finite)
+            return int(tok.item())
+        p = distribution(logits, self.cfg)
+        mx.eval(p, finite)
+        check_finite(finite)
+        return self.categorical(np.array(p, dtype=np.float64))
+
+    def categorical(self, p: np.ndarray) -> int:
+        p = np.maximum(p, 0.0)
+        c = np.cumsum(p)
+        u = self.rng.random() * c[-1]
+        return int(min(np.searchsorted(c, u, side="right"), len(p) - 1))
+
+    def uniform(self) -> float:
+        return float(self.rng.random())
