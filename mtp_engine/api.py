@@ -23,7 +23,7 @@ from .request.keywords import sampler_config, spec_config
 from .generation.sampling import Sampler, SamplerConfig
 from .speculative import calibration
 from .speculative.config import SPEC_METHODS, SpecConfig
-from .speculative.draft_mtp import DraftMTPDecoder
+from .speculative.methods import NEEDS_MTP_HEAD, build_decoder
 from .speculative.scheduler import DraftLengthScheduler, auto_k_max
 from .text_input import check_messages, check_stop
 from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
@@ -195,7 +195,8 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
-    `spec` is None/"none" (plain decoding) or "draft-mtp" with llama.cpp's knobs n_max, n_min, p_min;
+    `spec` is None/"none" (plain decoding), "draft-mtp" (the model's MTP head drafts) or "ngram"
+    (prompt lookup), with llama.cpp's knobs n_max, n_min, p_min;
     n_max="auto" (the default) picks the draft length each round from the time this run measures
     per round and the acceptance seen so far (docs/spec.md, "n-max auto").
     `profile` is None, "round" or "precise" (see `mtp_engine.generation.profiler`).
@@ -313,25 +314,25 @@ def _render_chat(m: Model, messages, tools, tool_choice, constraint) -> tuple[st
 
 
 def _decoder(m: Model, spec: SpecConfig, sampler: Sampler, prof: Profiler) -> DecoderBase:
-    """The decoder a request asks for: plain, or draft-mtp (n_max None: the scheduler seeded with
-    the costs earlier runs stored for this model file and device)."""
+    """The decoder a request asks for: plain, or a speculative method (`speculative/methods.py`);
+    n_max None: the scheduler, for draft-mtp seeded with the costs earlier runs stored for this
+    model file and device (another drafter's rounds cost something else: it starts from the prior)."""
     if spec.method == "none":
         return PlainDecoder(m.model, sampler, prof)
-    if m.model.mtp is None and getattr(m.info, "has_mtp_tensors", True) is False:
-        raise MTPEngineError("draft-mtp needs the MTP head, and this checkpoint has no mtp.* tensors (mlx-lm's "
+    if spec.method in NEEDS_MTP_HEAD and m.model.mtp is None and getattr(m.info, "has_mtp_tensors", True) is False:
+        raise MTPEngineError(f"{spec.method} needs the MTP head, and this checkpoint has no mtp.* tensors (mlx-lm's "
                              "convert drops them; convert the HF checkpoint with `mtp-engine convert`)",
                              file=m.info.path, field="spec")
     scheduler = None
     params = spec.draft_params()
+    stored = spec.method == "draft-mtp"
     if params.auto:
-        if m.model.mtp is None:
-            raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
-                                 "this model has none", field="spec")
         # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
-        scheduler = DraftLengthScheduler(calibration.load_seed(m.path, m.model, m.model.options.cache_path),
-                                         k_max=auto_k_max(m.model))
-    decoder = DraftMTPDecoder(m.model, sampler, params, prof, scheduler=scheduler)
-    decoder.calibration_path = m.path
+        seed = calibration.load_seed(m.path, m.model, m.model.options.cache_path) if stored else None
+        scheduler = DraftLengthScheduler(seed, k_max=auto_k_max(m.model))
+    decoder = build_decoder(spec.method, m.model, sampler, params, prof, scheduler)
+    if stored:
+        decoder.calibration_path = m.path
     return decoder
 
 

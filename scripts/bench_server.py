@@ -35,7 +35,7 @@ PROMPT = "def parse_args(argv):\n    \"\"\"Parse the command line of the tool.\"
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, int]:
-    cmd = [sys.executable, "-m", "mtp_engine.cli.main", "serve", "--port", "0", "--queue-size", str(max(64, args.clients)),
+    cmd = [sys.executable, "-m", "mtp_engine.cli", "serve", "--port", "0", "--queue-size", str(max(64, args.clients)),
            "--spec-type", args.spec, "--spec-draft-n-max", str(args.n_max)]
     if args.model:
         cmd += ["-m", args.model]

@@ -67,7 +67,7 @@ def prepare_mlx_lm(folder: Path) -> None:
 
 def ours(root: Path, spec: str, tokens: int, cache: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(root), MTP_ENGINE_CACHE_DIR=cache)
-    cmd = [sys.executable, "-m", "mtp_engine.cli.main", "generate", "-m", str(MODEL), "-p", PROMPT, "-n", str(tokens),
+    cmd = [sys.executable, "-m", "mtp_engine.cli", "generate", "-m", str(MODEL), "-p", PROMPT, "-n", str(tokens),
            "--ignore-eos", "--json", "--spec-type", spec]
     t = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root, check=True).stdout

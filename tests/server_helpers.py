@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class LiveServer:
     def __init__(self, model: Path, *flags: str, timeout: float = 120.0):
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen([sys.executable, "-m", "mtp_engine.cli.main", "serve", "-m", str(model), "--port", "0",
+        self.proc = subprocess.Popen([sys.executable, "-m", "mtp_engine.cli", "serve", "-m", str(model), "--port", "0",
                                       *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=str(ROOT))
         self.stderr: list[str] = []

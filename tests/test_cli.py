@@ -1,5 +1,5 @@
 """The command line: `mtp-engine generate ...` in process (`mtp_engine.cli.main.main`) and, once each, through
-the installed console script and `python -m mtp_engine.cli.main`."""
+the installed console script and `python -m mtp_engine.cli`."""
 from __future__ import annotations
 
 import json
@@ -284,7 +284,7 @@ def test_console_script(model_path, api_greedy, tmp_path):
 
 
 def test_module_entry_point_error_exit_status(model_path, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli.main", "generate", "-m", model_path, "-p", PROMPT,
+    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli", "generate", "-m", model_path, "-p", PROMPT,
                         "--top-p", "0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert_one_error_line(p.returncode, p.stdout, p.stderr)
     assert "top_p" in p.stderr

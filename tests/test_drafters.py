@@ -56,6 +56,54 @@ def test_ngram_drafter_greedy_equals_plain(tiny, n_max):
         assert st["rounds"] == st["ngram_lookups"]
 
 
+def _scan(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """The lookup by definition: a scan for the latest earlier occurrence, longest n-gram first."""
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == history[-n:]:
+                return history[start + n:start + n + k]
+    return []
+
+
+def test_ngram_index_agrees_with_a_scan_of_the_history():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        hist = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        d = NGramDrafter()
+        d.begin(hist[:len(hist) // 2], None)
+        for t in hist[len(hist) // 2:]:
+            d.accept([], t, None)
+        assert d.history == hist
+        assert d.lookup(4) == _scan(hist, 4)
+
+
+@pytest.mark.parametrize("n_max", [2, "auto"])
+def test_spec_ngram_reaches_the_ngram_drafter_through_the_api(tiny, n_max):
+    n = 32
+    ref = generate(IDS, tiny, max_tokens=n, ignore_eos=True)
+    got = generate(IDS, tiny, max_tokens=n, ignore_eos=True, spec="ngram", n_max=n_max)
+    assert got.token_ids == ref.token_ids
+    assert "ngram_lookups" in got.stats and "catch_up_rows_dropped" not in got.stats  # not the MTP head
+    if n_max != "auto":  # auto on this CPU rightly does not draft (verifying S rows costs ~S steps here)
+        assert got.stats["ngram_lookups"] > 0
+
+
+def test_spec_ngram_from_the_command_line_and_the_server(tiny, tmp_path, capsys):
+    from mtp_engine.cli.main import main
+    from mtp_engine.server.schemas import ServerDefaults, parse_completion
+
+    rc = main(["generate", "-m", tiny.path, "-p", "To be or not to be, to be", "-n", "8", "--spec-type", "ngram", "--spec-draft-n-max", "2",
+               "--json", "--temp", "0"])
+    assert rc == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["ngram_lookups"] > 0
+    req = parse_completion({"prompt": "x", "spec_type": "ngram"}, ServerDefaults())
+    assert req.kwargs["spec"] == "ngram"
+
+
 def test_ngram_drafter_samples_losslessly_shaped_output(tiny):
     """At temperature > 0 the n-gram drafts (one-hot q) go through speculative sampling: valid
     tokens, reproducible with a seed."""

@@ -404,10 +404,10 @@ def test_cli_missing_prompt_file(capsys, tmp_path):
 
 @pytest.mark.parametrize("kind", ["missing", "llama"])
 def test_cli_subprocess(tmp_path, make_gguf, kind):
-    """`python -m mtp_engine.cli.main generate -m BAD -p x` as a user runs it."""
+    """`python -m mtp_engine.cli generate -m BAD -p x` as a user runs it."""
     p = tmp_path / "nope.gguf" if kind == "missing" else make_gguf("sub_llama", arch="llama")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "mtp_engine.cli.main", "generate", "-m", str(p), "-p", "x"],
+    r = subprocess.run([sys.executable, "-m", "mtp_engine.cli", "generate", "-m", str(p), "-p", "x"],
                        capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=120)
     _assert_one_error_line(r.returncode, r.stderr, str(p))
     assert r.stdout == ""

@@ -177,7 +177,7 @@ def test_a_closed_stdin_is_one_line(argv):
     import sys
     import os
 
-    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli.main", argv[0], "-m", str(need(TINY_Q4)), *argv[1:]],
+    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli", argv[0], "-m", str(need(TINY_Q4)), *argv[1:]],
                        capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.close(0))
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and "standard input is closed" in err[-1] and "Traceback" not in p.stderr

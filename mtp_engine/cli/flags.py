@@ -35,8 +35,8 @@ def add_sampling_flags(p) -> None:
 def add_spec_flags(p, n_max_type, spec_type: str) -> None:
     """--spec-type (default `spec_type`) and llama.cpp's draft knobs."""
     p.add_argument("--spec-type", default=spec_type,
-                   help="none or draft-mtp" + ("" if spec_type == "none" else
-                                              " (default; none for a model without an MTP head)"))
+                   help="none, draft-mtp (the model's MTP head drafts) or ngram (prompt lookup); default "
+                        + spec_type + ("" if spec_type == "none" else ", none for a model without an MTP head"))
     p.add_argument("--spec-draft-n-max", type=n_max_type, default="auto",
                    help="drafts per round, or auto: chosen each round from measured costs")
     p.add_argument("--spec-draft-n-min", type=int, default=0, help="fewest drafts per round")

@@ -16,6 +16,7 @@ from ..constraint import response_format_constraint
 from ..errors import MTPEngineError
 from ..generation.penalties import PenaltyConfig
 from ..generation.sampling import MAX_LOGPROBS
+from ..speculative.config import SPEC_METHODS
 from ..text_input import check_stop
 from ..chat.tool_calls import check_tool_list, message_tool_calls, tool_choice_name
 
@@ -158,8 +159,8 @@ def _stop(body: dict):
 
 def _draft(body: dict, d: ServerDefaults) -> dict:
     spec = body.get("spec_type", d.spec)
-    if spec not in ("none", "draft-mtp"):
-        raise APIError(400, f"spec_type: expected \"none\" or \"draft-mtp\", found {spec!r:.60}", "spec_type")
+    if spec not in SPEC_METHODS:
+        raise APIError(400, f"spec_type: expected one of {', '.join(SPEC_METHODS)}, found {spec!r:.60}", "spec_type")
     n_max = body.get("spec_draft_n_max", d.n_max)
     if n_max != "auto" and (not isinstance(n_max, int) or isinstance(n_max, bool) or not 0 <= n_max <= 64):
         raise APIError(400, f"spec_draft_n_max: expected an integer in [0, 64] or \"auto\", found {n_max!r:.60}",

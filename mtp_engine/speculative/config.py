@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..errors import MTPEngineError
 from .scheduler import AUTO_MAX
 
-SPEC_METHODS = ("none", "draft-mtp")
+SPEC_METHODS = ("none", "draft-mtp", "ngram")  # speculative/methods.py builds each
 N_MAX_LIMIT = 64
 
 
@@ -62,7 +62,8 @@ class DraftParams:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """A request's speculative decoding: `method` "draft-mtp" (the model's MTP head drafts) or
+    """A request's speculative decoding: `method` "draft-mtp" (the model's MTP head drafts), "ngram"
+    (prompt lookup: the tokens that followed the latest earlier occurrence of the last few) or
     "none" (plain decoding), and the draft knobs (see `DraftParams`; n_max None = auto)."""
 
     method: str = "draft-mtp"

@@ -27,21 +27,33 @@ class NGramDrafter(Drafter):
                                  field="ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.history: list[int] = []
+        # per n: n-gram -> latest start whose next token is known (a round's lookup is then
+        # O(max_ngram), not a scan of the whole history: 32k tokens of context would cost ms)
+        self._latest: dict[int, dict[tuple, int]] = {}
         self.lookups = 0
         self.hits = 0
 
     def begin(self, prompt: list[int], hidden: mx.array) -> None:
-        self.history = list(prompt)
+        self.history, self._latest = [], {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+        self._extend(prompt)
+
+    def _extend(self, tokens: list[int]) -> None:
+        h = self.history
+        for t in tokens:
+            h.append(t)
+            end = len(h) - 1  # the n-gram ending just before the new token now has a follower
+            for n, table in self._latest.items():
+                if end >= n:
+                    table[tuple(h[end - n:end])] = end - n
 
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching
         suffix of the history (longest n-gram first)."""
         h = self.history
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
-            suffix = h[-n:]
-            for start in range(len(h) - n - 1, -1, -1):  # latest occurrence before the suffix itself
-                if h[start:start + n] == suffix:
-                    return h[start + n:start + n + k]
+            start = self._latest[n].get(tuple(h[-n:]))
+            if start is not None:
+                return h[start + n:start + n + k]
         return []
 
     def draft(self, k: int, p_min: float = 0.0) -> Draft:
@@ -59,8 +71,7 @@ class NGramDrafter(Drafter):
         return Draft(drafts, q)
 
     def accept(self, accepted: list[int], token: int, hidden: mx.array) -> None:
-        self.history.extend(accepted)
-        self.history.append(token)
+        self._extend(list(accepted) + [token])
 
     def stats(self) -> dict:
         return {"ngram_lookups": self.lookups, "ngram_hits": self.hits}
