@@ -117,8 +117,9 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 def forced_call_constraint(fmt: str, tools: list[dict], name: str | None = None, parallel: bool = True,
                            other: Any = None):
     """A Constraint that makes the answer one call (or, `parallel`, several) in the template's
-    format: to any of `tools` (tool_choice "required"), or to the tool `name`. XML parameter
-    values are free text up to "\n</parameter>"; JSON arguments follow the tool's schema.
+    format: to any of `tools` (tool_choice "required"), or to the tool `name`. The arguments follow
+    the tool's JSON schema in both formats: in Qwen's XML, each parameter at most once in the
+    schema's order, the required ones always, values typed (`_xml_value`); Hermes JSON whole.
     `other`: a constraint the request also gives (refused: one grammar at a time)."""
     from ..constraint import Constraint, _llg
 
@@ -139,11 +140,14 @@ def forced_call_constraint(fmt: str, tools: list[dict], name: str | None = None,
                                  f"(found {bad[0]!r})", field="tool_choice")
         head = json.dumps(f"<tool_call>\n<function={f['name']}>\n")
         if fmt == XML:
-            props = list(params.get("properties") or {})
-            if props:
-                rules.append(f"pname_{i}: " + " | ".join(json.dumps(p) for p in props))
-                rules.append(f'param_{i}: "<parameter=" pname_{i} ">\\n" value "\\n"')
-            rules.append(f"call_{i}: {head} " + (f"param_{i}* " if props else "") + '"</function>\\n</tool_call>"')
+            props = params.get("properties") or {}
+            required = set(params.get("required") or [])
+            body = []
+            for j, (pname, pschema) in enumerate(props.items()):
+                rules.append(f"p_{i}_{j}: " + json.dumps(f"<parameter={pname}>\n") + " "
+                             + _xml_value(pschema if isinstance(pschema, dict) else {}))
+                body.append(f"p_{i}_{j}" + ("" if pname in required else "?"))
+            rules.append(f"call_{i}: {head} " + "".join(b + " " for b in body) + '"</function>\\n</tool_call>"')
         else:
             schema = {"type": "object", "properties": {"name": {"const": f["name"]},
                                                        "arguments": params or {"type": "object"}},
@@ -154,12 +158,32 @@ def forced_call_constraint(fmt: str, tools: list[dict], name: str | None = None,
     lines = ["%llguidance {}", 'start: call ("\\n" call)*' if parallel else "start: call",
              "call: " + " | ".join(alts), *rules]
     if fmt == XML:
-        lines.append('value[stop="\\n</parameter>"]: /(?s:.*)/')
+        lines.append('text[stop="\\n</parameter>"]: /(?s:.*)/')
     try:
         grammar = _llg().LLMatcher.grammar_from_lark("\n".join(lines))
     except ValueError as e:
         raise MTPEngineError(f"cannot build the forced call's grammar: {e}", field="tool_choice") from None
     return Constraint(grammar, "forced tool call")
+
+
+def _xml_value(schema: dict) -> str:
+    """A Lark expression for one XML parameter's value and its closing tag, as the template writes
+    values (`_typed` reads them back): strings raw up to the closing tag, enums as their literals,
+    numbers, integers and booleans as JSON scalars, objects and arrays as JSON under their schema."""
+    close = '"\\n</parameter>\\n"'
+    kind = schema.get("type")
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        alts = [json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"]]
+        return "(" + " | ".join(alts) + ") " + close
+    if kind == "integer":
+        return "/-?(0|[1-9][0-9]{0,17})/ " + close
+    if kind == "number":
+        return "/-?(0|[1-9][0-9]{0,17})(\\.[0-9]{1,17})?([eE][-+]?[0-9]{1,3})?/ " + close
+    if kind == "boolean":
+        return '("true" | "false") ' + close
+    if kind in ("object", "array"):
+        return "%json " + json.dumps(schema) + " " + close
+    return 'text "\\n"'  # a string (or no type): free text; `text` ends with the closing tag
 
 
 def tool_choice_name(choice: Any) -> tuple[bool, str | None]:
