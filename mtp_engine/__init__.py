@@ -4,11 +4,11 @@ import sys
 from .api import GenerationResult, Model, generate, load, stream_generate
 from .constraint import Constraint
 from .errors import MTPEngineError
-from .options import EngineOptions
-from .version import __version__
 from .generation.prompt_cache import PromptCache
 from .generation.sampling import SamplerConfig
+from .options import EngineOptions
 from .speculative.config import SpecConfig
+from .version import __version__
 
 __all__ = ["generate", "stream_generate", "load", "Model", "GenerationResult", "MTPEngineError", "EngineOptions",
            "SpecConfig", "SamplerConfig", "PromptCache", "Constraint", "__version__"]
@@ -21,7 +21,8 @@ _MOVED = {"bpe": "tokenizer.bpe", "tokenizer_gguf": "tokenizer.from_gguf", "toke
           "chat_template": "chat.template", "template_budget": "chat.budget", "template_hooks": "chat.hooks",
           "template_json": "chat.tojson", "tool_calls": "chat.tool_calls", "memory": "model.memory",
           "sampling": "generation.sampling", "penalties": "generation.penalties",
-          "prompt_cache": "generation.prompt_cache", "decode": "generation.decode", "profiler": "generation.profiler", "costmodel": "speculative.costmodel", "chat_cli": "cli.chat",
+          "prompt_cache": "generation.prompt_cache", "decode": "generation.decode", "profiler": "generation.profiler",
+          "costmodel": "speculative.costmodel", "chat_cli": "cli.chat",
           "bench": "cli.bench", "server.main": "cli.serve", "server.flags": "cli.flags",
           "gguf.from_hf": "convert.to_gguf", "gguf.to_hf": "convert.to_hf", "spec": "speculative"}
 
@@ -31,8 +32,7 @@ class _MovedFinder:
 
     @staticmethod
     def find_spec(name, path=None, target=None):
-        import importlib.util
-
+        # first on sys.meta_path, so asked about every import of the process: others leave at once
         prefix = __name__ + "."
         if not name.startswith(prefix):
             return None
@@ -40,6 +40,8 @@ class _MovedFinder:
         head = next((old for old in _MOVED if rest == old or rest.startswith(old + ".")), None)
         if head is None:
             return None
+        import importlib.util
+
         return importlib.util.spec_from_loader(name, _MovedLoader(prefix + _MOVED[head] + rest[len(head):]))
 
 

@@ -9,24 +9,24 @@ from typing import Callable, Iterator
 
 from .chat import tool_calls
 from .constraint import Constraint
-from .generation.decode import DecoderBase, PlainDecoder
 from .errors import MTPEngineError
+from .generation.decode import DecoderBase, PlainDecoder
 from .generation.loop import Chunk, run
-from .model.memory import check_fits, estimate
-from .model.loaded import Model
-from .model.loader import load_gguf
-from .options import EngineOptions, model_path_from_env
 from .generation.profiler import Profiler
 from .generation.prompt_cache import PromptCache
-from .tokenizer.bounded import encode_prompt
-from .request.keywords import sampler_config, spec_config
 from .generation.sampling import Sampler, SamplerConfig
+from .model.loaded import Model
+from .model.loader import load_gguf
+from .model.memory import check_fits, estimate
+from .options import EngineOptions, model_path_from_env
+from .request.keywords import sampler_config, spec_config
 from .speculative import calibration
 from .speculative.config import SPEC_METHODS, SpecConfig
 from .speculative.methods import NEEDS_MTP_HEAD, build_decoder
 from .speculative.scheduler import DraftLengthScheduler, auto_k_max
 from .text_input import check_messages, check_stop
 from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
+from .tokenizer.bounded import encode_prompt
 from .tokenizer.tokenizer import Tokenizer
 
 SPEC_TYPES = SPEC_METHODS

@@ -94,7 +94,8 @@ def test_spec_ngram_from_the_command_line_and_the_server(tiny, tmp_path, capsys)
     from mtp_engine.cli.main import main
     from mtp_engine.server.schemas import ServerDefaults, parse_completion
 
-    rc = main(["generate", "-m", tiny.path, "-p", "To be or not to be, to be", "-n", "8", "--spec-type", "ngram", "--spec-draft-n-max", "2",
+    rc = main(["generate", "-m", tiny.path, "-p", "To be or not to be, to be", "-n", "8", "--spec-type", "ngram",
+               "--spec-draft-n-max", "2",
                "--json", "--temp", "0"])
     assert rc == 0
     import json

@@ -19,7 +19,9 @@ from mtp_engine.cli.main import main
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.reader import GGUFFile
 from mtp_engine.tokenizer.bounded import encode_prompt
-from mtp_engine.text_input import MAX_PROMPT_FILE_BYTES, argv_text, check_messages, check_stop, check_text, decode_utf8, read_prompt_file
+from mtp_engine.text_input import (
+    MAX_PROMPT_FILE_BYTES, argv_text, check_messages, check_stop, check_text, decode_utf8, read_prompt_file,
+)
 from mtp_engine.tokenizer.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -15,7 +15,9 @@ from hypothesis import given, settings, strategies as st
 from mtp_engine.generation.loop import Chunk
 from mtp_engine.server.schemas import APIError, ServerDefaults, parse_chat
 from mtp_engine.errors import MTPEngineError
-from mtp_engine.chat.tool_calls import HERMES, XML, ToolCallStream, check_tool_list, message_tool_calls, split_tool_calls, template_format
+from mtp_engine.chat.tool_calls import (
+    HERMES, XML, ToolCallStream, check_tool_list, message_tool_calls, split_tool_calls, template_format,
+)
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 TOOLS = [{"type": "function", "function": {

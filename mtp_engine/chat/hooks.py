@@ -25,7 +25,9 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from .budget import _COUNTABLE, CURRENT, SIZED, Budget, _len, check_format_string, check_ints, joined_size, replaced_size
+from .budget import (
+    _COUNTABLE, CURRENT, SIZED, Budget, _len, check_format_string, check_ints, joined_size, replaced_size,
+)
 
 __all__ = ["instrument", "guard_filter", "HOOKS", "render_counted", "WALKING_FILTERS", "PLAIN_FILTERS", "NATIVE_ADD"]
 

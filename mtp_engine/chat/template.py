@@ -29,7 +29,10 @@ import threading
 from typing import Any
 
 from ..errors import MTPEngineError
-from .budget import CURRENT, NON_GROWING_METHODS, PLAIN_OWNERS, SIZED, Budget, OverBudget, RenderLimits, check_format_string, check_ints, check_str_call, input_chars
+from .budget import (
+    CURRENT, NON_GROWING_METHODS, PLAIN_OWNERS, SIZED, Budget, OverBudget, RenderLimits, check_format_string,
+    check_ints, check_str_call, input_chars,
+)
 from .hooks import HOOKS, NATIVE_ADD, guard_filter, instrument, render_counted
 from .tojson import compact_json_bound, compact_json_size, indented_json
 
@@ -102,9 +105,8 @@ def _jinja_env() -> Any:
     import jinja2.ext
     from jinja2 import nodes
     from jinja2.compiler import CodeGenerator
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     from jinja2.runtime import Macro
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     sandbox_call = ImmutableSandboxedEnvironment.call
 

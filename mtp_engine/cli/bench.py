@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import api
-from ..speculative.costmodel import Costs, expected_tokens, predict_speedup
 from ..output_files import atomic_open, write_text
+from ..speculative.costmodel import Costs, expected_tokens, predict_speedup
 from ..speculative.scheduler import AUTO_MAX
 
 DEFAULT_PROMPTS = [

@@ -37,10 +37,10 @@ def add_chat_parser(sub, n_max_type) -> None:
 def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     from .. import api
     from ..chat.template import CHATML, CHATML_NOTE
-    from .output import format_stats, model_label
-    from ..load_progress import load_progress
     from ..generation.prompt_cache import PromptCache
+    from ..load_progress import load_progress
     from ..text_input import check_text
+    from .output import format_stats, model_label
 
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if stdin is None:  # started with standard input closed (`<&-`): refuse before the model loads

@@ -8,8 +8,8 @@ from typing import Sequence
 
 from ..errors import MTPEngineError
 from ..load_progress import load_progress
-from .output import format_stats, model_label
 from .flags import add_debug_flag, add_sampling_flags, add_spec_flags, positive_int, sampling_kwargs
+from .output import format_stats, model_label
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -173,7 +173,6 @@ def _convert(args) -> int:
 
 def _generate(args) -> int:
     from .. import api
-
     from ..text_input import argv_text, check_output_file, read_prompt_file
 
     if args.profile_out:  # before any work: a bad path would otherwise lose the whole generation

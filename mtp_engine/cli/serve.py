@@ -10,8 +10,8 @@ from pathlib import Path
 from ..errors import MTPEngineError
 from ..generation.penalties import PenaltyConfig
 from ..generation.sampling import SamplerConfig
-from ..speculative.draft_mtp import DraftParams
 from ..server.schemas import ServerDefaults
+from ..speculative.draft_mtp import DraftParams
 
 
 def defaults_from_args(args) -> ServerDefaults:
@@ -124,8 +124,8 @@ def run_serve(args) -> int:
     # the server's own default settings, as a request without settings gets them
     warm = parse_completion({"prompt": "x"}, defaults).kwargs
     warm.pop("prompt")
-    from .output import model_label
     from ..load_progress import load_progress
+    from .output import model_label
 
     worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
                               warm_up=warm, idle_release_s=args.idle_release,

@@ -5,11 +5,22 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from ..errors import MTPEngineError
 from ..model.hf import QuantSpec
 from .to_gguf import write_gguf
-from .to_mlx import ConvertReport, _check_not_source, convert_to_mlx
+from .to_mlx import ConvertReport, convert_to_mlx
 
 __all__ = ["ConvertReport", "convert", "convert_to_mlx", "write_gguf"]
+
+
+def _check_not_source(src: str | os.PathLike, out: str | os.PathLike) -> None:
+    """The output must not be the source, nor a folder the source lies in: writing it would
+    overwrite what is still being read (symbolic links resolved)."""
+    s, o = os.path.realpath(os.fspath(src)), os.path.realpath(os.fspath(out))
+    if s == o or s.startswith(o.rstrip(os.sep) + os.sep):
+        raise MTPEngineError(f"the output {os.fspath(out)!r} is {'the source' if s == o else 'a folder the source is in'}: "
+                             "writing it would overwrite the source while it is read; choose another output",
+                             file=os.fspath(src), field="out")
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, quantize: QuantSpec | str | int | None = 4,

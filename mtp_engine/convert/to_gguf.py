@@ -17,12 +17,12 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFile
 from gguf import quants as gq
 
 from ..errors import MTPEngineError
+from ..gguf.writer import _KEEP_F32, WRITABLE
 from ..model.hf import TensorSource, expected_tensors, require_output_head
 from ..model.hf_checkpoint import HFCheckpoint
 from ..output_files import staging_path
-from .to_mlx import ConvertReport
 from ..tokenizer.tokenizer import Tokenizer
-from ..gguf.writer import _KEEP_F32, WRITABLE
+from .to_mlx import ConvertReport
 
 _FILE_TYPES = {"F32": LlamaFileType.ALL_F32, "F16": LlamaFileType.MOSTLY_F16, "BF16": LlamaFileType.MOSTLY_BF16,
                "Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0,

@@ -45,16 +45,6 @@ class ConvertReport:
     peak_memory_bytes: int = 0
 
 
-def _check_not_source(src: str | os.PathLike, out: str | os.PathLike) -> None:
-    """The output must not be the source, nor a folder the source lies in: writing it would
-    overwrite what is still being read (symbolic links resolved)."""
-    s, o = os.path.realpath(os.fspath(src)), os.path.realpath(os.fspath(out))
-    if s == o or s.startswith(o.rstrip(os.sep) + os.sep):
-        raise MTPEngineError(f"the output {os.fspath(out)!r} is {'the source' if s == o else 'a folder the source is in'}: "
-                             "writing it would overwrite the source while it is read; choose another output",
-                             file=os.fspath(src), field="out")
-
-
 def _prepare_out(out: str, overwrite: bool) -> None:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
         raise MTPEngineError("output exists and is not an empty folder (pass overwrite=True / --force)", file=out)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from ..errors import MTPEngineError
 from ..gguf.reader import GGUFFile
-from ..model.memory import available_memory, estimate
 from ..model.config import Qwen35Config
+from ..model.memory import available_memory, estimate
 from .runtime import DEFAULT_TIMEOUT, Comm, check_mode, check_timeout, init_group, peer_error
 from .shard import GGUFSource, TPPlan, shard_weight_bytes
 

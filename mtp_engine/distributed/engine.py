@@ -5,9 +5,9 @@ import time
 from pathlib import Path
 
 from ..errors import MTPEngineError
-from ..model.memory import estimate
 from ..model.loaded import Model
 from ..model.loader import LoadInfo
+from ..model.memory import estimate
 from ..threads import evaluate_all, release_at_exit
 from ..tokenizer.tokenizer import Tokenizer
 from . import load_sharded

@@ -13,10 +13,10 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from .decode import DecoderBase
 from ..errors import MTPEngineError
-from .profiler import Profiler
 from ..tokenizer.tokenizer import Tokenizer
+from .decode import DecoderBase
+from .profiler import Profiler
 
 
 @dataclass

@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType
 from ..errors import MTPEngineError
 from ..gguf.quants import QuantizedWeight, repack, repack_float
 from ..gguf.reader import GGUFFile
-from .build import build_model
 from ..options import EngineOptions
+from .build import build_model
 from .config import Qwen35Config
 from .layers import Linear
 from .qwen35 import Qwen35Model

@@ -11,16 +11,14 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from ..options import EngineOptions
+from . import attn_kernel, gdn, gdn_kernel, kernels, mma_kernel, norm_kernel, selftest_cache
+from . import step as compiled
 from .cache import KVCache, RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from .expert_use import ExpertUse
-from . import attn_kernel, gdn, gdn_kernel, selftest_cache
-from .norm_kernel import add_rms_norm
-from . import norm_kernel
 from .layers import Linear, concat_outputs, rms_norm
-from . import kernels, mma_kernel
-from . import step as compiled
-from ..options import EngineOptions
+from .norm_kernel import add_rms_norm
 
 # x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
 FFN = Callable[[mx.array], mx.array]

@@ -19,10 +19,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..chat.tool_calls import ToolCallStream, call_format, forced_call_constraint, split_tool_calls, template_format
 from ..errors import MTPEngineError
 from . import responses as R
 from .schemas import MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, parse_chat, parse_completion, parse_json
-from ..chat.tool_calls import ToolCallStream, call_format, forced_call_constraint, split_tool_calls, template_format
 from .worker import Event, GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("mtp_engine.server")

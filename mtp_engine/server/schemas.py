@@ -12,13 +12,13 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..chat.tool_calls import check_tool_list, message_tool_calls, tool_choice_name
 from ..constraint import response_format_constraint
 from ..errors import MTPEngineError
 from ..generation.penalties import PenaltyConfig
 from ..generation.sampling import MAX_LOGPROBS
 from ..speculative.config import SPEC_METHODS
 from ..text_input import check_stop
-from ..chat.tool_calls import check_tool_list, message_tool_calls, tool_choice_name
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused before it is parsed
 

@@ -18,11 +18,11 @@ import mlx.core as mx
 
 from .. import api
 from ..chat.template import CHATML, CHATML_NOTE
-from ..generation.prompt_cache import PromptCache
 from ..errors import MTPEngineError
-from ..tokenizer.bounded import encode_prompt
-from ..text_input import check_messages
 from ..generation.loop import Chunk
+from ..generation.prompt_cache import PromptCache
+from ..text_input import check_messages
+from ..tokenizer.bounded import encode_prompt
 
 log = logging.getLogger("mtp_engine.server")
 

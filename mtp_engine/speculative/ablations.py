@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MTPEngineError
-from ..model.qwen35 import Qwen35Model
 from ..generation.profiler import Profiler
 from ..generation.sampling import Sampler
+from ..model.qwen35 import Qwen35Model
 from .config import DraftParams
 from .draft_mtp import DraftMTPDecoder
 from .scheduler import DraftLengthScheduler

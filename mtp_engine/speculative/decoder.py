@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ..generation.decode import DecoderBase, kv_capacity
 from ..errors import MTPEngineError
-from ..model.qwen35 import Qwen35Model
+from ..generation.decode import DecoderBase, kv_capacity
 from ..generation.profiler import Profiler
 from ..generation.sampling import Sampler, check_finite, distribution
+from ..model.qwen35 import Qwen35Model
 from . import calibration
 from .accept import accept_greedy, accept_sampling
 from .config import DraftParams

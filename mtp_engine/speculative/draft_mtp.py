@@ -7,9 +7,9 @@ feed, oracle acceptance) are in speculative/ablations.py.
 """
 from __future__ import annotations
 
-from ..model.qwen35 import Qwen35Model
 from ..generation.profiler import Profiler
 from ..generation.sampling import Sampler
+from ..model.qwen35 import Qwen35Model
 from .config import DraftParams
 from .decoder import SpeculativeDecoder
 from .mtp_drafter import MTPDrafter

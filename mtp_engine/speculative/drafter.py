@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..model.qwen35 import Qwen35Model
 from ..generation.profiler import Profiler
 from ..generation.sampling import Sampler
+from ..model.qwen35 import Qwen35Model
 
 
 @dataclass

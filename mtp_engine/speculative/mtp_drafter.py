@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..constraint import masked
-from ..generation.decode import kv_capacity
 from ..errors import MTPEngineError
+from ..generation.decode import kv_capacity
+from ..generation.sampling import distribution
 from ..model.cache import KVCache
 from ..model.qwen35 import Qwen35Model
-from ..generation.sampling import distribution
 from .drafter import Draft, DraftContext, Drafter
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from .costmodel import Costs
 from .calibration import MAX_K, default_seed
+from .costmodel import Costs
 
 AUTO_MAX = MAX_K  # longest draft auto considers
 # with compiled steps (the GPU default) every new draft length is new graphs to trace and compile

@@ -6,9 +6,9 @@ from typing import Any
 
 import gguf
 
-from mtp_engine.tokenizer.bpe import PRE_TOKENIZER_REGEXES, TOKEN_TYPE_CONTROL, build_byte_level_bpe, check_vocabulary
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.gguf.fields import read_int_array, read_scalar, read_string, read_string_array
+from mtp_engine.tokenizer.bpe import PRE_TOKENIZER_REGEXES, TOKEN_TYPE_CONTROL, build_byte_level_bpe, check_vocabulary
 
 KEY_MODEL = "tokenizer.ggml.model"
 KEY_PRE = "tokenizer.ggml.pre"

@@ -8,8 +8,8 @@ from typing import Any
 
 import tokenizers
 
-from mtp_engine.tokenizer.bpe import byte_level_decode
 from mtp_engine.errors import MTPEngineError
+from mtp_engine.tokenizer.bpe import byte_level_decode
 from mtp_engine.tokenizer.from_gguf import END_TOKENS
 
 

@@ -28,11 +28,14 @@ from typing import Any, Iterable
 import gguf
 import tokenizers
 
-from mtp_engine.tokenizer.bpe import MAX_TOKEN_BYTES, PRE_TOKENIZER_REGEXES, TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_UNUSED, TOKEN_TYPE_USER_DEFINED, bytes_to_unicode
 from mtp_engine.chat.template import RenderLimits, compile_chat_template, render_chat_template
-from mtp_engine.tokenizer.detokenizer import StreamingDetokenizer
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.text_input import check_text
+from mtp_engine.tokenizer.bpe import (
+    MAX_TOKEN_BYTES, PRE_TOKENIZER_REGEXES, TOKEN_TYPE_BYTE, TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN,
+    TOKEN_TYPE_UNUSED, TOKEN_TYPE_USER_DEFINED, bytes_to_unicode,
+)
+from mtp_engine.tokenizer.detokenizer import StreamingDetokenizer
 from mtp_engine.tokenizer.from_gguf import KEY_CHAT_TEMPLATE, tokenizer_parts_from_gguf
 from mtp_engine.tokenizer.from_hf import tokenizer_parts_from_hf
 
