@@ -3,30 +3,27 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .chat import tool_calls
 from .constraint import Constraint
 from .errors import MTPEngineError
-from .generation.decode import DecoderBase, PlainDecoder
 from .generation.loop import Chunk, run
 from .generation.profiler import Profiler
 from .generation.prompt_cache import PromptCache
-from .generation.sampling import Sampler, SamplerConfig
+from .generation.sampling import SamplerConfig
 from .model.loaded import Model
 from .model.loader import load_gguf
 from .model.memory import check_fits, estimate
 from .options import EngineOptions, model_path_from_env
-from .request.keywords import sampler_config, spec_config
-from .speculative import calibration
+from .request.keywords import request_from_keywords
+from .request.prepare import Prepared, chat_template_note, make_decoder, prepare
+from .request.request import GenerationRequest
 from .speculative.config import SPEC_METHODS, SpecConfig
-from .speculative.methods import NEEDS_MTP_HEAD, build_decoder
-from .speculative.scheduler import DraftLengthScheduler, auto_k_max
-from .text_input import check_messages, check_stop
 from .threads import engine_thread, evaluate_all, release_at_exit, run_on_engine_thread
-from .tokenizer.bounded import encode_prompt
 from .tokenizer.tokenizer import Tokenizer
 
 SPEC_TYPES = SPEC_METHODS
@@ -56,6 +53,20 @@ class GenerationResult:
     stats: dict
     logprobs: list[dict] | None = None  # per token, when asked for (see Sampler.token_logprobs)
     tool_calls: list[dict] = field(default_factory=list)  # with `tools`: the calls the text holds (OpenAI's shape)
+
+    @classmethod
+    def collect(cls, chunks: Iterator[Chunk], prompt_ids: list[int], logprobs: bool = False) -> "GenerationResult":
+        """The result of a whole stream (`prompt_ids` may fill while the stream starts)."""
+        text, tokens = [], []
+        lps: list[dict] | None = [] if logprobs else None
+        last = None
+        for chunk in chunks:
+            text.append(chunk.text)
+            tokens.extend(chunk.token_ids)
+            if lps is not None and chunk.logprobs:
+                lps.extend(chunk.logprobs)
+            last = chunk
+        return cls("".join(text), prompt_ids, tokens, last.finish_reason, last.stats, lps, last.tool_calls or [])
 
     def to_json(self) -> dict:
         out = {"text": self.text, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
@@ -228,62 +239,44 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     refused (MTPEngineError naming the argument and the index), never replaced; a prompt longer
     than the context is refused after tokenizing about one context of it. The chat template renders
     under the budget of `mtp_engine.chat.template.RenderLimits`."""
+    req = request_from_keywords(prompt, messages=messages, max_tokens=max_tokens, spec=spec, n_max=n_max,
+                                n_min=n_min, p_min=p_min, temperature=temperature, top_k=top_k, top_p=top_p,
+                                min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs,
+                                sampler=sampler, tools=tools, prompt_cache=prompt_cache, constraint=constraint,
+                                tool_choice=tool_choice)
     m = _resolve(model)
-    spec_cfg = spec_config(spec, n_max, n_min, p_min)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-        raise MTPEngineError(f"expected an integer >= 0, found {max_tokens!r}", field="max_tokens")
-    sampler_cfg = sampler_config(sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs)
+    prepared = prepare(m, req)
+    note = chat_template_note(m) if messages is not None else None
+    if note:  # the command line and the server say it once, at load
+        warnings.warn(note, stacklevel=3)
+    if _prompt_ids_out is not None:
+        _prompt_ids_out.extend(prepared.prompt_ids)
+    yield from stream_request(prepared, m)
+
+
+@engine_thread
+def stream_request(request: GenerationRequest | Prepared, model: Model | str | None = None) -> Iterator[Chunk]:
+    """`stream_generate` for a `GenerationRequest` (the typed request every front end builds), or
+    for one already prepared (`request.prepare.prepare`) for this model."""
+    m = _resolve(model)
+    prepared = request if isinstance(request, Prepared) else prepare(m, request)
+    req = prepared.request
+    prof = Profiler(req.profile or "off")
+    seed = None
     if m.comm is not None:  # one random state on every rank: sampled acceptance agrees
         from .distributed import common_seed
-        sampler_cfg = replace(sampler_cfg, seed=common_seed(m.comm, sampler_cfg.seed))
-    if (prompt is None) == (messages is None):
-        raise MTPEngineError("give exactly one of prompt or messages", field="prompt")
-    stops = _check_stop(stop)
-    if messages is not None:
-        prompt, constraint = _render_chat(m, messages, tools, tool_choice, constraint)
-    elif tools is not None:
-        raise MTPEngineError("tools are rendered by the chat template: give messages, not a prompt", field="tools")
-    elif tool_calls.tool_choice_name(tool_choice)[0]:
-        raise MTPEngineError("forces a call, but no tools were given", field="tool_choice")
-    if isinstance(prompt, str):  # in pieces: a prompt past the context is refused early
-        ids = encode_prompt(m.tokenizer, prompt, m.model.cfg.context_length,
-                            "messages" if messages is not None else "prompt")
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < m.model.cfg.vocab_size]
-        if bad:
-            raise MTPEngineError(f"token id {bad[0]} outside the vocabulary 0..{m.model.cfg.vocab_size - 1}",
-                                 field="prompt")
-    else:
-        raise MTPEngineError(f"expected text or a list of token ids, found {type(prompt).__name__}", field="prompt")
-    prof = Profiler(profile or "off")
-    sampler_obj = Sampler(sampler_cfg)
-    if constraint is not None:
-        if not isinstance(constraint, Constraint):
-            raise MTPEngineError(f"expected a Constraint, found {type(constraint).__name__}", field="constraint")
-        if ignore_eos:
-            raise MTPEngineError("ignore_eos would run past the end of the constrained text", field="constraint")
-        if m.comm is not None:
-            raise MTPEngineError("not supported with a distributed model", field="constraint")
-        sampler_obj.grammar = constraint.matcher(m.tokenizer, m.model.cfg.vocab_size)
-    decoder = _decoder(m, spec_cfg, sampler_obj, prof)
-    if prompt_cache is not None:
-        if not isinstance(prompt_cache, PromptCache):
-            raise MTPEngineError(f"expected a PromptCache, found {type(prompt_cache).__name__}", field="prompt_cache")
-        if m.comm is not None:
-            raise MTPEngineError("not supported with a distributed model", field="prompt_cache")
-        decoder.prompt_cache = prompt_cache
-    if _prompt_ids_out is not None:
-        _prompt_ids_out.extend(ids)
-    chunks = run(decoder, m.tokenizer, ids, max_tokens, stop=stops, ignore_eos=ignore_eos, profiler=prof)
+        seed = common_seed(m.comm, req.sampler.seed)
+    decoder = make_decoder(m, prepared, prof, seed)
+    chunks = run(decoder, m.tokenizer, prepared.prompt_ids, prepared.max_tokens, stop=req.stop,
+                 ignore_eos=req.ignore_eos, profiler=prof)
     if m.comm is not None:
         from .distributed import share_decisions
         share_decisions(decoder, m.comm)
         chunks = m.comm.guard(chunks)
-    calls = tool_calls.ToolCallStream(tool_calls.template_format(m.tokenizer.chat_template), tools) \
-        if tools and tool_choice != "none" else None
+    calls = tool_calls.ToolCallStream(prepared.tool_format, req.rendered_tools) \
+        if prepared.tool_format is not None else None
     for chunk in chunks:
         if calls is not None:
             calls.feed(chunk.text)
@@ -293,57 +286,6 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
                 calls.finish()
                 chunk.tool_calls = calls.calls
         yield chunk
-
-
-def _render_chat(m: Model, messages, tools, tool_choice, constraint) -> tuple[str, Constraint | None]:
-    """The prompt text of a chat (with its tools, unless tool_choice is "none"), and the
-    constraint to generate under (a forced tool call's grammar, or the caller's)."""
-    forced, forced_name = tool_calls.tool_choice_name(tool_choice)
-    if forced and not tools:
-        raise MTPEngineError("forces a call, but no tools were given", field="tool_choice")
-    if isinstance(messages, (list, tuple)):  # earlier calls' arguments as mappings; content may be None
-        messages = tool_calls.with_tool_calls(messages)
-    _check_messages(messages)
-    extra = {}
-    if tools is not None and tool_choice != "none":
-        extra["tools"] = tool_calls.check_tool_list(tools)
-        fmt = tool_calls.call_format(m.tokenizer.chat_template)
-        if forced:
-            constraint = tool_calls.forced_call_constraint(fmt, extra["tools"], forced_name, other=constraint)
-    return m.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra), constraint
-
-
-def _decoder(m: Model, spec: SpecConfig, sampler: Sampler, prof: Profiler) -> DecoderBase:
-    """The decoder a request asks for: plain, or a speculative method (`speculative/methods.py`);
-    n_max None: the scheduler, for draft-mtp seeded with the costs earlier runs stored for this
-    model file and device (another drafter's rounds cost something else: it starts from the prior)."""
-    if spec.method == "none":
-        return PlainDecoder(m.model, sampler, prof)
-    if spec.method in NEEDS_MTP_HEAD and m.model.mtp is None and getattr(m.info, "has_mtp_tensors", True) is False:
-        raise MTPEngineError(f"{spec.method} needs the MTP head, and this checkpoint has no mtp.* tensors (mlx-lm's "
-                             "convert drops them; convert the HF checkpoint with `mtp-engine convert`)",
-                             file=m.info.path, field="spec")
-    scheduler = None
-    params = spec.draft_params()
-    stored = spec.method == "draft-mtp"
-    if params.auto:
-        # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
-        seed = calibration.load_seed(m.path, m.model, m.model.options.cache_path) if stored else None
-        scheduler = DraftLengthScheduler(seed, k_max=auto_k_max(m.model))
-    decoder = build_decoder(spec.method, m.model, sampler, params, prof, scheduler)
-    if stored:
-        decoder.calibration_path = m.path
-    return decoder
-
-
-def _check_stop(stop) -> list[str]:
-    """`stop` as a list of strings (see `text_input.check_stop`)."""
-    return check_stop(stop)
-
-
-def _check_messages(messages) -> None:
-    """See `text_input.check_messages`."""
-    check_messages(messages)
 
 
 def generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
@@ -361,22 +303,12 @@ def generate(prompt: str | list[int] | None = None, model: Model | str | None = 
     Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`, or with the options as objects
     `generate("def fib(n):", spec=SpecConfig(n_max=3), sampler=SamplerConfig(temperature=0.7))`."""
     ids: list[int] = []
-    text, tokens = [], []
+    chunks = stream_generate(prompt, model, messages=messages, max_tokens=max_tokens, spec=spec, n_max=n_max,
+                             n_min=n_min, p_min=p_min, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
+                             _prompt_ids_out=ids, presence_penalty=presence_penalty,
+                             frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
+                             repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler, tools=tools,
+                             prompt_cache=prompt_cache, constraint=constraint, tool_choice=tool_choice)
     want_lp = logprobs is not None or (sampler is not None and getattr(sampler, "logprobs", None) is not None)
-    lps: list[dict] | None = [] if want_lp else None
-    last = None
-    for chunk in stream_generate(prompt, model, messages=messages, max_tokens=max_tokens, spec=spec, n_max=n_max,
-                                 n_min=n_min, p_min=p_min, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
-                                 _prompt_ids_out=ids, presence_penalty=presence_penalty,
-                                 frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
-                                 repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler, tools=tools,
-                                 prompt_cache=prompt_cache, constraint=constraint, tool_choice=tool_choice):
-        text.append(chunk.text)
-        tokens.extend(chunk.token_ids)
-        if lps is not None and chunk.logprobs:
-            lps.extend(chunk.logprobs)
-        last = chunk
-    out = GenerationResult("".join(text), ids, tokens, last.finish_reason, last.stats, lps)
-    out.tool_calls = last.tool_calls or []
-    return out
+    return GenerationResult.collect(chunks, ids, want_lp)

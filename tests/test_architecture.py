@@ -148,6 +148,20 @@ def test_jinja_only_in_chat():
     assert users == []
 
 
+def test_one_module_renders_chat_templates_for_requests():
+    """Requests' chats are rendered in request/prepare.py alone (the ChatML fallback, tools and
+    the context check with them): no front end calls the template itself."""
+    callers = set()
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            f = node.func if isinstance(node, ast.Call) else None
+            called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if called in ("apply_chat_template", "render_chat_template"):
+                callers.add(name)
+    # the tokenizer renders its own template; prepare is the one caller for requests
+    assert callers == {"mtp_engine.tokenizer.tokenizer", "mtp_engine.request.prepare"}, callers
+
+
 def test_the_checker_catches_a_circle_and_an_upward_import(tmp_path):
     # the checks above must be able to fail: a made-up package with one of each, one of them lazy
     pkg = tmp_path / "mtp_engine"

@@ -51,7 +51,7 @@ def test_commands_and_errors_keep_the_chat_going():
 
 def test_full_context_is_said_not_crashed():
     rc, out, err = _chat(["word " * 400, "hi"], "-c", "64")
-    assert rc == 0 and "fills the context" in err and "/reset" in err
+    assert rc == 0 and "longer than the context length 64 (the max_context / -c cap)" in err and "/reset" in err
 
 
 @pytest.mark.parametrize("flag", [["-n", "0"], ["-c", "-1"]])

@@ -162,10 +162,13 @@ def test_chat_template_reassignment_takes_effect(tiny_chat):
 
 
 def test_messages_without_chat_template(tiny):
+    """A model without a template chats in ChatML, as the command line, the server and llama.cpp
+    do (one preparation for all of them), and the API says so with a warning."""
     assert tiny.tokenizer.chat_template is None
-    with pytest.raises(MTPEngineError, match="no chat template") as ei:
-        generate(model=tiny, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert "chat_template" in ei.value.field
+    with pytest.warns(UserWarning, match="ChatML"):
+        r = generate(model=tiny, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.prompt_token_ids == tiny.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tiny.tokenizer.chat_template is None  # the model is left as it was
 
 
 def test_prompt_and_messages_exclusive(tiny_chat):

@@ -37,7 +37,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from mtp_engine.server.worker import CHATML
+    from mtp_engine.chat.template import CHATML
 
     m = load(need(MODEL))
     m.tokenizer.chat_template = CHATML  # what the server falls back to for this template-less model

@@ -58,7 +58,7 @@ def test_page_streams_and_colours_tokens(browser, tmp_path):
     try:
         m = load(model_path)
         if not raw:
-            from mtp_engine.server.worker import CHATML
+            from mtp_engine.chat.template import CHATML
             m.tokenizer.chat_template = CHATML
         src = dict(prompt=prompt) if raw else dict(messages=[{"role": "user", "content": prompt}])
         chunks = list(stream_generate(model=m, max_tokens=n, spec="draft-mtp", n_max=3, repeat_penalty=penalty, **src))

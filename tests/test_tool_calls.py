@@ -166,9 +166,10 @@ def _generation(tools, stream: bool, trace: bool = False):
     template = (TEMPLATES / "Qwen3.5-4B.jinja").read_text()
     model = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template))
     state = ServerState(SimpleNamespace(model=model), ServerDefaults(), "m", 0)
-    req = GenRequest("chat", {}, True, stream, False, trace, None, tools)
+    req = GenRequest("chat", {}, stream, False, trace, None, tools)
     loop = asyncio.new_event_loop()
-    job = Job({}, True, 16, trace, loop)
+    from mtp_engine.chat.tool_calls import template_format
+    job = Job(SimpleNamespace(tool_format=template_format(template) if tools else None), trace, loop)
     return Generation(state, req, job), job, Event, loop
 
 

@@ -36,9 +36,10 @@ def add_chat_parser(sub, n_max_type) -> None:
 
 def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     from .. import api
-    from ..chat.template import CHATML, CHATML_NOTE
     from ..generation.prompt_cache import PromptCache
     from ..load_progress import load_progress
+    from ..request.keywords import request_from_keywords
+    from ..request.prepare import chat_template_note, prepare
     from ..text_input import check_text
     from .output import format_stats, model_label
 
@@ -47,10 +48,9 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
         raise MTPEngineError("standard input is closed: chat reads the user's messages from it", field="stdin")
     model = api.load(args.model, exact=args.exact, max_context=args.max_context,
                      progress=load_progress(model_label(args.model)))
-    tok = model.tokenizer
-    if tok.chat_template is None:
-        tok.chat_template = CHATML
-        print(f"mtp-engine: {model.path} {CHATML_NOTE}", file=stderr)
+    note = chat_template_note(model)
+    if note:
+        print(f"mtp-engine: {note}", file=stderr)
     kwargs = sampling_kwargs(args)
     if kwargs["spec"] == "draft-mtp" and model.model.mtp is None:
         kwargs["spec"] = "none"
@@ -60,7 +60,6 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
         check_text(args.system_prompt, "system-prompt")
     messages = list(system)
     cache = PromptCache()
-    ctx = model.model.cfg.context_length
     tty = stdin.isatty()
     last_stats: dict | None = None
     print(f"mtp-engine: chatting with {model_label(args.model)}; {HELP}", file=stderr)
@@ -99,19 +98,16 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
             continue
         try:
             check_text(text, "message")
-            ids = tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": text}],
-                                                     add_generation_prompt=True))
+            turn = request_from_keywords(messages=messages + [{"role": "user", "content": text}],
+                                         max_tokens=args.max_tokens, fit_context=True, prompt_cache=cache, **kwargs)
+            prepared = prepare(model, turn)
         except MTPEngineError as e:
-            print(f"mtp-engine: error: {e}", file=stderr)
-            continue
-        room = ctx - len(ids)
-        if room <= 0:
-            print(f"mtp-engine: error: the conversation ({len(ids)} tokens) fills the context ({ctx}); "
-                  "/reset starts over", file=stderr)
+            hint = "; /reset starts over" if "context" in str(e) else ""
+            print(f"mtp-engine: error: {e}{hint}", file=stderr)
             continue
         messages.append({"role": "user", "content": text})
         answer: list[str] = []
-        gen = api.stream_generate(ids, model, max_tokens=min(args.max_tokens, room), prompt_cache=cache, **kwargs)
+        gen = api.stream_request(prepared, model)
         try:
             for chunk in gen:
                 if chunk.text:

@@ -186,28 +186,33 @@ def _generate(args) -> int:
     from ..distributed.cli import distributed_kwargs, quiet_rank
     model = api.load(args.model, exact=args.exact, quantize=args.quantize, max_context=args.max_context,
                      progress=load_progress(model_label(args.model), quiet=args.json), **distributed_kwargs(args))
-    kwargs = dict(max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
-                  profile=args.profile, logprobs=args.logprobs, constraint=_constraint(args), **sampling_kwargs(args))
-    if args.chat:
-        if model.tokenizer.chat_template is None:
-            from ..chat.template import CHATML, CHATML_NOTE
+    from ..request.keywords import request_from_keywords
+    from ..request.prepare import chat_template_note, prepare
 
-            model.tokenizer.chat_template = CHATML
-            print(f"mtp-engine: {model.path} {CHATML_NOTE}", file=sys.stderr)
-        kwargs["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        kwargs["prompt"] = prompt
+    text = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
+    request = request_from_keywords(**text, max_tokens=args.max_tokens, stop=args.stop or None,
+                                    ignore_eos=args.ignore_eos, profile=args.profile, logprobs=args.logprobs,
+                                    constraint=_constraint(args), **sampling_kwargs(args))
+    note = chat_template_note(model) if args.chat else None
+    if note and not quiet_rank(model):
+        print(f"mtp-engine: {note}", file=sys.stderr)
+    prepared = prepare(model, request)
+    chunks = api.stream_request(prepared, model)
     if quiet_rank(model):  # every rank generates the same tokens; rank 0 alone prints
-        for _ in api.stream_generate(model=model, **kwargs):
+        for _ in chunks:
             pass
         return 0
     if args.json:
-        r = api.generate(model=model, **kwargs)
+        r = api.GenerationResult.collect(chunks, prepared.prompt_ids, args.logprobs is not None)
         print(json.dumps(r.to_json(), ensure_ascii=False))
         _write_profile(r.stats, args.profile_out)
         return 0
+    return _stream_out(chunks, args)
+
+
+def _stream_out(chunks, args) -> int:
     last = None
-    for chunk in api.stream_generate(model=model, **kwargs):
+    for chunk in chunks:
         if chunk.text:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()

@@ -84,7 +84,8 @@ class DecoderBase:
     # but the generation loop turns it on (False keeps it off there too)
     budget: int | None = None  # tokens the caller still wants: no round is queued past them
 
-    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None):
+    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
+                 prompt_cache: PromptCache | None = None):
         self.model = model
         self.sampler = sampler
         self.prof = profiler or Profiler("off")
@@ -97,7 +98,7 @@ class DecoderBase:
         self.round_drafted: list[bool] = []
         self.round_logprobs: list[dict] | None = None
         self.round_n_drafted = 0
-        self.prompt_cache: PromptCache | None = None  # set by the caller: reuse and keep prompt state
+        self.prompt_cache = prompt_cache  # where prompt state is reused from and kept
         self.cached_tokens = 0  # prompt tokens the last prefill took from the prompt cache
 
     def prefill(self, ids: list[int]) -> list[int]:
@@ -183,8 +184,9 @@ class DecoderBase:
 class PlainDecoder(DecoderBase):
     """Decodes one token per trunk forward."""
 
-    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None):
-        super().__init__(model, sampler, profiler)
+    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
+                 prompt_cache: PromptCache | None = None):
+        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache)
         self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
 
     def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:

@@ -77,19 +77,26 @@ def peak_memory_bytes() -> int:
     return max(peak, int(rss))
 
 
+def check_context(n_prompt: int, max_tokens: int, cfg) -> None:
+    """A generation's context rules: a prompt of at least one token, no longer than the context
+    (whatever max_tokens is), and room in the context for max_tokens more; MTPEngineError naming
+    the field at fault and where the context length comes from (`cfg.context_source`)."""
+    ctx = cfg.context_length
+    if n_prompt == 0:
+        raise MTPEngineError("the prompt is empty: at least one token is needed", field="prompt")
+    if n_prompt > ctx:
+        raise MTPEngineError(f"the prompt ({n_prompt} tokens) is longer than the context length {ctx} "
+                             f"({cfg.context_source})", field="prompt")
+    if n_prompt + max_tokens > ctx:
+        raise MTPEngineError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                             f"length {ctx} ({cfg.context_source})", field="max_tokens")
+
+
 def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
         stop: list[str] | None = None, ignore_eos: bool = False,
         profiler: Profiler | None = None) -> Iterator[Chunk]:
     """Streams the generation of up to `max_tokens` tokens after `prompt_ids`."""
-    if not prompt_ids:
-        raise MTPEngineError("the prompt is empty: at least one token is needed", field="prompt")
-    ctx = decoder.model.cfg.context_length
-    if len(prompt_ids) > ctx:  # the prompt alone is at fault, whatever max_tokens is
-        raise MTPEngineError(f"the prompt ({len(prompt_ids)} tokens) is longer than the context length {ctx} "
-                             f"({decoder.model.cfg.context_source})", field="prompt")
-    if len(prompt_ids) + max_tokens > ctx:
-        raise MTPEngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                             f"length {ctx} ({decoder.model.cfg.context_source})", field="max_tokens")
+    check_context(len(prompt_ids), max_tokens, decoder.model.cfg)
     prof = profiler or decoder.prof
     t0 = time.perf_counter()
     if max_tokens == 0:

@@ -90,11 +90,11 @@ def check_finite(finite: mx.array) -> None:
 class Sampler:
     """Draws tokens for one generation; holds its random generator (seeded for reproducibility)."""
 
-    def __init__(self, cfg: SamplerConfig):
+    def __init__(self, cfg: SamplerConfig, grammar: Any = None):
         self.cfg = cfg
         self.rng = np.random.default_rng(None if cfg.seed in (None, -1) else cfg.seed)
         self.history = PenaltyHistory(cfg.penalties)
-        self.grammar = None  # a constraint's GrammarState (constraint.py), set by the caller
+        self.grammar = grammar  # a constraint's GrammarState (constraint.py): logits masked to it
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Starts the penalty history with the prompt (llama.cpp penalises prompt tokens too)."""

@@ -11,6 +11,7 @@ from ..errors import MTPEngineError
 from ..generation.penalties import PenaltyConfig
 from ..generation.sampling import SamplerConfig
 from ..speculative.config import SpecConfig
+from .request import GenerationRequest
 
 # the flat keywords' defaults, as `generate`/`stream_generate` declare them
 SPEC_DEFAULTS = {"n_max": "auto", "n_min": 0, "p_min": 0.0}
@@ -57,3 +58,18 @@ def sampler_config(sampler: SamplerConfig | None = None, *, temperature: float =
         return sampler
     penalties = PenaltyConfig(presence_penalty, frequency_penalty, repeat_penalty, repeat_last_n)
     return SamplerConfig(temperature, top_k, top_p, min_p, seed, penalties, logprobs)
+
+
+def request_from_keywords(prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+                          max_tokens: int = 256, spec: str | SpecConfig | None = None, n_max: int | str = "auto",
+                          n_min: int = 0, p_min: float = 0.0, stop: list[str] | str | None = None,
+                          ignore_eos: bool = False, profile: str | None = None,
+                          sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
+                          tool_choice: str | dict = "auto", constraint=None, prompt_cache=None,
+                          fit_context: bool = False, **sampling) -> GenerationRequest:
+    """The `GenerationRequest` of `generate`'s keywords (`sampling`: the flat sampling and
+    penalty keywords of `sampler_config`)."""
+    return GenerationRequest(prompt=prompt, messages=messages, tools=tools, tool_choice=tool_choice,
+                             sampler=sampler_config(sampler, **sampling), spec=spec_config(spec, n_max, n_min, p_min),
+                             constraint=constraint, stop=stop, max_tokens=max_tokens, fit_context=fit_context,
+                             ignore_eos=ignore_eos, profile=profile, prompt_cache=prompt_cache)

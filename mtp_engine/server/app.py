@@ -19,10 +19,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..chat.tool_calls import ToolCallStream, call_format, forced_call_constraint, split_tool_calls, template_format
+from ..chat.tool_calls import ToolCallStream, split_tool_calls
 from ..errors import MTPEngineError
+from ..request.prepare import Prepared, prepare
 from . import responses as R
-from .schemas import MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, parse_chat, parse_completion, parse_json
+from .schemas import (MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, engine_error, generation_request,
+                      parse_chat, parse_completion, parse_json)
 from .worker import Event, GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("mtp_engine.server")
@@ -59,8 +61,7 @@ def _engine_error(e: BaseException) -> APIError:
     if isinstance(e, ShuttingDown):
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, MTPEngineError):
-        code = "context_length_exceeded" if "context" in str(e) else None
-        return APIError(400, str(e), e.field, code)
+        return engine_error(e)
     return APIError(500, f"generation failed: {type(e).__name__}: {e}")
 
 
@@ -136,7 +137,7 @@ class Generation:
         self.tok = state.worker.model.tokenizer
         self.offset = 0  # completions' text_offset
         self.counters = {"drafted": 0, "accepted": 0, "tokens": 0, "t0": None}
-        fmt = template_format(self.tok.chat_template) if req.tools else None
+        fmt = job.prepared.tool_format
         self.calls = ToolCallStream(fmt, req.tools) if fmt else None  # None: no tools in this request
         self.n_calls = 0
         self.pending_lps: list = []
@@ -244,21 +245,16 @@ class Generation:
 PREPARE_TIMEOUT_S = 10.0
 
 
-def _prepare(raw: bytes, parse, state: ServerState):
-    """The request as the engine takes it: parsed, its grammars compiled (off the event loop)."""
+def _prepare(raw: bytes, parse, state: ServerState) -> tuple[GenRequest, Prepared]:
+    """The request as the engine takes it (off the event loop): parsed, typed, and prepared for
+    the model (rendered, tokenized, the context checked, its grammars compiled)."""
     req = parse(parse_json(raw), state.defaults)
-    req.kwargs["logprobs"] = req.logprobs
-    if req.tools:
-        req.kwargs["tools"] = req.tools
-        try:
-            fmt = call_format(state.worker.model.tokenizer.chat_template)
-            if req.forced_call is not None:  # the answer is made a call by a grammar
-                req.kwargs["constraint"] = forced_call_constraint(fmt, req.tools, req.forced_call["name"],
-                                                                  req.forced_call["parallel"],
-                                                                  other=req.kwargs.get("constraint"))
-        except MTPEngineError as e:
-            raise APIError(400, str(e), "tools" if e.field == "tools" else "tool_choice") from None
-    return req
+    worker = state.worker
+    request = generation_request(req, state.defaults, worker.prompt_cache)
+    try:
+        return req, prepare(worker.model, request)
+    except MTPEngineError as e:
+        raise engine_error(e) from None
 
 
 async def _generate(request: Request, parse) -> Response:
@@ -267,7 +263,7 @@ async def _generate(request: Request, parse) -> Response:
         raw = await _read_body(request)
         # parsing compiles grammars (JSON schemas, forced tool calls): CPU work that held the event
         # loop, and every other client with it, for seconds; a thread does it, within a deadline
-        req = await asyncio.wait_for(asyncio.to_thread(_prepare, raw, parse, state), PREPARE_TIMEOUT_S)
+        req, prepared = await asyncio.wait_for(asyncio.to_thread(_prepare, raw, parse, state), PREPARE_TIMEOUT_S)
     except APIError as e:
         return _error(e)
     except asyncio.TimeoutError:
@@ -275,7 +271,7 @@ async def _generate(request: Request, parse) -> Response:
                                     f"{PREPARE_TIMEOUT_S:.0f} s to compile: simplify it"))
     except ClientDisconnect:
         return Response(status_code=499)
-    job = Job(req.kwargs, req.max_tokens_given, state.defaults.max_tokens, req.mtp_trace, asyncio.get_running_loop())
+    job = Job(prepared, req.mtp_trace, asyncio.get_running_loop())
     try:
         state.worker.submit(job)
     except ShuttingDown as e:

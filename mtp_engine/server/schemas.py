@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..chat.tool_calls import check_tool_list, message_tool_calls, tool_choice_name
 from ..constraint import response_format_constraint
 from ..errors import MTPEngineError
 from ..generation.penalties import PenaltyConfig
+from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import MAX_LOGPROBS
+from ..request.keywords import request_from_keywords
+from ..request.request import GenerationRequest
 from ..speculative.config import SPEC_METHODS
 from ..text_input import check_stop
 
@@ -60,14 +63,45 @@ class GenRequest:
     """One checked request: what to generate and how to answer."""
 
     kind: str  # "chat" or "completion"
-    kwargs: dict  # for stream_generate (prompt or messages, sampling and draft settings)
-    max_tokens_given: bool
+    kwargs: dict  # generate's keywords (prompt or messages, sampling, draft settings); max_tokens None: not given
     stream: bool = False
     include_usage: bool = False
     mtp_trace: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs in the answer
     tools: list[dict] | None = None  # tools the template renders and the answer may call (chat only)
     forced_call: dict | None = None  # tool_choice "required" / a named tool: {"name", "parallel"}
+
+
+# the engine's names of the fields a request's own checks refuse, as this API spells them
+_PARAMS = {"spec": "spec_type", "n-max": "spec_draft_n_max", "n-min": "spec_draft_n_min",
+           "p-min": "spec_draft_p_min"}
+
+
+def engine_error(e: MTPEngineError) -> APIError:
+    """A 400 naming the request field the engine refused."""
+    code = "context_length_exceeded" if "context" in str(e) else None
+    return APIError(400, str(e), _PARAMS.get(e.field, e.field), code)
+
+
+def generation_request(req: GenRequest, d: ServerDefaults, prompt_cache: PromptCache | None) -> GenerationRequest:
+    """The engine's typed request of a checked body: without max_tokens, the server's default,
+    shrunk to what the context leaves; `prompt_cache` unless the body turned cache_prompt off."""
+    kw = dict(req.kwargs)
+    given = kw["max_tokens"] is not None
+    kw["max_tokens"] = kw["max_tokens"] if given else d.max_tokens
+    kw["logprobs"] = req.logprobs
+    cache = prompt_cache if kw.pop("cache_prompt", True) else None
+    parallel = True
+    if req.tools:
+        kw["tools"] = req.tools
+        if req.forced_call is not None:
+            name, parallel = req.forced_call["name"], req.forced_call["parallel"]
+            kw["tool_choice"] = "required" if name is None else {"type": "function", "function": {"name": name}}
+    try:
+        r = request_from_keywords(**kw, fit_context=not given, prompt_cache=cache)
+        return replace(r, parallel_tool_calls=parallel) if not parallel else r
+    except MTPEngineError as e:
+        raise engine_error(e) from None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -282,7 +316,7 @@ def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
     if top is not None and not want:
         raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     kw["messages"] = clean
-    return GenRequest("chat", kw, kw["max_tokens"] is not None, _boolean(body, "stream"), _stream_options(body),
+    return GenRequest("chat", kw, _boolean(body, "stream"), _stream_options(body),
                       _boolean(body, "mtp_trace"), (top or 0) if want else None, tools, forced)
 
 
@@ -302,5 +336,5 @@ def parse_completion(body: dict, d: ServerDefaults) -> GenRequest:
     kw = _sampling(body, d)
     kw["prompt"] = prompt
     lp = _integer(body, "logprobs", 0, MAX_LOGPROBS, None)
-    return GenRequest("completion", kw, kw["max_tokens"] is not None, _boolean(body, "stream"),
+    return GenRequest("completion", kw, _boolean(body, "stream"),
                       _stream_options(body), _boolean(body, "mtp_trace"), lp)

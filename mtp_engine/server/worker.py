@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import api
-from ..chat.template import CHATML, CHATML_NOTE
 from ..errors import MTPEngineError
 from ..generation.loop import Chunk
 from ..generation.prompt_cache import PromptCache
-from ..text_input import check_messages
-from ..tokenizer.bounded import encode_prompt
+from ..request.prepare import Prepared, chat_template_note
 
 log = logging.getLogger("mtp_engine.server")
 
@@ -42,11 +40,8 @@ class Event:
 class Job:
     """One request's generation; created on the event loop, run on the worker thread."""
 
-    def __init__(self, kwargs: dict, max_tokens_given: bool, default_max_tokens: int, trace: bool,
-                 loop: asyncio.AbstractEventLoop):
-        self.kwargs = kwargs
-        self.max_tokens_given = max_tokens_given
-        self.default_max_tokens = default_max_tokens
+    def __init__(self, prepared: Prepared, trace: bool, loop: asyncio.AbstractEventLoop):
+        self.prepared = prepared  # the request made concrete for the model (request.prepare)
         self.trace = trace
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
@@ -156,12 +151,11 @@ class GenerationWorker:
         try:
             self.model = api.load(self._path, exact=self._exact, max_context=self._max_context,
                                   progress=self._load_progress)
-            tok = self.model.tokenizer
             if self._chat_template is not None:
-                tok.chat_template = self._chat_template
-            elif tok.chat_template is None:
-                tok.chat_template = CHATML
-                log.warning("%s %s", self.model.path, CHATML_NOTE)
+                self.model.tokenizer.chat_template = self._chat_template
+            note = chat_template_note(self.model)
+            if note:
+                log.warning("%s", note)
             if self._warm_up is not None:
                 self._warm(dict(self._warm_up))
         except BaseException as e:  # reported by the main thread, which exits cleanly
@@ -203,42 +197,13 @@ class GenerationWorker:
         api.generate(WARM_UP_PROMPT, self.model, **{**kw, "max_tokens": WARM_UP_TOKENS, "ignore_eos": True})
         self.warm_seconds = time.monotonic() - t0
 
-    def _prompt_ids(self, kw: dict) -> list[int]:
-        # the same bounded, strict paths as generate(): invalid Unicode refused naming the field,
-        # a prompt past the context refused after tokenizing about one context of it
-        tok = self.model.tokenizer
-        ctx = self.model.model.cfg.context_length
-        tools = kw.pop("tools", None)
-        if "messages" in kw:
-            messages = kw.pop("messages")
-            check_messages(messages)
-            extra = {"tools": tools} if tools else {}
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
-            return encode_prompt(tok, text, ctx, "messages")
-        prompt = kw.pop("prompt")
-        if isinstance(prompt, str):
-            return encode_prompt(tok, prompt, ctx, "prompt")
-        vocab = self.model.model.cfg.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise MTPEngineError(f"token id {bad[0]} outside the vocabulary 0..{vocab - 1}", field="prompt")
-        return list(prompt)
-
     def _run(self, job: Job) -> None:
         job.started.set()
         gen = None
         try:
-            kw = dict(job.kwargs)
-            ids = self._prompt_ids(kw)
-            ctx = self.model.model.cfg.context_length
-            if len(ids) >= ctx:
-                raise MTPEngineError(f"the prompt ({len(ids)} tokens) does not fit the context ({ctx} tokens, "
-                                     "one of them for the answer)", field="prompt")
-            if not job.max_tokens_given:  # the server's default shrinks to what the context holds
-                kw["max_tokens"] = min(job.default_max_tokens, ctx - len(ids))
+            n_prompt = len(job.prepared.prompt_ids)
             detok = self.model.tokenizer.detokenizer() if job.trace else None
-            cache = self.prompt_cache if kw.pop("cache_prompt", True) else None
-            gen = api.stream_generate(ids, self.model, prompt_cache=cache, **kw)
+            gen = api.stream_request(job.prepared, self.model)
             for chunk in gen:
                 if self._stopping:
                     job.put(Event("error", error=ShuttingDown()))
@@ -249,8 +214,8 @@ class GenerationWorker:
                 pieces = [detok.add(t) for t in chunk.token_ids] if detok else []
                 if detok and chunk.finish_reason is not None:
                     pieces.append(detok.flush())
-                job.put(Event("chunk", chunk, pieces, prompt_tokens=len(ids)))
-            job.put(Event("done", prompt_tokens=len(ids)))
+                job.put(Event("chunk", chunk, pieces, prompt_tokens=n_prompt))
+            job.put(Event("done", prompt_tokens=n_prompt))
         except MTPEngineError as e:
             job.put(Event("error", error=e))
         except Exception as e:  # a bug must not kill the worker: answer 500 and go on

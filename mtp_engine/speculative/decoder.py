@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import MTPEngineError
 from ..generation.decode import DecoderBase, kv_capacity
 from ..generation.profiler import Profiler
+from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler, check_finite, distribution
 from ..model.qwen35 import Qwen35Model
 from . import calibration
@@ -55,10 +56,11 @@ class SpeculativeDecoder(DecoderBase):
     statistics. `scheduler` is required when `params.n_max` is None (auto)."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams, drafter: Drafter,
-                 profiler: Profiler | None = None, scheduler: DraftLengthScheduler | None = None):
+                 profiler: Profiler | None = None, scheduler: DraftLengthScheduler | None = None, *,
+                 prompt_cache: PromptCache | None = None, calibration_path: str = ""):
         if params.auto and scheduler is None:
             raise MTPEngineError("n-max auto needs a scheduler with the device's measured costs", field="n-max")
-        super().__init__(model, sampler, profiler)
+        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache)
         self.params = params
         self.scheduler = scheduler if params.auto else None
         self.drafter = drafter
@@ -73,7 +75,7 @@ class SpeculativeDecoder(DecoderBase):
         self.histogram: Counter = Counter()
         self.k_histogram: Counter = Counter()  # auto: the draft length chosen, per completed round
         self.trace: list[dict] | None = None  # per-round record, when a caller sets it to []
-        self.calibration_path = ""  # model file whose stored round costs this run's measurements update
+        self.calibration_path = calibration_path  # model file whose stored costs this run updates
         self._pending: _Round | None = None
         self._held_k: int | None = None
         self._verify_rows = 0  # rows of the last verify forward (1: no drafts, nothing captured)

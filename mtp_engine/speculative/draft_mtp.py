@@ -8,6 +8,7 @@ feed, oracle acceptance) are in speculative/ablations.py.
 from __future__ import annotations
 
 from ..generation.profiler import Profiler
+from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler
 from ..model.qwen35 import Qwen35Model
 from .config import DraftParams
@@ -24,8 +25,10 @@ class DraftMTPDecoder(ResidentRounds, SpeculativeDecoder):
     (speculative/resident.py) unless a grammar or precise profiling needs the host round."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
-                 profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None):
-        super().__init__(model, sampler, params, MTPDrafter(model), profiler, scheduler)
+                 profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,
+                 prompt_cache: PromptCache | None = None, calibration_path: str = ""):
+        super().__init__(model, sampler, params, MTPDrafter(model), profiler, scheduler,
+                         prompt_cache=prompt_cache, calibration_path=calibration_path)
 
     # the head's state, where tests and notebooks look for it
     @property

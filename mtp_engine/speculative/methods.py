@@ -8,6 +8,7 @@ from typing import Callable
 
 from ..errors import MTPEngineError
 from ..generation.profiler import Profiler
+from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler
 from ..model.qwen35 import Qwen35Model
 from .config import SPEC_METHODS, DraftParams
@@ -16,15 +17,15 @@ from .draft_mtp import DraftMTPDecoder
 from .ngram import NGramDrafter
 from .scheduler import DraftLengthScheduler
 
-Build = Callable[[Qwen35Model, Sampler, DraftParams, Profiler, DraftLengthScheduler | None], SpeculativeDecoder]
+Build = Callable[..., SpeculativeDecoder]
 
 
-def _draft_mtp(model, sampler, params, prof, scheduler) -> SpeculativeDecoder:
-    return DraftMTPDecoder(model, sampler, params, prof, scheduler=scheduler)
+def _draft_mtp(model, sampler, params, prof, scheduler, **state) -> SpeculativeDecoder:
+    return DraftMTPDecoder(model, sampler, params, prof, scheduler=scheduler, **state)
 
 
-def _ngram(model, sampler, params, prof, scheduler) -> SpeculativeDecoder:
-    return SpeculativeDecoder(model, sampler, params, NGramDrafter(), prof, scheduler)
+def _ngram(model, sampler, params, prof, scheduler, **state) -> SpeculativeDecoder:
+    return SpeculativeDecoder(model, sampler, params, NGramDrafter(), prof, scheduler, **state)
 
 
 DECODERS: dict[str, Build] = {"draft-mtp": _draft_mtp, "ngram": _ngram}
@@ -34,11 +35,14 @@ assert set(DECODERS) == set(SPEC_METHODS) - {"none"}
 
 def build_decoder(method: str, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                   profiler: Profiler | None = None,
-                  scheduler: DraftLengthScheduler | None = None) -> SpeculativeDecoder:
-    """The speculative decoder of `method` (one of `DECODERS`)."""
+                  scheduler: DraftLengthScheduler | None = None, *, prompt_cache: PromptCache | None = None,
+                  calibration_path: str = "") -> SpeculativeDecoder:
+    """The speculative decoder of `method` (one of `DECODERS`); `prompt_cache` where it reuses and
+    keeps prompt state, `calibration_path` the model file whose stored round costs it updates."""
     if method not in DECODERS:
         raise MTPEngineError(f"unknown spec type {method!r}: expected one of {list(SPEC_METHODS)}", field="spec")
     if method in NEEDS_MTP_HEAD and model.mtp is None:
         raise MTPEngineError(f"{method} needs a model with an MTP head (nextn_predict_layers >= 1); "
                              "this model has none", field="spec")
-    return DECODERS[method](model, sampler, params, profiler, scheduler)
+    return DECODERS[method](model, sampler, params, profiler, scheduler, prompt_cache=prompt_cache,
+                            calibration_path=calibration_path)

@@ -54,11 +54,11 @@ def _next_cut(text: str, start: int, spaced_specials: list[str]) -> int:
 
 
 def encode_prompt(tokenizer: Any, text: str, limit: int, field: str = "prompt",
-                  piece_chars: int = PIECE_CHARS) -> list[int]:
+                  piece_chars: int = PIECE_CHARS, source: str = "the model's") -> list[int]:
     """`tokenizer.encode(text)` (BOS included when the model asks for it), refusing with
     MTPEngineError naming `field` as soon as the ids exceed `limit` (the context length), after
     tokenizing at most `piece_chars` characters past it. Exact: the ids equal those of encoding
-    the whole text at once."""
+    the whole text at once. `source`: what set the limit, for the message (a -c cap, the model)."""
     from ..text_input import check_text
 
     check_text(text, field)
@@ -85,6 +85,6 @@ def encode_prompt(tokenizer: Any, text: str, limit: int, field: str = "prompt",
         too_long = len(ids) > limit
     if too_long:
         done = "" if start >= n else f" after tokenizing {start} of its {n} characters"
-        raise MTPEngineError(f"the prompt (more than {limit} tokens{done}) is longer than the model's context "
-                             f"length {limit}", field=field)
+        raise MTPEngineError(f"the prompt (more than {limit} tokens{done}) is longer than the context length "
+                             f"{limit} ({source})", field=field)
     return ids

@@ -209,7 +209,7 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, *,
-        render_limits: RenderLimits | None = None, **kwargs: Any
+        render_limits: RenderLimits | None = None, template: str | None = None, **kwargs: Any
     ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat
         template into prompt text (to be passed to :meth:`encode`).
@@ -223,10 +223,17 @@ class Tokenizer:
         The render runs under ``render_limits`` (default :class:`RenderLimits`: loop iterations
         and calls, characters produced, wall-clock seconds).
 
+        ``template``: a template text used instead of the model's (a request's fallback, such as
+        ChatML for a model that has none).
+
         Raises MTPEngineError (naming the template key) when there is no template, when it does
         not compile, when it calls ``raise_exception``, goes past its limits or fails in any way.
         """
-        template = self._template()
+        field = "chat template" if template is not None else self._template_field
+        if template is not None:  # compiled once per text (compile_chat_template's cache)
+            template = compile_chat_template(template, file=None, field=field)
+        else:
+            template = self._template()
         variables = dict(kwargs)
         variables.setdefault("bos_token", self._special_text(self.bos_token_id))
         variables.setdefault("eos_token", self._special_text(self.eos_token_id))
@@ -236,7 +243,7 @@ class Tokenizer:
             messages,
             add_generation_prompt,
             variables,
-            file=self.source or None,
-            field=self._template_field,
+            file=(self.source or None) if field == self._template_field else None,
+            field=field,
             limits=render_limits,
         )
