@@ -1,7 +1,7 @@
 """mtp-engine: multi-token-prediction speculative decoding for Qwen3.5 GGUF models on MLX."""
 import sys
 
-from .api import GenerationResult, Model, generate, load, stream_generate, stream_request
+from .api import GenerationResult, Model, batch_generate, generate, load, stream_generate, stream_request
 from .constraint import Constraint
 from .errors import MTPEngineError
 from .generation.prompt_cache import PromptCache
@@ -11,7 +11,7 @@ from .request.request import GenerationRequest
 from .speculative.config import SpecConfig
 from .version import __version__
 
-__all__ = ["generate", "stream_generate", "stream_request", "load", "Model", "GenerationResult", "GenerationRequest",
+__all__ = ["generate", "stream_generate", "stream_request", "batch_generate", "load", "Model", "GenerationResult", "GenerationRequest",
            "MTPEngineError", "EngineOptions", "SpecConfig", "SamplerConfig", "PromptCache", "Constraint", "__version__"]
 
 # Module paths before the package layout of 2026-12-04 (and `spec`, the old name of `speculative`)

@@ -4,11 +4,13 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .chat import tool_calls
+from .batching import BatchScheduler, batchable, stream_batched
 from .constraint import Constraint
 from .errors import MTPEngineError
 from .generation.loop import Chunk, run
@@ -85,7 +87,8 @@ DEFAULT_MAX_CONTEXT = 32768
 def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: bool = True,
          max_context: int | None = None, quantize: str | int | None = None, distributed: str | None = None,
          group=None, distributed_timeout: float = 60.0, *,
-         options: EngineOptions | None = None, progress: Callable[[int, int], None] | None = None) -> Model:
+         options: EngineOptions | None = None, progress: Callable[[int, int], None] | None = None,
+         parallel: int | None = None) -> Model:
     """Loads a Qwen3.5 GGUF file (default: the model in `models/`) or an HF checkpoint folder
     (config.json + safetensors, or a folder written by `mtp-engine convert`). `exact=True` keeps
     Q6_K tensors in float32 so every weight equals llama.cpp's dequantization. `quantize` (folders
@@ -103,7 +106,23 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
 
     `options` (`EngineOptions`: compiled steps, kernels, row padding, cache folder, memory limit)
     are kept on the model (`model.options`); fields left None take the environment's defaults.
-    `progress(done, total)` is called as the model's blocks load."""
+    `progress(done, total)` is called as the model's blocks load.
+
+    `parallel` N > 1: plain generations of several threads share batched steps, up to N sequences
+    in one forward (`batching.BatchScheduler`, `model.scheduler`); without it they take turns."""
+    if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1):
+        raise MTPEngineError(f"expected an integer >= 1, found {parallel!r}", field="parallel")
+    m = _load(path, exact, load_mtp, max_context, quantize, distributed, group, distributed_timeout, options,
+              progress)
+    if parallel is not None and parallel > 1:
+        if m.comm is not None:
+            raise MTPEngineError("not supported with a distributed model", field="parallel")
+        m.scheduler = BatchScheduler(m, parallel)
+    return m
+
+
+def _load(path, exact, load_mtp, max_context, quantize, distributed, group, distributed_timeout, options,
+          progress) -> Model:
     t0 = time.perf_counter()
     if options is not None and not isinstance(options, EngineOptions):
         raise MTPEngineError(f"expected EngineOptions, found {type(options).__name__}", field="options")
@@ -191,7 +210,6 @@ def _resolve(model) -> Model:
     raise MTPEngineError(f"expected a path or a loaded Model, found {type(model).__name__}", field="model")
 
 
-@engine_thread
 def stream_generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
                     messages: list[dict] | None = None, max_tokens: int = 256, spec: str | SpecConfig | None = None,
                     n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
@@ -256,12 +274,22 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     yield from stream_request(prepared, m)
 
 
-@engine_thread
 def stream_request(request: GenerationRequest | Prepared, model: Model | str | None = None) -> Iterator[Chunk]:
     """`stream_generate` for a `GenerationRequest` (the typed request every front end builds), or
-    for one already prepared (`request.prepare.prepare`) for this model."""
+    for one already prepared (`request.prepare.prepare`) for this model. A plain request on a
+    model with a batch scheduler (`load(..., parallel=N)`, `serve --parallel N`) decodes in its
+    batches, beside the other threads' requests; any other runs alone."""
     m = _resolve(model)
     prepared = request if isinstance(request, Prepared) else prepare(m, request)
+    if m.scheduler is not None and batchable(prepared.request):
+        chunks = stream_batched(m.scheduler, prepared, m)
+    else:
+        chunks = _decode_alone(prepared, m)
+    yield from _with_tool_calls(chunks, prepared)
+
+
+@engine_thread
+def _decode_alone(prepared: Prepared, m: Model) -> Iterator[Chunk]:
     req = prepared.request
     prof = Profiler(req.profile or "off")
     seed = None
@@ -275,17 +303,65 @@ def stream_request(request: GenerationRequest | Prepared, model: Model | str | N
         from .distributed import share_decisions
         share_decisions(decoder, m.comm)
         chunks = m.comm.guard(chunks)
-    calls = tool_calls.ToolCallStream(prepared.tool_format, req.rendered_tools) \
-        if prepared.tool_format is not None else None
     for chunk in chunks:
-        if calls is not None:
-            calls.feed(chunk.text)
         if chunk.finish_reason is not None:
             chunk.stats["load_seconds"] = m.load_seconds
-            if calls is not None:
-                calls.finish()
-                chunk.tool_calls = calls.calls
         yield chunk
+
+
+def _with_tool_calls(chunks: Iterator[Chunk], prepared: Prepared) -> Iterator[Chunk]:
+    """The chunks, the last one carrying the tool calls the text holds (when tools were given)."""
+    calls = tool_calls.ToolCallStream(prepared.tool_format, prepared.request.rendered_tools) \
+        if prepared.tool_format is not None else None
+    try:
+        for chunk in chunks:
+            if calls is not None:
+                calls.feed(chunk.text)
+            if chunk.finish_reason is not None:
+                if calls is not None:
+                    calls.finish()
+                    chunk.tool_calls = calls.calls
+            yield chunk
+    finally:  # a stream closed early ends its generation now (a batch frees its slot)
+        chunks.close()
+
+
+DEFAULT_PARALLEL = 8
+
+
+def batch_generate(prompts: list[str | list[int]], model: Model | str | None = None, *, max_tokens: int = 256,
+                   parallel: int | None = None, **kwargs) -> list[GenerationResult]:
+    """Generates for every prompt, up to `parallel` sequences (default: all of them, at most
+    DEFAULT_PARALLEL) decoding together in one batched forward per step, a new one joining as
+    another ends (mlx-lm's `batch_generate`, continuous). One `GenerationResult` per prompt, in
+    order; each as `generate` would give it alone (greedy: the same tokens). `kwargs`: generate's
+    sampling, stop and constraint keywords (each prompt gets the same; plain decoding)."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise MTPEngineError("expected a non-empty list of prompts", field="prompts")
+    m = _resolve(model)
+    # every request checked and prepared before any decoding: a bad one fails the call at once
+    prepared = []
+    for i, p in enumerate(prompts):
+        try:
+            prepared.append(prepare(m, request_from_keywords(p, max_tokens=max_tokens, **kwargs)))
+        except MTPEngineError as e:
+            raise MTPEngineError(f"prompts[{i}]: {e}", field=e.field) from None
+    n = parallel if parallel is not None else min(len(prompts), DEFAULT_PARALLEL)
+    scheduler = BatchScheduler(m, n, own_thread=False)
+    want_lp = prepared[0].request.sampler.logprobs is not None
+
+    def one(p: Prepared) -> GenerationResult:
+        return GenerationResult.collect(_with_tool_calls(stream_batched(scheduler, p, m), p), p.prompt_ids, want_lp)
+
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="mtp-engine-batch-reader") as pool:
+        futures = [pool.submit(one, p) for p in prepared]
+        _drive(scheduler, lambda: all(f.done() for f in futures))
+        return [f.result() for f in futures]
+
+
+@run_on_engine_thread
+def _drive(scheduler: BatchScheduler, until) -> None:
+    scheduler.drive(until)
 
 
 def generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,

@@ -23,7 +23,8 @@ LAYERS = [
     ("model",),  # the network, its caches and kernels, loading
     ("generation",),  # sampling, penalties, prompt cache, plain decoding, the token loop
     ("speculative",),  # drafters, the round, acceptance, n-max auto
-    ("convert", "request"),  # checkpoint conversion; a request's options
+    ("convert", "request"),  # checkpoint conversion; a request, checked and prepared
+    ("batching",),  # continuous batching: many sequences in one forward per step
     ("distributed",),
     ("api",),
     ("server",),  # HTTP only

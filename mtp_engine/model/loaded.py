@@ -19,6 +19,7 @@ class Model:
     path: str
     load_seconds: float = 0.0  # wall time of `load` (reported in every generation's stats)
     comm: object = None  # a `distributed.Comm` when this process holds one rank's share
+    scheduler: object = None  # a `batching.BatchScheduler` when plain requests share batched steps
 
     @property
     def options(self) -> EngineOptions:

@@ -379,6 +379,13 @@ class Qwen35Model:
             cache.offset += s
         return (post, x) if return_prenorm else post
 
+    def forward_batch(self, ids: mx.array, batch) -> mx.array:
+        """ids [B, S]: the next S tokens of each of B sequences, each at its own length in `batch`
+        (a `batch_cache.BatchCache`, advanced here); returns the post-norm hidden states [B, S, H]."""
+        post, _ = self._body(ids, batch.layers)
+        batch.advance(int(ids.shape[1]))
+        return post
+
     def _body(self, ids: mx.array, caches: list) -> list[mx.array]:
         post, x = run_layers(self.layers, self.embed_tokens(ids), caches, self.output_norm, self.cfg.eps,
                              self.fused_norm)

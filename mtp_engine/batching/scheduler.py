@@ -1,0 +1,249 @@
+"""Continuous batching: up to `max_batch` sequences decode together, one batched forward a step.
+
+One thread (the scheduler's) does all of the batch's device work, in a loop:
+  admit     a waiting sequence takes a free slot and starts its prefill;
+  prefill   one chunk of the joining sequence's prompt, on caches of its own (batch 1, exactly
+            as it would run alone), so a long prompt delays the running streams by one chunk
+            at a time, never by its whole prefill; after its last chunk it samples its first
+            token and joins the batch (`model.batch_cache.BatchCache.add`: a row appended);
+  decode    one forward of every running sequence's last token, each row at its own length;
+            each row sampled by its own sampler (temperature, penalties, grammar, seed);
+  leave     sequences that are done (max_tokens reached) or cancelled (their reader stopped:
+            EOS, a stop string, a closed stream) drop their rows before the next step.
+Each sequence's tokens go to its reader through a queue; the reader (`SlotDecoder`, driven by the
+ordinary generation loop) cuts them at EOS and stop strings, as for a sequence decoded alone.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+import traceback
+
+import mlx.core as mx
+
+from ..errors import MTPEngineError
+from ..generation.sampling import Sampler, check_finite
+from ..model.batch_cache import BatchCache
+from ..model.cache import TrunkCache
+from ..model.loaded import Model
+
+
+class Sequence:
+    """One request in the scheduler: its prompt, sampler and budget, and the queue its tokens
+    reach the reader through (items: (tokens, logprobs), an exception, or None for the end)."""
+
+    def __init__(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int):
+        self.prompt_ids, self.sampler, self.max_tokens = list(prompt_ids), sampler, max_tokens
+        self.out: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+        self.produced = 0
+        self.last_token: int | None = None
+        self.trunk: TrunkCache | None = None  # its own caches while it prefills
+        self.prefilled = 0
+        self.submitted = time.perf_counter()
+        self.joined: float | None = None  # when its prefill started
+        self.batch_sizes: list[int] = []  # the batch each of its decode steps ran in
+
+    def cancel(self) -> None:
+        """Its reader is done: the row leaves before the next step."""
+        self.cancelled.set()
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled.is_set() or self.produced >= self.max_tokens
+
+    def deliver(self, tokens: list[int], logprobs: list[dict] | None) -> None:
+        self.sampler.accept(tokens)
+        self.produced += len(tokens)
+        self.last_token = tokens[-1]
+        self.out.put((tokens, logprobs))
+
+    def fail(self, error: BaseException) -> None:
+        self.cancelled.set()
+        self.out.put(error)
+
+
+class SchedulerStopped(MTPEngineError):
+    """The scheduler stopped (the server or the program is ending) before the sequence ended."""
+
+
+class BatchScheduler:
+    """Runs the sequences submitted to it in batches of at most `max_batch` on `model` (see the
+    module docstring). With `own_thread` its thread starts with the first sequence and parks when
+    stopped (a thread that ran MLX work must outlive the interpreter's exit: `threads`); without,
+    the caller runs the loop with `drive` (batch_generate, on the engine thread)."""
+
+    prefill_chunk = 512  # the plain decoder's, so a prompt's prefill is the one it has alone
+
+    def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True):
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise MTPEngineError(f"expected an integer >= 1, found {max_batch!r}", field="parallel")
+        self.model, self.max_batch, self.own_thread = model, max_batch, own_thread
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._joining: Sequence | None = None
+        self._rows: list[Sequence] = []
+        self._batch = BatchCache(model.model)
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # batched decode steps run
+        self.completed = 0
+
+    # ---- any thread --------------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queues a sequence; it joins the batch when a slot is free."""
+        with self._cv:
+            if self._stopping:
+                raise SchedulerStopped("the batch scheduler has stopped", field="model")
+            self._waiting.append(seq)
+            if self.own_thread and self._thread is None:
+                self._thread = threading.Thread(target=self._main, name="mtp-engine-batch", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """Ends every sequence (SchedulerStopped) and parks the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+
+    def slots(self) -> list[dict]:
+        """What each slot is doing (llama-server's /slots): running rows, then the joining one."""
+        with self._cv:
+            rows = list(self._rows)
+            joining = self._joining
+        out = [{"id": i, "state": "decoding", "prompt_tokens": len(s.prompt_ids), "generated_tokens": s.produced}
+               for i, s in enumerate(rows)]
+        if joining is not None:
+            out.append({"id": len(out), "state": "prefilling", "prompt_tokens": len(joining.prompt_ids),
+                        "prefilled_tokens": joining.prefilled})
+        out += [{"id": i, "state": "idle"} for i in range(len(out), self.max_batch)]
+        return out
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._rows) + (self._joining is not None)
+
+    # ---- the scheduler's thread --------------------------------------------------------------------
+    def drive(self, until) -> None:
+        """Runs the loop in this thread until `until()` is true (checked between steps)."""
+        while not until():
+            if not self._work(timeout=0.01):
+                continue
+
+    def _main(self) -> None:
+        while True:
+            self._work(timeout=None)
+
+    def _work(self, timeout: float | None) -> bool:
+        """One pass of the loop (leave, admit/prefill a chunk, decode a step); waits up to
+        `timeout` (None: for ever) when there is nothing to do. False when it did nothing."""
+        with self._cv:
+            if not self._stopping and not (self._waiting or self._joining or self._rows):
+                self._cv.wait(timeout)
+            if self._stopping:
+                self._end_all(SchedulerStopped("the batch scheduler stopped before this generation ended",
+                                               field="model"))
+                if self.own_thread:
+                    while True:  # parked: see the class docstring
+                        self._cv.wait()
+                return False
+            if not (self._waiting or self._joining or self._rows):
+                return False
+        try:
+            self._leave()
+            self._admit_and_prefill()
+            self._decode()
+        except Exception as e:  # a bug must not hang the readers: each gets the error
+            traceback.print_exc()
+            self._end_all(e)
+        return True
+
+    def _end_all(self, error: BaseException) -> None:
+        seqs = self._rows + ([self._joining] if self._joining else []) + list(self._waiting)
+        for s in seqs:
+            s.fail(error)
+        self._rows, self._joining = [], None
+        self._waiting.clear()
+        self._batch = BatchCache(self.model.model)
+
+    def _leave(self) -> None:
+        keep = [i for i, s in enumerate(self._rows) if not s.done]
+        if len(keep) < len(self._rows):
+            for s in self._rows:
+                if s.done:
+                    s.out.put(None)
+                    self.completed += 1
+            self._rows = [self._rows[i] for i in keep]
+            self._batch.keep(keep)
+        with self._cv:  # a waiting sequence whose reader left never takes a slot
+            self._waiting = collections.deque(s for s in self._waiting if not s.cancelled.is_set())
+
+    def _admit_and_prefill(self) -> None:
+        if self._joining is None:
+            with self._cv:
+                if self._waiting and len(self._rows) < self.max_batch:
+                    self._joining = self._waiting.popleft()
+            if self._joining is None:
+                return
+            s = self._joining
+            s.joined = time.perf_counter()
+            s.trunk = self.model.model.make_cache()
+            s.sampler.begin(s.prompt_ids)
+        s = self._joining
+        if s.cancelled.is_set():
+            self._joining, s.trunk = None, None
+            s.out.put(None)
+            return
+        try:
+            self._prefill_chunk(s)
+        except MTPEngineError as e:
+            self._joining, s.trunk = None, None
+            s.fail(e)
+
+    def _prefill_chunk(self, s: Sequence) -> None:
+        m = self.model.model
+        ids = s.prompt_ids[s.prefilled:s.prefilled + self.prefill_chunk]
+        h = m.forward(mx.array([ids]), s.trunk)
+        mx.eval(h, *s.trunk.arrays())
+        s.prefilled += len(ids)
+        if s.prefilled < len(s.prompt_ids):
+            return
+        logits = m.logits(h[0, -1])
+        token = s.sampler.sample(logits)
+        s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
+        self._batch.add(s.trunk)
+        s.trunk = None
+        self._rows.append(s)
+        self._joining = None
+
+    def _decode(self) -> None:
+        rows = [s for s in self._rows]
+        if not rows:
+            return
+        m = self.model.model
+        ids = mx.array([[s.last_token] for s in rows], dtype=mx.int32)
+        logits = m.logits(m.forward_batch(ids, self._batch)[:, -1])  # [B, V]
+        greedy = mx.argmax(logits, axis=-1)
+        finite = mx.all(mx.isfinite(logits), axis=-1)
+        mx.eval(greedy, finite, *self._batch.arrays())
+        self.steps += 1
+        fast = [int(t) for t in greedy.tolist()]
+        ok = finite.tolist()
+        for b, s in enumerate(rows):
+            if s.done:
+                continue
+            s.batch_sizes.append(len(rows))
+            try:
+                check_finite(mx.array(ok[b]))
+                row = logits[b]
+                token = fast[b] if s.sampler.argmax_on_device else s.sampler.sample(row)
+                s.deliver([token], s.sampler.token_logprobs(row[None], [token]))
+            except MTPEngineError as e:
+                s.fail(e)

@@ -1,0 +1,165 @@
+"""Caches of several sequences decoded together, each at its own length.
+
+A batch holds B sequences in one tensor per layer: attention keys/values [B, n_kv, capacity, D]
+with a length per row, gated-delta-net conv windows [B, K-1, C] and states [B, Vh, Kd, Vd]. Rows
+are never re-padded: a forward's new positions are written at each row's own length (a scatter),
+the attention mask lets row b's queries see its first `length[b]` positions plus the new ones, and
+rope rotates each row by its own offset. The recurrent layers need nothing per row: their state
+is the sequence's whole past.
+
+A sequence joins with the caches of its own prefill (`add`: batch-1 caches appended as a row) and
+leaves by row (`keep`), so one joining or leaving costs a copy of the buffers, never a change to
+the other rows' positions. (mlx-lm's BatchKVCache pads on the left and shares one offset; hybrid
+models then need the padding masked in every recurrent state, which went wrong there once.)
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .cache import KVCache, RecurrentCache, TrunkCache
+
+
+class BatchKVCache:
+    """One attention layer's keys and values for the batch; `lengths` is the owner's (one array
+    shared by every layer, advanced by `BatchCache.advance` after a forward)."""
+
+    step = 256
+
+    def __init__(self, owner: "BatchCache", n_kv: int, head_dim: int, dtype=mx.float32):
+        self.owner, self.n_kv, self.head_dim, self.dtype = owner, n_kv, head_dim, dtype
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's length before this forward: rope's per-row offset."""
+        return self.owner.lengths
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def _reserve(self, needed: int) -> None:
+        """Room for `needed` positions in every row (in steps, so growth is rare)."""
+        cap = self.capacity
+        if self.keys is not None and needed <= cap:
+            return
+        new_cap = -(-needed // self.step) * self.step
+        rows = 1 if self.keys is None else int(self.keys.shape[0])
+        shape = (rows, self.n_kv, new_cap, self.head_dim)
+        k, v = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
+        if self.keys is not None and cap:
+            k[:, :, :cap] = self.keys
+            v[:, :, :cap] = self.values
+        self.keys, self.values = k, v
+
+    def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Writes k, v [B, n_kv, S, D] at each row's length; returns the keys and values up to the
+        longest row's new end and the boolean mask [B, 1, S, L] of what each query may see."""
+        s = int(k.shape[2])
+        end = max(self.owner.host_lengths) + s
+        self._reserve(end)
+        pos = self.owner.lengths[:, None, None, None] + mx.arange(s)[None, None, :, None]
+        idx = mx.broadcast_to(pos, k.shape).astype(mx.int32)
+        self.keys = mx.put_along_axis(self.keys, idx, k.astype(self.dtype), axis=2)
+        self.values = mx.put_along_axis(self.values, idx, v.astype(self.dtype), axis=2)
+        # query j of row b sits at position lengths[b] + j and sees every position up to it
+        q_pos = self.owner.lengths[:, None] + mx.arange(s)[None, :]  # [B, S]
+        mask = mx.arange(end)[None, None, :] <= q_pos[:, :, None]  # [B, S, L]
+        return self.keys[:, :, :end], self.values[:, :, :end], mask[:, None]
+
+    def add(self, row: KVCache) -> None:
+        """Appends a batch-1 cache as the last row."""
+        n = int(row.offset)
+        cap = max(self.capacity, -(-max(n, 1) // self.step) * self.step)
+        if self.keys is not None:
+            self._reserve(cap)
+        k = mx.zeros((1, self.n_kv, cap, self.head_dim), self.dtype)
+        v = mx.zeros_like(k)
+        if n:
+            k[:, :, :n] = row.keys[:, :, :n].astype(self.dtype)
+            v[:, :, :n] = row.values[:, :, :n].astype(self.dtype)
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = mx.concatenate([self.keys, k], axis=0)
+            self.values = mx.concatenate([self.values, v], axis=0)
+
+    def keep(self, rows: mx.array) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+class BatchRecurrentCache(RecurrentCache):
+    """A gated-delta-net layer's conv windows and states, one row per sequence (the layer code is
+    the batch-1 cache's: its arrays simply have B rows)."""
+
+    def __init__(self, first: RecurrentCache):
+        self.__dict__.update(first.__dict__)
+        self.capturing, self._captured = False, None
+
+    def add(self, row: RecurrentCache) -> None:
+        self.conv = mx.concatenate([self.conv, row.conv], axis=0)
+        self.state = mx.concatenate([self.state, row.state], axis=0)
+
+    def keep(self, rows: mx.array) -> None:
+        self.conv, self.state = self.conv[rows], self.state[rows]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.conv, self.state]
+
+
+class BatchCache:
+    """The trunk's caches for a batch of sequences, each with its own length."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.layers: list[BatchKVCache | BatchRecurrentCache] = []
+        self.host_lengths: list[int] = []
+        self.lengths = mx.zeros((0,), mx.int32)
+
+    def __len__(self) -> int:
+        return len(self.host_lengths)
+
+    def add(self, trunk: TrunkCache) -> int:
+        """Appends a sequence whose batch-1 caches hold its prompt; returns its row."""
+        trunk.to_host()
+        self.host_lengths.append(int(trunk.offset))
+        self.lengths = mx.array(self.host_lengths, mx.int32)
+        if not self.layers:
+            c = self.model.cfg
+            for layer in trunk.layers:
+                if isinstance(layer, KVCache):
+                    self.layers.append(BatchKVCache(self, c.n_head_kv, c.head_dim, layer.dtype))
+                    self.layers[-1].add(layer)
+                else:
+                    self.layers.append(BatchRecurrentCache(layer))
+            return 0
+        for mine, row in zip(self.layers, trunk.layers):
+            mine.add(row)
+        return len(self.host_lengths) - 1
+
+    def keep(self, rows: list[int]) -> None:
+        """Keeps only `rows` (in that order): the others' sequences have left."""
+        self.host_lengths = [self.host_lengths[r] for r in rows]
+        self.lengths = mx.array(self.host_lengths, mx.int32)
+        if not rows:
+            self.layers = []
+            return
+        idx = mx.array(rows, mx.int32)
+        for layer in self.layers:
+            layer.keep(idx)
+
+    def advance(self, n: int) -> None:
+        """Every row took `n` more tokens (after a forward of n tokens per row)."""
+        self.host_lengths = [x + n for x in self.host_lengths]
+        self.lengths = self.lengths + n
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer.arrays()] + [self.lengths]
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays())
