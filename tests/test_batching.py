@@ -179,3 +179,71 @@ def test_batch_cache_rows_join_and_leave_without_moving_others(shipped_model):
     assert mx.array_equal(kv.keys[0, :, :7], kv0.keys[0, :, :7])
     batch.keep([])
     assert len(batch) == 0 and batch.layers == []
+
+
+# ---- serve --parallel -----------------------------------------------------------------------------
+
+def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
+    """8 concurrent streamed completions on `serve --parallel 4`: each answer as generate gives it
+    alone, the streams overlap, /slots shows the slots at work, and every slot is free after."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .server_helpers import LiveServer
+
+    prompts = [f"def g{i}(items):\n    " for i in range(8)]
+    want = [r.text for r in _alone(shipped_model, prompts, max_tokens=24, ignore_eos=True)]
+    server = LiveServer(SHIPPED, "--parallel", "4", "--log-level", "info")
+    try:
+        assert any("draft-mtp is not batched yet" in line for line in server.stderr)
+        seen_slots: list = []
+        first: dict[int, float] = {}
+        ended: dict[int, float] = {}
+
+        def one(i: int) -> str:
+            c, resp = server.open_stream("/v1/completions", {"prompt": prompts[i], "max_tokens": 24,
+                                                             "ignore_eos": True})
+            text = []
+            for raw in resp:  # event by event, as they arrive (sse_events reads them all first)
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                piece = json.loads(line[6:])["choices"][0].get("text") or ""
+                if piece and i not in first:
+                    first[i] = time.perf_counter()
+                text.append(piece)
+            ended[i] = time.perf_counter()
+            c.close()
+            return "".join(text)
+
+        done = threading.Event()
+
+        def watch() -> None:  # what /slots says while the streams run
+            while not done.is_set():
+                seen_slots.append(server.request("GET", "/slots")[1])
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(8) as ex:
+                got = list(ex.map(one, range(8)))
+        finally:
+            done.set()
+            watcher.join()
+        assert got == want
+        # 4 slots: the first four streams to start all start before any stream ends
+        assert sorted(first.values())[3] < min(ended.values()), (first, ended)
+        assert all(len(s) == 4 for s in seen_slots)
+        assert max(sum(x["state"] != "idle" for x in s) for s in seen_slots) == 4, json.dumps(seen_slots)
+        h = server.wait_idle()
+        assert h["parallel"] == 4 and h["running"] == 0
+        assert all(x["state"] == "idle" for x in server.request("GET", "/slots")[1])
+        # a request the batch cannot take yet runs alone, with its MTP figures
+        status, body = server.request("POST", "/v1/completions", {"prompt": prompts[0], "max_tokens": 8,
+                                                                  "spec_type": "draft-mtp", "ignore_eos": True})
+        assert status == 200 and want[0].startswith(body["choices"][0]["text"])
+    finally:
+        server.stop()

@@ -63,6 +63,9 @@ def add_serve_parser(sub, n_max_type) -> None:
     s.add_argument("-m", "--model", help="GGUF file (default: the model in models/)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port; the URL printed says which)")
+    s.add_argument("-np", "--parallel", type=positive_int, default=1,
+                   help="requests decoded together in one batched forward per step (llama-server's slots); "
+                        "plain decoding: draft-mtp is not batched yet")
     s.add_argument("--queue-size", type=int, default=64,
                    help="requests allowed to wait while one generates; more are answered 503")
     s.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")

@@ -121,6 +121,11 @@ def run_serve(args) -> int:
         print(f"mtp-engine: warning: {warning}", file=sys.stderr, flush=True)
     from ..server.schemas import parse_completion
 
+    if defaults.spec == "draft-mtp" and args.parallel > 1:
+        logging.getLogger("mtp_engine.server").warning(
+            "--parallel %d: draft-mtp is not batched yet, so requests decode plainly in the batch by default "
+            "(a request that asks for spec_type draft-mtp runs alone)", args.parallel)
+        defaults.spec = "none"
     # the server's own default settings, as a request without settings gets them
     warm = parse_completion({"prompt": "x"}, defaults).kwargs
     warm.pop("prompt")
@@ -130,7 +135,7 @@ def run_serve(args) -> int:
     worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
                               warm_up=warm, idle_release_s=args.idle_release,
                               cache_slots=args.cache_slots, cache_bytes=args.cache_ram << 20,
-                              chat_template=chat_template,
+                              chat_template=chat_template, parallel=args.parallel,
                               load_progress=load_progress(model_label(args.model)))
     worker.start()
     model = wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main

@@ -250,7 +250,7 @@ def _prepare(raw: bytes, parse, state: ServerState) -> tuple[GenRequest, Prepare
     the model (rendered, tokenized, the context checked, its grammars compiled)."""
     req = parse(parse_json(raw), state.defaults)
     worker = state.worker
-    request = generation_request(req, state.defaults, worker.prompt_cache)
+    request = generation_request(req, state.defaults, worker.request_prompt_cache)
     try:
         return req, prepare(worker.model, request)
     except MTPEngineError as e:
@@ -317,8 +317,15 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     s: ServerState = request.app.state.mtp
     w = s.worker
-    return JSONResponse({"status": "ok", "busy": w.busy, "waiting": w.waiting, "queue_size": w.queue_size,
-                         "completed": w.completed, "rss_bytes": rss_bytes()})
+    return JSONResponse({"status": "ok", "busy": w.busy, "running": w.running, "parallel": w.parallel,
+                         "waiting": w.waiting, "queue_size": w.queue_size, "completed": w.completed,
+                         "rss_bytes": rss_bytes()})
+
+
+async def slots(request: Request) -> Response:
+    """llama-server's /slots: what each slot is doing."""
+    w = request.app.state.mtp.worker
+    return JSONResponse(w.slots())
 
 
 async def page(request: Request) -> Response:
@@ -369,6 +376,7 @@ def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: s
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models),
         Route("/health", health),
+        Route("/slots", slots),
     ], exception_handlers={404: _not_found, 405: _method, Exception: _internal})
     app.state.mtp = ServerState(worker, defaults, model_name, R.now())
     if api_key:

@@ -80,7 +80,7 @@ class GenerationWorker:
     def __init__(self, model_path: str | None, queue_size: int, exact: bool = False,
                  max_context: int | None = None, warm_up: dict | None = None, idle_release_s: float = 0.0,
                  load_progress=None, cache_slots: int = 4, cache_bytes: int | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, parallel: int = 1):
         """`warm_up`: `generate` keyword arguments (the server's default settings) for one short
         generation before the worker says it is ready, so the first request does not pay for
         tracing and compiling the steps (seconds each on a GPU). `cache_slots`, `cache_bytes`: the
@@ -88,8 +88,14 @@ class GenerationWorker:
         --chat-template). `idle_release_s` > 0: hand MLX's cached buffers back once no request has come for that
         long. Off by default: MLX keeps freed buffers for reuse, as generate() in a loop does, and
         clearing them makes the next request pay fresh allocations (page faults on the CPU, device
-        allocations on a GPU)."""
+        allocations on a GPU).
+
+        `parallel` N > 1 (serve --parallel): up to N jobs run at once, their plain decoding in one
+        batched forward per step (`batching.BatchScheduler`); each job's reading and streaming runs
+        in a thread of its own. Requests the batch cannot take yet (draft-mtp) run alone."""
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.parallel = parallel
+        self._free = threading.Semaphore(parallel)  # slots: a job is taken off the queue only into one
         self.queue_size = queue_size
         self._path, self._exact, self._max_context, self._warm_up = model_path, exact, max_context, warm_up
         self._idle_release = idle_release_s if idle_release_s and idle_release_s > 0 else None
@@ -102,9 +108,10 @@ class GenerationWorker:
         # prefills only the rest; one generation at a time uses it (this thread's)
         self.prompt_cache = PromptCache(cache_slots, cache_bytes)
         self.ready = threading.Event()
-        self.busy = False
+        self.running = 0  # jobs generating now (at most `parallel`)
         self.completed = 0
         self._stopping = False
+        self._count = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="mtp-engine-generation", daemon=True)
 
     def start(self) -> None:
@@ -125,6 +132,8 @@ class GenerationWorker:
         generation ends at its next chunk and every request, running or waiting, gets a
         "shutting down" error event, so open streams end properly before the server closes them."""
         self._stopping = True
+        if self.model is not None and self.model.scheduler is not None:
+            self.model.scheduler.stop()  # running batched generations end with an error event
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -150,7 +159,7 @@ class GenerationWorker:
     def _main(self) -> None:
         try:
             self.model = api.load(self._path, exact=self._exact, max_context=self._max_context,
-                                  progress=self._load_progress)
+                                  progress=self._load_progress, parallel=self.parallel)
             if self._chat_template is not None:
                 self.model.tokenizer.chat_template = self._chat_template
             note = chat_template_note(self.model)
@@ -165,26 +174,53 @@ class GenerationWorker:
         self.ready.set()
         dirty = False
         while True:
+            self._free.acquire()  # a waiting job stays in the bounded queue until a slot is free
             try:
                 job = self.jobs.get(timeout=self._idle_release)
             except queue.Empty:
-                if dirty:  # idle for a while: hand the allocator's cached buffers back
+                self._free.release()
+                if dirty and self.running == 0:  # idle for a while: hand the allocator's cached buffers back
                     mx.clear_cache()
                     dirty = False
                 continue
             if job is None:
                 return
-            if self._stopping:
-                job.put(Event("error", error=ShuttingDown()))
+            if self._stopping or job.cancelled.is_set():  # a client that left while it waited frees its place
+                if self._stopping:
+                    job.put(Event("error", error=ShuttingDown()))
+                self._free.release()
                 continue
-            if job.cancelled.is_set():
-                continue  # its client left while it waited: the slot is free
-            self.busy = dirty = True
-            try:
-                self._run(job)
-            finally:
-                self.busy = False
+            dirty = True
+            with self._count:
+                self.running += 1
+            if self.parallel == 1:
+                self._run_in_slot(job)
+            else:  # the job reads its tokens in its own thread; this one takes the next job
+                threading.Thread(target=self._run_in_slot, args=(job,), name="mtp-engine-request", daemon=True).start()
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0
+
+    def _run_in_slot(self, job: Job) -> None:
+        try:
+            self._run(job)
+        finally:
+            with self._count:
+                self.running -= 1
                 self.completed += 1
+            self._free.release()
+
+    def slots(self) -> list[dict]:
+        """What each slot is doing (llama-server's /slots)."""
+        if self.model is not None and self.model.scheduler is not None:
+            return self.model.scheduler.slots()
+        return [{"id": 0, "state": "generating" if self.running else "idle"}]
+
+    @property
+    def request_prompt_cache(self) -> PromptCache | None:
+        """The prompt cache requests use: none while batching (a batched row keeps none yet)."""
+        return self.prompt_cache if self.parallel == 1 else None
 
     def _warm(self, kw: dict) -> None:
         kw.pop("cache_prompt", None)  # the warm-up's prompt is no one's

@@ -1,0 +1,135 @@
+"""Continuous batching against one stream at a time, in one process (issue 27's benchmark).
+
+For each concurrency C (default 1, 2, 4, 8, 16): C threads each stream one greedy completion of
+T tokens (a different prompt each, EOS ignored) from a model loaded with `parallel=C`
+(`batching.BatchScheduler`: every step one batched forward of the running sequences), and the
+same C requests one after another on a model without batching (the engine's turn-taking, what
+`serve` did before --parallel). Reported per C, medians over the repeats (interleaved: batched,
+sequential, batched, ...):
+  aggregate tok/s   all generated tokens / wall time from the first request to the last token;
+  ttft p50 / p95    per request, from its submission to its first token (queueing included);
+  stream tok/s      per request, tokens after the first / time from its first token to its last;
+  outputs equal     every batched answer equals its sequential one (greedy: token for token).
+Writes JSON (--out) and a plot of aggregate tok/s and TTFT against C (--plot).
+
+    python scripts/bench_batch.py                         # the model in models/, this machine
+    python scripts/bench_batch.py -m FILE.gguf -t 128 --concurrency 1,4,8 --out b.json --plot b.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _prompts(n: int) -> list[str]:
+    stems = ["def parse_args(argv):\n", "class Cache:\n    def __init__(self, size):\n", "import json\n\ndef load(",
+             "for i in range(10):\n", "def fib(n):\n", "async def fetch(url):\n", "SELECT name FROM", "x = ["]
+    return [f"# task {i}\n{stems[i % len(stems)]}" for i in range(n)]
+
+
+def run_streams(model, prompts: list[str], tokens: int, concurrent: bool) -> dict:
+    from mtp_engine import stream_generate
+
+    sub, first, last, out = {}, {}, {}, {}
+
+    def one(i: int) -> None:
+        sub[i] = time.perf_counter()
+        toks = []
+        for c in stream_generate(prompts[i], model, max_tokens=tokens, ignore_eos=True):
+            if c.token_ids and i not in first:
+                first[i] = time.perf_counter()
+            toks += c.token_ids
+        last[i] = time.perf_counter()
+        out[i] = toks
+
+    t0 = time.perf_counter()
+    if concurrent:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for i in range(len(prompts)):
+            one(i)
+    wall = time.perf_counter() - t0
+    n = len(prompts)
+    ttft = sorted(first[i] - sub[i] for i in range(n))
+    rates = [(len(out[i]) - 1) / (last[i] - first[i]) for i in range(n) if last[i] > first[i]]
+    return {"aggregate_tok_s": sum(len(o) for o in out.values()) / wall,
+            "ttft_p50_s": ttft[n // 2], "ttft_p95_s": ttft[min(n - 1, int(0.95 * n))],
+            "stream_tok_s": statistics.median(rates) if rates else 0.0,
+            "outputs": [out[i] for i in range(n)]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the model in models/)")
+    ap.add_argument("-t", "--tokens", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args(argv)
+    import mlx.core as mx
+
+    from mtp_engine import load
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    alone = load(args.model)
+    rows = []
+    for c in levels:
+        batched = load(args.model, parallel=c) if c > 1 else alone
+        prompts = _prompts(c)
+        run_streams(batched, prompts[:1], 4, True)  # warm-up (first-use costs out of the timings)
+        res = {"batched": [], "sequential": []}
+        for _ in range(args.repeats):
+            res["batched"].append(run_streams(batched, prompts, args.tokens, True))
+            res["sequential"].append(run_streams(alone, prompts, args.tokens, False))
+        row = {"concurrency": c,
+               "outputs_equal": all(b["outputs"] == s["outputs"] for b, s in zip(res["batched"], res["sequential"]))}
+        for kind, runs in res.items():
+            for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "stream_tok_s"):
+                row[f"{kind}_{key}"] = statistics.median(r[key] for r in runs)
+        row["aggregate_ratio"] = row["batched_aggregate_tok_s"] / row["sequential_aggregate_tok_s"]
+        rows.append(row)
+        print(f"C={c:2d}  batched {row['batched_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['batched_ttft_p50_s']:.3f} "
+              f"p95 {row['batched_ttft_p95_s']:.3f} s, stream {row['batched_stream_tok_s']:.1f} tok/s)   sequential "
+              f"{row['sequential_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['sequential_ttft_p50_s']:.3f} s)   "
+              f"x{row['aggregate_ratio']:.2f}   outputs equal: {row['outputs_equal']}", flush=True)
+    report = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens,
+              "repeats": args.repeats, "model": args.model or "models/ (default)", "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        cs = [r["concurrency"] for r in rows]
+        a.plot(cs, [r["batched_aggregate_tok_s"] for r in rows], "o-", label="batched (parallel=C)")
+        a.plot(cs, [r["sequential_aggregate_tok_s"] for r in rows], "s--", label="one at a time")
+        a.set(xlabel="concurrent streams", ylabel="aggregate tok/s", xscale="log", title="throughput")
+        b.plot(cs, [r["batched_ttft_p50_s"] for r in rows], "o-", label="batched p50")
+        b.plot(cs, [r["batched_ttft_p95_s"] for r in rows], "o:", label="batched p95")
+        b.plot(cs, [r["sequential_ttft_p50_s"] for r in rows], "s--", label="one at a time p50")
+        b.set(xlabel="concurrent streams", ylabel="time to first token (s)", xscale="log", title="TTFT")
+        for ax in (a, b):
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"continuous batching, {report['device']}, {args.tokens} tokens per stream")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
