@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .chat import tool_calls
-from .batching import BatchScheduler, batchable, stream_batched
+from .batching import BatchScheduler, batch_scheduler, batchable, stream_batched
 from .constraint import Constraint
 from .errors import MTPEngineError
 from .generation.loop import Chunk, run
@@ -108,8 +108,9 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     are kept on the model (`model.options`); fields left None take the environment's defaults.
     `progress(done, total)` is called as the model's blocks load.
 
-    `parallel` N > 1: plain generations of several threads share batched steps, up to N sequences
-    in one forward (`batching.BatchScheduler`, `model.scheduler`); without it they take turns."""
+    `parallel` N > 1: generations of several threads share batched steps, up to N sequences in one
+    forward (`batching`, `model.scheduler`; draft-mtp ones draft and verify together when the
+    model has an MTP head); without it they take turns."""
     if parallel is not None and (not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1):
         raise MTPEngineError(f"expected an integer >= 1, found {parallel!r}", field="parallel")
     m = _load(path, exact, load_mtp, max_context, quantize, distributed, group, distributed_timeout, options,
@@ -117,7 +118,7 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     if parallel is not None and parallel > 1:
         if m.comm is not None:
             raise MTPEngineError("not supported with a distributed model", field="parallel")
-        m.scheduler = BatchScheduler(m, parallel)
+        m.scheduler = batch_scheduler(m, parallel)
     return m
 
 
@@ -281,7 +282,7 @@ def stream_request(request: GenerationRequest | Prepared, model: Model | str | N
     batches, beside the other threads' requests; any other runs alone."""
     m = _resolve(model)
     prepared = request if isinstance(request, Prepared) else prepare(m, request)
-    if m.scheduler is not None and batchable(prepared.request):
+    if m.scheduler is not None and batchable(prepared.request, m.scheduler):
         chunks = stream_batched(m.scheduler, prepared, m)
     else:
         chunks = _decode_alone(prepared, m)
@@ -335,7 +336,8 @@ def batch_generate(prompts: list[str | list[int]], model: Model | str | None = N
     DEFAULT_PARALLEL) decoding together in one batched forward per step, a new one joining as
     another ends (mlx-lm's `batch_generate`, continuous). One `GenerationResult` per prompt, in
     order; each as `generate` would give it alone (greedy: the same tokens). `kwargs`: generate's
-    sampling, stop and constraint keywords (each prompt gets the same; plain decoding)."""
+    sampling, spec, stop and constraint keywords (each prompt gets the same); `spec="draft-mtp"`
+    drafts with the MTP head for every sequence in one call and verifies them in one forward."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise MTPEngineError("expected a non-empty list of prompts", field="prompts")
     m = _resolve(model)
@@ -347,7 +349,7 @@ def batch_generate(prompts: list[str | list[int]], model: Model | str | None = N
         except MTPEngineError as e:
             raise MTPEngineError(f"prompts[{i}]: {e}", field=e.field) from None
     n = parallel if parallel is not None else min(len(prompts), DEFAULT_PARALLEL)
-    scheduler = BatchScheduler(m, n, own_thread=False)
+    scheduler = batch_scheduler(m, n, draft_mtp=prepared[0].request.spec.method == "draft-mtp", own_thread=False)
     want_lp = prepared[0].request.sampler.logprobs is not None
 
     def one(p: Prepared) -> GenerationResult:

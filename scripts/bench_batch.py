@@ -7,7 +7,8 @@ same C requests one after another on a model without batching (the engine's turn
 `serve` did before --parallel). Reported per C, medians over the repeats (interleaved: batched,
 sequential, batched, ...):
   aggregate tok/s   all generated tokens / wall time from the first request to the last token;
-  ttft p50 / p95    per request, from its submission to its first token (queueing included);
+  ttft p50 / p95    per request, from its arrival to its first token (queueing included: all C
+                    requests arrive at once, so one at a time the last waits for the others);
   stream tok/s      per request, tokens after the first / time from its first token to its last;
   outputs equal     every batched answer equals its sequential one (greedy: token for token).
 Writes JSON (--out) and a plot of aggregate tok/s and TTFT against C (--plot).
@@ -41,7 +42,7 @@ def run_streams(model, prompts: list[str], tokens: int, concurrent: bool) -> dic
     sub, first, last, out = {}, {}, {}, {}
 
     def one(i: int) -> None:
-        sub[i] = time.perf_counter()
+        sub.setdefault(i, time.perf_counter())
         toks = []
         for c in stream_generate(prompts[i], model, max_tokens=tokens, ignore_eos=True):
             if c.token_ids and i not in first:
@@ -51,6 +52,8 @@ def run_streams(model, prompts: list[str], tokens: int, concurrent: bool) -> dic
         out[i] = toks
 
     t0 = time.perf_counter()
+    if not concurrent:  # the C requests all arrive now and take turns: a turn's wait is its queueing
+        sub.update((i, t0) for i in range(len(prompts)))
     if concurrent:
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
         for t in threads:

@@ -71,8 +71,11 @@ def test_batch_refusals_name_the_field(shipped_model):
         batch_generate(["a", "b\ud800"], shipped_model, max_tokens=2)
     assert "prompts[1]" in str(e.value) and e.value.field == "prompt"
     with pytest.raises(MTPEngineError) as e:
-        batch_generate(["a"], shipped_model, max_tokens=2, spec="draft-mtp")
+        batch_generate(["a"], shipped_model, max_tokens=2, spec="ngram")
     assert e.value.field == "spec"
+    with pytest.raises(MTPEngineError) as e:
+        batch_generate(["a"], shipped_model, max_tokens=2, profile="round")
+    assert e.value.field == "profile"
     for bad in ([], "abc", None):
         with pytest.raises(MTPEngineError) as e:
             batch_generate(bad, shipped_model)
@@ -150,100 +153,98 @@ def test_random_cancellations_leak_no_slot(parallel_model):
     assert len(s._batch) == 0
 
 
-def test_plain_requests_with_options_the_batch_lacks_run_alone(parallel_model, shipped_model):
-    """draft-mtp and profiled requests on a batching model still work (alone, not in the batch)."""
-    a = generate("def fib(n):", parallel_model, max_tokens=8, spec="draft-mtp", n_max=2)
+def test_requests_the_batch_cannot_take_run_alone(parallel_model, shipped_model):
+    """ngram and profiled requests on a batching model still work (alone, not in the batch)."""
     b = generate("def fib(n):", shipped_model, max_tokens=8)
-    assert a.token_ids == b.token_ids and "rounds" in a.stats
+    a = generate("def fib(n):", parallel_model, max_tokens=8, spec="ngram", n_max=2)
+    assert a.token_ids == b.token_ids and "batch_size_mean" not in a.stats
+    a = generate("def fib(n):", parallel_model, max_tokens=8, profile="round")
+    assert a.token_ids == b.token_ids and "profile" in a.stats
 
 
-# ---- the batch caches ---------------------------------------------------------------------------
+# ---- draft-mtp in batches ------------------------------------------------------------------------
 
-def test_batch_cache_rows_join_and_leave_without_moving_others(shipped_model):
-    m = shipped_model.model
-    caches = []
-    for ids in ([1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]):
-        c = m.make_cache()
-        m.forward(mx.array([ids]), c)
-        caches.append(c)
-    batch = BatchCache(m)
-    for c in caches:
-        batch.add(c)
-    assert batch.host_lengths == [3, 7, 1] and batch.lengths.tolist() == [3, 7, 1]
-    kv = next(layer for layer in batch.layers if hasattr(layer, "keys"))
-    kv0 = next(layer for layer in caches[1].layers if hasattr(layer, "keys"))
-    assert mx.array_equal(kv.keys[1, :, :7], kv0.keys[0, :, :7])
-    batch.keep([1, 2])
-    assert batch.host_lengths == [7, 1]
-    kv = next(layer for layer in batch.layers if hasattr(layer, "keys"))
-    assert mx.array_equal(kv.keys[0, :, :7], kv0.keys[0, :, :7])
-    batch.keep([])
-    assert len(batch) == 0 and batch.layers == []
+@pytest.mark.parametrize("path,n_max", [(SHIPPED, "auto"), (SHIPPED, 3), (SHIPPED, 1), (TINY_Q4, 2), (MOE_Q4, 2)],
+                         ids=["trained-auto", "trained-3", "trained-1", "tiny", "moe"])
+def test_draft_mtp_batch_equals_plain_alone(models, path, n_max):
+    """The head drafts for every sequence at once, one verify checks them all, each row accepts
+    and rolls back alone (attention lengths, recurrent states, the head's rows): every token as
+    plain greedy decoding of the prompt alone, with drafts accepted."""
+    m = models(need(path))
+    want = _alone(m, PROMPTS, max_tokens=20, ignore_eos=True)
+    got = batch_generate(PROMPTS, m, max_tokens=20, ignore_eos=True, spec="draft-mtp", n_max=n_max, parallel=3)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    if path == SHIPPED and n_max != "auto":  # the trained head's drafts are often right
+        assert sum(g.stats["accepted"] for g in got) > 0.3 * sum(g.stats["drafted"] for g in got)
+        assert all(g.stats["drafted"] == n_max * g.stats["rounds"] for g in got)
 
 
-# ---- serve --parallel -----------------------------------------------------------------------------
+def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
+    """One MTP batch: greedy draft-mtp rows draft, a sampled and a penalised row take plain steps
+    in the same forwards (so a sampled row is exactly plain sampling with its seed: lossless), a
+    plain row too; each gets what it gets alone."""
+    from mtp_engine.api import stream_request
+    from mtp_engine.batching import batch_scheduler
+    from mtp_engine.request import prepare, request_from_keywords
 
-def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
-    """8 concurrent streamed completions on `serve --parallel 4`: each answer as generate gives it
-    alone, the streams overlap, /slots shows the slots at work, and every slot is free after."""
-    import json
-    from concurrent.futures import ThreadPoolExecutor
+    kws = [dict(spec="draft-mtp", n_max=3), dict(spec="draft-mtp", temperature=0.8, seed=5),
+           dict(spec="draft-mtp", repeat_penalty=1.5), dict(), dict(spec="draft-mtp", n_max=3, stop=["\n\n"])]
+    prompts = PROMPTS[:5]
+    plain = [{**kw, "spec": "none", "n_max": "auto"} if kw.get("temperature") else kw for kw in kws]
+    want = [generate(p, shipped_model, max_tokens=16, ignore_eos=True, **kw) for p, kw in zip(prompts, plain)]
+    from dataclasses import replace
+    m = replace(shipped_model, scheduler=None)
+    m.scheduler = batch_scheduler(m, 5)
+    got: dict[int, list[int]] = {}
 
-    from .server_helpers import LiveServer
+    def read(i):
+        req = request_from_keywords(prompts[i], max_tokens=16, ignore_eos=True, **kws[i])
+        got[i] = [t for c in stream_request(prepare(m, req), m) for t in c.token_ids]
 
-    prompts = [f"def g{i}(items):\n    " for i in range(8)]
-    want = [r.text for r in _alone(shipped_model, prompts, max_tokens=24, ignore_eos=True)]
-    server = LiveServer(SHIPPED, "--parallel", "4", "--log-level", "info")
-    try:
-        assert any("draft-mtp is not batched yet" in line for line in server.stderr)
-        seen_slots: list = []
-        first: dict[int, float] = {}
-        ended: dict[int, float] = {}
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i] for i in range(5)] == [w.token_ids for w in want]
+    m.scheduler.stop()
 
-        def one(i: int) -> str:
-            c, resp = server.open_stream("/v1/completions", {"prompt": prompts[i], "max_tokens": 24,
-                                                             "ignore_eos": True})
-            text = []
-            for raw in resp:  # event by event, as they arrive (sse_events reads them all first)
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    break
-                piece = json.loads(line[6:])["choices"][0].get("text") or ""
-                if piece and i not in first:
-                    first[i] = time.perf_counter()
-                text.append(piece)
-            ended[i] = time.perf_counter()
-            c.close()
-            return "".join(text)
 
-        done = threading.Event()
+def test_mtp_batch_reuses_the_prompt_cache_with_the_heads_state(shipped_model):
+    from dataclasses import replace
 
-        def watch() -> None:  # what /slots says while the streams run
-            while not done.is_set():
-                seen_slots.append(server.request("GET", "/slots")[1])
-                time.sleep(0.05)
+    from mtp_engine import PromptCache
+    from mtp_engine.batching import batch_scheduler
 
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            with ThreadPoolExecutor(8) as ex:
-                got = list(ex.map(one, range(8)))
-        finally:
-            done.set()
-            watcher.join()
-        assert got == want
-        # 4 slots: the first four streams to start all start before any stream ends
-        assert sorted(first.values())[3] < min(ended.values()), (first, ended)
-        assert all(len(s) == 4 for s in seen_slots)
-        assert max(sum(x["state"] != "idle" for x in s) for s in seen_slots) == 4, json.dumps(seen_slots)
-        h = server.wait_idle()
-        assert h["parallel"] == 4 and h["running"] == 0
-        assert all(x["state"] == "idle" for x in server.request("GET", "/slots")[1])
-        # a request the batch cannot take yet runs alone, with its MTP figures
-        status, body = server.request("POST", "/v1/completions", {"prompt": prompts[0], "max_tokens": 8,
-                                                                  "spec_type": "draft-mtp", "ignore_eos": True})
-        assert status == 200 and want[0].startswith(body["choices"][0]["text"])
-    finally:
-        server.stop()
+    m = replace(shipped_model, scheduler=None)
+    m.scheduler = batch_scheduler(m, 2)
+    turn1 = "def area(r):\n    return 3.14159 * r * r\n\n"
+    turn2 = turn1 + "def perimeter(r):\n"
+    cache = PromptCache()
+    a1 = generate(turn1, m, max_tokens=8, spec="draft-mtp", n_max=2, prompt_cache=cache)
+    a2 = generate(turn2, m, max_tokens=8, spec="draft-mtp", n_max=2, prompt_cache=cache)
+    assert a2.stats["cached_prompt_tokens"] == len(a1.prompt_token_ids) - 1 and a2.stats["rounds"] > 0
+    b = [generate(t, shipped_model, max_tokens=8) for t in (turn1, turn2)]
+    assert (a1.token_ids, a2.token_ids) == (b[0].token_ids, b[1].token_ids)
+    m.scheduler.stop()
+
+
+def test_auto_draft_length_is_measured_per_batch_size():
+    from mtp_engine.batching.mtp import DraftLengthChooser
+
+    def trained(cost_per_row: float, acceptance: float) -> DraftLengthChooser:
+        c = DraftLengthChooser(k_max=3, explore=2)
+        seen = set()
+        for _ in range(12):  # every k of this batch size is tried (first use + 2) before any is chosen
+            k = c.choose(4, 3)
+            seen.add(k)
+            c.observe(4, k, 0.1 + cost_per_row * k, 0, 0)
+        assert seen == {0, 1, 2, 3}
+        c.drafted, c.accepted = 100, int(100 * acceptance)
+        return c
+
+    assert trained(0.01, 0.8).choose(4, 3) == 3  # rows nearly free (a GPU at small B), drafts good
+    assert trained(0.1, 0.8).choose(4, 3) == 0  # rows cost what they compute (a CPU): plain steps
+    assert trained(0.01, 0.05).choose(4, 3) == 0  # drafts that fail are not worth even cheap rows
+    assert trained(0.01, 0.8).choose(4, 1) == 1  # never past the cap
+    assert trained(0.01, 0.8).choose(8, 3) == 0  # another batch size is measured on its own (k = 0 first)

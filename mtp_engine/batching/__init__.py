@@ -9,33 +9,45 @@ from ..generation.loop import Chunk, run
 from ..generation.profiler import Profiler
 from ..model.loaded import Model
 from ..request.prepare import Prepared, make_sampler
+from .mtp import MTPBatchScheduler
 from .scheduler import BatchScheduler, SchedulerStopped, Sequence
 from .slot import SlotDecoder
 
-__all__ = ["BatchScheduler", "SchedulerStopped", "Sequence", "SlotDecoder", "batchable", "stream_batched"]
+__all__ = ["BatchScheduler", "MTPBatchScheduler", "SchedulerStopped", "Sequence", "SlotDecoder", "batch_scheduler",
+           "batchable", "stream_batched"]
 
 
-def batchable(request) -> bool:
-    """Whether a request can decode in a batch today: plain decoding, no prompt cache, no profile
-    (others run alone)."""
-    return request.spec.method == "none" and request.prompt_cache is None and request.profile in (None, "off")
+def batch_scheduler(model: Model, max_batch: int, draft_mtp: bool = True,
+                    own_thread: bool = True) -> BatchScheduler:
+    """The scheduler for `model`: MTP batches (draft-mtp sequences draft) when the model has an MTP
+    head and `draft_mtp`, else plain ones."""
+    if draft_mtp and model.model.mtp is not None:
+        return MTPBatchScheduler(model, max_batch, own_thread)
+    return BatchScheduler(model, max_batch, own_thread)
+
+
+def batchable(request, scheduler: BatchScheduler) -> bool:
+    """Whether a request decodes in `scheduler`'s batches: plain decoding anywhere, draft-mtp in
+    an MTP batch, no profile (others run alone)."""
+    spec = request.spec.method
+    return (spec == "none" or spec == "draft-mtp" and isinstance(scheduler, MTPBatchScheduler)) \
+        and request.profile in (None, "off")
 
 
 def stream_batched(scheduler: BatchScheduler, prepared: Prepared, model: Model) -> Iterator[Chunk]:
     """The chunks of one prepared request decoded in `scheduler`'s batches; closing the stream
     early frees its slot at the scheduler's next step."""
     req = prepared.request
-    if req.spec.method != "none":
-        raise MTPEngineError(f"{req.spec.method} is not available in a batch yet: batched sequences decode "
-                             "plainly (spec 'none')", field="spec")
-    if req.prompt_cache is not None:
-        raise MTPEngineError("a batched sequence keeps no prompt cache yet", field="prompt_cache")
+    if not batchable(req, scheduler):
+        if req.spec.method == "none" or isinstance(scheduler, MTPBatchScheduler):
+            raise MTPEngineError("profiling needs the sequence alone (a batch's steps are shared)", field="profile")
+        raise MTPEngineError(f"{req.spec.method} does not batch here: a model with an MTP head batches "
+                             "draft-mtp; ngram runs alone", field="spec")
     if model.comm is not None:
         raise MTPEngineError("not supported with a distributed model", field="parallel")
-    prof = Profiler(req.profile or "off")
-    if prof.enabled:
-        raise MTPEngineError("profiling needs the sequence alone (a batch's steps are shared)", field="profile")
-    seq = Sequence(prepared.prompt_ids, make_sampler(model, prepared), prepared.max_tokens)
+    prof = Profiler("off")
+    seq = Sequence(prepared.prompt_ids, make_sampler(model, prepared), prepared.max_tokens, req.prompt_cache,
+                   draft=req.spec.method == "draft-mtp", n_max=req.spec.n_max)
     decoder = SlotDecoder(scheduler, seq, model.model, prof)
     try:
         for chunk in run(decoder, model.tokenizer, prepared.prompt_ids, prepared.max_tokens, stop=req.stop,

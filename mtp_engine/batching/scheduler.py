@@ -24,6 +24,7 @@ import traceback
 import mlx.core as mx
 
 from ..errors import MTPEngineError
+from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler, check_finite
 from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache
@@ -34,8 +35,11 @@ class Sequence:
     """One request in the scheduler: its prompt, sampler and budget, and the queue its tokens
     reach the reader through (items: (tokens, logprobs), an exception, or None for the end)."""
 
-    def __init__(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int):
+    def __init__(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
+                 prompt_cache: PromptCache | None = None, draft: bool = False, n_max: int | None = None):
         self.prompt_ids, self.sampler, self.max_tokens = list(prompt_ids), sampler, max_tokens
+        self.prompt_cache = prompt_cache  # reused from and kept in as by a plain decoder alone
+        self.cached = 0  # prompt tokens its prompt cache supplied
         self.out: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
         self.produced = 0
@@ -45,6 +49,12 @@ class Sequence:
         self.submitted = time.perf_counter()
         self.joined: float | None = None  # when its prefill started
         self.batch_sizes: list[int] = []  # the batch each of its decode steps ran in
+        # draft-mtp in an MTP batch: its drafts are verified (greedy rows; others keep none)
+        self.draft = draft and sampler.argmax_on_device
+        self.n_max = n_max  # None: the batch's draft length
+        self.drafted = self.accepted = self.rounds = 0
+        self.head = None  # the MTP head's batch-1 cache while it prefills (MTP batches)
+        self.h_prev = None  # the trunk hidden state its next head row reads
 
     def cancel(self) -> None:
         """Its reader is done: the row leaves before the next step."""
@@ -54,11 +64,12 @@ class Sequence:
     def done(self) -> bool:
         return self.cancelled.is_set() or self.produced >= self.max_tokens
 
-    def deliver(self, tokens: list[int], logprobs: list[dict] | None) -> None:
+    def deliver(self, tokens: list[int], logprobs: list[dict] | None, n_accepted: int = 0,
+                n_drafted: int = 0) -> None:
         self.sampler.accept(tokens)
         self.produced += len(tokens)
         self.last_token = tokens[-1]
-        self.out.put((tokens, logprobs))
+        self.out.put((tokens, logprobs, n_accepted, n_drafted))
 
     def fail(self, error: BaseException) -> None:
         self.cancelled.set()
@@ -181,9 +192,12 @@ class BatchScheduler:
                     s.out.put(None)
                     self.completed += 1
             self._rows = [self._rows[i] for i in keep]
-            self._batch.keep(keep)
+            self._keep_rows(keep)
         with self._cv:  # a waiting sequence whose reader left never takes a slot
             self._waiting = collections.deque(s for s in self._waiting if not s.cancelled.is_set())
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        self._batch.keep(keep)
 
     def _admit_and_prefill(self) -> None:
         if self._joining is None:
@@ -194,8 +208,8 @@ class BatchScheduler:
                 return
             s = self._joining
             s.joined = time.perf_counter()
-            s.trunk = self.model.model.make_cache()
             s.sampler.begin(s.prompt_ids)
+            self._start_prefill(s)
         s = self._joining
         if s.cancelled.is_set():
             self._joining, s.trunk = None, None
@@ -207,18 +221,38 @@ class BatchScheduler:
             self._joining, s.trunk = None, None
             s.fail(e)
 
+    def _start_prefill(self, s: Sequence) -> None:
+        """Its own caches: a kept prompt state it starts with (the plain decoder's rule: the
+        prompt without its last token), else empty ones."""
+        m = self.model.model
+        kept = s.prompt_cache.take(m, s.prompt_ids[:-1], None) if s.prompt_cache is not None else None
+        if kept is None:
+            s.trunk = m.make_cache()
+            return
+        s.trunk = kept.trunk
+        s.trunk.restore(kept.snapshot)
+        s.prefilled = s.cached = len(kept.tokens)
+
     def _prefill_chunk(self, s: Sequence) -> None:
         m = self.model.model
-        ids = s.prompt_ids[s.prefilled:s.prefilled + self.prefill_chunk]
+        n = len(s.prompt_ids)
+        # with a prompt cache the last token is a chunk of its own, after the state before it is
+        # kept (as the plain decoder does alone, so the numbers are the same)
+        end = min(s.prefilled + self.prefill_chunk, n - 1 if s.prompt_cache is not None and s.prefilled < n - 1 else n)
+        ids = s.prompt_ids[s.prefilled:end]
         h = m.forward(mx.array([ids]), s.trunk)
         mx.eval(h, *s.trunk.arrays())
-        s.prefilled += len(ids)
-        if s.prefilled < len(s.prompt_ids):
+        s.prefilled = end
+        if s.prompt_cache is not None and end == n - 1:
+            s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk)
+        if s.prefilled < n:
             return
         logits = m.logits(h[0, -1])
         token = s.sampler.sample(logits)
         s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
         self._batch.add(s.trunk)
+        if s.prompt_cache is not None:  # its rows are copied: the kept state is never written again
+            s.prompt_cache.release(s.trunk)
         s.trunk = None
         self._rows.append(s)
         self._joining = None

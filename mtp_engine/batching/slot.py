@@ -13,7 +13,7 @@ class SlotDecoder:
 
     pipeline: bool | None = None  # the scheduler's thread runs ahead of the reader by itself
     budget: int | None = None
-    prompt_cache = None  # prompt caching is the sequence's own prefill's (not yet kept in a batch)
+    prompt_cache = None  # the sequence's own prefill reuses and keeps prompt state (scheduler)
     cache = None
     cached_tokens = 0
 
@@ -25,7 +25,9 @@ class SlotDecoder:
 
     def prefill(self, ids: list[int]) -> list[int]:
         self.scheduler.submit(self.seq)
-        return self._next()
+        first = self._next()
+        self.cached_tokens = self.seq.cached
+        return first
 
     def step(self) -> list[int]:
         return self._next()
@@ -36,9 +38,10 @@ class SlotDecoder:
             raise item
         if item is None:  # the scheduler ended it (cannot happen before max_tokens: the loop stops first)
             raise RuntimeError("the batch scheduler ended a sequence its reader still reads")
-        tokens, logprobs = item
-        self.round_drafted = [False] * len(tokens)
+        tokens, logprobs, n_accepted, n_drafted = item
+        self.round_drafted = [True] * n_accepted + [False] * (len(tokens) - n_accepted)
         self.round_logprobs = logprobs
+        self.round_n_drafted = n_drafted
         return tokens
 
     def finish(self) -> None:
@@ -47,7 +50,12 @@ class SlotDecoder:
     def stats(self) -> dict:
         s = self.seq
         sizes = s.batch_sizes
-        return {"compile_seconds": 0.0,
-                "batch_queue_seconds": (s.joined - s.submitted) if s.joined is not None else 0.0,
-                "batch_size_mean": sum(sizes) / len(sizes) if sizes else 1.0,
-                "batch_size_max": max(sizes) if sizes else 1}
+        out = {"compile_seconds": 0.0,
+               "batch_queue_seconds": (s.joined - s.submitted) if s.joined is not None else 0.0,
+               "batch_size_mean": sum(sizes) / len(sizes) if sizes else 1.0,
+               "batch_size_max": max(sizes) if sizes else 1}
+        if s.rounds:  # a draft-mtp sequence in an MTP batch
+            out.update({"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+                        "acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
+                        "tokens_per_round": (s.accepted + s.rounds) / s.rounds})
+        return out

@@ -65,7 +65,7 @@ def add_serve_parser(sub, n_max_type) -> None:
     s.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port; the URL printed says which)")
     s.add_argument("-np", "--parallel", type=positive_int, default=1,
                    help="requests decoded together in one batched forward per step (llama-server's slots); "
-                        "plain decoding: draft-mtp is not batched yet")
+                        "the MTP head drafts for all of them in one call and one verify checks them all")
     s.add_argument("--queue-size", type=int, default=64,
                    help="requests allowed to wait while one generates; more are answered 503")
     s.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")

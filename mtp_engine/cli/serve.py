@@ -121,11 +121,6 @@ def run_serve(args) -> int:
         print(f"mtp-engine: warning: {warning}", file=sys.stderr, flush=True)
     from ..server.schemas import parse_completion
 
-    if defaults.spec == "draft-mtp" and args.parallel > 1:
-        logging.getLogger("mtp_engine.server").warning(
-            "--parallel %d: draft-mtp is not batched yet, so requests decode plainly in the batch by default "
-            "(a request that asks for spec_type draft-mtp runs alone)", args.parallel)
-        defaults.spec = "none"
     # the server's own default settings, as a request without settings gets them
     warm = parse_completion({"prompt": "x"}, defaults).kwargs
     warm.pop("prompt")

@@ -111,6 +111,30 @@ class BatchRecurrentCache(RecurrentCache):
     def arrays(self) -> list[mx.array]:
         return [self.conv, self.state]
 
+    def rollback_rows(self, keep: mx.array) -> None:
+        """After a captured forward of S tokens per row, keeps the first keep[b] (>= 1) of row b's:
+        the state the pass left where a row kept all S (as the batch-1 rollback does), else the
+        state rebuilt from the pass's keys, delta vectors and decays."""
+        conv0, x, state0, k, u, g = self._captured
+        s, width = int(k.shape[1]), int(self.conv.shape[1])
+        window = mx.concatenate([conv0, x], axis=1)  # [B, K-1+S, C]
+        idx = (keep[:, None] + mx.arange(width)[None, :])[:, :, None]
+        conv_n = mx.take_along_axis(window, mx.broadcast_to(idx, (idx.shape[0], width, window.shape[2])), axis=1)
+        all_kept = (keep >= s)
+        self.conv = mx.where(all_kept[:, None, None], self.conv, conv_n)
+        self.state = mx.where(all_kept[:, None, None, None], self.state, _state_after_rows(state0, k, u, g, keep))
+        self.release()
+
+
+def _state_after_rows(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: mx.array) -> mx.array:
+    """`delta_rule.state_after` with a count per row n [B]: tokens t >= n[b] of row b masked out."""
+    keep = (mx.arange(k.shape[1])[None, :] < n[:, None])[:, :, None]  # [B, S, 1]
+    cum = mx.cumsum(mx.where(keep, g, 0.0), axis=1)
+    total = cum[:, -1:]
+    to_end = mx.where(keep, mx.exp(total - cum), 0.0)
+    kw = (k * to_end[..., None]).transpose(0, 2, 3, 1)  # [B, h, kd, S]
+    return mx.exp(total[:, 0])[:, :, None, None] * state0 + kw @ u.transpose(0, 2, 1, 3)
+
 
 class BatchCache:
     """The trunk's caches for a batch of sequences, each with its own length."""
@@ -157,6 +181,26 @@ class BatchCache:
         """Every row took `n` more tokens (after a forward of n tokens per row)."""
         self.host_lengths = [x + n for x in self.host_lengths]
         self.lengths = self.lengths + n
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Each row's length (positions past it are stale: masked, and overwritten next)."""
+        self.host_lengths = list(lengths)
+        self.lengths = mx.array(self.host_lengths, mx.int32)
+
+    def begin_capture(self) -> None:
+        """Before a forward whose tokens `rollback_rows` may drop, row by row."""
+        for layer in self.layers:
+            if isinstance(layer, BatchRecurrentCache):
+                layer.begin_capture()
+
+    def rollback_rows(self, keep: list[int], captured: int) -> None:
+        """After a captured forward of `captured` tokens per row, row b keeps its first keep[b]."""
+        self.host_lengths = [x - captured + n for x, n in zip(self.host_lengths, keep)]
+        self.lengths = mx.array(self.host_lengths, mx.int32)
+        kept = mx.array(keep, mx.int32)
+        for layer in self.layers:
+            if isinstance(layer, BatchRecurrentCache):
+                layer.rollback_rows(kept)
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.arrays()] + [self.lengths]

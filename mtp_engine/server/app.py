@@ -250,7 +250,7 @@ def _prepare(raw: bytes, parse, state: ServerState) -> tuple[GenRequest, Prepare
     the model (rendered, tokenized, the context checked, its grammars compiled)."""
     req = parse(parse_json(raw), state.defaults)
     worker = state.worker
-    request = generation_request(req, state.defaults, worker.request_prompt_cache)
+    request = generation_request(req, state.defaults, worker.prompt_cache)
     try:
         return req, prepare(worker.model, request)
     except MTPEngineError as e:

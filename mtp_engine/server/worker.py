@@ -92,7 +92,8 @@ class GenerationWorker:
 
         `parallel` N > 1 (serve --parallel): up to N jobs run at once, their plain decoding in one
         batched forward per step (`batching.BatchScheduler`); each job's reading and streaming runs
-        in a thread of its own. Requests the batch cannot take yet (draft-mtp) run alone."""
+        in a thread of its own; draft-mtp ones draft and verify together. Requests the batch cannot
+        take (ngram, profiled) run alone."""
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.parallel = parallel
         self._free = threading.Semaphore(parallel)  # slots: a job is taken off the queue only into one
@@ -217,10 +218,6 @@ class GenerationWorker:
             return self.model.scheduler.slots()
         return [{"id": 0, "state": "generating" if self.running else "idle"}]
 
-    @property
-    def request_prompt_cache(self) -> PromptCache | None:
-        """The prompt cache requests use: none while batching (a batched row keeps none yet)."""
-        return self.prompt_cache if self.parallel == 1 else None
 
     def _warm(self, kw: dict) -> None:
         kw.pop("cache_prompt", None)  # the warm-up's prompt is no one's

@@ -1,0 +1,214 @@
+"""Continuous batching with MTP: the head drafts for every sequence in one batched call, one
+batched verify checks every sequence's k+1 rows, and each sequence accepts and rolls back alone.
+
+A batched round (`MTPBatchScheduler._decode`), for B running sequences and a draft length k
+chosen for the batch (`draft_length`):
+  draft     k head steps over [B, 1] rows: step 1 reads (last token, trunk hidden before it) and
+            writes the head's exact row for that position; step i > 1 reads (draft i-1, the head's
+            own output), its rows are guesses, dropped after the round;
+  verify    one trunk forward over [B, k+1] rows (last token, d1..dk), recurrent states captured;
+  accept    per row: greedy prefix match for a drafting sequence (n_b accepted + the bonus token);
+            a sequence that does not draft (plain, sampled, penalised, constrained) takes row 0's
+            token from its own sampler, as a plain step would;
+  rollback  per row: attention lengths move to n_b + 1 tokens, recurrent states and conv windows
+            to the captured state after them (`BatchRecurrentCache.rollback_rows`);
+  catch_up  the head's rows for the accepted drafts (each with the verify's trunk hidden before
+            it) in one head forward; the next round starts from (bonus, trunk hidden at n_b).
+k = 0 is a plain batched step (plus the head's one exact row). Every sequence here prefills its
+prompt but the last token and runs it through the head (llama.cpp's draft-mtp scheme), so the
+first round emits its first token.
+"""
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from ..errors import MTPEngineError
+from ..generation.sampling import check_finite
+from ..model.batch_cache import BatchCache
+from ..model.cache import TrunkCache
+from ..model.loaded import Model
+from ..speculative.mtp_drafter import HeadPrefix
+from .scheduler import BatchScheduler, Sequence
+
+class DraftLengthChooser:
+    """n-max auto for a batch: the k that maximises the batch's expected tokens per second, from
+    round times measured here per (batch size, k) and the acceptance seen so far. Verify rows stop
+    being free as the batch grows (each sequence's k+1 rows compete with the others' for the same
+    products), so the best k falls with B, and on a device where rows cost what they compute (a
+    CPU) it is 0. Each (B, k) is tried `explore` times after a first, uncounted use (it may compile)."""
+
+    def __init__(self, k_max: int = 4, explore: int = 2, prior_acceptance: float = 0.6):
+        self.k_max, self.explore, self.prior = k_max, explore, prior_acceptance
+        self.seconds: dict[tuple[int, int], list[float]] = {}
+        self.drafted = self.accepted = 0
+
+    def acceptance(self) -> float:
+        """Per-draft acceptance (pooled; the prior until 20 drafts were seen)."""
+        return self.accepted / self.drafted if self.drafted >= 20 else self.prior
+
+    def choose(self, batch: int, k_cap: int) -> int:
+        cap = min(self.k_max, k_cap)
+        for k in range(cap + 1):  # what is not yet measured is tried first
+            if len(self.seconds.get((batch, k), [])) < self.explore + 1:
+                return k
+        a = self.acceptance()
+
+        def rate(k: int) -> float:
+            times = sorted(self.seconds[(batch, k)][1:])
+            per_row = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1  # tokens a row emits per round
+            return per_row / times[len(times) // 2]
+
+        return max(range(cap + 1), key=rate)
+
+    def observe(self, batch: int, k: int, seconds: float, drafted: int, accepted: int) -> None:
+        times = self.seconds.setdefault((batch, k), [])
+        times.append(seconds)
+        del times[1:-16]  # the first (uncounted) and the 16 latest
+        self.drafted += drafted
+        self.accepted += accepted
+
+
+def draft_length(rows: list[Sequence], chooser: DraftLengthChooser) -> int:
+    """The batch's k: 0 when no sequence drafts, else the smallest n-max the drafting sequences
+    fix, or the chooser's for this batch size (n-max auto)."""
+    drafting = [s for s in rows if s.draft]
+    if not drafting:
+        return 0
+    fixed = [s.n_max for s in drafting if s.n_max is not None]
+    return min(fixed) if fixed else chooser.choose(len(rows), chooser.k_max)
+
+
+class MTPBatchScheduler(BatchScheduler):
+    """`BatchScheduler` whose rounds draft with the model's MTP head (see the module docstring)."""
+
+    def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True):
+        if model.model.mtp is None:
+            raise MTPEngineError("draft-mtp batches need a model with an MTP head", field="spec")
+        super().__init__(model, max_batch, own_thread)
+        self._head = BatchCache(model.model)
+        self._h_last: mx.array | None = None  # [B, 1, H]: the trunk hidden each row's head step reads
+        self.rounds_by_k: dict[int, int] = {}
+        self.chooser = DraftLengthChooser()
+
+    def _end_all(self, error: BaseException) -> None:
+        super()._end_all(error)
+        self._head, self._h_last = BatchCache(self.model.model), None
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        super()._keep_rows(keep)
+        self._head.keep(keep)
+        self._h_last = self._h_last[mx.array(keep, mx.int32)] if keep else None
+
+    # ---- a sequence's own prefill ---------------------------------------------------------------
+    def _start_prefill(self, s: Sequence) -> None:
+        m = self.model.model
+        kept = s.prompt_cache.take(m, s.prompt_ids[:-1], "draft-mtp") if s.prompt_cache is not None else None
+        if kept is None:
+            s.trunk, s.head = m.make_cache(), m.mtp.make_cache()
+            s.h_prev = mx.zeros((1, 1, m.cfg.hidden_size))
+            return
+        s.trunk = kept.trunk
+        s.trunk.restore(kept.snapshot)
+        cache, rows, h_last = kept.drafter_state
+        cache.truncate(rows)
+        s.head, s.h_prev = cache, h_last
+        s.prefilled = s.cached = len(kept.tokens)
+
+    def _prefill_chunk(self, s: Sequence) -> None:
+        m = self.model.model
+        n = len(s.prompt_ids) - 1  # the last token is the first round's
+        if s.prefilled < n:
+            ids = s.prompt_ids[s.prefilled:min(s.prefilled + self.prefill_chunk, n)]
+            post = m.forward(mx.array([ids]), s.trunk)
+            h_prev = mx.concatenate([s.h_prev, post[:, :-1]], axis=1)
+            m.mtp(m.embed_tokens(mx.array([ids])), h_prev, s.head)
+            s.h_prev = post[:, -1:]
+            mx.eval(s.h_prev, *s.trunk.arrays(), *s.head.state())
+            s.prefilled += len(ids)
+            if s.prefilled < n:
+                return
+            if s.prompt_cache is not None:  # the trunk and head after all but the last token
+                s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk, "draft-mtp",
+                                    HeadPrefix(s.head, s.head.offset, mx.array(s.h_prev)))
+        s.last_token = s.prompt_ids[-1]
+        self._batch.add(s.trunk)
+        head = TrunkCache([s.head])
+        head.offset = s.head.offset
+        self._head.add(head)
+        self._h_last = s.h_prev if self._h_last is None else mx.concatenate([self._h_last, s.h_prev], axis=0)
+        if s.prompt_cache is not None:
+            s.prompt_cache.release(s.trunk)
+        s.trunk = s.head = s.h_prev = None
+        self._rows.append(s)
+        self._joining = None
+
+    # ---- a batched round ------------------------------------------------------------------------
+    def _decode(self) -> None:
+        rows = list(self._rows)
+        if not rows:
+            return
+        m, mtp = self.model.model, self.model.model.mtp
+        k = draft_length(rows, self.chooser)
+        t0 = time.perf_counter()
+        last = mx.array([[s.last_token] for s in rows], dtype=mx.int32)
+        tok, h, drafts = last, self._h_last, []
+        for i in range(max(k, 1)):  # step 1 also when k = 0: the head's row for the last token
+            h = mtp._body(m.embed_tokens(tok), h, self._head.layers)[0]
+            self._head.advance(1)
+            if i < k:
+                d = mx.argmax(m.logits(h[:, -1]), axis=-1).astype(mx.int32)
+                drafts.append(d)
+                tok = d[:, None]
+        ids = mx.concatenate([last, mx.stack(drafts, axis=1)], axis=1) if k else last  # [B, k+1]
+        if k:
+            self._batch.begin_capture()
+        post = m.forward_batch(ids, self._batch)  # [B, k+1, H]
+        logits = m.logits(post)
+        target = mx.argmax(logits, axis=-1)
+        finite = mx.all(mx.isfinite(logits), axis=(1, 2))
+        mx.eval(target, finite, ids)
+        self.steps += 1
+        self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + 1
+        host_ids, host_target, ok = ids.tolist(), target.tolist(), finite.tolist()
+        keep, emitted = [], []
+        for b, s in enumerate(rows):
+            n = 0
+            if s.draft and k:
+                while n < k and host_ids[b][n + 1] == host_target[b][n]:
+                    n += 1
+            try:
+                check_finite(mx.array(ok[b]))
+                token = host_target[b][n] if s.sampler.argmax_on_device else s.sampler.sample(logits[b, 0])
+            except MTPEngineError as e:
+                s.fail(e)
+                token = host_target[b][0]
+            keep.append(n + 1)
+            emitted.append((host_ids[b][1:n + 1] + [token], n))
+        if k:
+            self._batch.rollback_rows(keep, k + 1)
+            self._head.set_lengths([x - (k - 1) for x in self._head.host_lengths])  # steps 2..k were guesses
+        most = max(keep) - 1
+        if most:  # the head's rows for the accepted drafts, with the trunk hidden before each
+            before = self._head.host_lengths
+            mtp._body(m.embed_tokens(ids[:, 1:most + 1]), post[:, :most], self._head.layers)
+            self._head.set_lengths([x + n - 1 for x, n in zip(before, keep)])
+        pick = mx.array([n - 1 for n in keep], mx.int32)[:, None, None]
+        self._h_last = mx.take_along_axis(post, mx.broadcast_to(pick, (len(rows), 1, post.shape[2])), axis=1)
+        mx.eval(self._h_last, *self._batch.arrays(), *self._head.arrays())
+        drafting = [b for b, s in enumerate(rows) if s.draft]
+        if drafting and all(s.n_max is None for s in rows if s.draft):
+            self.chooser.observe(len(rows), k, time.perf_counter() - t0, k * len(drafting),
+                                 sum(keep[b] - 1 for b in drafting))
+        for b, s in enumerate(rows):
+            if s.done:
+                continue
+            tokens, n = emitted[b]
+            s.batch_sizes.append(len(rows))
+            if s.draft:
+                s.rounds += 1
+                s.drafted += k
+                s.accepted += n
+            lps = s.sampler.token_logprobs(logits[b, :len(tokens)], tokens)
+            s.deliver(tokens, lps, n, k if s.draft else 0)
