@@ -2,10 +2,10 @@
 
 For each concurrency C (default 1, 2, 4, 8, 16): C threads each stream one greedy completion of
 T tokens (a different prompt each, EOS ignored) from a model loaded with `parallel=C`
-(`batching.BatchScheduler`: every step one batched forward of the running sequences), and the
-same C requests one after another on a model without batching (the engine's turn-taking, what
-`serve` did before --parallel). Reported per C, medians over the repeats (interleaved: batched,
-sequential, batched, ...):
+(`batching`: every step one batched forward of the running sequences), plain and draft-mtp
+(n-max auto: the draft length the batch measures best for its size), and the same C plain
+requests one after another on a model without batching (the engine's turn-taking, what `serve`
+did before --parallel). Reported per C and mode, medians over the repeats (interleaved):
   aggregate tok/s   all generated tokens / wall time from the first request to the last token;
   ttft p50 / p95    per request, from its arrival to its first token (queueing included: all C
                     requests arrive at once, so one at a time the last waits for the others);
@@ -36,7 +36,7 @@ def _prompts(n: int) -> list[str]:
     return [f"# task {i}\n{stems[i % len(stems)]}" for i in range(n)]
 
 
-def run_streams(model, prompts: list[str], tokens: int, concurrent: bool) -> dict:
+def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: str = "none") -> dict:
     from mtp_engine import stream_generate
 
     sub, first, last, out = {}, {}, {}, {}
@@ -44,7 +44,7 @@ def run_streams(model, prompts: list[str], tokens: int, concurrent: bool) -> dic
     def one(i: int) -> None:
         sub.setdefault(i, time.perf_counter())
         toks = []
-        for c in stream_generate(prompts[i], model, max_tokens=tokens, ignore_eos=True):
+        for c in stream_generate(prompts[i], model, max_tokens=tokens, ignore_eos=True, spec=spec):
             if c.token_ids and i not in first:
                 first[i] = time.perf_counter()
             toks += c.token_ids
@@ -90,24 +90,31 @@ def main(argv=None) -> int:
     alone = load(args.model)
     rows = []
     for c in levels:
-        batched = load(args.model, parallel=c) if c > 1 else alone
+        batched = load(args.model, parallel=max(c, 2))  # a batch scheduler even for one stream
         prompts = _prompts(c)
-        run_streams(batched, prompts[:1], 4, True)  # warm-up (first-use costs out of the timings)
-        res = {"batched": [], "sequential": []}
+        for spec in ("none", "draft-mtp"):  # warm-up (first-use costs out of the timings)
+            run_streams(batched, prompts, 4, True, spec)
+        res = {"batched": [], "batched_mtp": [], "sequential": []}
         for _ in range(args.repeats):
             res["batched"].append(run_streams(batched, prompts, args.tokens, True))
+            res["batched_mtp"].append(run_streams(batched, prompts, args.tokens, True, "draft-mtp"))
             res["sequential"].append(run_streams(alone, prompts, args.tokens, False))
         row = {"concurrency": c,
-               "outputs_equal": all(b["outputs"] == s["outputs"] for b, s in zip(res["batched"], res["sequential"]))}
+               "outputs_equal": all(b["outputs"] == s["outputs"] == d["outputs"] for b, d, s in
+                                    zip(res["batched"], res["batched_mtp"], res["sequential"])),
+               "mtp_rounds_by_k": dict(getattr(batched.scheduler, "rounds_by_k", {}))}
         for kind, runs in res.items():
             for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "stream_tok_s"):
                 row[f"{kind}_{key}"] = statistics.median(r[key] for r in runs)
         row["aggregate_ratio"] = row["batched_aggregate_tok_s"] / row["sequential_aggregate_tok_s"]
+        row["mtp_ratio"] = row["batched_mtp_aggregate_tok_s"] / row["batched_aggregate_tok_s"]
         rows.append(row)
         print(f"C={c:2d}  batched {row['batched_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['batched_ttft_p50_s']:.3f} "
-              f"p95 {row['batched_ttft_p95_s']:.3f} s, stream {row['batched_stream_tok_s']:.1f} tok/s)   sequential "
-              f"{row['sequential_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['sequential_ttft_p50_s']:.3f} s)   "
-              f"x{row['aggregate_ratio']:.2f}   outputs equal: {row['outputs_equal']}", flush=True)
+              f"p95 {row['batched_ttft_p95_s']:.3f} s, stream {row['batched_stream_tok_s']:.1f})  draft-mtp "
+              f"{row['batched_mtp_aggregate_tok_s']:7.1f} (x{row['mtp_ratio']:.2f} of batched plain, rounds by k "
+              f"{row['mtp_rounds_by_k']})  one at a time {row['sequential_aggregate_tok_s']:7.1f} (ttft p50 "
+              f"{row['sequential_ttft_p50_s']:.3f} s)  batched/one-at-a-time x{row['aggregate_ratio']:.2f}  "
+              f"outputs equal: {row['outputs_equal']}", flush=True)
     report = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens,
               "repeats": args.repeats, "model": args.model or "models/ (default)", "rows": rows}
     if args.out:
@@ -118,7 +125,8 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
         cs = [r["concurrency"] for r in rows]
-        a.plot(cs, [r["batched_aggregate_tok_s"] for r in rows], "o-", label="batched (parallel=C)")
+        a.plot(cs, [r["batched_aggregate_tok_s"] for r in rows], "o-", label="batched plain (parallel=C)")
+        a.plot(cs, [r["batched_mtp_aggregate_tok_s"] for r in rows], "^-", label="batched draft-mtp")
         a.plot(cs, [r["sequential_aggregate_tok_s"] for r in rows], "s--", label="one at a time")
         a.set(xlabel="concurrent streams", ylabel="aggregate tok/s", xscale="log", title="throughput")
         b.plot(cs, [r["batched_ttft_p50_s"] for r in rows], "o-", label="batched p50")

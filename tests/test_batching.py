@@ -120,20 +120,21 @@ def test_threads_share_batched_steps_and_overlap(parallel_model, shipped_model):
     for t in threads:
         t.join(120)
     assert not errors and [got[i] for i in range(8)] == want
-    # 4 slots: the first four streams overlap fully; every stream starts before the last one ends
-    assert max(first[i] for i in range(4)) < min(ended.values())
-    assert max(first.values()) < max(ended.values())
+    # 4 slots: the first four streams to start all start before any stream ends
+    assert sorted(first.values())[3] < min(ended.values())
     s = parallel_model.scheduler
     assert s.running == 0 and s.waiting == 0
 
 
-def test_random_cancellations_leak_no_slot(parallel_model):
-    """200 streams, many closed after a random number of chunks: every slot comes back free."""
+def test_random_cancellations_leak_no_slot(models):
+    """200 streams (draft-mtp and plain), many closed after a random number of chunks: every slot
+    comes back free."""
     rng = random.Random(3)
-    s = parallel_model.scheduler
+    tiny = models(TINY_Q4, parallel=4)
+    s = tiny.scheduler
 
     def read(i: int) -> None:
-        gen = stream_generate(f"x = {i}", parallel_model, max_tokens=8, ignore_eos=True)
+        gen = stream_generate(f"x = {i}", tiny, max_tokens=8, ignore_eos=True, spec="draft-mtp" if i % 2 else None)
         stop_after = rng.randrange(0, 10)
         for n, _ in enumerate(gen):
             if n >= stop_after:
@@ -164,15 +165,15 @@ def test_requests_the_batch_cannot_take_run_alone(parallel_model, shipped_model)
 
 # ---- draft-mtp in batches ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path,n_max", [(SHIPPED, "auto"), (SHIPPED, 3), (SHIPPED, 1), (TINY_Q4, 2), (MOE_Q4, 2)],
-                         ids=["trained-auto", "trained-3", "trained-1", "tiny", "moe"])
+@pytest.mark.parametrize("path,n_max", [(SHIPPED, "auto"), (SHIPPED, 3), (TINY_Q4, 1), (MOE_Q4, 2)],
+                         ids=["trained-auto", "trained-3", "tiny", "moe"])
 def test_draft_mtp_batch_equals_plain_alone(models, path, n_max):
     """The head drafts for every sequence at once, one verify checks them all, each row accepts
     and rolls back alone (attention lengths, recurrent states, the head's rows): every token as
     plain greedy decoding of the prompt alone, with drafts accepted."""
     m = models(need(path))
-    want = _alone(m, PROMPTS, max_tokens=20, ignore_eos=True)
-    got = batch_generate(PROMPTS, m, max_tokens=20, ignore_eos=True, spec="draft-mtp", n_max=n_max, parallel=3)
+    want = _alone(m, PROMPTS, max_tokens=14, ignore_eos=True)
+    got = batch_generate(PROMPTS, m, max_tokens=14, ignore_eos=True, spec="draft-mtp", n_max=n_max, parallel=3)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     if path == SHIPPED and n_max != "auto":  # the trained head's drafts are often right
         assert sum(g.stats["accepted"] for g in got) > 0.3 * sum(g.stats["drafted"] for g in got)
@@ -191,14 +192,14 @@ def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
            dict(spec="draft-mtp", repeat_penalty=1.5), dict(), dict(spec="draft-mtp", n_max=3, stop=["\n\n"])]
     prompts = PROMPTS[:5]
     plain = [{**kw, "spec": "none", "n_max": "auto"} if kw.get("temperature") else kw for kw in kws]
-    want = [generate(p, shipped_model, max_tokens=16, ignore_eos=True, **kw) for p, kw in zip(prompts, plain)]
+    want = [generate(p, shipped_model, max_tokens=10, ignore_eos=True, **kw) for p, kw in zip(prompts, plain)]
     from dataclasses import replace
     m = replace(shipped_model, scheduler=None)
     m.scheduler = batch_scheduler(m, 5)
     got: dict[int, list[int]] = {}
 
     def read(i):
-        req = request_from_keywords(prompts[i], max_tokens=16, ignore_eos=True, **kws[i])
+        req = request_from_keywords(prompts[i], max_tokens=10, ignore_eos=True, **kws[i])
         got[i] = [t for c in stream_request(prepare(m, req), m) for t in c.token_ids]
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(5)]
