@@ -96,7 +96,7 @@ def test_threads_share_batched_steps_and_overlap(parallel_model, shipped_model):
     """8 threads stream at once: each gets its sequential output, and the streams overlap (every
     first token arrives before the first stream ends), instead of running one after another."""
     prompts = [f"def f{i}(x):\n    return" for i in range(8)]
-    want = [r.token_ids for r in _alone(shipped_model, prompts, max_tokens=16, ignore_eos=True)]
+    want = [r.token_ids for r in _alone(shipped_model, prompts, max_tokens=12, ignore_eos=True)]
     got: dict[int, list[int]] = {}
     first: dict[int, float] = {}
     ended: dict[int, float] = {}
@@ -105,7 +105,7 @@ def test_threads_share_batched_steps_and_overlap(parallel_model, shipped_model):
     def read(i: int) -> None:
         try:
             toks = []
-            for c in stream_generate(prompts[i], parallel_model, max_tokens=16, ignore_eos=True):
+            for c in stream_generate(prompts[i], parallel_model, max_tokens=12, ignore_eos=True):
                 if c.token_ids and i not in first:
                     first[i] = time.perf_counter()
                 toks += c.token_ids
