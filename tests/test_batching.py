@@ -165,8 +165,8 @@ def test_requests_the_batch_cannot_take_run_alone(parallel_model, shipped_model)
 
 # ---- draft-mtp in batches ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path,n_max", [(SHIPPED, "auto"), (SHIPPED, 3), (TINY_Q4, 1), (MOE_Q4, 2)],
-                         ids=["trained-auto", "trained-3", "tiny", "moe"])
+@pytest.mark.parametrize("path,n_max", [(SHIPPED, 3), (TINY_Q4, "auto"), (TINY_Q4, 1), (MOE_Q4, 2)],
+                         ids=["trained-3", "tiny-auto", "tiny-1", "moe"])
 def test_draft_mtp_batch_equals_plain_alone(models, path, n_max):
     """The head drafts for every sequence at once, one verify checks them all, each row accepts
     and rolls back alone (attention lengths, recurrent states, the head's rows): every token as
@@ -249,3 +249,99 @@ def test_auto_draft_length_is_measured_per_batch_size():
     assert trained(0.01, 0.05).choose(4, 3) == 0  # drafts that fail are not worth even cheap rows
     assert trained(0.01, 0.8).choose(4, 1) == 1  # never past the cap
     assert trained(0.01, 0.8).choose(8, 3) == 0  # another batch size is measured on its own (k = 0 first)
+
+
+def test_batched_turns_reuse_the_prompt_cache(parallel_model, shipped_model):
+    """A chat's next turn through the batch prefills only what is new, with the tokens it has alone."""
+    from mtp_engine import PromptCache
+
+    turn1 = "def area(r):\n    return 3.14159 * r * r\n\n"
+    turn2 = turn1 + "def perimeter(r):\n"
+    cache = PromptCache()
+    a1 = generate(turn1, parallel_model, max_tokens=6, prompt_cache=cache)
+    a2 = generate(turn2, parallel_model, max_tokens=6, prompt_cache=cache)
+    assert a2.stats["cached_prompt_tokens"] == len(a1.prompt_token_ids) - 1
+    alone = PromptCache()
+    b1 = generate(turn1, shipped_model, max_tokens=6, prompt_cache=alone)
+    b2 = generate(turn2, shipped_model, max_tokens=6, prompt_cache=alone)
+    assert (a1.token_ids, a2.token_ids) == (b1.token_ids, b2.token_ids)
+    assert "batch_size_mean" in a2.stats  # it did run in the batch
+
+
+def test_batch_follows_each_sequences_grammar(shipped_model):
+    pytest.importorskip("llguidance", reason="constrained decoding needs llguidance (pip install -e '.[test]')")
+    from mtp_engine import Constraint
+
+    c = Constraint.regex(r"[0-9]{3}-[a-z]{2}")
+    want = _alone(shipped_model, PROMPTS[:3], max_tokens=12, constraint=c)
+    got = batch_generate(PROMPTS[:3], shipped_model, max_tokens=12, constraint=c)
+    assert [g.text for g in got] == [w.text for w in want]
+    assert all(len(g.text) == 6 and g.text[3] == "-" for g in got)
+
+
+# ---- serve --parallel -----------------------------------------------------------------------------
+
+def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
+    """8 concurrent streamed completions on `serve --parallel 4`: each answer as generate gives it
+    alone, the streams overlap, /slots shows the slots at work, and every slot is free after."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .server_helpers import LiveServer
+
+    prompts = [f"def g{i}(items):\n    " for i in range(8)]
+    want = [r.text for r in _alone(shipped_model, prompts, max_tokens=12, ignore_eos=True)]
+    server = LiveServer(SHIPPED, "--parallel", "4", "--log-level", "info")
+    try:
+        seen_slots: list = []
+        first: dict[int, float] = {}
+        ended: dict[int, float] = {}
+
+        def one(i: int) -> str:
+            c, resp = server.open_stream("/v1/completions", {"prompt": prompts[i], "max_tokens": 12,
+                                                             "ignore_eos": True})
+            text = []
+            for raw in resp:  # event by event, as they arrive (sse_events reads them all first)
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                piece = json.loads(line[6:])["choices"][0].get("text") or ""
+                if piece and i not in first:
+                    first[i] = time.perf_counter()
+                text.append(piece)
+            ended[i] = time.perf_counter()
+            c.close()
+            return "".join(text)
+
+        done = threading.Event()
+
+        def watch() -> None:  # what /slots says while the streams run
+            while not done.is_set():
+                seen_slots.append(server.request("GET", "/slots")[1])
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(8) as ex:
+                got = list(ex.map(one, range(8)))
+        finally:
+            done.set()
+            watcher.join()
+        assert got == want
+        # 4 slots: the first four streams to start all start before any stream ends
+        assert sorted(first.values())[3] < min(ended.values()), (first, ended)
+        assert all(len(s) == 4 for s in seen_slots)
+        assert max(sum(x["state"] != "idle" for x in s) for s in seen_slots) == 4, json.dumps(seen_slots)
+        h = server.wait_idle()
+        assert h["parallel"] == 4 and h["running"] == 0
+        assert all(x["state"] == "idle" for x in server.request("GET", "/slots")[1])
+        assert 'id="slots"' in server.request("GET", "/")[1]  # the page shows them too
+        # a request the batch cannot take runs alone beside it
+        status, body = server.request("POST", "/v1/completions", {"prompt": prompts[0], "max_tokens": 8,
+                                                                  "spec_type": "ngram", "ignore_eos": True})
+        assert status == 200 and want[0].startswith(body["choices"][0]["text"])
+    finally:
+        server.stop()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import MTPEngineError
 from ..generation.sampling import check_finite
@@ -130,8 +131,9 @@ class MTPBatchScheduler(BatchScheduler):
             if s.prefilled < n:
                 return
             if s.prompt_cache is not None:  # the trunk and head after all but the last token
+                # the hidden state copied: a slice would hold the whole chunk's hidden states
                 s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk, "draft-mtp",
-                                    HeadPrefix(s.head, s.head.offset, mx.array(s.h_prev)))
+                                    HeadPrefix(s.head, s.head.offset, mx.array(np.array(s.h_prev))))
         s.last_token = s.prompt_ids[-1]
         self._batch.add(s.trunk)
         head = TrunkCache([s.head])
