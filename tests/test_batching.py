@@ -249,6 +249,7 @@ def test_auto_draft_length_is_measured_per_batch_size():
     assert trained(0.01, 0.05).choose(4, 3) == 0  # drafts that fail are not worth even cheap rows
     assert trained(0.01, 0.8).choose(4, 1) == 1  # never past the cap
     assert trained(0.01, 0.8).choose(8, 3) == 0  # another batch size is measured on its own (k = 0 first)
+    assert trained(0.01, 0.8).choose(3, 3) == 3  # 3 sequences are measured with 4 (sizes by powers of 2)
 
 
 def test_batched_turns_reuse_the_prompt_cache(parallel_model, shipped_model):

@@ -49,7 +49,14 @@ class DraftLengthChooser:
         """Per-draft acceptance (pooled; the prior until 20 drafts were seen)."""
         return self.accepted / self.drafted if self.drafted >= 20 else self.prior
 
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batch sizes measured together (1, 2, 4, 8, ...): B changes as sequences come and go,
+        and each size measured apart would pay its exploration again."""
+        return 1 << (batch - 1).bit_length()
+
     def choose(self, batch: int, k_cap: int) -> int:
+        batch = self.bucket(batch)
         cap = min(self.k_max, k_cap)
         for k in range(cap + 1):  # what is not yet measured is tried first
             if len(self.seconds.get((batch, k), [])) < self.explore + 1:
@@ -64,7 +71,7 @@ class DraftLengthChooser:
         return max(range(cap + 1), key=rate)
 
     def observe(self, batch: int, k: int, seconds: float, drafted: int, accepted: int) -> None:
-        times = self.seconds.setdefault((batch, k), [])
+        times = self.seconds.setdefault((self.bucket(batch), k), [])
         times.append(seconds)
         del times[1:-16]  # the first (uncounted) and the 16 latest
         self.drafted += drafted
