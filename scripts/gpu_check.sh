@@ -8,9 +8,9 @@ mkdir -p "$out"
 what=${1:-all}
 export PYTHONUNBUFFERED=1
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    timeout 540 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=8 tests/test_attn_kernel.py tests/test_gdn_kernel.py \
-        tests/test_kernel_selftest.py tests/test_compiled_step.py tests/test_model_reference.py \
-        tests/test_prompt_cache.py tests/test_constraint.py tests/test_qmv_kernels.py tests/test_model_llamacpp.py > "$out/tests.log" 2>&1
+    timeout 540 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=8 tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py \
+        tests/model/test_kernel_selftest.py tests/model/test_compiled_step.py tests/model/test_model_reference.py \
+        tests/generation/test_prompt_cache.py tests/generation/test_constraint.py tests/model/test_qmv_kernels.py tests/model/test_model_llamacpp.py > "$out/tests.log" 2>&1
     echo "tests rc=$?"; grep -E "passed|failed" "$out/tests.log" | tail -1
 fi
 if [ "$what" = startup ] || [ "$what" = all ]; then

@@ -55,8 +55,8 @@ MUTATIONS = [
      "and prefix[:n] == k.tokens):", "and prefix[:n - 1] == k.tokens[:-1]):"),
 ]
 
-TESTS = ("tests/test_sampling_oracle.py tests/test_spec.py tests/test_pipeline.py tests/test_prompt_cache.py "
-         "tests/test_drafters.py tests/test_penalties.py")
+TESTS = ("tests/generation/test_sampling_oracle.py tests/speculative/test_spec.py tests/generation/test_pipeline.py tests/generation/test_prompt_cache.py "
+         "tests/speculative/test_drafters.py tests/generation/test_penalties.py")
 # the trained model's 20-prompt parity takes minutes per mutation; the rest catches what it would
 DESELECT = "not trained_model_20_prompts"
 

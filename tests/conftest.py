@@ -162,9 +162,28 @@ def _cuda() -> bool:
 GPU = _cuda()
 
 
+# markers that select rather than excuse: `-m "not slow"` is the quick loop while editing
+SELECT = {"slow": "among the slowest tests (the trained model's long parity runs, notebooks)",
+          "needs_fixtures": "uses files of the full fixture set (../shared/fixtures or $MTP_FIXTURES) that a bare "
+                            "clone lacks; skips without them (FULL_SET_ONLY)"}
+
+
 def pytest_configure(config) -> None:
     for name, why in MAY_SKIP.items():
         config.addinivalue_line("markers", f"{name}: may skip: {why}")
+    for name, why in SELECT.items():
+        config.addinivalue_line("markers", f"{name}: {why}")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line for a checkout without the full fixture set: how many tests that skipped, and how
+    to run them."""
+    missing = [r for r in terminalreporter.stats.get("skipped", [])
+               if "fixture not found" in (r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr))]
+    if missing:
+        terminalreporter.write_line(
+            f"{len(missing)} tests skipped for fixtures this checkout lacks ({FIXTURES}): point MTP_FIXTURES at "
+            "a full fixture set (the shared/fixtures folder) to run them; docs/testing.md lists them")
 
 
 def pytest_runtest_setup(item) -> None:

@@ -142,7 +142,7 @@ DECODERS = {
 
 def dequant_q6_k(b: np.ndarray) -> np.ndarray:
     """Q6_K blocks [n, 210] -> float32 [n, 256], bit-identical to `gguf.quants.dequantize`
-    (tests/test_quants.py checks it). Not that function itself: on the row chunks `repack` works
+    (tests/gguf/test_quants.py checks it). Not that function itself: on the row chunks `repack` works
     in it measured 2.2-2.6x slower (1024..16384 blocks per call: 55-66 ms vs 21-27 ms per 8M
     weights), which on a 9B Q4_K_M (output.weight alone is 1G Q6_K weights) is seconds of load."""
     n = b.shape[0]

@@ -35,7 +35,7 @@ Q6_K uses 16-weight groups with a signed 8-bit sub-scale each, which no MLX grou
   with 32-weight groups (bias = group minimum, scale = (max - min) / 255, round to nearest).
   The error per weight is at most half a step, i.e. ``(max - min) / 510`` plus float32
   rounding, so at most ``2 * max|w| / 510 = 1/255 = 0.392 %`` of the group's largest
-  magnitude. Measured (tests/test_quants.py::test_q6k_q8_error_bound) on Q6_K-quantized
+  magnitude. Measured (tests/gguf/test_quants.py::test_q6k_q8_error_bound) on Q6_K-quantized
   Gaussian and t3 weights, on llama.cpp's Q6_K ``output.weight`` of the fixture model and on
   random bytes: the worst case reaches that 0.392 % bound every time (weight groups are
   roughly symmetric, so max - min ~ 2 max|w|), the RMS is 0.16-0.21 % of the group max, and

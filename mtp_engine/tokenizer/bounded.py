@@ -18,7 +18,7 @@ exact for the byte-level BPE of `mtp_engine.tokenizer.bpe`:
 * special tokens (matched literally first): a cut is skipped when a special token's text could
   span it (only tokens whose text holds a space can).
 
-`tests/test_text_input.py` checks the equality against whole-text tokenization on arbitrary text.
+`tests/generation/test_text_input.py` checks the equality against whole-text tokenization on arbitrary text.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def _emit_len(buf: bytearray) -> int:
 
 
 # Why not `tokenizers.decoders.DecodeStream`: on every valid UTF-8 stream it emits the same text
-# (tests/test_tokenizer.py compares them on the shipped model's tokenizer), though later: it holds
+# (tests/tokenizer/test_tokenizer.py compares them on the shipped model's tokenizer), though later: it holds
 # back a whole token whose text ends inside a character, where we hold back only those bytes
 # (' ' of ' ━' comes a token earlier here). And it has no flush:
 # a generation that stops inside a character (max_tokens reached after the first byte token of an

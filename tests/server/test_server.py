@@ -304,9 +304,9 @@ def test_tools_reach_the_template_and_calls_come_back(tmp_path):
 
     from mtp_engine.chat.tool_calls import message_tool_calls
     from tests.server_helpers import with_chat_template
-    from tests.test_tool_calls import TOOLS
+    from tests.chat.test_tool_calls import TOOLS
 
-    template = (P(__file__).resolve().parent / "fixtures" / "chat_templates" / "Qwen3.5-4B.jinja").read_text()
+    template = (P(__file__).resolve().parent.parent / "fixtures" / "chat_templates" / "Qwen3.5-4B.jinja").read_text()
     path = with_chat_template(need(TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"), tmp_path / "tools.gguf", template)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
     msgs = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -331,7 +331,7 @@ def test_tools_reach_the_template_and_calls_come_back(tmp_path):
         status2, plain = s.request("POST", "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 1})
         assert status == status2 == 200 and none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
         # a forced call (tool_choice names a tool): a grammar makes the answer that call
-        from tests.test_tool_calls import PING
+        from tests.chat.test_tool_calls import PING
 
         status, forced = s.request("POST", "/v1/chat/completions", {
             "messages": msgs[:1], "tools": [PING, *TOOLS], "max_tokens": 80,

@@ -109,6 +109,7 @@ def _trained_prompts(count: int) -> list[list[int]]:
     return out[:count]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", range(4))
 def test_greedy_parity_trained_model_20_prompts(part):
     """20 prompts (four parts of five, so parallel workers share them). In CI each prompt runs one

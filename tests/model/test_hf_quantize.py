@@ -26,6 +26,8 @@ from mtp_engine.model.hf import QuantSpec, TensorSource, expected_tensors, load_
 from mtp_engine.model.hf_checkpoint import HFCheckpoint
 from mtp_engine.model.loader import load_gguf
 
+pytestmark = pytest.mark.needs_fixtures
+
 HF = TINY / "hf" / "qwen35-mtp-tiny"
 F32_GGUF = TINY / "qwen35-mtp-tiny-f32.gguf"
 FORMATS = [None] + [f"{b}g{g}" for b in (4, 8) for g in (32, 64, 128)]
@@ -331,8 +333,8 @@ def test_moe_checkpoint_quantized_on_load(tmp_path, monkeypatch):
     """Qwen3.5-MoE: per-expert (save_pretrained) and fused (transformers in-memory) expert layouts
     quantize to the same stacked experts, on load and through the converter (mlx-lm's stacked
     `switch_mlp` layout, which mlx-lm loads); greedy draft-mtp equals plain decoding."""
-    from tests.test_moe import MOE, _hf_checkpoint
-    from tests.test_moe import _load as load_moe_gguf
+    from tests.model.test_moe import MOE, _hf_checkpoint
+    from tests.model.test_moe import _load as load_moe_gguf
 
     cfg = load_moe_gguf().model.cfg
     runs = []

@@ -12,7 +12,7 @@ import pytest
 from mtp_engine import MTPEngineError, batch_generate, generate, stream_generate
 from mtp_engine.model.batch_cache import BatchCache
 
-from .conftest import MOE_Q4, SHIPPED, TINY_Q4, need
+from tests.conftest import MOE_Q4, SHIPPED, TINY_Q4, need
 
 # mixed lengths: 1 token, a few, a few dozen (two prefill chunks when the chunk is made small)
 PROMPTS = ["x", "def fib(n):", "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(",
@@ -280,6 +280,30 @@ def test_batch_follows_each_sequences_grammar(shipped_model):
     assert all(len(g.text) == 6 and g.text[3] == "-" for g in got)
 
 
+# ---- the batch caches ---------------------------------------------------------------------------
+
+def test_batch_cache_rows_join_and_leave_without_moving_others(shipped_model):
+    m = shipped_model.model
+    caches = []
+    for ids in ([1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]):
+        c = m.make_cache()
+        m.forward(mx.array([ids]), c)
+        caches.append(c)
+    batch = BatchCache(m)
+    for c in caches:
+        batch.add(c)
+    assert batch.host_lengths == [3, 7, 1] and batch.lengths.tolist() == [3, 7, 1]
+    kv = next(layer for layer in batch.layers if hasattr(layer, "keys"))
+    kv0 = next(layer for layer in caches[1].layers if hasattr(layer, "keys"))
+    assert mx.array_equal(kv.keys[1, :, :7], kv0.keys[0, :, :7])
+    batch.keep([1, 2])
+    assert batch.host_lengths == [7, 1]
+    kv = next(layer for layer in batch.layers if hasattr(layer, "keys"))
+    assert mx.array_equal(kv.keys[0, :, :7], kv0.keys[0, :, :7])
+    batch.keep([])
+    assert len(batch) == 0 and batch.layers == []
+
+
 # ---- serve --parallel -----------------------------------------------------------------------------
 
 def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
@@ -288,7 +312,7 @@ def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
     import json
     from concurrent.futures import ThreadPoolExecutor
 
-    from .server_helpers import LiveServer
+    from tests.server_helpers import LiveServer
 
     prompts = [f"def g{i}(items):\n    " for i in range(8)]
     want = [r.text for r in _alone(shipped_model, prompts, max_tokens=12, ignore_eos=True)]

@@ -19,7 +19,7 @@ from mtp_engine.chat.tool_calls import (
     HERMES, XML, ToolCallStream, check_tool_list, message_tool_calls, split_tool_calls, template_format,
 )
 
-TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {

@@ -26,7 +26,7 @@ from mtp_engine.model.config import Qwen35Config
 
 DENSE = TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"
 MOE = FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf"
-WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+WORKER = Path(__file__).resolve().parent / "worker.py"  # run as a script: its folder shadows nothing
 RUNS = "none,draft-mtp:2,draft-mtp:auto"
 PROMPT = [1, 5, 9, 2, 7, 3]
 MAX_TOKENS = 16
