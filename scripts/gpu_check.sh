@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the three MLX-CUDA staging calls, see
 # ../shared/device/mlx-cuda/README.md): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|startup|bench|server|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|startup|bench|batch|server|all]
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 what=${1:-all}
@@ -10,7 +10,8 @@ export PYTHONUNBUFFERED=1
 if [ "$what" = tests ] || [ "$what" = all ]; then
     timeout 540 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=8 tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py \
         tests/model/test_kernel_selftest.py tests/model/test_compiled_step.py tests/model/test_model_reference.py \
-        tests/generation/test_prompt_cache.py tests/generation/test_constraint.py tests/model/test_qmv_kernels.py tests/model/test_model_llamacpp.py > "$out/tests.log" 2>&1
+        tests/generation/test_prompt_cache.py tests/generation/test_constraint.py tests/model/test_qmv_kernels.py tests/model/test_model_llamacpp.py \
+        tests/batching/test_batching.py > "$out/tests.log" 2>&1
     echo "tests rc=$?"; grep -E "passed|failed" "$out/tests.log" | tail -1
 fi
 if [ "$what" = startup ] || [ "$what" = all ]; then
@@ -25,6 +26,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     echo "plain/verify rc=$?"
     timeout 200 python3 scripts/bench_gpu.py --sections loop --quick > "$out/loop.json" 2> "$out/loop.log"
     echo "loop rc=$?"
+fi
+if [ "$what" = batch ]; then  # continuous batching (issue 27): the shipped model, then pass -m for the 9B shape
+    timeout 500 python3 scripts/bench_batch.py -t 64 --concurrency 1,2,4,8,16 --repeats 3 --out "$out/batch.json" \
+        --plot "$out/batch.png" > "$out/batch.log" 2>&1
+    echo "batch rc=$?"; tail -5 "$out/batch.log"
 fi
 if [ "$what" = server ] || [ "$what" = all ]; then
     for spec in none draft-mtp; do
