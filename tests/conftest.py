@@ -132,6 +132,18 @@ def write_gguf_copy(src, path, set_keys: dict | None = None) -> Path:
     return Path(path)
 
 
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Runs `mtp-engine ARGS` in this process; returns (exit status, stdout, stderr)."""
+    from mtp_engine.cli.main import main
+
+    try:
+        rc = main(list(args))
+    except SystemExit as e:
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
 def need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"fixture not found: {path}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_Q8, need
+from tests.conftest import TINY_Q8, need, run_cli
 from mtp_engine import generate
 from mtp_engine.cli.main import main
 
@@ -28,14 +28,7 @@ def api_greedy(tiny_q8):
     return generate(PROMPT, tiny_q8, max_tokens=8)
 
 
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Runs `mtp-engine ARGS` in process; returns (exit status, stdout, stderr)."""
-    try:
-        rc = main(list(args))
-    except SystemExit as e:
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
+cli = run_cli
 
 
 def gen(capsys, model_path: str, *args: str) -> tuple[int, str, str]:

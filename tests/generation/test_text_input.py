@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY_Q8, TRAINED_GGUF, need
+from tests.conftest import TINY_Q8, TRAINED_GGUF, need, run_cli
 from mtp_engine import api
 from mtp_engine.cli.main import main
 from mtp_engine.errors import MTPEngineError
@@ -175,12 +175,7 @@ def cli(tiny, monkeypatch, capsys):
     monkeypatch.setattr(api, "load", lambda *a, **k: tiny)  # one load for every CLI call
 
     def run(*args: str) -> tuple[int, str, str]:
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code
-        cap = capsys.readouterr()
-        return rc, cap.out, cap.err
+        return run_cli(capsys, *args)
 
     return run
 
