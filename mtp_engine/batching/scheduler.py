@@ -125,7 +125,8 @@ class BatchScheduler:
         with self._cv:
             rows = list(self._rows)
             joining = self._joining
-        out = [{"id": i, "state": "decoding", "prompt_tokens": len(s.prompt_ids), "generated_tokens": s.produced}
+        out = [{"id": i, "state": "decoding", "prompt_tokens": len(s.prompt_ids), "generated_tokens": s.produced,
+                **({"drafted": s.drafted, "accepted": s.accepted} if s.draft else {})}
                for i, s in enumerate(rows)]
         if joining is not None:
             out.append({"id": len(out), "state": "prefilling", "prompt_tokens": len(joining.prompt_ids),

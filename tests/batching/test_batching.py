@@ -360,6 +360,7 @@ def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
         assert sorted(first.values())[3] < min(ended.values()), (first, ended)
         assert all(len(s) == 4 for s in seen_slots)
         assert max(sum(x["state"] != "idle" for x in s) for s in seen_slots) == 4, json.dumps(seen_slots)
+        assert any("drafted" in x for s in seen_slots for x in s)  # draft-mtp, the default, batched
         h = server.wait_idle()
         assert h["parallel"] == 4 and h["running"] == 0
         assert all(x["state"] == "idle" for x in server.request("GET", "/slots")[1])
