@@ -39,7 +39,7 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
     from ..generation.prompt_cache import PromptCache
     from ..load_progress import load_progress
     from ..request.keywords import request_from_keywords
-    from ..request.prepare import chat_template_note, prepare
+    from ..request.prepare import chat_template_note, history_ids, prepare
     from ..text_input import check_text
     from .output import format_stats, model_label
 
@@ -59,7 +59,7 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
     if args.system_prompt:
         check_text(args.system_prompt, "system-prompt")
     messages = list(system)
-    cache = PromptCache()
+    cache = PromptCache(slots=2)  # the last prompt's state and, ahead of the next turn, the answer's
     tty = stdin.isatty()
     last_stats: dict | None = None
     print(f"mtp-engine: chatting with {model_label(args.model)}; {HELP}", file=stderr)
@@ -125,3 +125,21 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
         messages.append({"role": "assistant", "content": "".join(answer)})
         if args.stats and last_stats:
             print(format_stats(last_stats), file=stderr)
+        _keep_answer(api, model, messages, cache, kwargs, history_ids)
+
+
+def _keep_answer(api, model, messages: list[dict], cache, kwargs: dict, history_ids) -> None:
+    """Prefills the answer just given (from the kept prompt state: only its own tokens) and keeps
+    the state after it, while the user reads and types: the next turn then prefills only its new
+    message. Its one generated token is dropped. A template that renders the history differently
+    next turn finds the prompt's state, still kept, instead."""
+    try:
+        ids = history_ids(model, messages)
+        if len(ids) + 1 > model.model.cfg.context_length:
+            return
+        # a fixed n-max: this one-round run must not feed n-max auto's stored costs
+        for _ in api.stream_generate(ids, model, max_tokens=1, prompt_cache=cache,
+                                     **{**kwargs, "n_max": 1, "n_min": 0, "p_min": 0.0}):
+            pass
+    except MTPEngineError:
+        pass  # nothing kept: the next turn prefills what the kept prompt state lacks

@@ -54,6 +54,16 @@ def render_chat(model: Model, messages: list[dict], tools: list[dict] | None = N
     return tok.apply_chat_template(messages, add_generation_prompt=True, template=fallback, **extra)
 
 
+def history_ids(model: Model, messages: list[dict]) -> list[int]:
+    """The token ids of a finished conversation (no generation prompt): what the chat's next turn
+    starts with, so that keeping their state lets that turn prefill only its new message."""
+    tok = model.tokenizer
+    fallback = CHATML if tok.chat_template is None else None
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, template=fallback)
+    cfg = model.model.cfg
+    return encode_prompt(tok, text, cfg.context_length, "messages", source=cfg.context_source)
+
+
 def prepare(model: Model, request: GenerationRequest) -> Prepared:
     """The request's prompt ids, answer length, grammar and tool format for `model`; MTPEngineError
     (naming the field) for what this model cannot do with it."""

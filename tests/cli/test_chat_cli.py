@@ -11,6 +11,7 @@ from mtp_engine import generate
 from mtp_engine import load
 from mtp_engine.chat.template import CHATML
 from mtp_engine.cli.main import build_parser
+from mtp_engine.request.prepare import history_ids
 from tests.conftest import TINY_Q4, need
 
 
@@ -31,12 +32,16 @@ def test_a_scripted_chat_answers_as_generate_does():
     m.tokenizer.chat_template = CHATML
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be"}]
     first = generate(messages=conv, model=m, max_tokens=6, spec="draft-mtp")
-    conv += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "or not"}]
+    conv += [{"role": "assistant", "content": first.text}]
+    history = history_ids(m, conv)  # turn 1 with its answer: kept while the user types
+    conv += [{"role": "user", "content": "or not"}]
     second = generate(messages=conv, model=m, max_tokens=6, spec="draft-mtp")
     assert answers == [first.text, second.text]
     stats = [line for line in err.splitlines() if line.startswith("prompt:")]
     assert len(stats) == 3  # --stats after each answer, and /stats once
-    assert "cached" not in stats[0] and f"({len(first.prompt_token_ids) - 1} cached)" in stats[2]
+    # turn 2 prefills only the new message: the answer's state was kept after turn 1
+    assert "cached" not in stats[0] and f"({len(history) - 1} cached)" in stats[2]
+    assert len(history) > len(first.prompt_token_ids) and second.prompt_token_ids[:len(history)] == history
     assert "using ChatML" in err and "Traceback" not in err
 
 
