@@ -94,6 +94,7 @@ def main(argv=None) -> int:
         prompts = _prompts(c)
         for spec in ("none", "draft-mtp"):  # warm-up (first-use costs out of the timings)
             run_streams(batched, prompts, 4, True, spec)
+        run_streams(alone, prompts[:1], 4, False)
         res = {"batched": [], "batched_mtp": [], "sequential": []}
         for _ in range(args.repeats):
             res["batched"].append(run_streams(batched, prompts, args.tokens, True))
