@@ -286,7 +286,7 @@ def stream_request(request: GenerationRequest | Prepared, model: Model | str | N
         chunks = stream_batched(m.scheduler, prepared, m)
     else:
         chunks = _decode_alone(prepared, m)
-    yield from _with_tool_calls(chunks, prepared)
+    yield from _finished(chunks, prepared, m)
 
 
 @engine_thread
@@ -304,14 +304,12 @@ def _decode_alone(prepared: Prepared, m: Model) -> Iterator[Chunk]:
         from .distributed import share_decisions
         share_decisions(decoder, m.comm)
         chunks = m.comm.guard(chunks)
-    for chunk in chunks:
-        if chunk.finish_reason is not None:
-            chunk.stats["load_seconds"] = m.load_seconds
-        yield chunk
+    yield from chunks
 
 
-def _with_tool_calls(chunks: Iterator[Chunk], prepared: Prepared) -> Iterator[Chunk]:
-    """The chunks, the last one carrying the tool calls the text holds (when tools were given)."""
+def _finished(chunks: Iterator[Chunk], prepared: Prepared, m: Model) -> Iterator[Chunk]:
+    """The chunks, the last one carrying the model's load time and the tool calls the text holds
+    (when tools were given), alone or batched alike."""
     calls = tool_calls.ToolCallStream(prepared.tool_format, prepared.request.rendered_tools) \
         if prepared.tool_format is not None else None
     try:
@@ -319,6 +317,7 @@ def _with_tool_calls(chunks: Iterator[Chunk], prepared: Prepared) -> Iterator[Ch
             if calls is not None:
                 calls.feed(chunk.text)
             if chunk.finish_reason is not None:
+                chunk.stats["load_seconds"] = m.load_seconds
                 if calls is not None:
                     calls.finish()
                     chunk.tool_calls = calls.calls
@@ -353,7 +352,7 @@ def batch_generate(prompts: list[str | list[int]], model: Model | str | None = N
     want_lp = prepared[0].request.sampler.logprobs is not None
 
     def one(p: Prepared) -> GenerationResult:
-        return GenerationResult.collect(_with_tool_calls(stream_batched(scheduler, p, m), p), p.prompt_ids, want_lp)
+        return GenerationResult.collect(_finished(stream_batched(scheduler, p, m), p, m), p.prompt_ids, want_lp)
 
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="mtp-engine-batch-reader") as pool:
         futures = [pool.submit(one, p) for p in prepared]

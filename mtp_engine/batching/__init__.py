@@ -26,23 +26,30 @@ def batch_scheduler(model: Model, max_batch: int, draft_mtp: bool = True,
     return BatchScheduler(model, max_batch, own_thread)
 
 
-def batchable(request, scheduler: BatchScheduler) -> bool:
-    """Whether a request decodes in `scheduler`'s batches: plain decoding anywhere, draft-mtp in
-    an MTP batch, no profile (others run alone)."""
+def _refusal(request, scheduler: BatchScheduler) -> MTPEngineError | None:
+    """Why `request` cannot decode in `scheduler`'s batches (None: it can): plain decoding batches
+    anywhere, draft-mtp in an MTP batch, nothing profiled."""
+    if request.profile not in (None, "off"):
+        return MTPEngineError("profiling needs the sequence alone (a batch's steps are shared)", field="profile")
     spec = request.spec.method
-    return (spec == "none" or spec == "draft-mtp" and isinstance(scheduler, MTPBatchScheduler)) \
-        and request.profile in (None, "off")
+    if spec == "none" or spec == "draft-mtp" and isinstance(scheduler, MTPBatchScheduler):
+        return None
+    return MTPEngineError(f"{spec} does not batch here: a model with an MTP head batches draft-mtp; ngram runs "
+                          "alone", field="spec")
+
+
+def batchable(request, scheduler: BatchScheduler) -> bool:
+    """Whether a request decodes in `scheduler`'s batches (others run alone)."""
+    return _refusal(request, scheduler) is None
 
 
 def stream_batched(scheduler: BatchScheduler, prepared: Prepared, model: Model) -> Iterator[Chunk]:
     """The chunks of one prepared request decoded in `scheduler`'s batches; closing the stream
     early frees its slot at the scheduler's next step."""
     req = prepared.request
-    if not batchable(req, scheduler):
-        if req.spec.method == "none" or isinstance(scheduler, MTPBatchScheduler):
-            raise MTPEngineError("profiling needs the sequence alone (a batch's steps are shared)", field="profile")
-        raise MTPEngineError(f"{req.spec.method} does not batch here: a model with an MTP head batches "
-                             "draft-mtp; ngram runs alone", field="spec")
+    refusal = _refusal(req, scheduler)
+    if refusal is not None:
+        raise refusal
     if model.comm is not None:
         raise MTPEngineError("not supported with a distributed model", field="parallel")
     prof = Profiler("off")
@@ -50,10 +57,7 @@ def stream_batched(scheduler: BatchScheduler, prepared: Prepared, model: Model) 
                    draft=req.spec.method == "draft-mtp", n_max=req.spec.n_max)
     decoder = SlotDecoder(scheduler, seq, model.model, prof)
     try:
-        for chunk in run(decoder, model.tokenizer, prepared.prompt_ids, prepared.max_tokens, stop=req.stop,
-                         ignore_eos=req.ignore_eos, profiler=prof):
-            if chunk.finish_reason is not None:
-                chunk.stats["load_seconds"] = model.load_seconds
-            yield chunk
+        yield from run(decoder, model.tokenizer, prepared.prompt_ids, prepared.max_tokens, stop=req.stop,
+                       ignore_eos=req.ignore_eos, profiler=prof)
     finally:
         seq.cancel()

@@ -188,7 +188,7 @@ class MTPBatchScheduler(BatchScheduler):
                 while n < k and host_ids[b][n + 1] == host_target[b][n]:
                     n += 1
             try:
-                check_finite(mx.array(ok[b]))
+                check_finite(ok[b])
                 token = host_target[b][n] if s.sampler.argmax_on_device else s.sampler.sample(logits[b, 0])
             except MTPEngineError as e:
                 s.fail(e)

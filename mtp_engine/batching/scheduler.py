@@ -259,7 +259,7 @@ class BatchScheduler:
         self._joining = None
 
     def _decode(self) -> None:
-        rows = [s for s in self._rows]
+        rows = list(self._rows)
         if not rows:
             return
         m = self.model.model
@@ -276,7 +276,7 @@ class BatchScheduler:
                 continue
             s.batch_sizes.append(len(rows))
             try:
-                check_finite(mx.array(ok[b]))
+                check_finite(ok[b])
                 row = logits[b]
                 token = fast[b] if s.sampler.argmax_on_device else s.sampler.sample(row)
                 s.deliver([token], s.sampler.token_logprobs(row[None], [token]))

@@ -39,7 +39,7 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
     from ..generation.prompt_cache import PromptCache
     from ..load_progress import load_progress
     from ..request.keywords import request_from_keywords
-    from ..request.prepare import chat_template_note, history_ids, prepare
+    from ..request.prepare import chat_template_note, prepare
     from ..text_input import check_text
     from .output import format_stats, model_label
 
@@ -125,14 +125,17 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
         messages.append({"role": "assistant", "content": "".join(answer)})
         if args.stats and last_stats:
             print(format_stats(last_stats), file=stderr)
-        _keep_answer(api, model, messages, cache, kwargs, history_ids)
+        _keep_answer(model, messages, cache, kwargs)
 
 
-def _keep_answer(api, model, messages: list[dict], cache, kwargs: dict, history_ids) -> None:
+def _keep_answer(model, messages: list[dict], cache, kwargs: dict) -> None:
     """Prefills the answer just given (from the kept prompt state: only its own tokens) and keeps
     the state after it, while the user reads and types: the next turn then prefills only its new
     message. Its one generated token is dropped. A template that renders the history differently
     next turn finds the prompt's state, still kept, instead."""
+    from .. import api
+    from ..request.prepare import history_ids
+
     try:
         ids = history_ids(model, messages)
         if len(ids) + 1 > model.model.cfg.context_length:

@@ -79,10 +79,10 @@ def distribution(logits: mx.array, cfg: SamplerConfig) -> mx.array:
     return mx.softmax(logits / cfg.temperature, axis=-1)
 
 
-def check_finite(finite: mx.array) -> None:
+def check_finite(finite: mx.array | bool) -> None:
     """Refuses to go on from NaN/inf logits: finite but huge weights in a corrupt file overflow,
-    and an argmax of NaN would silently produce text."""
-    if not bool(finite.item()):
+    and an argmax of NaN would silently produce text. `finite`: a device flag, or one already read."""
+    if not bool(finite.item() if isinstance(finite, mx.array) else finite):
         raise MTPEngineError("the model produced non-finite logits (NaN/inf): its weights are corrupt or out of "
                              "range", field="logits")
 

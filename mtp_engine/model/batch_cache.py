@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache, TrunkCache
+from .delta_rule import state_after_masked
 
 
 class BatchKVCache:
@@ -122,18 +123,8 @@ class BatchRecurrentCache(RecurrentCache):
         conv_n = mx.take_along_axis(window, mx.broadcast_to(idx, (idx.shape[0], width, window.shape[2])), axis=1)
         all_kept = (keep >= s)
         self.conv = mx.where(all_kept[:, None, None], self.conv, conv_n)
-        self.state = mx.where(all_kept[:, None, None, None], self.state, _state_after_rows(state0, k, u, g, keep))
+        self.state = mx.where(all_kept[:, None, None, None], self.state, state_after_masked(state0, k, u, g, keep))
         self.release()
-
-
-def _state_after_rows(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: mx.array) -> mx.array:
-    """`delta_rule.state_after` with a count per row n [B]: tokens t >= n[b] of row b masked out."""
-    keep = (mx.arange(k.shape[1])[None, :] < n[:, None])[:, :, None]  # [B, S, 1]
-    cum = mx.cumsum(mx.where(keep, g, 0.0), axis=1)
-    total = cum[:, -1:]
-    to_end = mx.where(keep, mx.exp(total - cum), 0.0)
-    kw = (k * to_end[..., None]).transpose(0, 2, 3, 1)  # [B, h, kd, S]
-    return mx.exp(total[:, 0])[:, :, None, None] * state0 + kw @ u.transpose(0, 2, 1, 3)
 
 
 class BatchCache:

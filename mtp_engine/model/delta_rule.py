@@ -105,9 +105,10 @@ def state_after(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: int)
 
 
 def state_after_masked(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: mx.array) -> mx.array:
-    """`state_after` with n a device scalar: tokens t >= n are masked out instead of sliced off,
-    so one graph serves every n (no host read, no retrace per accepted length)."""
-    keep = (mx.arange(k.shape[1]) < n)[None, :, None]  # [1, s, 1]
+    """`state_after` with n a device scalar, or one count per row [b]: tokens t >= n are masked
+    out instead of sliced off, so one graph serves every n (no host read, no retrace per accepted
+    length)."""
+    keep = (mx.arange(k.shape[1])[None, :] < mx.reshape(n, (-1, 1)))[:, :, None]  # [1 or b, s, 1]
     cum = mx.cumsum(mx.where(keep, g, 0.0), axis=1)  # [b, s, h]; constant from token n-1 on
     total = cum[:, -1:]
     to_end = mx.where(keep, mx.exp(total - cum), 0.0)

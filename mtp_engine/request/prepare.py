@@ -46,22 +46,22 @@ def chat_template_note(model: Model) -> str | None:
     return None if model.tokenizer.chat_template is not None else f"{model.path} {CHATML_NOTE}"
 
 
-def render_chat(model: Model, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The prompt text of a chat: the model's template (ChatML when it has none), with `tools`."""
+def render_chat(model: Model, messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text of a chat: the model's template (ChatML when it has none), with `tools`;
+    without the generation prompt, a finished conversation."""
     tok = model.tokenizer
     extra = {"tools": tools} if tools else {}
     fallback = CHATML if tok.chat_template is None else None
-    return tok.apply_chat_template(messages, add_generation_prompt=True, template=fallback, **extra)
+    return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, template=fallback, **extra)
 
 
 def history_ids(model: Model, messages: list[dict]) -> list[int]:
     """The token ids of a finished conversation (no generation prompt): what the chat's next turn
     starts with, so that keeping their state lets that turn prefill only its new message."""
-    tok = model.tokenizer
-    fallback = CHATML if tok.chat_template is None else None
-    text = tok.apply_chat_template(messages, add_generation_prompt=False, template=fallback)
     cfg = model.model.cfg
-    return encode_prompt(tok, text, cfg.context_length, "messages", source=cfg.context_source)
+    return encode_prompt(model.tokenizer, render_chat(model, messages, add_generation_prompt=False),
+                         cfg.context_length, "messages", source=cfg.context_source)
 
 
 def prepare(model: Model, request: GenerationRequest) -> Prepared:

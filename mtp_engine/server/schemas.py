@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..chat.tool_calls import check_tool_list, message_tool_calls, tool_choice_name
 from ..constraint import response_format_constraint
@@ -91,15 +91,14 @@ def generation_request(req: GenRequest, d: ServerDefaults, prompt_cache: PromptC
     kw["max_tokens"] = kw["max_tokens"] if given else d.max_tokens
     kw["logprobs"] = req.logprobs
     cache = prompt_cache if kw.pop("cache_prompt", True) else None
-    parallel = True
     if req.tools:
         kw["tools"] = req.tools
         if req.forced_call is not None:
-            name, parallel = req.forced_call["name"], req.forced_call["parallel"]
+            name = req.forced_call["name"]
             kw["tool_choice"] = "required" if name is None else {"type": "function", "function": {"name": name}}
+            kw["parallel_tool_calls"] = req.forced_call["parallel"]
     try:
-        r = request_from_keywords(**kw, fit_context=not given, prompt_cache=cache)
-        return replace(r, parallel_tool_calls=parallel) if not parallel else r
+        return request_from_keywords(**kw, fit_context=not given, prompt_cache=cache)
     except MTPEngineError as e:
         raise engine_error(e) from None
 
