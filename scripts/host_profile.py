@@ -1,0 +1,108 @@
+"""Where the host's time goes while it queues rounds: run one part (a plain step, a verify of k+1
+rows, a whole device-resident round of k drafts) back to back for some seconds, to be sampled by
+`py-spy record --native` (MLX's C++ frames included), at the 9B shape with random 4-bit weights.
+
+Usage (GPU): py-spy record --native -r 400 -f raw -o plain.txt -- python3 scripts/host_profile.py --part plain
+             python3 scripts/host_profile.py --summary plain.txt   (top frames, self and total)
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def run_part(part: str, k: int, seconds: float, small: bool, tiny: bool) -> None:
+    import mlx.core as mx
+    from bench_9b_oracle import config_9b, random_model
+    from round_burst import _decoder
+    from round_nodes import tiny_config
+
+    model = random_model(tiny_config() if tiny else config_9b(small))
+    prompt = list(range(100, 164))
+    burst = 16
+    dec = _decoder(model, k, 0.8, prompt, room=int(seconds * 1000 / 3) * (k + 2) + 4096)
+    ids = mx.zeros((1, k + 1), dtype=mx.int32)
+
+    def launch():
+        if part == "plain":
+            return dec._launch_resident_plain().emitted
+        if part == "round":
+            return dec._launch_resident(k).emitted
+        post, _ = model.forward(ids, dec.cache, capture=True, return_prenorm=True, resident=True)
+        t = mx.argmax(model.logits(post[0]), axis=-1)
+        dec.cache.rollback_lazy(mx.array(k + 1))
+        mx.async_eval(t)
+        return t
+
+    for _ in range(3):  # warm-up: the graphs traced
+        mx.eval([launch() for _ in range(4)])
+    timed_loop(launch, seconds, burst, f"{part} k={k}")
+
+
+def timed_loop(launch, seconds: float, burst: int, name: str) -> None:
+    """The sampled part (`--summary` counts only stacks through here)."""
+    import mlx.core as mx
+    t0, n, host = time.perf_counter(), 0, 0.0
+    while time.perf_counter() - t0 < seconds:
+        t = time.perf_counter()
+        outs = [launch() for _ in range(burst)]
+        host += time.perf_counter() - t
+        mx.eval(outs)
+        n += burst
+    dt = time.perf_counter() - t0
+    print(f"{name}: {n} launches, {dt * 1e3 / n:.3f} ms each, host {host * 1e3 / n:.3f} ms", file=sys.stderr,
+          flush=True)
+
+
+def summary(path: str, top: int) -> None:
+    """py-spy's raw (collapsed) stacks: the frames holding the most samples, self and total."""
+    total: collections.Counter = collections.Counter()
+    self_: collections.Counter = collections.Counter()
+    libs: collections.Counter = collections.Counter()
+    n = 0
+    for line in Path(path).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        c = int(count)
+        frames = stack.split(";")
+        if not any(f.startswith("timed_loop") for f in frames):
+            continue
+        n += c
+        lib = frames[-1].rpartition("(")[2].rstrip(")")
+        libs[lib if lib.endswith((".so", ".so.6")) or ".so." in lib else "python"] += c
+        for f in set(frames):
+            total[f] += c
+        self_[frames[-1]] += c
+    print(f"{path}: {n} samples in timed_loop; self time by library: "
+          + ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in libs.most_common(8)))
+    for title, ctr in (("self", self_), ("total", total)):
+        print(f"-- {title}")
+        for f, c in ctr.most_common(top):
+            print(f"{100 * c / n:6.1f}%  {f[:160]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["plain", "verify", "round"], default="plain")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="32 layers at tiny widths (a CPU check)")
+    ap.add_argument("--summary", help="summarise a py-spy raw file instead")
+    ap.add_argument("--top", type=int, default=40)
+    a = ap.parse_args()
+    if a.summary:
+        summary(a.summary, a.top)
+    else:
+        run_part(a.part, a.k, a.seconds, a.small, a.tiny)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
