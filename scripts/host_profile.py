@@ -2,8 +2,8 @@
 rows, a whole device-resident round of k drafts) back to back for some seconds, to be sampled by
 `py-spy record --native` (MLX's C++ frames included), at the 9B shape with random 4-bit weights.
 
-Usage (GPU): py-spy record --native -r 400 -f raw -o plain.txt -- python3 scripts/host_profile.py --part plain
-             python3 scripts/host_profile.py --summary plain.txt   (top frames, self and total)
+Usage (GPU): py-spy record --native -r 400 -f raw -o host.txt -- python3 scripts/host_profile.py [--parts plain,verify,round]
+             python3 scripts/host_profile.py --summary host.txt   (per part: top frames, self and total)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def run_part(part: str, k: int, seconds: float, small: bool, tiny: bool) -> None:
+def run_parts(parts: list[str], k: int, seconds: float, small: bool, tiny: bool) -> None:
     import mlx.core as mx
     from bench_9b_oracle import config_9b, random_model
     from round_burst import _decoder
@@ -24,28 +24,27 @@ def run_part(part: str, k: int, seconds: float, small: bool, tiny: bool) -> None
 
     model = random_model(tiny_config() if tiny else config_9b(small))
     prompt = list(range(100, 164))
-    burst = 16
-    dec = _decoder(model, k, 0.8, prompt, room=int(seconds * 1000 / 3) * (k + 2) + 4096)
-    ids = mx.zeros((1, k + 1), dtype=mx.int32)
+    for part in parts:
+        dec = _decoder(model, k, 0.8, prompt, room=int(seconds * 1000 / 3) * (k + 2) + 4096)
+        ids = mx.zeros((1, k + 1), dtype=mx.int32)
 
-    def launch():
-        if part == "plain":
-            return dec._launch_resident_plain().emitted
-        if part == "round":
-            return dec._launch_resident(k).emitted
-        post, _ = model.forward(ids, dec.cache, capture=True, return_prenorm=True, resident=True)
-        t = mx.argmax(model.logits(post[0]), axis=-1)
-        dec.cache.rollback_lazy(mx.array(k + 1))
-        mx.async_eval(t)
-        return t
+        def launch(part=part, dec=dec, ids=ids):
+            if part == "plain":
+                return dec._launch_resident_plain().emitted
+            if part == "round":
+                return dec._launch_resident(k).emitted
+            post, _ = model.forward(ids, dec.cache, capture=True, return_prenorm=True, resident=True)
+            t = mx.argmax(model.logits(post[0]), axis=-1)
+            dec.cache.rollback_lazy(mx.array(k + 1))
+            mx.async_eval(t)
+            return t
 
-    for _ in range(3):  # warm-up: the graphs traced
-        mx.eval([launch() for _ in range(4)])
-    timed_loop(launch, seconds, burst, f"{part} k={k}")
+        for _ in range(3):  # warm-up: the graphs traced
+            mx.eval([launch() for _ in range(4)])
+        LOOPS[part](launch, seconds, 16, f"{part} k={k}")
 
 
 def timed_loop(launch, seconds: float, burst: int, name: str) -> None:
-    """The sampled part (`--summary` counts only stacks through here)."""
     import mlx.core as mx
     t0, n, host = time.perf_counter(), 0, 0.0
     while time.perf_counter() - t0 < seconds:
@@ -59,7 +58,23 @@ def timed_loop(launch, seconds: float, burst: int, name: str) -> None:
           flush=True)
 
 
-def summary(path: str, top: int) -> None:
+# one function per part, so that `--summary --part P` finds P's samples by its frame name
+def timed_plain(*a):
+    timed_loop(*a)
+
+
+def timed_verify(*a):
+    timed_loop(*a)
+
+
+def timed_round(*a):
+    timed_loop(*a)
+
+
+LOOPS = {"plain": timed_plain, "verify": timed_verify, "round": timed_round}
+
+
+def summary(path: str, top: int, part: str) -> None:
     """py-spy's raw (collapsed) stacks: the frames holding the most samples, self and total."""
     total: collections.Counter = collections.Counter()
     self_: collections.Counter = collections.Counter()
@@ -71,7 +86,7 @@ def summary(path: str, top: int) -> None:
             continue
         c = int(count)
         frames = stack.split(";")
-        if not any(f.startswith("timed_loop") for f in frames):
+        if not any(f.startswith(f"timed_{part} ") for f in frames):
             continue
         n += c
         lib = frames[-1].rpartition("(")[2].rstrip(")")
@@ -79,7 +94,7 @@ def summary(path: str, top: int) -> None:
         for f in set(frames):
             total[f] += c
         self_[frames[-1]] += c
-    print(f"{path}: {n} samples in timed_loop; self time by library: "
+    print(f"{path}: {n} samples in timed_{part}; self time by library: "
           + ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in libs.most_common(8)))
     for title, ctr in (("self", self_), ("total", total)):
         print(f"-- {title}")
@@ -89,7 +104,7 @@ def summary(path: str, top: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=["plain", "verify", "round"], default="plain")
+    ap.add_argument("--parts", default="plain,verify,round")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--small", action="store_true")
@@ -98,9 +113,10 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=40)
     a = ap.parse_args()
     if a.summary:
-        summary(a.summary, a.top)
+        for part in a.parts.split(","):
+            summary(a.summary, a.top, part)
     else:
-        run_part(a.part, a.k, a.seconds, a.small, a.tiny)
+        run_parts(a.parts.split(","), a.k, a.seconds, a.small, a.tiny)
     return 0
 
 
