@@ -33,9 +33,13 @@ def run_parts(parts: list[str], k: int, seconds: float, small: bool, tiny: bool)
                 return dec._launch_resident_plain().emitted
             if part == "round":
                 return dec._launch_resident(k).emitted
-            post, _ = model.forward(ids, dec.cache, capture=True, return_prenorm=True, resident=True)
+            # verify: captured, rolled back (as in a round); verify_norb: captured, not rolled back;
+            # verify_nocap: neither (a plain forward of k+1 rows)
+            post, _ = model.forward(ids, dec.cache, capture=part != "verify_nocap", return_prenorm=True,
+                                    resident=True)
             t = mx.argmax(model.logits(post[0]), axis=-1)
-            dec.cache.rollback_lazy(mx.array(k + 1))
+            if part == "verify":
+                dec.cache.rollback_lazy(mx.array(k + 1))
             mx.async_eval(t)
             return t
 
@@ -71,7 +75,16 @@ def timed_round(*a):
     timed_loop(*a)
 
 
-LOOPS = {"plain": timed_plain, "verify": timed_verify, "round": timed_round}
+def timed_verify_norb(*a):
+    timed_loop(*a)
+
+
+def timed_verify_nocap(*a):
+    timed_loop(*a)
+
+
+LOOPS = {"plain": timed_plain, "verify": timed_verify, "round": timed_round, "verify_norb": timed_verify_norb,
+         "verify_nocap": timed_verify_nocap}
 
 
 def summary(path: str, top: int, part: str) -> None:
@@ -104,7 +117,7 @@ def summary(path: str, top: int, part: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="plain,verify,round")
+    ap.add_argument("--parts", default="plain,verify,round,verify_norb,verify_nocap")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--small", action="store_true")
