@@ -164,8 +164,7 @@ class MTPBatchScheduler(BatchScheduler):
         last = mx.array([[s.last_token] for s in rows], dtype=mx.int32)
         tok, h, drafts = last, self._h_last, []
         for i in range(max(k, 1)):  # step 1 also when k = 0: the head's row for the last token
-            h = mtp._body(m.embed_tokens(tok), h, self._head.layers)[0]
-            self._head.advance(1)
+            h = mtp.forward_batch(m.embed_tokens(tok), h, self._head)
             if i < k:
                 d = mx.argmax(m.logits(h[:, -1]), axis=-1).astype(mx.int32)
                 drafts.append(d)
@@ -201,7 +200,7 @@ class MTPBatchScheduler(BatchScheduler):
         most = max(keep) - 1
         if most:  # the head's rows for the accepted drafts, with the trunk hidden before each
             before = self._head.host_lengths
-            mtp._body(m.embed_tokens(ids[:, 1:most + 1]), post[:, :most], self._head.layers)
+            mtp.forward_batch(m.embed_tokens(ids[:, 1:most + 1]), post[:, :most], self._head)
             self._head.set_lengths([x + n - 1 for x, n in zip(before, keep)])
         pick = mx.array([n - 1 for n in keep], mx.int32)[:, None, None]
         self._h_last = mx.take_along_axis(post, mx.broadcast_to(pick, (len(rows), 1, post.shape[2])), axis=1)

@@ -40,7 +40,7 @@ class BatchKVCache:
     def capacity(self) -> int:
         return 0 if self.keys is None else int(self.keys.shape[2])
 
-    def _reserve(self, needed: int) -> None:
+    def reserve(self, needed: int) -> None:
         """Room for `needed` positions in every row (in steps, so growth is rare)."""
         cap = self.capacity
         if self.keys is not None and needed <= cap:
@@ -59,7 +59,7 @@ class BatchKVCache:
         longest row's new end and the boolean mask [B, 1, S, L] of what each query may see."""
         s = int(k.shape[2])
         end = max(self.owner.host_lengths) + s
-        self._reserve(end)
+        self.reserve(end)
         pos = self.owner.lengths[:, None, None, None] + mx.arange(s)[None, None, :, None]
         idx = mx.broadcast_to(pos, k.shape).astype(mx.int32)
         self.keys = mx.put_along_axis(self.keys, idx, k.astype(self.dtype), axis=2)
@@ -74,7 +74,7 @@ class BatchKVCache:
         n = int(row.offset)
         cap = max(self.capacity, -(-max(n, 1) // self.step) * self.step)
         if self.keys is not None:
-            self._reserve(cap)
+            self.reserve(cap)
         k = mx.zeros((1, self.n_kv, cap, self.head_dim), self.dtype)
         v = mx.zeros_like(k)
         if n:

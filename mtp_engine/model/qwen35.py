@@ -230,6 +230,16 @@ class MTPHead:
                                 compiled=self.compile_steps and fits)[0]
         return self._body(embeds, h_prev, [cache])[0]
 
+    def forward_batch(self, embeds: mx.array, h_prev: mx.array, batch) -> mx.array:
+        """The head over a batch (`batch_cache.BatchCache`, advanced here): embeds, h_prev [B, S, H]."""
+        s = int(embeds.shape[1])
+        if self.compile_steps and s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp):
+            h = compiled.run_batch(self, self._body, [embeds, h_prev], batch, s)[0]
+        else:
+            h = self._body(embeds, h_prev, batch.layers)[0]
+        batch.advance(s)
+        return h
+
     def _body(self, embeds: mx.array, h_prev: mx.array, caches: list) -> list[mx.array]:
         eps = self.cfg.eps
         x = self.eh_proj(mx.concatenate([rms_norm(embeds, self.enorm, eps), rms_norm(h_prev, self.hnorm, eps)],
@@ -381,9 +391,14 @@ class Qwen35Model:
 
     def forward_batch(self, ids: mx.array, batch) -> mx.array:
         """ids [B, S]: the next S tokens of each of B sequences, each at its own length in `batch`
-        (a `batch_cache.BatchCache`, advanced here); returns the post-norm hidden states [B, S, H]."""
-        post, _ = self._body(ids, batch.layers)
-        batch.advance(int(ids.shape[1]))
+        (a `batch_cache.BatchCache`, advanced here); returns the post-norm hidden states [B, S, H].
+        Up to `step.MAX_TOKENS` tokens per row it is one compiled graph, as a single sequence's."""
+        s = int(ids.shape[1])
+        if self._compile_steps and s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers):
+            post, _ = compiled.run_batch(self, self._body, [ids], batch, s)
+        else:
+            post, _ = self._body(ids, batch.layers)
+        batch.advance(s)
         return post
 
     def _body(self, ids: mx.array, caches: list) -> list[mx.array]:

@@ -11,7 +11,9 @@ of S tokens is one `mx.compile`d graph with constant shapes:
 - no host synchronisation inside: the caller evaluates when it needs a value.
 
 One graph is traced per (S, capture, cache capacities); prompts longer than `MAX_TOKENS` run
-uncompiled, where dispatch cost is amortised over many rows.
+uncompiled, where dispatch cost is amortised over many rows. `run_batch` is the same for a batch of
+sequences (`batch_cache.BatchCache`), each row at its own length: one graph per (B, S, capture,
+capacity).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from .batch_cache import BatchCache, BatchKVCache
 from .cache import KVCache, RecurrentCache, shift_offsets
 
 MAX_TOKENS = 16
@@ -42,6 +45,22 @@ class _KVView:
         # query i (position offset + i) sees cache positions <= offset + i; the rest is stale or empty
         mask = mx.arange(cap)[None, :] <= (self.offset + mx.arange(s))[:, None]
         return self.keys, self.values, mask
+
+
+class _BatchKVView(_KVView):
+    """A batch's KV cache inside a trace: row b writes at its own length `lengths[b]`, and its
+    queries see the whole buffer under a per-row mask (no slice to the longest row, whose length
+    would be a new graph every step)."""
+
+    def update(self, k: mx.array, v: mx.array):
+        s, cap = k.shape[2], self.keys.shape[2]
+        pos = self.offset[:, None, None, None] + mx.arange(s)[None, None, :, None]
+        idx = mx.broadcast_to(pos, k.shape).astype(mx.int32)
+        self.keys = mx.put_along_axis(self.keys, idx, k.astype(self.keys.dtype), axis=2)
+        self.values = mx.put_along_axis(self.values, idx, v.astype(self.values.dtype), axis=2)
+        q_pos = self.offset[:, None] + mx.arange(s)[None, :]  # [B, S]
+        mask = mx.arange(cap)[None, None, :] <= q_pos[:, :, None]
+        return self.keys, self.values, mask[:, None]
 
 
 class _RecurrentView:
@@ -80,7 +99,7 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     fns = owner.__dict__.setdefault("_compiled_steps" if compiled else "_graph_steps", {})
     if key not in fns:
         layout: dict[str, int] = {}  # filled when the graph is traced: how many outputs are the body's
-        fn = _traced(body, kinds, capture, side, layout)
+        fn = _traced(body, kinds, capture, side, layout, lambda keys, values, offsets, i: _KVView(keys, values, offsets[i]))
         fns[key] = (mx.compile(fn) if compiled else fn, layout)
     fn, layout = fns[key]
     offsets = _offsets([c for c in caches if isinstance(c, KVCache)])
@@ -116,6 +135,50 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     return body_out
 
 
+def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache, n_tokens: int) -> list[mx.array]:
+    """`run` for a batch: `body(*args, views)` over the batch's layers as one compiled graph, with
+    each row's length (`batch.lengths`) an input, so a step of any lengths reuses the graph (one
+    per batch size, tokens per row, capture and capacity). Recurrent layers that `begin_capture`d
+    keep the pass's rollback inputs. The caller advances the lengths."""
+    layers = batch.layers
+    kinds = tuple(isinstance(c, BatchKVCache) for c in layers)
+    capture = any(getattr(c, "capturing", False) for c in layers)
+    end = max(batch.host_lengths) + n_tokens
+    for c in layers:
+        if isinstance(c, BatchKVCache):
+            c.reserve(end)
+    key = ("batch", n_tokens, kinds, capture)
+    fns = owner.__dict__.setdefault("_compiled_steps", {})
+    if key not in fns:
+        layout: dict[str, int] = {}
+        fn = _traced(body, kinds, capture, None, layout, lambda keys, values, lengths, i: _BatchKVView(keys, values, lengths))
+        fns[key] = (mx.compile(fn), layout)
+    fn, layout = fns[key]
+    arrays = [a for c in layers for a in c.arrays()]
+    for c in layers:  # unreferenced, so the scatter writes in place
+        if isinstance(c, BatchKVCache):
+            c.keys = c.values = None
+    try:
+        outs = fn(batch.lengths, *args, *arrays)
+    except Exception:
+        _restore(layers, arrays, BatchKVCache)
+        raise
+    del arrays
+    body_out, rest = outs[:layout["body"]], outs[layout["body"]:]
+    for c in layers:
+        if isinstance(c, BatchKVCache):
+            c.keys, c.values = rest[0], rest[1]
+            rest = rest[2:]
+        else:
+            conv0, state0 = c.conv, c.state
+            c.conv, c.state = rest[0], rest[1]
+            rest = rest[2:]
+            if capture:
+                c.capture(conv0, *rest[:1], state0, *rest[1:4])
+                rest = rest[4:]
+    return body_out
+
+
 def _offsets(kv: list[KVCache]) -> mx.array:
     """The KV caches' write offsets as one int32 array (host ints, or device scalars of resident
     rounds: one stack, layers that share a device offset share its element)."""
@@ -130,21 +193,21 @@ def _offsets(kv: list[KVCache]) -> mx.array:
                      for c in kv])
 
 
-def _restore(caches, arrays) -> None:
+def _restore(caches, arrays, kv_type=KVCache) -> None:
     for c in caches:
-        if isinstance(c, KVCache):
+        if isinstance(c, kv_type):
             c.keys, c.values = arrays[0], arrays[1]
         arrays = arrays[2:]
 
 
-def _traced(body: Callable, kinds: tuple[bool, ...], capture: bool, side, layout: dict[str, int]):
+def _traced(body: Callable, kinds: tuple[bool, ...], capture: bool, side, layout: dict[str, int], kv_view: Callable):
     def fn(offsets, *flat):
         n_args = len(flat) - 2 * len(kinds)
         args, arrays = flat[:n_args], flat[n_args:]
         views, j, i_kv = [], 0, 0
         for is_kv in kinds:
             if is_kv:
-                views.append(_KVView(arrays[j], arrays[j + 1], offsets[i_kv]))
+                views.append(kv_view(arrays[j], arrays[j + 1], offsets, i_kv))
                 i_kv += 1
             else:
                 views.append(_RecurrentView(arrays[j], arrays[j + 1], capture))

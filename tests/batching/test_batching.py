@@ -165,6 +165,26 @@ def test_requests_the_batch_cannot_take_run_alone(parallel_model, shipped_model)
 
 # ---- draft-mtp in batches ------------------------------------------------------------------------
 
+@pytest.mark.parametrize("spec", ["none", "draft-mtp"])
+def test_compiled_batched_steps_equal_each_alone(spec):
+    """Batched forwards of up to 16 tokens per row run as one compiled graph (the GPU's default;
+    forced here on the CPU): each row writes at its own length and attends under its own mask,
+    and the tokens are still each prompt's alone. One graph per (rows, tokens per row, capture):
+    rows moving on to new lengths trace nothing new."""
+    from mtp_engine import EngineOptions, load
+
+    m = load(need(TINY_Q4), options=EngineOptions(compile_steps=True))
+    want = _alone(m, PROMPTS[:3], max_tokens=14, ignore_eos=True)
+    kw = dict(spec="draft-mtp", n_max=2) if spec == "draft-mtp" else {}
+    got = batch_generate(PROMPTS[:3], m, max_tokens=14, ignore_eos=True, parallel=3, **kw)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    traced = [k for k in m.model.__dict__["_compiled_steps"] if k[0] == "batch"]
+    assert traced and len(traced) <= 3 * 4, traced  # B in 1..3, tokens per row 1..3 (+ capture)
+    again = batch_generate(PROMPTS[:3], m, max_tokens=20, ignore_eos=True, parallel=3, **kw)
+    assert [g.token_ids[:14] for g in again] == [w.token_ids for w in want]
+    assert [k for k in m.model.__dict__["_compiled_steps"] if k[0] == "batch"] == traced
+
+
 @pytest.mark.parametrize("path,n_max", [(SHIPPED, 3), (TINY_Q4, "auto"), (TINY_Q4, 1), (MOE_Q4, 2)],
                          ids=["trained-3", "tiny-auto", "tiny-1", "moe"])
 def test_draft_mtp_batch_equals_plain_alone(models, path, n_max):
