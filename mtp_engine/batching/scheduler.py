@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -76,6 +77,16 @@ class Sequence:
         self.out.put(error)
 
 
+@dataclass
+class _Step:
+    """A batched decode step queued on the device: the rows it ran and its outputs."""
+
+    rows: list[Sequence]
+    logits: mx.array  # [B, V]
+    greedy: mx.array  # [B]
+    finite: mx.array  # [B]
+
+
 class SchedulerStopped(MTPEngineError):
     """The scheduler stopped (the server or the program is ending) before the sequence ended."""
 
@@ -100,6 +111,7 @@ class BatchScheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0  # batched decode steps run
+        self._queued: _Step | None = None  # the next step, queued before the host read this one
         self.completed = 0
 
     # ---- any thread --------------------------------------------------------------------------------
@@ -181,7 +193,7 @@ class BatchScheduler:
         seqs = self._rows + ([self._joining] if self._joining else []) + list(self._waiting)
         for s in seqs:
             s.fail(error)
-        self._rows, self._joining = [], None
+        self._rows, self._joining, self._queued = [], None, None
         self._waiting.clear()
         self._batch = BatchCache(self.model.model)
 
@@ -259,25 +271,43 @@ class BatchScheduler:
         self._joining = None
 
     def _decode(self) -> None:
+        """One batched step read, with the next one queued first when every row's token is its
+        argmax (then the device runs step t+1 while the host delivers step t, as the plain
+        decoder's pipelined loop does alone). A queued step outlives rows that leave or join
+        before it is read: it delivers to the rows it ran (those still running), and a joined row
+        takes the step after it."""
         rows = list(self._rows)
         if not rows:
+            self._queued = None
             return
+        cur = self._queued or self._launch(rows)
+        self._queued = None
+        if cur.rows == rows and all(s.sampler.argmax_on_device for s in rows):
+            self._queued = self._launch(rows, cur.greedy)
+        self._complete(cur)
+
+    def _launch(self, rows: list["Sequence"], prev: mx.array | None = None) -> _Step:
+        """Queues one batched step: each row's last token (from the host, or `prev` [B], the
+        step before's argmax still on the device)."""
         m = self.model.model
-        ids = mx.array([[s.last_token] for s in rows], dtype=mx.int32)
+        ids = prev[:, None].astype(mx.int32) if prev is not None else \
+            mx.array([[s.last_token] for s in rows], dtype=mx.int32)
         logits = m.logits(m.forward_batch(ids, self._batch)[:, -1])  # [B, V]
-        greedy = mx.argmax(logits, axis=-1)
-        finite = mx.all(mx.isfinite(logits), axis=-1)
-        mx.eval(greedy, finite, *self._batch.arrays())
+        step = _Step(rows, logits, mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits), axis=-1))
+        mx.async_eval(step.greedy, step.finite, *self._batch.arrays())
+        return step
+
+    def _complete(self, step: _Step) -> None:
         self.steps += 1
-        fast = [int(t) for t in greedy.tolist()]
-        ok = finite.tolist()
-        for b, s in enumerate(rows):
+        fast = [int(t) for t in step.greedy.tolist()]
+        ok = step.finite.tolist()
+        for b, s in enumerate(step.rows):
             if s.done:
                 continue
-            s.batch_sizes.append(len(rows))
+            s.batch_sizes.append(len(step.rows))
             try:
                 check_finite(ok[b])
-                row = logits[b]
+                row = step.logits[b]
                 token = fast[b] if s.sampler.argmax_on_device else s.sampler.sample(row)
                 s.deliver([token], s.sampler.token_logprobs(row[None], [token]))
             except MTPEngineError as e:

@@ -165,6 +165,26 @@ def test_requests_the_batch_cannot_take_run_alone(parallel_model, shipped_model)
 
 # ---- draft-mtp in batches ------------------------------------------------------------------------
 
+def test_greedy_batches_queue_the_next_step_before_reading_this_one(models, monkeypatch):
+    """With every row greedy the scheduler queues step t+1 from step t's argmax still on the
+    device, then delivers step t; rows that join or leave in between (five prompts of mixed
+    lengths through two slots) still get every token as alone. A sampled row turns it off."""
+    from mtp_engine.batching.scheduler import BatchScheduler
+
+    m = models(need(TINY_Q4))
+    ahead = []
+    launch = BatchScheduler._launch
+    monkeypatch.setattr(BatchScheduler, "_launch", lambda self, rows, prev=None: ahead.append(prev is not None)
+                        or launch(self, rows, prev))
+    want = _alone(m, PROMPTS, max_tokens=12, ignore_eos=True)
+    got = batch_generate(PROMPTS, m, max_tokens=12, ignore_eos=True, parallel=2)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert sum(ahead) > len(ahead) // 2, ahead
+    ahead.clear()
+    batch_generate(PROMPTS[:2], m, max_tokens=6, ignore_eos=True, parallel=2, temperature=0.7, seed=1)
+    assert ahead and not any(ahead)
+
+
 @pytest.mark.parametrize("spec", ["none", "draft-mtp"])
 def test_compiled_batched_steps_equal_each_alone(spec):
     """Batched forwards of up to 16 tokens per row run as one compiled graph (the GPU's default;
