@@ -15,6 +15,11 @@ Writes JSON (--out) and a plot of aggregate tok/s and TTFT against C (--plot).
 
     python scripts/bench_batch.py                         # the model in models/, this machine
     python scripts/bench_batch.py -m FILE.gguf -t 128 --concurrency 1,4,8 --out b.json --plot b.png
+    python3 scripts/bench_batch.py --random-9b ...       # GPU: the Qwen3.5-9B shape, random 4-bit g32
+
+`--random-9b`: the 9B shape (scripts/bench_9b_oracle.py) with random weights and the shipped model's
+tokenizer, so its vocabulary is the tokenizer's 8192 rows instead of 248320 (the output head reads
+16 MB instead of 0.5 GB, ~10% of a step's weights); every other matrix is the 9B one.
 """
 from __future__ import annotations
 
@@ -28,6 +33,66 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _random_9b(shipped):
+    """The 9B shape with random weights behind the shipped model's tokenizer (see the docstring)."""
+    import dataclasses
+
+    from bench_9b_oracle import config_9b, random_model
+
+    from mtp_engine.model.loaded import Model
+    from mtp_engine.threads import evaluate_all
+
+    cfg = dataclasses.replace(config_9b(False), vocab_size=shipped.model.cfg.vocab_size)
+    t = time.perf_counter()
+    net = random_model(cfg)
+    print(f"random 9B-shape model built in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    m = Model(model=net, tokenizer=shipped.tokenizer, info=shipped.info, path="")
+    evaluate_all(m)  # lazy weights would fail in the scheduler's thread (no stream there for them)
+    return m
+
+
+class _PeerTok:
+    """What mlx-lm's batch_generate asks of a tokenizer: no end token (every stream runs to
+    max_tokens, as ours with ignore_eos), and a decode."""
+
+    eos_token_ids: set = set()
+
+    def decode(self, ids) -> str:
+        return ""
+
+
+def mlx_lm_batch(net, prompt_ids: list[list[int]], tokens: int, repeats: int) -> float | None:
+    """mlx-lm's `batch_generate` (its users' batched call) on its own qwen3_5 model at our shape
+    (random 4-bit g32 weights, scripts/mlx_lm_ref.py): aggregate tok/s, median over `repeats`
+    after a warm-up."""
+    try:
+        from mlx_lm import batch_generate
+    except Exception:
+        return None
+    if net is None:
+        return None
+    batch_generate(net, _PeerTok(), prompt_ids, max_tokens=4)
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        r = batch_generate(net, _PeerTok(), prompt_ids, max_tokens=tokens)
+        rates.append(len(prompt_ids) * tokens / (time.perf_counter() - t))
+        del r
+    return statistics.median(rates)
+
+
+def _with_scheduler(model, parallel: int):
+    """Another handle on the same weights whose generations share batches of `parallel`."""
+    import dataclasses
+
+    from mtp_engine.batching import batch_scheduler
+
+    m = dataclasses.replace(model, scheduler=None)
+    m.scheduler = batch_scheduler(m, parallel)
+    return m
 
 
 def _prompts(n: int) -> list[str]:
@@ -81,16 +146,21 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--random-9b", action="store_true", help="the 9B shape, random weights (see above)")
     args = ap.parse_args(argv)
     import mlx.core as mx
 
     from mtp_engine import load
 
     levels = [int(x) for x in args.concurrency.split(",")]
-    alone = load(args.model)
+    alone = load(args.model) if not args.random_9b else _random_9b(load(args.model))
+    peer = None
+    if args.random_9b:  # mlx-lm's batch_generate at the same shape, beside ours
+        import mlx_lm_ref
+        peer = mlx_lm_ref.build(alone.model.cfg)
     rows = []
     for c in levels:
-        batched = load(args.model, parallel=max(c, 2))  # a batch scheduler even for one stream
+        batched = load(args.model, parallel=max(c, 2)) if not args.random_9b else _with_scheduler(alone, max(c, 2))
         prompts = _prompts(c)
         for spec in ("none", "draft-mtp"):  # warm-up (first-use costs out of the timings)
             run_streams(batched, prompts, 4, True, spec)
@@ -108,6 +178,9 @@ def main(argv=None) -> int:
             for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "stream_tok_s"):
                 row[f"{kind}_{key}"] = statistics.median(r[key] for r in runs)
         row["aggregate_ratio"] = row["batched_aggregate_tok_s"] / row["sequential_aggregate_tok_s"]
+        if peer is not None:
+            ids = [alone.tokenizer.encode(p) for p in prompts]
+            row["mlx_lm_batch_tok_s"] = mlx_lm_batch(peer, ids, args.tokens, args.repeats)
         row["mtp_ratio"] = row["batched_mtp_aggregate_tok_s"] / row["batched_aggregate_tok_s"]
         rows.append(row)
         print(f"C={c:2d}  batched {row['batched_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['batched_ttft_p50_s']:.3f} "
@@ -115,7 +188,9 @@ def main(argv=None) -> int:
               f"{row['batched_mtp_aggregate_tok_s']:7.1f} (x{row['mtp_ratio']:.2f} of batched plain, rounds by k "
               f"{row['mtp_rounds_by_k']})  one at a time {row['sequential_aggregate_tok_s']:7.1f} (ttft p50 "
               f"{row['sequential_ttft_p50_s']:.3f} s)  batched/one-at-a-time x{row['aggregate_ratio']:.2f}  "
-              f"outputs equal: {row['outputs_equal']}", flush=True)
+              f"outputs equal: {row['outputs_equal']}"
+              + (f"  mlx-lm batch_generate {row['mlx_lm_batch_tok_s']:.1f}" if row.get("mlx_lm_batch_tok_s") else ""),
+              flush=True)
     report = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens,
               "repeats": args.repeats, "model": args.model or "models/ (default)", "rows": rows}
     if args.out:
