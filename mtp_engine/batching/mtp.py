@@ -11,7 +11,7 @@ chosen for the batch (`draft_length`):
             a sequence that does not draft (plain, sampled, penalised, constrained) takes row 0's
             token from its own sampler, as a plain step would;
   rollback  per row: attention lengths move to n_b + 1 tokens, recurrent states and conv windows
-            to the captured state after them (`BatchRecurrentCache.rollback_rows`);
+            to the captured state after them (`BatchCache.rollback_rows`, all layers in one graph);
   catch_up  the head's rows for the accepted drafts (each with the verify's trunk hidden before
             it) in one head forward; the next round starts from (bonus, trunk hidden at n_b).
 k = 0 is a plain batched step (plus the head's one exact row). Every sequence here prefills its
