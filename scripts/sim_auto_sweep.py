@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.sim_device import CPU, GPU, H200_9B, MOE, simulate  # noqa: E402
+from tests.sim_device import CPU, GPU, H200_9B, H200_9B_S11, MOE, simulate  # noqa: E402
 
 from mtp_engine.speculative.calibration import default_seed  # noqa: E402
 from mtp_engine.speculative.scheduler import DraftLengthScheduler  # noqa: E402
@@ -25,7 +25,7 @@ def main() -> int:
                                                      ("stored", "+0.3", "-0.3", "prior")) + " |")
     print("|---|---|---|---|---|---|---|")
     worst = []
-    for name, dev in (("CPU-like", CPU), ("GPU-like", GPU), ("H200 9B curve", H200_9B), ("H200 MoE curve", MOE)):
+    for name, dev in (("CPU-like", CPU), ("GPU-like", GPU), ("H200 9B curve", H200_9B), ("H200 9B, session 11", H200_9B_S11), ("H200 MoE curve", MOE)):
         for acc in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9):
             fixed = [simulate(dev, lambda i: acc, a.rounds, fixed_k=k).rate for k in range(9)]
             best = max(range(9), key=lambda k: fixed[k])

@@ -34,6 +34,9 @@ _INHERIT = 8.0  # prior strength of position j > 1 around position j-1's estimat
 _DECAY = 0.95  # per observation: a change of text shows within tens of rounds
 _PROBE_EVERY = 16  # plain rounds between probes at least (the budget usually spaces them more)
 _WINDOW = 32  # timed rounds kept per (context range, k); the median is robust to stalls
+_EXPLORE_AFTER = 8  # drafting rounds before a longer draft is explored (a probe's luck is no evidence)
+_EXPLORE_RUN = 4  # rounds in a row that try an unmeasured k (a pipelined round is timed only between
+# rounds of its own k: four give MIN_SAMPLES timed ones)
 
 
 def auto_k_max(model) -> int:
@@ -81,6 +84,8 @@ class DraftLengthScheduler:
         self._last_k = 0
         self._plain_streak = 0
         self._forced_plain = 0  # plain rounds still owed to a measurement of t(0)
+        self._exploring: list[int] = []  # draft lengths still owed to the exploration of an unmeasured k
+        self._explored: set[tuple[int, int]] = set()  # (context bucket, k) explored
         self.decode_seconds = 0.0
         self.probes = 0
         self.probe_seconds = 0.0  # probes' time beyond the plain step each replaced
@@ -198,6 +203,12 @@ class DraftLengthScheduler:
         k = best if rates[best] > threshold else 0
         if self._forced_plain:
             k, self._forced_plain = 0, self._forced_plain - 1
+        elif self._exploring and k:
+            k = self._exploring.pop()
+        elif k and (kk := self._worth_exploring(rates[best])):
+            self._exploring = [kk] * (_EXPLORE_RUN - 1)
+            self._explored.add((self._bucket, kk))
+            k = kk
         elif k and self._plain_unmeasured() and self.rounds % 8 == 3:
             # every rate is relative to a plain step's time: measure it, whatever the seed says; three
             # in a row, as a pipelined round times cleanly only between rounds of its own k
@@ -216,6 +227,26 @@ class DraftLengthScheduler:
         self.drafting_rounds += int(k > 0 and not probe)
         self._queue.append((k, probe))
         return k
+
+    def _worth_exploring(self, best_rate: float) -> int:
+        """A draft length longer than every measured one that could beat the best estimate, else
+        0. Estimates beyond the measured k's extrapolate the seed's shape, which can hide a cheap
+        long draft (on the H200 a 5-row verify costs less than a 4-row one, and auto drafted 2 where
+        4 was 8% faster): k is tried once, for a few rounds, when even at the cost of the longest
+        measured draft it would beat the best. (Between measured k's the interpolation holds.)"""
+        b = self._bucket
+        t0 = self.step_seconds(b)
+        if t0 is None or self.drafting_rounds < _EXPLORE_AFTER:  # acceptance learned first
+            return 0
+        measured = {j: self._median(j, b, True) / t0 for j in range(1, self.k_max + 1)
+                    if self._median(j, b, True) is not None}
+        if not measured:
+            return 0
+        longest = max(measured)
+        for k in range(self.k_max, longest, -1):
+            if (b, k) not in self._explored and self.expected_tokens(k) / measured[longest] > best_rate * (1.0 + MARGIN[0]):
+                return k
+        return 0
 
     def _probe_allowed(self) -> bool:
         """A probe costs about t(1) - t(0) (plus its catch-up rows: once probes were timed, their

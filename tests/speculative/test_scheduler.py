@@ -20,7 +20,7 @@ from mtp_engine.speculative.scheduler import DraftLengthScheduler
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
-from tests.sim_device import CPU, GPU, H200_9B, MOE, simulate
+from tests.sim_device import CPU, GPU, H200_9B, H200_9B_S11, MOE, simulate
 
 
 def _costs(v, c=0.1, f=0.05, k=8):
@@ -191,6 +191,19 @@ def test_where_drafting_pays_auto_is_within_5_percent_of_the_best_fixed_n_max(de
     # over 3000 rounds (~8000 tokens): finding a long draft from one-draft probes takes a few hundred
     vs_plain, vs_best, s, _ = _rate_vs(dev, lambda i: a, seeds[seed], rounds=3000)
     assert vs_best >= 0.95 and vs_plain >= 0.98, (vs_plain, vs_best, s.stats())
+
+
+def test_a_long_draft_the_prior_underrates_is_tried_and_kept():
+    """On the H200's round costs a 4-draft round costs about what a 3-draft one does; the GPU
+    prior (linear in k) says otherwise, and auto used to settle on k = 2 for good (0.90x of
+    n-max 4 at a = 0.8 over 400 rounds). Once drafting is established it tries the longer draft for
+    a few rounds and keeps it."""
+    s = DraftLengthScheduler(default_seed(gpu=True), k_max=4)
+    auto = simulate(H200_9B_S11, lambda i: 0.8, 400, sched=s)
+    fixed = [simulate(H200_9B_S11, lambda i: 0.8, 400, fixed_k=k).rate for k in range(5)]
+    assert max(range(5), key=lambda k: fixed[k]) == 4
+    assert auto.rate / max(fixed) >= 0.97, (auto.rate / max(fixed), s.stats())
+    assert auto.chosen[-100:].count(4) >= 90
 
 
 FOLLOW_ROUNDS = 40  # stated in docs/spec.md: rounds within which auto stops drafting after code turns to prose
