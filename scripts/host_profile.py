@@ -30,9 +30,9 @@ def run_parts(parts: list[str], k: int, seconds: float, small: bool, tiny: bool)
 
         def launch(part=part, dec=dec, ids=ids):
             if part == "plain":
-                return dec._launch_resident_plain().emitted
+                return dec._launch_resident_plain().round.emitted
             if part == "round":
-                return dec._launch_resident(k).emitted
+                return dec._launch_resident(k).round.emitted
             # verify: captured, rolled back (as in a round); verify_norb: captured, not rolled back;
             # verify_nocap: neither (a plain forward of k+1 rows)
             post, _ = model.forward(ids, dec.cache, capture=part != "verify_nocap", return_prenorm=True,

@@ -57,7 +57,7 @@ def parts(model, k: int, a: float, prompt: list[int], R: int, reps: int) -> dict
 
     def round_():
         r = dec._launch_resident(k) if k else dec._launch_resident_plain()
-        return [r.emitted]
+        return [r.round.emitted]
 
     def draft():
         tokens, _, _ = dec.drafter.draft_resident(k)

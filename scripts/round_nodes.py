@@ -59,7 +59,7 @@ def main() -> int:
 
     def queue(self, r):
         b = self.drafter.block
-        seen.append((r.k, nodes(r.emitted, r.finite, b.tokens, b.hidden, *([r.n] if isinstance(r.n, mx.array) else []))))
+        seen.append((r.k, nodes(*r.read(), b.tokens, b.hidden)))
         return orig(self, r)
 
     resident.ResidentRounds._queue = queue

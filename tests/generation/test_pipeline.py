@@ -136,8 +136,9 @@ def test_the_host_reads_only_what_was_queued_with_the_round(tiny, monkeypatch, p
     got, st = _tokens(d, tiny.tokenizer, 20)
     assert d._resident and st["drafted"] > 0
     assert not late, f"{len(late)} values read that were not queued with their round"
-    r = resident.Queued(3, *(mx.array(0) for _ in range(5)), mx.array(0), 4)
-    assert len(r.read()) == 5  # emitted, finite, n, drafted, drafts: the fields the read takes
+    from mtp_engine.speculative.round import Round
+    r = resident.Queued(Round(3, *(mx.array(0) for _ in range(6))), 4)
+    assert len(r.read()) == 5  # emitted, n, drafted, drafts, finite: every device value the read takes
 
 
 def test_plain_stretches_of_any_length_reuse_a_few_head_shapes(tiny, monkeypatch):
@@ -165,9 +166,10 @@ def test_p_min_and_n_min_decide_which_drafts_count(tiny):
     drafts drafts nothing."""
     import mlx.core as mx
 
+    from mtp_engine.speculative.round import live_drafts
+
     def live(confident, n_min):
-        d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3, n_min))
-        return np.array(d._live(mx.array(confident), 3)).tolist()
+        return np.array(live_drafts(mx.array(confident), 3, n_min)).tolist()
 
     assert live([True, True, True], 0) == [True, True, True]
     assert live([True, False, True], 0) == [True, False, False]  # a prefix

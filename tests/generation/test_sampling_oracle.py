@@ -12,7 +12,7 @@ import pytest
 
 from mtp_engine.generation.sampling import Sampler, SamplerConfig, distribution
 from mtp_engine.speculative.accept import accept_greedy, accept_sampling
-from mtp_engine.speculative.resident import accept_greedy_device, accept_sampling_device
+from mtp_engine.speculative.round import accept_greedy_device, accept_sampling_device
 
 
 def reference_distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
