@@ -107,8 +107,10 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--parallel", type=int, default=1, help="serve --parallel N: requests share batched steps")
     a = ap.parse_args()
-    server = LiveServer(Path(a.model), "--header-timeout", "2", "--queue-size", "16")
+    server = LiveServer(Path(a.model), "--header-timeout", "2", "--queue-size", "16",
+                        *(["--parallel", str(a.parallel)] if a.parallel > 1 else []))
     try:
         for _ in range(3):  # warm: compiled paths, caches, the first allocations
             server.request("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
@@ -136,7 +138,7 @@ def main() -> int:
     finally:
         server.stop()
     five = sum(v for k, v in statuses.items() if k.isdigit() and k.startswith("5") and k != "503")
-    summary = {"requests": a.requests, "workers": a.workers, "seconds": round(elapsed, 1),
+    summary = {"requests": a.requests, "workers": a.workers, "parallel": a.parallel, "seconds": round(elapsed, 1),
                "statuses": dict(sorted(statuses.items())), "server_errors_5xx": five,
                "alive": alive, "before": before, "after": after,
                "checks": {"no 5xx (503 = queue full is allowed)": five == 0, "server alive": alive,

@@ -215,8 +215,6 @@ class MTPBatchScheduler(BatchScheduler):
             tokens, n = emitted[b]
             s.batch_sizes.append(len(rows))
             if s.draft:
-                s.rounds += 1
-                s.drafted += k
-                s.accepted += n
+                s.count_round(k, n)
             lps = s.sampler.token_logprobs(logits[b, :len(tokens)], tokens)
             s.deliver(tokens, lps, n, k if s.draft else 0)

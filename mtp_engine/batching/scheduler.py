@@ -53,9 +53,25 @@ class Sequence:
         # draft-mtp in an MTP batch: its drafts are verified (greedy rows; others keep none)
         self.draft = draft and sampler.argmax_on_device
         self.n_max = n_max  # None: the batch's draft length
-        self.drafted = self.accepted = self.rounds = 0
+        self.drafted = self.accepted = self.rounds = self.drafting_rounds = 0
+        self.position_drafted: list[int] = []  # per draft position: rounds that drafted it ...
+        self.position_accepted: list[int] = []  # ... and accepted it
         self.head = None  # the MTP head's batch-1 cache while it prefills (MTP batches)
         self.h_prev = None  # the trunk hidden state its next head row reads
+
+    def count_round(self, k: int, n: int) -> None:
+        """A batched round drafted k for it and it accepted n (statistics)."""
+        self.rounds += 1
+        self.drafting_rounds += int(k > 0)
+        self.drafted += k
+        self.accepted += n
+        grow = k - len(self.position_drafted)
+        if grow > 0:
+            self.position_drafted += [0] * grow
+            self.position_accepted += [0] * grow
+        for i in range(k):
+            self.position_drafted[i] += 1
+            self.position_accepted[i] += int(i < n)
 
     def cancel(self) -> None:
         """Its reader is done: the row leaves before the next step."""

@@ -60,7 +60,7 @@ def usage(stats: dict, prompt_tokens: int, completion_tokens: int) -> dict:
             "num_accepted_tokens": stats["accepted"],
             "draft_acceptance_rate": stats["acceptance_rate"],
             "mean_acceptance_length": 1 + stats["accepted"] / drafts if drafts else 0.0,
-            "mean_accepted_length": stats["mean_accepted_length"],
+            "mean_accepted_length": stats.get("mean_accepted_length", 0.0),
             "acceptance_rate_per_pos": per_pos,
             "decode_tokens_per_second": stats.get("decode_tokens_per_second", 0.0),
         }

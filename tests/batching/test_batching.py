@@ -218,6 +218,11 @@ def test_draft_mtp_batch_equals_plain_alone(models, path, n_max):
     if path == SHIPPED and n_max != "auto":  # the trained head's drafts are often right
         assert sum(g.stats["accepted"] for g in got) > 0.3 * sum(g.stats["drafted"] for g in got)
         assert all(g.stats["drafted"] == n_max * g.stats["rounds"] for g in got)
+        for g in got:  # the statistics a decoder alone reports, from the same counts
+            st = g.stats
+            assert st["drafting_rounds"] == st["rounds"] and len(st["acceptance_per_position"]) == n_max
+            assert st["mean_accepted_length"] == st["accepted"] / st["rounds"]
+            assert st["acceptance_per_position"][0] * st["rounds"] >= st["accepted"] / n_max
 
 
 def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
@@ -405,6 +410,12 @@ def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
         assert h["parallel"] == 4 and h["running"] == 0
         assert all(x["state"] == "idle" for x in server.request("GET", "/slots")[1])
         assert 'id="slots"' in server.request("GET", "/")[1]  # the page shows them too
+        # a non-streamed batched draft-mtp answer carries the speculative usage a decoder alone reports
+        status, body = server.request("POST", "/v1/completions", {"prompt": prompts[0], "max_tokens": 12,
+                                                                  "ignore_eos": True})
+        assert status == 200 and body["choices"][0]["text"] == want[0], body
+        sd = body["usage"]["spec_decode"]
+        assert sd["num_draft_tokens"] > 0 and 0 <= sd["mean_accepted_length"] and sd["acceptance_rate_per_pos"]
         # a request the batch cannot take runs alone beside it
         status, body = server.request("POST", "/v1/completions", {"prompt": prompts[0], "max_tokens": 8,
                                                                   "spec_type": "ngram", "ignore_eos": True})
