@@ -108,13 +108,18 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--parallel", type=int, default=1, help="serve --parallel N: requests share batched steps")
+    ap.add_argument("--idle-release", type=float, default=0.0,
+                    help="serve --idle-release S: MLX's cached buffers handed back after S idle seconds")
     a = ap.parse_args()
     server = LiveServer(Path(a.model), "--header-timeout", "2", "--queue-size", "16",
-                        *(["--parallel", str(a.parallel)] if a.parallel > 1 else []))
+                        *(["--parallel", str(a.parallel)] if a.parallel > 1 else []),
+                        *(["--idle-release", str(a.idle_release)] if a.idle_release > 0 else []))
     try:
         for _ in range(3):  # warm: compiled paths, caches, the first allocations
             server.request("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
         server.wait_idle()
+        if a.idle_release:
+            time.sleep(a.idle_release + 1.0)  # measured where the idle server's buffers were handed back
         before = proc_stats(server.proc.pid)
         statuses: Counter = Counter()
         t0 = time.perf_counter()
@@ -132,13 +137,14 @@ def main() -> int:
                     print(f"{n}/{a.requests} requests, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         elapsed = time.perf_counter() - t0
         server.wait_idle(timeout=60)
-        time.sleep(2.5)  # header deadlines of the last half-open connections
+        time.sleep(max(2.5, a.idle_release + 1.0))  # header deadlines of the last half-open connections
         after = proc_stats(server.proc.pid)
         alive = server.proc.poll() is None and server.health()["status"] == "ok"
     finally:
         server.stop()
     five = sum(v for k, v in statuses.items() if k.isdigit() and k.startswith("5") and k != "503")
-    summary = {"requests": a.requests, "workers": a.workers, "parallel": a.parallel, "seconds": round(elapsed, 1),
+    summary = {"requests": a.requests, "workers": a.workers, "parallel": a.parallel, "idle_release": a.idle_release,
+               "seconds": round(elapsed, 1),
                "statuses": dict(sorted(statuses.items())), "server_errors_5xx": five,
                "alive": alive, "before": before, "after": after,
                "checks": {"no 5xx (503 = queue full is allowed)": five == 0, "server alive": alive,
