@@ -130,11 +130,14 @@ def main() -> int:
             method = "POST" if r.random() < 0.97 else r.choice(["GET", "PUT", "DELETE"])
             return http(server.host, server.port, method, path, data, r)
 
+        trace = []  # RSS every 1000 requests: a leak grows with them, a cache levels off
         with ThreadPoolExecutor(a.workers) as ex:
             for n, st in enumerate(ex.map(one, range(a.requests)), 1):
                 statuses[str(st)] += 1
                 if n % 1000 == 0:
-                    print(f"{n}/{a.requests} requests, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                    trace.append(proc_stats(server.proc.pid)["rss_bytes"])
+                    print(f"{n}/{a.requests} requests, {time.perf_counter() - t0:.0f} s, RSS "
+                          f"{trace[-1] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
         elapsed = time.perf_counter() - t0
         server.wait_idle(timeout=60)
         time.sleep(max(2.5, a.idle_release + 1.0))  # header deadlines of the last half-open connections
@@ -146,7 +149,7 @@ def main() -> int:
     summary = {"requests": a.requests, "workers": a.workers, "parallel": a.parallel, "idle_release": a.idle_release,
                "seconds": round(elapsed, 1),
                "statuses": dict(sorted(statuses.items())), "server_errors_5xx": five,
-               "alive": alive, "before": before, "after": after,
+               "alive": alive, "before": before, "after": after, "rss_every_1000_requests": trace,
                "checks": {"no 5xx (503 = queue full is allowed)": five == 0, "server alive": alive,
                           "fds back (+4)": after["fds"] <= before["fds"] + 4,
                           "rss within +64 MiB": after["rss_bytes"] <= before["rss_bytes"] + (64 << 20)}}
