@@ -116,11 +116,21 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     del arrays
     body_out, rest = outs[:layout["body"]], outs[layout["body"]:]
     shift_offsets(caches, n_tokens)
+    rest = _write_back(caches, rest, capture, KVCache, n_tokens)
+    if set_side:
+        set_side(list(rest))
+    return body_out
+
+
+def _write_back(caches, rest: list, capture: bool, kv_type: type, grown: int = 0) -> list:
+    """Puts a graph's cache outputs back on `caches` (KV buffers, recurrent states and, when
+    captured, the pass's rollback inputs); returns the outputs after them. A KV cache's host
+    bound grows by `grown` tokens."""
     for c in caches:
-        if isinstance(c, KVCache):
+        if isinstance(c, kv_type):
             c.keys, c.values = rest[0], rest[1]
-            if c.bound is not None:
-                c.bound += n_tokens
+            if getattr(c, "bound", None) is not None:
+                c.bound += grown
             rest = rest[2:]
         else:
             conv0, state0 = c.conv, c.state
@@ -130,9 +140,7 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
                 x, k, u, g = rest[:4]
                 rest = rest[4:]
                 c.capture(conv0, x, state0, k, u, g)
-    if set_side:
-        set_side(list(rest))
-    return body_out
+    return rest
 
 
 def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache, n_tokens: int) -> list[mx.array]:
@@ -164,19 +172,8 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
         _restore(layers, arrays, BatchKVCache)
         raise
     del arrays
-    body_out, rest = outs[:layout["body"]], outs[layout["body"]:]
-    for c in layers:
-        if isinstance(c, BatchKVCache):
-            c.keys, c.values = rest[0], rest[1]
-            rest = rest[2:]
-        else:
-            conv0, state0 = c.conv, c.state
-            c.conv, c.state = rest[0], rest[1]
-            rest = rest[2:]
-            if capture:
-                c.capture(conv0, *rest[:1], state0, *rest[1:4])
-                rest = rest[4:]
-    return body_out
+    _write_back(layers, outs[layout["body"]:], capture, BatchKVCache)
+    return outs[:layout["body"]]
 
 
 def _offsets(kv: list[KVCache]) -> mx.array:
