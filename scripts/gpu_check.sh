@@ -8,7 +8,7 @@ mkdir -p "$out"
 what=${1:-all}
 export PYTHONUNBUFFERED=1
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    timeout 540 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=8 tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py \
+    timeout 580 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=8 tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py \
         tests/model/test_kernel_selftest.py tests/model/test_compiled_step.py tests/model/test_model_reference.py \
         tests/generation/test_prompt_cache.py tests/generation/test_constraint.py tests/model/test_qmv_kernels.py tests/model/test_model_llamacpp.py \
         tests/batching/test_batching.py -k "not serve_parallel" > "$out/tests.log" 2>&1  # serve needs uvicorn, absent there
