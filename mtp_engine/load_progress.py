@@ -6,6 +6,7 @@ stdout is never written (it carries `--json` and the generated text).
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Callable, TextIO
@@ -40,3 +41,18 @@ def load_progress(label: str, quiet: bool = False, stream: TextIO | None = None,
         out.flush()
 
     return progress
+
+
+def show_kernel_notices(quiet: bool = False, stream: TextIO | None = None) -> None:
+    """Shows the engine's notices of slow first-run work (kernels compiled and tested on a GPU,
+    `mtp_engine.kernels`) as `mtp-engine: ...` lines on stderr, once per process; `quiet` (e.g.
+    --json) shows none."""
+    logger = logging.getLogger("mtp_engine.kernels")
+    if quiet or any(getattr(h, "_mtp_notices", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter("mtp-engine: %(message)s"))
+    handler._mtp_notices = True
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -37,7 +37,7 @@ def add_chat_parser(sub, n_max_type) -> None:
 def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     from .. import api
     from ..generation.prompt_cache import PromptCache
-    from ..load_progress import load_progress
+    from ..load_progress import load_progress, show_kernel_notices
     from ..request.keywords import request_from_keywords
     from ..request.prepare import chat_template_note, prepare
     from ..text_input import check_text
@@ -46,6 +46,7 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if stdin is None:  # started with standard input closed (`<&-`): refuse before the model loads
         raise MTPEngineError("standard input is closed: chat reads the user's messages from it", field="stdin")
+    show_kernel_notices()
     model = api.load(args.model, exact=args.exact, max_context=args.max_context,
                      progress=load_progress(model_label(args.model)))
     note = chat_template_note(model)

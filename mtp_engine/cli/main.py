@@ -7,7 +7,7 @@ import sys
 from typing import Sequence
 
 from ..errors import MTPEngineError
-from ..load_progress import load_progress
+from ..load_progress import load_progress, show_kernel_notices
 from .flags import add_debug_flag, add_sampling_flags, add_spec_flags, positive_int, sampling_kwargs
 from .output import format_stats, model_label
 
@@ -184,6 +184,7 @@ def _generate(args) -> int:
     if prompt is None:
         raise MTPEngineError("no prompt: give -p TEXT or -f FILE", field="prompt")
     from ..distributed.cli import distributed_kwargs, quiet_rank
+    show_kernel_notices(quiet=args.json)
     model = api.load(args.model, exact=args.exact, quantize=args.quantize, max_context=args.max_context,
                      progress=load_progress(model_label(args.model), quiet=args.json), **distributed_kwargs(args))
     from ..request.keywords import request_from_keywords

@@ -6,6 +6,8 @@ a block is any `FFN`: the dense `MLP` here, or the mixture of experts of `moe.py
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, is_dataclass
 from typing import Callable, Iterator
 
@@ -19,6 +21,9 @@ from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .layers import Linear, concat_outputs, rms_norm
 from .norm_kernel import add_rms_norm
+
+# what a first run on a GPU spends seconds on, said as it starts (the command line shows it)
+log = logging.getLogger("mtp_engine.kernels")
 
 # x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
 FFN = Callable[[mx.array], mx.array]
@@ -261,7 +266,12 @@ def _checked(name: str, module, source: str, shape, run, cache_dir) -> bool:
     if selftest_cache.passed(cache_dir, k):
         module._tested = True
         return True
+    log.info("first run of the %s CUDA kernel here (this device, MLX version and model shape): compiling and "
+             "testing it against the MLX path, ~10-30 s; the verdict is kept in %s", name, cache_dir)
+    t0 = time.perf_counter()
     ok = run()
+    log.info("%s kernel %s in %.1f s", name, "passed" if ok else "failed its test (the MLX path runs instead)",
+             time.perf_counter() - t0)
     if ok:
         selftest_cache.remember(cache_dir, k)
     return ok

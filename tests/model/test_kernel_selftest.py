@@ -87,3 +87,35 @@ def test_an_unreadable_verdict_file_means_checking_again(tmp_path):
     selftest_cache.remember(tmp_path, "k")
     assert selftest_cache.passed(tmp_path, "k")
     assert not selftest_cache.passed(tmp_path / "missing", "k")
+
+
+def test_a_first_run_says_which_kernels_it_compiles_and_tests(recorded, tiny_q4, monkeypatch, tmp_path):
+    """On a GPU a first run compiles and tests its custom kernels (seconds each, issue 24): the
+    command line says so as each starts, and how it ended; a run that finds the verdicts kept
+    says nothing."""
+    import io
+    import logging
+
+    from mtp_engine.load_progress import show_kernel_notices
+
+    before = tiny_q4.model.options
+    out = io.StringIO()
+    logger = logging.getLogger("mtp_engine.kernels")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    show_kernel_notices(stream=out)
+    show_kernel_notices(stream=out)  # once per process: lines are not doubled
+    try:
+        opts = before.updated(kernels="gdn,attn", cache_dir=str(tmp_path))
+        tiny_q4.model.use(opts)
+        lines = out.getvalue().splitlines()
+        assert [ln for ln in lines if "first run of the gdn CUDA kernel" in ln and str(tmp_path) in ln]
+        assert [ln for ln in lines if ln.startswith("mtp-engine: attn kernel passed in ")]
+        assert len(lines) == 4, lines  # gdn and attn: a start and an end each
+        gdn_kernel._tested = attn_kernel._tested = None  # a new process: the verdicts are kept
+        tiny_q4.model.use(opts)
+        assert len(out.getvalue().splitlines()) == 4
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+        logger.setLevel(level)
+        monkeypatch.undo()  # the shared model goes back to what this machine really offers
+        tiny_q4.model.use(before)
