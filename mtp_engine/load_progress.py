@@ -43,16 +43,34 @@ def load_progress(label: str, quiet: bool = False, stream: TextIO | None = None,
     return progress
 
 
+class _NoticeHandler(logging.StreamHandler):
+    """Writes to `target`, or to whatever `sys.stderr` is when a notice comes (an in-process
+    caller, e.g. a test capturing output, may have replaced and closed the one there at set-up)."""
+
+    def __init__(self, target: TextIO | None):
+        self._target = target
+        super().__init__(target)
+
+    @property
+    def stream(self) -> TextIO:
+        return self._target if self._target is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler sets it; the target above decides
+        pass
+
+
 def show_kernel_notices(quiet: bool = False, stream: TextIO | None = None) -> None:
     """Shows the engine's notices of slow first-run work (kernels compiled and tested on a GPU,
-    `mtp_engine.kernels`) as `mtp-engine: ...` lines on stderr, once per process; `quiet` (e.g.
-    --json) shows none."""
+    `mtp_engine.kernels`) as `mtp-engine: ...` lines on `stream` (default: stderr), replacing an
+    earlier call's (so each line shows once); `quiet` (e.g. --json) shows none."""
     logger = logging.getLogger("mtp_engine.kernels")
-    if quiet or any(getattr(h, "_mtp_notices", False) for h in logger.handlers):
+    for h in [h for h in logger.handlers if isinstance(h, _NoticeHandler)]:
+        logger.removeHandler(h)
+    if quiet:
         return
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = _NoticeHandler(stream)
     handler.setFormatter(logging.Formatter("mtp-engine: %(message)s"))
-    handler._mtp_notices = True
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False

@@ -102,8 +102,8 @@ def test_a_first_run_says_which_kernels_it_compiles_and_tests(recorded, tiny_q4,
     out = io.StringIO()
     logger = logging.getLogger("mtp_engine.kernels")
     handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
-    show_kernel_notices(stream=out)
-    show_kernel_notices(stream=out)  # once per process: lines are not doubled
+    show_kernel_notices()  # an earlier command in this process (e.g. a CLI test's)
+    show_kernel_notices(stream=out)  # replaces it: lines are not doubled
     try:
         opts = before.updated(kernels="gdn,attn", cache_dir=str(tmp_path))
         tiny_q4.model.use(opts)
