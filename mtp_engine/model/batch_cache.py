@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import KVCache, RecurrentCache, TrunkCache
-from .delta_rule import state_after_masked
+from .cache import KVCache, RecurrentCache, TrunkCache, roll_back_recurrent
 
 
 class BatchKVCache:
@@ -113,33 +112,6 @@ class BatchRecurrentCache(RecurrentCache):
         return [self.conv, self.state]
 
 
-def _rows_graph(keep, conv, state, conv0, x, state0, k, u, g):
-    """Row b keeps the first keep[b] (>= 1) of a captured pass's S tokens: the state the pass left
-    where a row kept all S (as the batch-1 rollback does), else the state rebuilt from the pass's
-    keys, delta vectors and decays, and the conv window that ends at its last kept token."""
-    s, width = k.shape[1], conv.shape[1]
-    window = mx.concatenate([conv0, x], axis=1)  # [B, K-1+S, C]
-    idx = (keep[:, None] + mx.arange(width)[None, :])[:, :, None]
-    conv_n = mx.take_along_axis(window, mx.broadcast_to(idx, (idx.shape[0], width, window.shape[2])), axis=1)
-    all_kept = keep >= s
-    return (mx.where(all_kept[:, None, None], conv, conv_n),
-            mx.where(all_kept[:, None, None, None], state, state_after_masked(state0, k, u, g, keep)))
-
-
-@mx.compile
-def _rollback_rows_layers(keep, *flat):
-    """`_rows_graph` for every gated-delta-net layer (8 arrays each) at once, the layers stacked
-    on the row axis: ~20 graph nodes a round instead of ~10 per layer (cache._rollback_layers is
-    the batch-1 form; each node costs the host ~8-10 us on MLX's CUDA backend)."""
-    n, b = len(flat) // 8, keep.shape[0]
-    cols = [mx.concatenate(flat[j::8], axis=0) if n > 1 else flat[j] for j in range(8)]
-    conv, state = _rows_graph(mx.tile(keep, n) if n > 1 else keep, *cols)
-    out = []
-    for i in range(n):
-        out += [conv[i * b:(i + 1) * b], state[i * b:(i + 1) * b]]
-    return out
-
-
 class BatchCache:
     """The trunk's caches for a batch of sequences, each with its own length."""
 
@@ -201,13 +173,8 @@ class BatchCache:
         """After a captured forward of `captured` tokens per row, row b keeps its first keep[b]."""
         self.host_lengths = [x - captured + n for x, n in zip(self.host_lengths, keep)]
         self.lengths = mx.array(self.host_lengths, mx.int32)
-        recurrent = [c for c in self.layers if isinstance(c, BatchRecurrentCache)]
-        if recurrent:
-            flat = [a for c in recurrent for a in (c.conv, c.state, *c._captured)]
-            out = _rollback_rows_layers(mx.array(keep, mx.int32), *flat)
-            for i, c in enumerate(recurrent):
-                c.conv, c.state = out[2 * i], out[2 * i + 1]
-                c.release()
+        roll_back_recurrent([c for c in self.layers if isinstance(c, BatchRecurrentCache)],
+                            mx.array(keep, mx.int32))
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.arrays()] + [self.lengths]

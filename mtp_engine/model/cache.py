@@ -169,28 +169,43 @@ class RecurrentCache:
         return int(self.conv.nbytes + self.state.nbytes)
 
 
-def _rollback_graph(n_keep, conv, state, conv0, x, state0, k, u, g):
-    """The conv window and state after the first n_keep (device scalar) of a pass's tokens: the
-    window by index, the state by a masked `state_after`; all kept when n_keep is the whole pass
-    (the state the pass itself left, as the host rollback keeps it)."""
+def _rollback_graph(keep, conv, state, conv0, x, state0, k, u, g):
+    """Row b keeps the first keep[b] (>= 1, a device count per row) of a captured pass's S tokens:
+    the conv window that ends at its last kept token (by index) and the state by a masked
+    `state_after`; where a row kept all S, what the pass itself left (as the host rollback keeps
+    it)."""
     s, width = k.shape[1], conv.shape[1]
-    window = mx.concatenate([conv0, x], axis=1)
-    conv_n = mx.take(window, n_keep + mx.arange(width), axis=1)
-    all_kept = n_keep >= s
-    return mx.where(all_kept, conv, conv_n), mx.where(all_kept, state, state_after_masked(state0, k, u, g, n_keep))
+    window = mx.concatenate([conv0, x], axis=1)  # [B, K-1+S, C]
+    idx = (keep[:, None] + mx.arange(width)[None, :])[:, :, None]
+    conv_n = mx.take_along_axis(window, mx.broadcast_to(idx, (idx.shape[0], width, window.shape[2])), axis=1)
+    all_kept = keep >= s
+    return (mx.where(all_kept[:, None, None], conv, conv_n),
+            mx.where(all_kept[:, None, None, None], state, state_after_masked(state0, k, u, g, keep)))
 
 
 @mx.compile
-def _rollback_layers(n_keep, *flat):
-    """`_rollback_graph` for every gated-delta-net layer (8 arrays each, batch 1) at once: the
-    layers are stacked on the batch axis, so a round's rollback is ~20 graph nodes instead of ~10
+def _rollback_layers(keep, *flat):
+    """`_rollback_graph` for every gated-delta-net layer (8 arrays each, B rows) at once: the
+    layers are stacked on the row axis, so a round's rollback is ~20 graph nodes instead of ~10
     per layer (on MLX's CUDA backend each node costs the host ~8-10 us: 24 layers cost ~2.4 ms)."""
-    cols = [mx.concatenate(flat[j::8], axis=0) if len(flat) > 8 else flat[j] for j in range(8)]
-    conv, state = _rollback_graph(n_keep, *cols)
+    n, b = len(flat) // 8, keep.shape[0]
+    cols = [mx.concatenate(flat[j::8], axis=0) if n > 1 else flat[j] for j in range(8)]
+    conv, state = _rollback_graph(mx.tile(keep, n) if n > 1 else keep, *cols)
     out = []
-    for i in range(len(flat) // 8):
-        out += [conv[i:i + 1], state[i:i + 1]]
+    for i in range(n):
+        out += [conv[i * b:(i + 1) * b], state[i * b:(i + 1) * b]]
     return out
+
+
+def roll_back_recurrent(layers: list[RecurrentCache], keep: mx.array) -> None:
+    """After a captured pass, each layer's row b keeps its first keep[b] tokens (keep: [B] int32
+    on the device), all layers in one compiled graph; their captures are released."""
+    if not layers:
+        return
+    out = _rollback_layers(keep, *[a for c in layers for a in (c.conv, c.state, *c._captured)])
+    for i, c in enumerate(layers):
+        c.conv, c.state = out[2 * i], out[2 * i + 1]
+        c.release()
 
 
 class TrunkCache:
@@ -230,12 +245,7 @@ class TrunkCache:
             raise RuntimeError("rollback without a captured forward")
         self.kv_to_device()
         shift_offsets(self.layers, n_keep - self._captured)
-        if recurrent:
-            flat = [a for c in recurrent for a in (c.conv, c.state, *c._captured)]
-            out = _rollback_layers(n_keep, *flat)
-            for i, c in enumerate(recurrent):
-                c.conv, c.state = out[2 * i], out[2 * i + 1]
-                c.release()
+        roll_back_recurrent(recurrent, mx.reshape(n_keep, (1,)))
         self._captured = 0
 
     def kv_to_device(self) -> None:
