@@ -98,18 +98,18 @@ class BatchRecurrentCache(RecurrentCache):
     the batch-1 cache's: its arrays simply have B rows)."""
 
     def __init__(self, first: RecurrentCache):
+        conv, state = first.conv, first.state
         self.__dict__.update(first.__dict__)
-        self.capturing, self._captured = False, None
+        self.window = self.states = None
+        self.conv, self.state = conv, state
+        self.release()
 
     def add(self, row: RecurrentCache) -> None:
-        self.conv = mx.concatenate([self.conv, row.conv], axis=0)
-        self.state = mx.concatenate([self.state, row.state], axis=0)
+        self.conv, self.state = (mx.concatenate([self.conv, row.conv], axis=0),
+                                 mx.concatenate([self.state, row.state], axis=0))
 
     def keep(self, rows: mx.array) -> None:
         self.conv, self.state = self.conv[rows], self.state[rows]
-
-    def arrays(self) -> list[mx.array]:
-        return [self.conv, self.state]
 
 
 class BatchCache:

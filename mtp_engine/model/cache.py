@@ -1,8 +1,9 @@
 """Caches that a speculative round can roll back without re-running the model.
 
 Attention KV caches are preallocated buffers with a write offset, so rollback is moving the offset.
-Gated-delta-net caches keep, during a captured forward, the conv input window and the recurrent
-state after every position, so rollback picks the state after the last accepted token.
+Gated-delta-net caches keep, after a captured forward, the conv input window and the recurrent
+state after every position, so rollback is choosing the state after the last accepted token (an
+index the next forward reads, like vLLM's per-position state slots).
 
 Device-resident rounds (speculative/resident.py) keep the lengths on the device: a KV cache's
 `offset` is then an MLX scalar the host has not read, `bound` a host upper bound of it (what
@@ -12,8 +13,6 @@ next round can be queued before the host knows how many drafts were accepted.
 from __future__ import annotations
 
 import mlx.core as mx
-
-from .delta_rule import state_after, state_after_masked
 
 
 class KVCache:
@@ -121,91 +120,131 @@ def shift_offsets(caches, delta: int | mx.array) -> None:
 
 
 class RecurrentCache:
-    """Conv window [1, kernel-1, channels] and recurrent state [1, Vh, Kd, Vd] of one gated-delta-net
-    layer. After a forward with `capture=True` over S tokens, `rollback(n)` sets both to the exact
-    state after the first n of those tokens, rebuilt from the pass's keys, delta vectors and decays
-    (a few KB per token) rather than from S stored states (MBs per token at real size)."""
+    """Conv window [B, kernel-1, channels] and recurrent state [B, Vh, Kd, Vd] of one gated-delta-net
+    layer.
+
+    A forward with `capture=True` over S tokens keeps every state the pass went through (vLLM's
+    per-position state slots): `window` [B, K-1+S, C] (the conv state before the pass, then the
+    pass's conv inputs) and `states` [B, S+1, Vh, Kd, Vd] (before the pass, then after each token),
+    with `kept` the number of the pass's tokens the cache holds (S until a rollback). Rollback only
+    moves `kept`, a host int or a device count per row, so it runs no kernel; the next forward
+    starts from state `kept` (the fused kernel reads it in place, the MLX path gathers it inside
+    its compiled graph), and `conv`/`state` build it when something else asks."""
 
     def __init__(self, kernel: int, channels: int, value_heads: int, key_dim: int, value_dim: int,
                  dtype=mx.float32):
-        self.conv = mx.zeros((1, kernel - 1, channels), dtype)
-        self.state = mx.zeros((1, value_heads, key_dim, value_dim), dtype)
+        self._conv = mx.zeros((1, kernel - 1, channels), dtype)
+        self._state = mx.zeros((1, value_heads, key_dim, value_dim), dtype)
         self.kernel = kernel
         self.capturing = False
-        self._captured: tuple[mx.array, ...] | None = None  # (conv0, x, state0, k, u, g) of the last pass
+        self.window: mx.array | None = None  # after a captured pass (see the class docstring)
+        self.states: mx.array | None = None
+        self.kept: int | mx.array = 0
+        self._open = False  # a captured pass not yet rolled back
+
+    @property
+    def conv(self) -> mx.array:
+        if self.window is not None:
+            self._settle()
+        return self._conv
+
+    @conv.setter
+    def conv(self, value: mx.array) -> None:
+        self._settle()
+        self._conv = value
+
+    @property
+    def state(self) -> mx.array:
+        if self.window is not None:
+            self._settle()
+        return self._state
+
+    @state.setter
+    def state(self, value: mx.array) -> None:
+        self._settle()
+        self._state = value
+
+    def _settle(self) -> None:
+        """From the per-position form to the plain one (picks state `kept`)."""
+        if self.window is None:
+            return
+        self._conv, self._state = pick_state(self.window, self.states, self.kept, self.kernel)
+        self.window = self.states = None
+        self._open = False
+
+    def sources(self) -> tuple[mx.array, mx.array, mx.array | None]:
+        """What a forward starts from: (conv, state, None), or after a device rollback (window,
+        states, kept [B]), for the forward to pick state `kept` itself."""
+        if self.window is not None and isinstance(self.kept, mx.array):
+            return self.window, self.states, self.kept
+        return self.conv, self.state, None
+
+    def update(self, conv: mx.array, state: mx.array) -> None:
+        """A forward's result: the new conv window and state, or, when capturing, the pass's
+        window and per-position states (see the class docstring)."""
+        if self.capturing:
+            self.window, self.states, self._open = conv, state, True
+            self.kept = int(state.shape[1]) - 1
+            self._conv = self._state = None
+        else:
+            self.window = self.states = None
+            self._conv, self._state, self._open = conv, state, False
+        self.capturing = False
 
     def begin_capture(self) -> None:
+        self._settle()
         self.capturing = True
-        self._captured = None
-
-    def capture(self, conv0: mx.array, x: mx.array, state0: mx.array, k: mx.array, u: mx.array,
-                g: mx.array) -> None:
-        """Keeps what rollback needs from a pass: the conv state before it and the pass's conv
-        inputs x [1, S, C], the recurrent state before it, and per token its keys k [1, S, Vh, Kd],
-        delta vectors u [1, S, Vh, Vd] and log decays g [1, S, Vh]."""
-        if self.capturing:
-            self._captured = (conv0, x, state0, k, u, g)
 
     def rollback(self, n_keep: int) -> None:
         """Keeps the first `n_keep` tokens of the last captured forward."""
-        if self._captured is None:
-            raise RuntimeError("rollback without a captured forward")
-        conv0, x, state0, k, u, g = self._captured
-        s = int(k.shape[1])
+        s = self._captured_tokens()
         if not 0 <= n_keep <= s:
             raise ValueError(f"cannot keep {n_keep} of {s} captured tokens")
-        if n_keep < s:
-            # the conv window is built only when a rollback needs it, not on every pass
-            window = mx.concatenate([conv0, x], axis=1)
-            self.conv = window[:, n_keep:n_keep + self.kernel - 1]
-            self.state = state_after(state0, k, u, g, n_keep)
-        self.release()
+        self.kept = int(n_keep)
+        self._settle()
+
+    def roll_back_lazy(self, keep: mx.array) -> None:
+        """`rollback` with a device count per row, keep [B] int32 (in 0..S, unchecked)."""
+        self._captured_tokens()
+        self.kept, self._open = keep, False
+
+    def _captured_tokens(self) -> int:
+        if not self._open:
+            raise RuntimeError("rollback without a captured forward")
+        return int(self.states.shape[1]) - 1
 
     def release(self) -> None:
-        self.capturing = False
-        self._captured = None
+        """Forgets that a captured pass could still be rolled back (it keeps all its tokens)."""
+        self.capturing = self._open = False
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays that hold the layer's state, in whichever form (for `mx.eval`)."""
+        if self.window is not None:
+            return [self.window, self.states] + ([self.kept] if isinstance(self.kept, mx.array) else [])
+        return [self._conv, self._state]
 
     def nbytes(self) -> int:
-        return int(self.conv.nbytes + self.state.nbytes)
+        return int(sum(a.nbytes for a in self.arrays()))
 
 
-def _rollback_graph(keep, conv, state, conv0, x, state0, k, u, g):
-    """Row b keeps the first keep[b] (>= 1, a device count per row) of a captured pass's S tokens:
-    the conv window that ends at its last kept token (by index) and the state by a masked
-    `state_after`; where a row kept all S, what the pass itself left (as the host rollback keeps
-    it)."""
-    s, width = k.shape[1], conv.shape[1]
-    window = mx.concatenate([conv0, x], axis=1)  # [B, K-1+S, C]
-    idx = (keep[:, None] + mx.arange(width)[None, :])[:, :, None]
-    conv_n = mx.take_along_axis(window, mx.broadcast_to(idx, (idx.shape[0], width, window.shape[2])), axis=1)
-    all_kept = keep >= s
-    return (mx.where(all_kept[:, None, None], conv, conv_n),
-            mx.where(all_kept[:, None, None, None], state, state_after_masked(state0, k, u, g, keep)))
-
-
-@mx.compile
-def _rollback_layers(keep, *flat):
-    """`_rollback_graph` for every gated-delta-net layer (8 arrays each, B rows) at once: the
-    layers are stacked on the row axis, so a round's rollback is ~20 graph nodes instead of ~10
-    per layer (on MLX's CUDA backend each node costs the host ~8-10 us: 24 layers cost ~2.4 ms)."""
-    n, b = len(flat) // 8, keep.shape[0]
-    cols = [mx.concatenate(flat[j::8], axis=0) if n > 1 else flat[j] for j in range(8)]
-    conv, state = _rollback_graph(mx.tile(keep, n) if n > 1 else keep, *cols)
-    out = []
-    for i in range(n):
-        out += [conv[i * b:(i + 1) * b], state[i * b:(i + 1) * b]]
-    return out
+def pick_state(window: mx.array, states: mx.array, kept: int | mx.array, kernel: int) -> tuple[mx.array, mx.array]:
+    """The conv window and state after the first `kept` tokens of a captured pass (window [B, K-1+S,
+    C], states [B, S+1, Vh, Kd, Vd]; kept a host int or a device count per row [B])."""
+    width = kernel - 1
+    if not isinstance(kept, mx.array):
+        return window[:, kept:kept + width], states[:, kept]
+    b = window.shape[0]
+    rows = (kept.reshape(b, 1) + mx.arange(width)[None, :])[:, :, None]
+    conv = mx.take_along_axis(window, mx.broadcast_to(rows, (b, width, window.shape[2])), axis=1)
+    state = mx.take_along_axis(states, kept.reshape(b, 1, 1, 1, 1), axis=1)[:, 0]
+    return conv, state
 
 
 def roll_back_recurrent(layers: list[RecurrentCache], keep: mx.array) -> None:
-    """After a captured pass, each layer's row b keeps its first keep[b] tokens (keep: [B] int32
-    on the device), all layers in one compiled graph; their captures are released."""
-    if not layers:
-        return
-    out = _rollback_layers(keep, *[a for c in layers for a in (c.conv, c.state, *c._captured)])
-    for i, c in enumerate(layers):
-        c.conv, c.state = out[2 * i], out[2 * i + 1]
-        c.release()
+    """After a captured pass, each layer's row b keeps its first keep[b] tokens (keep: [B] int32 on
+    the device): no kernel runs, the next forward starts from those states."""
+    for c in layers:
+        c.roll_back_lazy(keep)
 
 
 class TrunkCache:
@@ -238,10 +277,10 @@ class TrunkCache:
 
     def rollback_lazy(self, n_keep: mx.array) -> None:
         """`rollback` with n_keep a device scalar: KV offsets become device values (one array
-        shared by the layers), recurrent states are rebuilt on the device; `offset` (the host's)
-        is left to the caller, who learns n_keep later."""
+        shared by the layers), recurrent layers start their next forward from state n_keep (no
+        kernel runs); `offset` (the host's) is left to the caller, who learns n_keep later."""
         recurrent = [c for c in self.layers if isinstance(c, RecurrentCache)]
-        if any(c._captured is None for c in recurrent):
+        if not all(c._open for c in recurrent):
             raise RuntimeError("rollback without a captured forward")
         self.kv_to_device()
         shift_offsets(self.layers, n_keep - self._captured)
@@ -283,8 +322,9 @@ class TrunkCache:
             else:
                 r = RecurrentCache.__new__(RecurrentCache)
                 r.__dict__.update(c.__dict__)
+                r.window = r.states = None
                 r.conv, r.state = s
-                r.capturing, r._captured = False, None
+                r.release()
                 layers.append(r)
         fork = TrunkCache(layers)
         fork.offset = snap[-1]
@@ -309,7 +349,7 @@ class TrunkCache:
                 if c.keys is not None:
                     out += [c.keys, c.values]
             else:
-                out += [c.conv, c.state]
+                out += c.arrays()
         return out
 
     def nbytes(self) -> int:

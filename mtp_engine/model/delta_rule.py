@@ -14,8 +14,9 @@ j <= t (0 above the diagonal), the delta vectors of a chunk solve a unit lower-t
     O = diag(exp G) Q S0 + (D * Q K^T) U,   S_end = exp(G_last) S0 + (K * exp(G_last - G))^T U.
 
 Chunks are chained sequentially, so a prompt of P tokens costs P / chunk dependent steps instead
-of P. The delta vectors U (with K and g) are also what rollback needs: the state after the first n
-tokens is `state_after(S0, K, U, g, n)`, so a verify pass never stores per-position states.
+of P. From a pass's delta vectors U (with K and g) any intermediate state follows with one product,
+`state_after(S0, K, U, g, n)` (a check of U; rollback instead keeps every state of a verify's few
+tokens, `cache.RecurrentCache`, which costs no kernel when the round ends).
 """
 from __future__ import annotations
 
@@ -102,15 +103,3 @@ def state_after(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: int)
     to_end = mx.exp(cum[:, -1:] - cum)  # decay from token j to token n-1
     kw = (k[:, :n] * to_end[..., None]).transpose(0, 2, 3, 1)  # [b, h, kd, n]
     return mx.exp(cum[:, -1])[:, :, None, None] * state0 + kw @ u[:, :n].transpose(0, 2, 1, 3)
-
-
-def state_after_masked(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: mx.array) -> mx.array:
-    """`state_after` with n a device scalar, or one count per row [b]: tokens t >= n are masked
-    out instead of sliced off, so one graph serves every n (no host read, no retrace per accepted
-    length)."""
-    keep = (mx.arange(k.shape[1])[None, :] < mx.reshape(n, (-1, 1)))[:, :, None]  # [1 or b, s, 1]
-    cum = mx.cumsum(mx.where(keep, g, 0.0), axis=1)  # [b, s, h]; constant from token n-1 on
-    total = cum[:, -1:]
-    to_end = mx.where(keep, mx.exp(total - cum), 0.0)
-    kw = (k * to_end[..., None]).transpose(0, 2, 3, 1)  # [b, h, kd, s]
-    return mx.exp(total[:, 0])[:, :, None, None] * state0 + kw @ u.transpose(0, 2, 1, 3)

@@ -24,37 +24,38 @@ class Dims(NamedTuple):
 
 
 class Mixed(NamedTuple):
-    """What one pass leaves: the gated-normed output and the new caches, plus per token the keys,
-    delta vectors and log decays that rollback rebuilds earlier states from."""
+    """What one pass leaves: the gated-normed output and the new caches; with `capture`, the
+    pass's whole conv window and the state before it and after each token (what rollback picks
+    from, `cache.RecurrentCache`)."""
 
     y: mx.array  # [b, s, vh * vd]
-    state: mx.array  # [b, vh, kd, vd]
-    conv: mx.array  # [b, kernel - 1, channels]
-    k: mx.array  # [b, s, vh, kd]
-    u: mx.array  # [b, s, vh, vd]
-    g: mx.array  # [b, s, vh]
+    state: mx.array  # [b, vh, kd, vd]; captured: [b, s + 1, vh, kd, vd]
+    conv: mx.array  # [b, kernel - 1, channels]; captured: [b, kernel - 1 + s, channels]
 
 
 def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.array, conv0: mx.array,
-        state0: mx.array, conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array) -> Mixed:
+        state0: mx.array, conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array,
+        capture: bool = False) -> Mixed:
     """qkv_x [b, s, C], z_x [b, s, vh*vd], alpha_x/beta_x [b, s, vh], conv0 [b, K-1, C], state0 [b, vh, kd, vd]."""
     b, s = qkv_x.shape[0], qkv_x.shape[1]
     window = mx.concatenate([conv0, qkv_x], axis=1)  # [b, K-1+s, C]
     prep = _prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)
     q, k, v, g, beta = prep(window, conv_w, alpha_x, beta_x, dt_bias, a)
-    if s <= SEQUENTIAL_MAX:
+    if s <= SEQUENTIAL_MAX or capture:
         # decode, draft and verify: a few fused step kernels per token beat the chunked form's
         # dozens of small kernels (on the H200 the chunked form made V(2) 2.5 instead of ~1.2)
-        state, outs, us = state0, [], []
+        state, outs, states = state0, [], [state0]
         for t in range(s):
-            state, o_t, u_t = delta_rule_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+            state, o_t, _ = delta_rule_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
             outs.append(o_t)
-            us.append(u_t)
-        o, u = mx.stack(outs, axis=1), mx.stack(us, axis=1)
+            states.append(state)
+        o = mx.stack(outs, axis=1)
     else:
-        o, state, u = delta_rule_chunked(q, k, v, g, beta, state0)
+        o, state, _ = delta_rule_chunked(q, k, v, g, beta, state0)
     y = _output(o, z_x.reshape(b, s, d.vh, d.vd), norm, d.eps).reshape(b, s, d.vh * d.vd)
-    return Mixed(y, state, window[:, s:], k, u, g)
+    if capture:
+        return Mixed(y, mx.stack(states, axis=1), window)
+    return Mixed(y, state, window[:, s:])
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,8 +17,9 @@ costs ~S times that. Here one thread block per value head does it all in one lau
    shuffles; the state is read and written once per launch;
 4. the gated RMSNorm of the output (rms over VD, times the norm weight, times SiLU(z)).
 
-It also writes what rollback needs (per token keys, delta vectors and log decays: `state_after`
-rebuilds any earlier state from them with one product) and the new conv state.
+It also writes the new conv state and, in a captured pass (a verify), the state before and after
+each token and the whole conv window: rollback then only chooses a slot, which the next launch
+reads in place (`kept`), so a rolled-back round costs no kernel of its own.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ _SOURCE = """
     const long rq = qkv_strides[1], rz = z_strides[1], ra = alpha_strides[1], rb = beta_strides[1];
     const long rc = conv0_strides[1];
     const float eps = params[0];
+    const bool CAPTURE = params[1] != 0.0f;  // a runtime flag: one NVRTC compile serves both
+    const int at = kept[0];  // the starting state's slot: kept tokens of a rolled-back captured pass
     __shared__ float sq[SMAX * KD];
     __shared__ float sk[SMAX * KD];
     __shared__ float sv[SMAX * VD];
@@ -58,7 +61,7 @@ _SOURCE = """
         #pragma unroll
         for (int j = 0; j < KC; ++j) {
             const int r = t + j;  // row of the window [conv state (KC-1 rows); new rows]
-            const float x = r < KC - 1 ? conv0[r * rc + ch] : qkv[(r - (KC - 1)) * rq + ch];
+            const float x = r < KC - 1 ? conv0[(r + at) * rc + ch] : qkv[(r - (KC - 1)) * rq + ch];
             acc += x * conv_w[ch * KC + j];
         }
         *dst = acc / (1.0f + expf(-acc));
@@ -69,15 +72,17 @@ _SOURCE = """
         sg[tid] = sp * a[h];
         sb[tid] = 1.0f / (1.0f + expf(-beta[tid * rb + h]));
     }
-    // the new conv state: window rows S .. S+KC-2; each channel written by exactly one block
+    // the new conv state, window rows S .. S+KC-2 (captured: the whole window, rows 0 .. S+KC-2);
+    // each channel written by exactly one block
     {
         const int nv = VD, nqk = (h < KH) ? 2 * KD : 0;
-        for (int w = tid; w < (KC - 1) * (nv + nqk); w += NT) {
+        const int rows = CAPTURE ? S + KC - 1 : KC - 1, first = CAPTURE ? 0 : S;
+        for (int w = tid; w < rows * (nv + nqk); w += NT) {
             const int r = w / (nv + nqk), c = w - r * (nv + nqk);
             const int ch = c < nv ? 2 * KH * KD + h * VD + c
                                   : (c - nv < KD ? h * KD + (c - nv) : KH * KD + h * KD + (c - nv - KD));
-            const int src = S + r;
-            conv_out[r * C + ch] = src < KC - 1 ? conv0[src * rc + ch] : qkv[(src - (KC - 1)) * rq + ch];
+            const int src = first + r;
+            conv_out[r * C + ch] = src < KC - 1 ? conv0[(src + at) * rc + ch] : qkv[(src - (KC - 1)) * rq + ch];
         }
     }
     __syncthreads();
@@ -97,18 +102,19 @@ _SOURCE = """
         for (int i = lane; i < KD; i += 32) p[i] *= inv;
     }
     __syncthreads();
-    for (int w = tid; w < S * KD; w += NT) {
-        const int t = w / KD, i = w - t * KD;
-        k_out[((size_t)t * VH + h) * KD + i] = sk[w];
-    }
-    if (tid < S) g_out[tid * VH + h] = sg[tid];
 
     // 3. the recurrence: lane p of column j holds state rows p, p+P, ...
     const int j = tid / P, p = tid - (tid / P) * P;
     float st[RP];
-    const float* s0 = state0 + (size_t)h * KD * VD;
+    const float* s0 = state0 + ((size_t)at * VH + h) * KD * VD;
     #pragma unroll
     for (int r = 0; r < RP; ++r) st[r] = s0[(size_t)(p + r * P) * VD + j];
+    // captured: slot t holds the state after t tokens (slot 0 the starting one)
+    constexpr size_t SLOT = (size_t)VH * KD * VD;
+    if (CAPTURE) {
+        #pragma unroll
+        for (int r = 0; r < RP; ++r) state_out[(size_t)h * KD * VD + (size_t)(p + r * P) * VD + j] = st[r];
+    }
     for (int t = 0; t < S; ++t) {
         const float eg = expf(sg[t]);
         const float* kt = &sk[t * KD];
@@ -124,14 +130,13 @@ _SOURCE = """
         for (int r = 0; r < RP; ++r) { st[r] += kt[p + r * P] * u; o += st[r] * qt[p + r * P]; }
         #pragma unroll
         for (int off = P / 2; off > 0; off >>= 1) o += __shfl_xor_sync(0xffffffffu, o, off);
-        if (p == 0) {
-            so[t * VD + j] = o;
-            u_out[((size_t)t * VH + h) * VD + j] = u;
+        if (p == 0) so[t * VD + j] = o;
+        if (CAPTURE || t == S - 1) {
+            float* s1 = state_out + (CAPTURE ? (t + 1) * SLOT : 0) + (size_t)h * KD * VD;
+            #pragma unroll
+            for (int r = 0; r < RP; ++r) s1[(size_t)(p + r * P) * VD + j] = st[r];
         }
     }
-    float* s1 = state_out + (size_t)h * KD * VD;
-    #pragma unroll
-    for (int r = 0; r < RP; ++r) s1[(size_t)(p + r * P) * VD + j] = st[r];
     __syncthreads();
 
     // 4. gated RMSNorm, one warp per token
@@ -148,9 +153,10 @@ _SOURCE = """
     }
 """
 
-_INPUTS = ["qkv", "z", "alpha", "beta", "conv0", "conv_w", "dt_bias", "a", "norm", "state0", "params"]
-_OUTPUTS = ["y", "state_out", "conv_out", "k_out", "u_out", "g_out"]
+_INPUTS = ["qkv", "z", "alpha", "beta", "conv0", "conv_w", "dt_bias", "a", "norm", "state0", "params", "kept"]
+_OUTPUTS = ["y", "state_out", "conv_out"]
 _kernel = None
+_SLOT0: mx.array | None = None  # `kept` of a plain state
 
 
 def supports(kh: int, kd: int, vh: int, vd: int, batch: int, tokens: int) -> bool:
@@ -162,16 +168,20 @@ def supports(kh: int, kd: int, vh: int, vd: int, batch: int, tokens: int) -> boo
 
 def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, conv0: mx.array,
                 conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array, state0: mx.array,
-                kh: int, kd: int, vh: int, vd: int, eps: float) -> tuple[mx.array, ...]:
+                kh: int, kd: int, vh: int, vd: int, eps: float, kept: mx.array | None = None,
+                capture: bool = False) -> tuple[mx.array, ...]:
     """qkv [1, S, C], z [1, S, VH*VD], alpha/beta [1, S, VH] (column slices of one product are fine:
-    rows are addressed by stride), conv0 [1, K-1, C], conv_w [C, K], state0 [1, VH, KD, VD].
-    Returns (y [1, S, VH*VD] gated-normed output, state [1, VH, KD, VD], conv state [1, K-1, C],
-    k [1, S, VH, KD], u [1, S, VH, VD], g [1, S, VH])."""
-    global _kernel
+    rows are addressed by stride), conv0 [1, K-1, C], conv_w [C, K], state0 [1, VH, KD, VD]; or,
+    with `kept` [1] int32, a captured pass's window conv0 [1, K-1+S0, C] and states
+    [1, S0+1, VH, KD, VD] to start from slot `kept` of. Returns `gdn.Mixed`'s fields: (y
+    [1, S, VH*VD] gated-normed output, state [1, VH, KD, VD], conv state [1, K-1, C]); captured,
+    the states [1, S+1, VH, KD, VD] and the window [1, K-1+S, C]."""
+    global _kernel, _SLOT0
     if _kernel is None:
         # inputs are addressed by their row strides, so slices of the joined product need no copy
         _kernel = mx.fast.cuda_kernel(name="mtp_gdn_fused", input_names=_INPUTS, output_names=_OUTPUTS,
                                       source=_SOURCE, ensure_row_contiguous=False)
+        _SLOT0 = mx.array([0], mx.int32)
     s = int(qkv.shape[1])
     kc = int(conv_w.shape[1])
     c = int(qkv.shape[2])
@@ -179,14 +189,17 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
     # parameters must be dense (they are read by flat index); a no-op for weights as loaded
     params = [mx.contiguous(x.astype(f32)) for x in (conv_w, dt_bias, a, norm, state0)]
     acts = [x.astype(f32) for x in (qkv, z, alpha, beta, conv0)]
-    outs = _kernel(inputs=[*acts, *params, mx.array([eps], dtype=f32)],
-                   template=[("KH", kh), ("KD", kd), ("VH", vh), ("VD", vd), ("KC", kc), ("P", PARTS),
-                             ("SMAX", MAX_TOKENS)],
-                   grid=(vh * vd * PARTS, 1, 1), threadgroup=(vd * PARTS, 1, 1),
-                   output_shapes=[(1, s, vh * vd), (1, vh, kd, vd), (1, kc - 1, c), (1, s, vh, kd), (1, s, vh, vd),
-                                  (1, s, vh)],
-                   output_dtypes=[f32] * 6)
-    return tuple(outs)
+    slot = _SLOT0 if kept is None else kept.astype(mx.int32)
+    state_shape = (1, s + 1, vh, kd, vd) if capture else (1, vh, kd, vd)
+    conv_rows = kc - 1 + (s if capture else 0)
+    outs = _kernel(
+        inputs=[*acts, *params, mx.array([eps, float(capture)], dtype=f32), slot],
+        template=[("KH", kh), ("KD", kd), ("VH", vh), ("VD", vd), ("KC", kc), ("P", PARTS),
+                  ("SMAX", MAX_TOKENS)],
+        grid=(vh * vd * PARTS, 1, 1), threadgroup=(vd * PARTS, 1, 1),
+        output_shapes=[(1, s, vh * vd), state_shape, (1, conv_rows, c)],
+        output_dtypes=[f32] * 3)
+    return outs[0], outs[1], outs[2]
 
 
 _tested: bool | None = None
@@ -211,7 +224,8 @@ def available(dims=None) -> bool:
     if dims is None or not supports(dims.kh, dims.kd, dims.vh, dims.vd, 1, 1):
         dims = gdn.Dims(2, 64, 4, 64, 4, 1e-6)
     try:
-        ok = all(max_error(dims, s, seed=s) < 1e-3 for s in (1, 5))
+        ok = all(max_error(dims, s, seed=s, capture=cap, earlier=e) < 1e-3
+                 for s, cap, e in ((1, False, 0), (5, True, 0), (2, False, 4)))
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         import warnings
         warnings.warn(f"mtp-engine: fused gated-delta-net kernel unavailable ({e}); using MLX's")
@@ -220,9 +234,10 @@ def available(dims=None) -> bool:
     return ok
 
 
-def random_inputs(d, s: int, seed: int = 0, slices: bool = True) -> dict[str, mx.array]:
+def random_inputs(d, s: int, seed: int = 0, slices: bool = True, earlier: int = 0) -> dict[str, mx.array]:
     """Random inputs of a layer of dims `d` (gdn.Dims) over s tokens, as the layer would pass them
-    (with `slices`, q/k/v, z, alpha, beta are column slices of one joined product)."""
+    (with `slices`, q/k/v, z, alpha, beta are column slices of one joined product). With `earlier`
+    > 0 the caches are a captured pass of that many tokens (window, states) and `kept` picks one."""
     ch = 2 * d.kh * d.kd + d.vh * d.vd
     widths = [ch, d.vh * d.vd, d.vh, d.vh]
     key = mx.random.key(seed)
@@ -233,20 +248,33 @@ def random_inputs(d, s: int, seed: int = 0, slices: bool = True) -> dict[str, mx
         cuts.append(proj[..., o:o + w] if slices else mx.contiguous(proj[..., o:o + w]))
         o += w
     qkv, z, alpha, beta = cuts
-    return dict(qkv_x=qkv, z_x=z, alpha_x=alpha, beta_x=beta,
-                conv0=mx.random.normal((1, d.kernel - 1, ch), key=ks[1]),
-                state0=0.1 * mx.random.normal((1, d.vh, d.kd, d.vd), key=ks[2]),
-                conv_w=0.5 * mx.random.normal((ch, d.kernel), key=ks[3]),
-                dt_bias=mx.random.normal((d.vh,), key=ks[4]),
-                a=-mx.exp(mx.random.normal((d.vh,), key=ks[5])),
-                norm=1.0 + 0.1 * mx.random.normal((d.vd,), key=ks[6]))
+    lead = (earlier + 1,) if earlier else ()
+    out = dict(qkv_x=qkv, z_x=z, alpha_x=alpha, beta_x=beta,
+               conv0=mx.random.normal((1, d.kernel - 1 + earlier, ch), key=ks[1]),
+               state0=0.1 * mx.random.normal((1, *lead, d.vh, d.kd, d.vd), key=ks[2]),
+               conv_w=0.5 * mx.random.normal((ch, d.kernel), key=ks[3]),
+               dt_bias=mx.random.normal((d.vh,), key=ks[4]),
+               a=-mx.exp(mx.random.normal((d.vh,), key=ks[5])),
+               norm=1.0 + 0.1 * mx.random.normal((d.vd,), key=ks[6]))
+    if earlier:
+        out["kept"] = mx.array([(seed * 7 + 1) % (earlier + 1)], mx.int32)
+    return out
 
 
-def max_error(d, s: int, seed: int = 0) -> float:
-    """Largest absolute difference between this kernel and `gdn.mix` over every output."""
+def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0) -> float:
+    """Largest absolute difference between this kernel and `gdn.mix` over every output (`capture`:
+    a captured pass; `earlier`: starting from a slot of an earlier captured pass of that many tokens)."""
     from . import gdn
-    x = random_inputs(d, s, seed)
-    ref = gdn.mix(d, **x)
+    from .cache import pick_state
+    x = random_inputs(d, s, seed, earlier=earlier)
+    kept = x.pop("kept", None)
+    ref_in = dict(x)
+    if kept is not None:
+        ref_in["conv0"], ref_in["state0"] = pick_state(x["conv0"], x["state0"], kept, d.kernel)
+    ref = gdn.mix(d, **ref_in, capture=capture)
     got = gated_delta(x["qkv_x"], x["z_x"], x["alpha_x"], x["beta_x"], x["conv0"], x["conv_w"], x["dt_bias"],
-                      x["a"], x["norm"], x["state0"], d.kh, d.kd, d.vh, d.vd, d.eps)
+                      x["a"], x["norm"], x["state0"], d.kh, d.kd, d.vh, d.vd, d.eps, kept=kept, capture=capture)
+    for r, g in zip(ref, got):
+        if r.shape != g.shape:
+            raise AssertionError(f"shape {g.shape}, expected {r.shape}")
     return max(float(mx.abs(r - g).max().item()) for r, g in zip(ref, got))

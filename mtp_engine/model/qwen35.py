@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..options import EngineOptions
 from . import attn_kernel, gdn, gdn_kernel, kernels, mma_kernel, norm_kernel, selftest_cache
 from . import step as compiled
-from .cache import KVCache, RecurrentCache, TrunkCache
+from .cache import KVCache, RecurrentCache, TrunkCache, pick_state
 from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .layers import Linear, concat_outputs, rms_norm
@@ -156,14 +156,18 @@ class GatedDeltaNet:
         b, s, _ = x.shape
         d = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel, c.eps)
         qkv_x, z_x, alpha_x, beta_x = self._inputs(x)
-        conv0, state0 = cache.conv, cache.state
+        conv0, state0, kept = cache.sources()
+        capture = cache.capturing
         if self.fused_kernel and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
             r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
-                                                  self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps))
+                                                  self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps,
+                                                  kept=kept, capture=capture))
         else:
-            r = gdn.mix(d, qkv_x, z_x, alpha_x, beta_x, conv0, state0, self.conv_w, self.dt_bias, self.a, self.norm)
-        cache.capture(conv0, qkv_x, state0, r.k, r.u, r.g)
-        cache.state, cache.conv = r.state, r.conv
+            if kept is not None:
+                conv0, state0 = pick_state(conv0, state0, kept, d.kernel)
+            r = gdn.mix(d, qkv_x, z_x, alpha_x, beta_x, conv0, state0, self.conv_w, self.dt_bias, self.a, self.norm,
+                        capture=capture)
+        cache.update(r.conv, r.state)
         return self.out(r.y)
 
 

@@ -64,22 +64,31 @@ class _BatchKVView(_KVView):
 
 
 class _RecurrentView:
-    """A gated-delta-net cache inside a trace; `capture` keeps the pass's rollback inputs."""
+    """A gated-delta-net cache inside a trace: what the forward starts from (`sources`, as
+    `RecurrentCache.sources` gave it) and what it leaves (`update`)."""
 
-    def __init__(self, conv: mx.array, state: mx.array, capturing: bool):
-        self.conv, self.state, self.capturing = conv, state, capturing
-        self.captured: tuple[mx.array, ...] | None = None
+    def __init__(self, conv: mx.array, state: mx.array, kept: mx.array | None, capturing: bool):
+        self.conv, self.state, self.kept, self.capturing = conv, state, kept, capturing
 
-    def capture(self, conv0, x, state0, k, u, g) -> None:
-        if self.capturing:
-            self.captured = (x, k, u, g)  # conv0 and state0 are inputs, which the host still holds
+    def sources(self) -> tuple[mx.array, mx.array, mx.array | None]:
+        return self.conv, self.state, self.kept
+
+    def update(self, conv: mx.array, state: mx.array) -> None:
+        self.conv, self.state, self.kept = conv, state, None
 
 
-def _flatten(caches: Sequence[KVCache | RecurrentCache]) -> list[mx.array]:
-    arrays: list[mx.array] = []
-    for c in caches:
-        arrays += [c.keys, c.values] if isinstance(c, KVCache) else [c.conv, c.state]
-    return arrays
+def _kind(c) -> str:
+    """A cache's part in a graph's key and layout: attention (`kv`), a recurrent layer in its plain
+    form (`rec`) or picking its state from a rolled-back pass (`pick`: three inputs)."""
+    if isinstance(c, (KVCache, BatchKVCache)):
+        return "kv"
+    return "pick" if c.sources()[2] is not None else "rec"
+
+
+def _inputs(c) -> list[mx.array]:
+    if isinstance(c, (KVCache, BatchKVCache)):
+        return [c.keys, c.values]
+    return [a for a in c.sources() if a is not None]
 
 
 def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
@@ -91,7 +100,7 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     returned through the graph and handed to `set_side`. Returns the body's outputs.
     `compiled=False` runs the same graph uncompiled (device-resident rounds where steps are not
     compiled: the cache offsets are device values only this form takes)."""
-    kinds = tuple(isinstance(c, KVCache) for c in caches)
+    kinds = tuple(_kind(c) for c in caches)
     for c in caches:
         if isinstance(c, KVCache):
             c.reserve(c.limit + n_tokens)
@@ -103,43 +112,34 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
         fns[key] = (mx.compile(fn) if compiled else fn, layout)
     fn, layout = fns[key]
     offsets = _offsets([c for c in caches if isinstance(c, KVCache)])
-    arrays = _flatten(caches)
-    # the old buffers must not be referenced once the graph runs, so slice_update can write in place
-    for c in caches:
-        if isinstance(c, KVCache):
-            c.keys = c.values = None
+    arrays = [a for c in caches for a in _inputs(c)]
+    saved = _release_kv(caches, KVCache)
     try:
         outs = fn(offsets, *args, *arrays)
     except Exception:
-        _restore(caches, arrays)
+        _restore(saved)
         raise
-    del arrays
+    del arrays, saved
     body_out, rest = outs[:layout["body"]], outs[layout["body"]:]
     shift_offsets(caches, n_tokens)
-    rest = _write_back(caches, rest, capture, KVCache, n_tokens)
+    rest = _write_back(caches, rest, KVCache, n_tokens)
     if set_side:
         set_side(list(rest))
     return body_out
 
 
-def _write_back(caches, rest: list, capture: bool, kv_type: type, grown: int = 0) -> list:
-    """Puts a graph's cache outputs back on `caches` (KV buffers, recurrent states and, when
-    captured, the pass's rollback inputs); returns the outputs after them. A KV cache's host
-    bound grows by `grown` tokens."""
+def _write_back(caches, rest: list, kv_type: type, grown: int = 0) -> list:
+    """Puts a graph's cache outputs back on `caches` (KV buffers; recurrent windows and states,
+    per position when captured); returns the outputs after them. A KV cache's host bound grows
+    by `grown` tokens."""
     for c in caches:
         if isinstance(c, kv_type):
             c.keys, c.values = rest[0], rest[1]
             if getattr(c, "bound", None) is not None:
                 c.bound += grown
-            rest = rest[2:]
         else:
-            conv0, state0 = c.conv, c.state
-            c.conv, c.state = rest[0], rest[1]
-            rest = rest[2:]
-            if capture:
-                x, k, u, g = rest[:4]
-                rest = rest[4:]
-                c.capture(conv0, x, state0, k, u, g)
+            c.update(rest[0], rest[1])
+        rest = rest[2:]
     return rest
 
 
@@ -149,7 +149,7 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
     per batch size, tokens per row, capture and capacity). Recurrent layers that `begin_capture`d
     keep the pass's rollback inputs. The caller advances the lengths."""
     layers = batch.layers
-    kinds = tuple(isinstance(c, BatchKVCache) for c in layers)
+    kinds = tuple(_kind(c) for c in layers)
     capture = any(getattr(c, "capturing", False) for c in layers)
     end = max(batch.host_lengths) + n_tokens
     for c in layers:
@@ -162,17 +162,15 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
         fn = _traced(body, kinds, capture, None, layout, lambda keys, values, lengths, i: _BatchKVView(keys, values, lengths))
         fns[key] = (mx.compile(fn), layout)
     fn, layout = fns[key]
-    arrays = [a for c in layers for a in c.arrays()]
-    for c in layers:  # unreferenced, so the scatter writes in place
-        if isinstance(c, BatchKVCache):
-            c.keys = c.values = None
+    arrays = [a for c in layers for a in _inputs(c)]
+    saved = _release_kv(layers, BatchKVCache)
     try:
         outs = fn(batch.lengths, *args, *arrays)
     except Exception:
-        _restore(layers, arrays, BatchKVCache)
+        _restore(saved)
         raise
-    del arrays
-    _write_back(layers, outs[layout["body"]:], capture, BatchKVCache)
+    del arrays, saved
+    _write_back(layers, outs[layout["body"]:], BatchKVCache)
     return outs[:layout["body"]]
 
 
@@ -190,34 +188,39 @@ def _offsets(kv: list[KVCache]) -> mx.array:
                      for c in kv])
 
 
-def _restore(caches, arrays, kv_type=KVCache) -> None:
+def _release_kv(caches, kv_type: type) -> list:
+    """Drops the caches' references to their KV buffers, so the graph's write goes in place (a
+    buffer another array holds is copied); returns them for `_restore` if the graph fails."""
+    saved = []
     for c in caches:
         if isinstance(c, kv_type):
-            c.keys, c.values = arrays[0], arrays[1]
-        arrays = arrays[2:]
+            saved.append((c, c.keys, c.values))
+            c.keys = c.values = None
+    return saved
 
 
-def _traced(body: Callable, kinds: tuple[bool, ...], capture: bool, side, layout: dict[str, int], kv_view: Callable):
+def _restore(saved: list) -> None:
+    for c, keys, values in saved:
+        c.keys, c.values = keys, values
+
+
+def _traced(body: Callable, kinds: tuple[str, ...], capture: bool, side, layout: dict[str, int], kv_view: Callable):
     def fn(offsets, *flat):
-        n_args = len(flat) - 2 * len(kinds)
-        args, arrays = flat[:n_args], flat[n_args:]
+        n_cache = sum(3 if k == "pick" else 2 for k in kinds)
+        args, arrays = flat[:len(flat) - n_cache], flat[len(flat) - n_cache:]
         views, j, i_kv = [], 0, 0
-        for is_kv in kinds:
-            if is_kv:
+        for kind in kinds:
+            if kind == "kv":
                 views.append(kv_view(arrays[j], arrays[j + 1], offsets, i_kv))
                 i_kv += 1
             else:
-                views.append(_RecurrentView(arrays[j], arrays[j + 1], capture))
-            j += 2
+                kept = arrays[j + 2] if kind == "pick" else None
+                views.append(_RecurrentView(arrays[j], arrays[j + 1], kept, capture))
+            j += 3 if kind == "pick" else 2
         outs = list(body(*args, views))
         layout["body"] = len(outs)
         for v in views:
-            if isinstance(v, _KVView):
-                outs += [v.keys, v.values]
-            else:
-                outs += [v.conv, v.state]
-                if capture:
-                    outs += list(v.captured)
+            outs += [v.keys, v.values] if isinstance(v, _KVView) else [v.conv, v.state]
         if side:
             outs += side()
         return outs
