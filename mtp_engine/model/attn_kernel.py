@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kernel_source import compact
+
 MAX_TOKENS = 16
 WARPS = 8
 
@@ -178,7 +180,7 @@ def new_kv(y: mx.array, k_norm: mx.array, pos: mx.array, n_head: int, n_head_kv:
     global _kv_kernel
     if _kv_kernel is None:
         _kv_kernel = mx.fast.cuda_kernel(name="mtp_attn_kv", input_names=["y", "kw", "pos", "params"],
-                                         output_names=["k_new", "v_new"], source=_KV_SOURCE)
+                                         output_names=["k_new", "v_new"], source=compact(_KV_SOURCE))
     s = int(y.shape[0])
     shape = (1, n_head_kv, s, head_dim)
     return tuple(_kv_kernel(inputs=[y, k_norm.astype(mx.float32), pos, _params(eps, rope_base, 1.0)],
@@ -195,7 +197,7 @@ def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos:
     if _attend_kernel is None:
         _attend_kernel = mx.fast.cuda_kernel(
             name="mtp_attn_decode", input_names=["y", "qw", "keys", "values", "pos", "params"],
-            output_names=["o"], source=_ATTEND_SOURCE)
+            output_names=["o"], source=compact(_ATTEND_SOURCE))
     s = int(y.shape[0])
     return _attend_kernel(inputs=[y, q_norm.astype(mx.float32), keys, values, pos,
                                   _params(eps, rope_base, head_dim ** -0.5)],

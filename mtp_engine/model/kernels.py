@@ -22,6 +22,7 @@ import warnings
 import mlx.core as mx
 
 from . import mma_kernel
+from .kernel_source import compact
 
 MAX_ROWS = 8
 ROWS_PER_WARP = 8  # output features per warp (bench_gpu.py measures 2, 4 and 8 through `rows_per_warp=`)
@@ -147,7 +148,7 @@ def simt_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtp_qmv_rows", input_names=["x", "wq", "scales", "biases"],
-                                      output_names=["out"], source=_SOURCE)
+                                      output_names=["out"], source=compact(_SOURCE))
     m = x.shape[0]
     rows = next(r for r in ROW_VARIANTS if r >= m)
     if rows != m:

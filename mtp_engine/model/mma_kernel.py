@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kernel_source import compact
+
 MAX_ROWS = 8
 # Block shape, chosen in the model (`qmv_rows.py --in-model`): a forward's products depend on each
 # other, so one block per SM must keep enough loads in flight alone. 8 warps x 1 tile x 3 stages:
@@ -260,7 +262,7 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtp_qmv_mma", input_names=["x", "wq", "scales", "biases"],
-                                      output_names=["out"], source=SOURCE, header=HEADER)
+                                      output_names=["out"], source=compact(SOURCE), header=HEADER)
     n = weight.shape[0]
     while n % (16 * tiles):
         tiles //= 2

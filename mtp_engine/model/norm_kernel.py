@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kernel_source import compact
+
 MAX_ROWS = 16
 
 _SOURCE = """
@@ -58,7 +60,7 @@ def _fused(x: mx.array, d: mx.array, w: mx.array, eps: float) -> tuple[mx.array,
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtp_add_rms_norm", input_names=["x", "d", "w", "eps"],
-                                      output_names=["h", "hn"], source=_SOURCE)
+                                      output_names=["h", "hn"], source=compact(_SOURCE))
     rows = x.size // x.shape[-1]
     nt = 1024 if x.shape[-1] >= 4096 else 256
     return tuple(_kernel(inputs=[x, d, w.astype(mx.float32), mx.array([eps], dtype=mx.float32)],

@@ -1,0 +1,37 @@
+"""What the CUDA kernels hand to MLX (model/kernel_source.py): their sources without commentary,
+the code itself unchanged line for line."""
+from __future__ import annotations
+
+import pytest
+
+from mtp_engine.model import attn_kernel, gdn_kernel, kernels, mma_kernel, norm_kernel
+from mtp_engine.model.kernel_source import compact
+
+SOURCES = {"kv": attn_kernel._KV_SOURCE, "attend": attn_kernel._ATTEND_SOURCE, "gdn": gdn_kernel._SOURCE,
+           "qmv": kernels._SOURCE, "mma": mma_kernel.SOURCE, "norm": norm_kernel._SOURCE}
+
+
+def test_comments_and_indentation_go_and_code_stays():
+    src = """
+        // a comment line
+        const int a = b / 2;   // why
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) acc += x[i];
+
+    """
+    assert compact(src) == "const int a = b / 2;\n#pragma unroll\nfor (int i = 0; i < 4; ++i) acc += x[i];\n"
+
+
+def test_literals_are_refused():
+    with pytest.raises(ValueError, match="literals"):
+        compact('printf("a // b");')
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_every_kernel_source_compacts_to_the_same_code(name):
+    src = SOURCES[name]
+    out = compact(src)
+    assert "//" not in out and len(out) < len(src)
+    # the same tokens in the same order once comments are gone
+    code = [line.split("//", 1)[0].split() for line in src.splitlines()]
+    assert [t for line in code for t in line] == out.split()
