@@ -215,6 +215,6 @@ class MTPBatchScheduler(BatchScheduler):
             tokens, n = emitted[b]
             s.batch_sizes.append(len(rows))
             if s.draft:
-                s.count_round(k, n)
+                s.counts.record(k, n)
             lps = s.sampler.token_logprobs(logits[b, :len(tokens)], tokens)
             s.deliver(tokens, lps, n, k if s.draft else 0)

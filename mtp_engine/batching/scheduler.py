@@ -30,6 +30,7 @@ from ..generation.sampling import Sampler, check_finite
 from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache
 from ..model.loaded import Model
+from ..speculative.stats import RoundCounts
 
 
 class Sequence:
@@ -53,25 +54,9 @@ class Sequence:
         # draft-mtp in an MTP batch: its drafts are verified (greedy rows; others keep none)
         self.draft = draft and sampler.argmax_on_device
         self.n_max = n_max  # None: the batch's draft length
-        self.drafted = self.accepted = self.rounds = self.drafting_rounds = 0
-        self.position_drafted: list[int] = []  # per draft position: rounds that drafted it ...
-        self.position_accepted: list[int] = []  # ... and accepted it
+        self.counts = RoundCounts()  # its rounds' statistics
         self.head = None  # the MTP head's batch-1 cache while it prefills (MTP batches)
         self.h_prev = None  # the trunk hidden state its next head row reads
-
-    def count_round(self, k: int, n: int) -> None:
-        """A batched round drafted k for it and it accepted n (statistics)."""
-        self.rounds += 1
-        self.drafting_rounds += int(k > 0)
-        self.drafted += k
-        self.accepted += n
-        grow = k - len(self.position_drafted)
-        if grow > 0:
-            self.position_drafted += [0] * grow
-            self.position_accepted += [0] * grow
-        for i in range(k):
-            self.position_drafted[i] += 1
-            self.position_accepted[i] += int(i < n)
 
     def cancel(self) -> None:
         """Its reader is done: the row leaves before the next step."""
@@ -154,7 +139,7 @@ class BatchScheduler:
             rows = list(self._rows)
             joining = self._joining
         out = [{"id": i, "state": "decoding", "prompt_tokens": len(s.prompt_ids), "generated_tokens": s.produced,
-                **({"drafted": s.drafted, "accepted": s.accepted} if s.draft else {})}
+                **({"drafted": s.counts.drafted, "accepted": s.counts.accepted} if s.draft else {})}
                for i, s in enumerate(rows)]
         if joining is not None:
             out.append({"id": len(out), "state": "prefilling", "prompt_tokens": len(joining.prompt_ids),

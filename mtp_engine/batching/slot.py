@@ -54,11 +54,6 @@ class SlotDecoder:
                "batch_queue_seconds": (s.joined - s.submitted) if s.joined is not None else 0.0,
                "batch_size_mean": sum(sizes) / len(sizes) if sizes else 1.0,
                "batch_size_max": max(sizes) if sizes else 1}
-        if s.rounds:  # a draft-mtp sequence in an MTP batch: the keys a speculative decoder's stats have
-            out.update({"rounds": s.rounds, "drafting_rounds": s.drafting_rounds, "drafted": s.drafted,
-                        "accepted": s.accepted, "acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
-                        "mean_accepted_length": s.accepted / s.rounds,
-                        "tokens_per_round": (s.accepted + s.rounds) / s.rounds,
-                        "acceptance_per_position": [a / d if d else None for a, d in
-                                                    zip(s.position_accepted, s.position_drafted)]})
+        if s.counts.rounds:  # a draft-mtp sequence in an MTP batch: a speculative decoder's statistics
+            out.update(s.counts.stats())
         return out

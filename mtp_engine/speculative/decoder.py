@@ -34,6 +34,7 @@ from .accept import accept_greedy, accept_sampling
 from .config import DraftParams
 from .drafter import Draft, DraftContext, Drafter
 from .scheduler import DraftLengthScheduler
+from .stats import RoundCounts
 
 
 @dataclass
@@ -65,14 +66,7 @@ class SpeculativeDecoder(DecoderBase):
         self.scheduler = scheduler if params.auto else None
         self.drafter = drafter
         drafter.bind(DraftContext(model, sampler, self.prof))
-        # statistics
-        self.rounds = 0
-        self.drafting_rounds = 0  # rounds that drafted at least one token (auto and p-min make others)
-        self.drafted = 0
-        self.accepted = 0
-        self.per_position_drafted: list[int] = [0] * params.k_max
-        self.per_position_accepted: list[int] = [0] * params.k_max
-        self.histogram: Counter = Counter()
+        self.counts = RoundCounts()  # statistics
         self.k_histogram: Counter = Counter()  # auto: the draft length chosen, per completed round
         self.trace: list[dict] | None = None  # per-round record, when a caller sets it to []
         self.calibration_path = calibration_path  # model file whose stored costs this run updates
@@ -196,7 +190,7 @@ class SpeculativeDecoder(DecoderBase):
         tokens (`r.logits`: the rows that scored them, for logprobs)."""
         emitted = self._emitted(drafts[:n] + [token], n, len(drafts), r.logits)
         seconds, first_use = self.clock.lap(r.k, r.shapes, getattr(r, "shift", 0.0))
-        self._record(len(drafts), n)
+        self.counts.record(len(drafts), n)
         self.k_histogram[r.k] += 1
         if self.scheduler:
             self.scheduler.observe(len(drafts), n, seconds, self.cache.offset, first_use,
@@ -282,34 +276,11 @@ class SpeculativeDecoder(DecoderBase):
                              t0 * 1e3 if t0 else None, self.model.options.cache_path)
 
     # ---- statistics ---------------------------------------------------------------------------
-    def _record(self, k: int, n: int) -> None:
-        self.rounds += 1
-        self.drafting_rounds += int(k > 0)
-        self.drafted += k
-        self.accepted += n
-        for i in range(k):
-            self.per_position_drafted[i] += 1
-            self.per_position_accepted[i] += int(i < n)
-        self.histogram[n] += 1
-
     def stats(self) -> dict:
-        r = max(self.rounds, 1)
         extra: dict = {"compile_seconds": self.clock.compile_seconds()}
         if self.scheduler:
             extra.update({"n_max": "auto", "auto_message": self.scheduler.message(),
                           "draft_length_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
                           **self.scheduler.stats()})
         extra.update(self._moe_stats())
-        return {**extra,
-            "rounds": self.rounds,
-            "drafting_rounds": self.drafting_rounds,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-            "mean_accepted_length": self.accepted / r,
-            "tokens_per_round": (self.accepted + self.rounds) / r,
-            "acceptance_per_position": [a / d if d else None for a, d in
-                                        zip(self.per_position_accepted, self.per_position_drafted)],
-            **self.drafter.stats(),
-            "accepted_length_histogram": {str(i): self.histogram.get(i, 0) for i in range(self.params.k_max + 1)},
-        }
+        return {**extra, **self.counts.stats(self.params.k_max), **self.drafter.stats()}

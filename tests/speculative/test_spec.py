@@ -137,7 +137,7 @@ def test_rollback_leaves_caches_equal_to_plain_run():
     tokens = list(ids)
     for _ in range(25):
         tokens += dec.step()
-    assert dec.rounds == 25 and 0 < dec.accepted < dec.drafted  # rejections happened
+    assert dec.counts.rounds == 25 and 0 < dec.counts.accepted < dec.counts.drafted  # rejections happened
     committed = tokens[:-1]  # the last emitted token is not yet in the caches
     plain = m.model.make_cache()
     h = m.model.forward(mx.array([committed]), plain)
