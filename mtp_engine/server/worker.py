@@ -182,6 +182,7 @@ class GenerationWorker:
                 self._free.release()
                 if dirty and self.running == 0:  # idle for a while: hand the allocator's cached buffers back
                     mx.clear_cache()
+                    _trim_heap()
                     dirty = False
                 continue
             if job is None:
@@ -268,3 +269,22 @@ def wait_ready(worker: GenerationWorker, timeout: float | None = None) -> api.Mo
     if worker.load_error is not None:
         raise worker.load_error
     return worker.model
+
+
+def _trim_heap() -> None:
+    """Returns the C heap's free pages to the system (glibc's `malloc_trim`): requests come and go
+    on threads of their own, whose malloc arenas keep freed memory mapped (RSS grew ~1.2 KiB per
+    request over 10k requests with no Python object left behind, tracemalloc showed). A no-op where
+    the C library has no such call."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None

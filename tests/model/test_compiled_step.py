@@ -50,7 +50,7 @@ def test_compiled_decode_equals_uncompiled_across_capacity_growth(which, models)
 
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
 def test_compiled_draft_mtp_equals_plain_greedy(which, models):
-    """Verify with capture, rollback from (state0, k, u, g), catch-up fused into drafting: all
+    """Verify with capture, rollback to a per-position slot, catch-up fused into drafting: all
     compiled, the greedy output is still plain decoding's."""
     model = models(_paths()[which], exact=True).model
     prompt = [5, 9, 250, 31, 77, 2, 64]
@@ -165,3 +165,41 @@ def test_kernel_self_test_falls_back_when_the_kernel_fails(monkeypatch):
     with pytest.warns(UserWarning, match="custom quantized kernel unavailable"):
         assert kernels.available() is False
     assert kernels.available() is False  # remembered: no second warning, no second try
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["graph", "compiled"])
+def test_a_device_rollback_starts_the_next_forward_from_the_kept_slot(compiled, models):
+    """After a captured pass of S tokens rolled back with a device count n (no kernel runs: the
+    gated-delta-net layers keep every per-position state and the next forward starts from slot
+    n), the next forward and every cache equal a fresh cache fed only the kept tokens."""
+    model = models(TINY_F32, exact=True).model
+    toks = [5, 9, 250, 31, 77, 2, 64, 11, 90, 13, 8]
+    prefix, s = 3, 5
+    before = model.compile_steps
+    model.compile_steps = compiled
+    try:
+        for n in range(s + 1):
+            cache = model.make_cache()
+            model.forward(mx.array([toks[:prefix]]), cache)
+            cache.kv_to_device()
+            model.forward(mx.array([toks[prefix:prefix + s]]), cache, capture=True, resident=True)
+            cache.rollback_lazy(mx.array(n, dtype=mx.int32))
+            cache.offset += n  # resident forwards leave the host's count to the round's read
+            assert all(isinstance(c.kept, mx.array) for c in cache.layers if hasattr(c, "kept"))
+            nxt = toks[prefix + n:prefix + n + 2]
+            h = model.forward(mx.array([nxt]), cache, resident=True)
+            cache.offset += len(nxt)
+            cache.to_host()
+
+            fresh = model.make_cache()
+            model.forward(mx.array([toks[:prefix + n]]), fresh)
+            h_ref = model.forward(mx.array([nxt]), fresh)
+            np.testing.assert_allclose(np.array(h), np.array(h_ref), atol=2e-5, rtol=0, err_msg=f"kept {n}")
+            for a, b in zip(cache.layers, fresh.layers):
+                if isinstance(a, KVCache):
+                    assert int(a.offset) == int(b.offset) == prefix + n + 2
+                    continue
+                np.testing.assert_allclose(np.array(a.state), np.array(b.state), atol=2e-5, rtol=0)
+                np.testing.assert_allclose(np.array(a.conv), np.array(b.conv), atol=2e-5, rtol=0)
+    finally:
+        model.compile_steps = before
