@@ -10,8 +10,8 @@ chosen for the batch (`draft_length`):
   accept    per row: greedy prefix match for a drafting sequence (n_b accepted + the bonus token);
             a sequence that does not draft (plain, sampled, penalised, constrained) takes row 0's
             token from its own sampler, as a plain step would;
-  rollback  per row: attention lengths move to n_b + 1 tokens, recurrent states and conv windows
-            to the captured state after them (`BatchCache.rollback_rows`, all layers in one graph);
+  rollback  per row: attention lengths move to n_b + 1 tokens, recurrent layers keep the captured
+            state after them (`BatchCache.rollback_rows`: a kept count per row, no kernel);
   catch_up  the head's rows for the accepted drafts (each with the verify's trunk hidden before
             it) in one head forward; the next round starts from (bonus, trunk hidden at n_b).
 k = 0 is a plain batched step (plus the head's one exact row). Every sequence here prefills its
@@ -154,6 +154,14 @@ class MTPBatchScheduler(BatchScheduler):
         self._joining = None
 
     # ---- a batched round ------------------------------------------------------------------------
+    def _accepted(self, drafts: list[int], target: list[int]) -> int:
+        """How many drafts the target agrees with: the greedy prefix match (a benchmark's oracle
+        replaces it, `batching.ablations`)."""
+        n = 0
+        while n < len(drafts) and drafts[n] == target[n]:
+            n += 1
+        return n
+
     def _decode(self) -> None:
         rows = list(self._rows)
         if not rows:
@@ -182,10 +190,7 @@ class MTPBatchScheduler(BatchScheduler):
         host_ids, host_target, ok = ids.tolist(), target.tolist(), finite.tolist()
         keep, emitted = [], []
         for b, s in enumerate(rows):
-            n = 0
-            if s.draft and k:
-                while n < k and host_ids[b][n + 1] == host_target[b][n]:
-                    n += 1
+            n = self._accepted(host_ids[b][1:], host_target[b][:k]) if s.draft and k else 0
             try:
                 check_finite(ok[b])
                 token = host_target[b][n] if s.sampler.argmax_on_device else s.sampler.sample(logits[b, 0])

@@ -256,6 +256,43 @@ def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
     m.scheduler.stop()
 
 
+@pytest.mark.parametrize("oracle", [0.0, 1.0])
+def test_oracle_batches_accept_what_they_are_told(shipped_model, oracle):
+    """The benchmark's oracle scheduler (batching/ablations.py): at acceptance 0 no draft counts and
+    every row emits what plain greedy decoding does; at 1 every draft counts."""
+    from dataclasses import replace
+
+    from mtp_engine.batching.ablations import OracleBatchScheduler
+
+    m = replace(shipped_model, scheduler=None)
+    m.scheduler = OracleBatchScheduler(m, 3, oracle=oracle)
+    got: dict[int, object] = {}
+
+    def one(i):  # a model with a scheduler: generate() calls from threads share its batches
+        got[i] = generate(PROMPTS[i], m, max_tokens=10, ignore_eos=True, spec="draft-mtp", n_max=3)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        m.scheduler.stop()
+    got = [got[i] for i in range(3)]
+    st = [g.stats for g in got]
+    assert max(s["batch_size_max"] for s in st) > 1
+    assert all(s["drafted"] > 0 for s in st)
+    if oracle == 0.0:
+        want = _alone(shipped_model, PROMPTS[:3], max_tokens=10, ignore_eos=True)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert all(s["accepted"] == 0 for s in st)
+    else:
+        assert all(s["accepted"] == s["drafted"] and s["acceptance_per_position"] == [1.0, 1.0, 1.0] for s in st)
+    with pytest.raises(MTPEngineError, match="acceptance"):
+        OracleBatchScheduler(m, 2, oracle=1.5, own_thread=False)
+
+
 def test_mtp_batch_reuses_the_prompt_cache_with_the_heads_state(shipped_model):
     from dataclasses import replace
 

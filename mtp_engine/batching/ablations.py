@@ -1,0 +1,34 @@
+"""Benchmark variants of batched draft-mtp, kept out of the production scheduler (as
+`speculative.ablations` is for a sequence alone).
+
+`OracleBatchScheduler`: each draft counts as right with probability `oracle`, whatever the head
+proposed (random weights make every draft wrong, so the cost of batched MTP rounds at a chosen
+acceptance is measured this way: `scripts/bench_batch.py --oracle A`). The rounds run as usual:
+accepted drafts are kept, rolled back past, caught up by the head; only the decision is drawn.
+Output is then not the model's: benchmark-only.
+"""
+from __future__ import annotations
+
+import random
+
+from ..errors import MTPEngineError
+from ..model.loaded import Model
+from .mtp import MTPBatchScheduler
+
+
+class OracleBatchScheduler(MTPBatchScheduler):
+    """`MTPBatchScheduler` whose greedy drafts are accepted with probability `oracle` each."""
+
+    def __init__(self, model: Model, max_batch: int = 8, oracle: float = 0.8, seed: int = 0,
+                 own_thread: bool = True):
+        if not 0.0 <= oracle <= 1.0:
+            raise MTPEngineError(f"expected an acceptance in [0, 1], found {oracle}", field="oracle")
+        super().__init__(model, max_batch, own_thread)
+        self.oracle = oracle
+        self._rng = random.Random(seed)
+
+    def _accepted(self, drafts: list[int], target: list[int]) -> int:
+        n = 0
+        while n < len(target) and self._rng.random() < self.oracle:
+            n += 1
+        return n
