@@ -7,6 +7,8 @@ checked between chunks and before the job starts.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -276,15 +278,14 @@ def _trim_heap() -> None:
     on threads of their own, whose malloc arenas keep freed memory mapped (RSS grew ~1.2 KiB per
     request over 10k requests with no Python object left behind, tracemalloc showed). A no-op where
     the C library has no such call."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
-_malloc_trim = None
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
