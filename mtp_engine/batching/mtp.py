@@ -110,6 +110,11 @@ class MTPBatchScheduler(BatchScheduler):
         self._h_last = self._h_last[mx.array(keep, mx.int32)] if keep else None
 
     # ---- a sequence's own prefill ---------------------------------------------------------------
+    max_joining = 1  # one sequence prefills at a time, trunk and head on caches of its own
+
+    def _prefill_step(self) -> None:
+        self._prefill_chunk(self._joining[0])
+
     def _start_prefill(self, s: Sequence) -> None:
         m = self.model.model
         kept = s.prompt_cache.take(m, s.prompt_ids[:-1], "draft-mtp") if s.prompt_cache is not None else None
@@ -151,7 +156,7 @@ class MTPBatchScheduler(BatchScheduler):
             s.prompt_cache.release(s.trunk)
         s.trunk = s.head = s.h_prev = None
         self._rows.append(s)
-        self._joining = None
+        self._joining.remove(s)
 
     # ---- a batched round ------------------------------------------------------------------------
     def _accepted(self, drafts: list[int], target: list[int]) -> int:

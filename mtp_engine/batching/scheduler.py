@@ -1,11 +1,14 @@
 """Continuous batching: up to `max_batch` sequences decode together, one batched forward a step.
 
 One thread (the scheduler's) does all of the batch's device work, in a loop:
-  admit     a waiting sequence takes a free slot and starts its prefill;
-  prefill   one chunk of the joining sequence's prompt, on caches of its own (batch 1, exactly
-            as it would run alone), so a long prompt delays the running streams by one chunk
-            at a time, never by its whole prefill; after its last chunk it samples its first
-            token and joins the batch (`model.batch_cache.BatchCache.add`: a row appended);
+  admit     waiting sequences take the free slots and start their prefill together;
+  prefill   one chunk of every joining sequence's prompt in one forward (rows of several lengths:
+            each row's padding is masked out of its attention and its recurrent state,
+            `BatchCache.padded`), on caches of their own, so a long prompt delays the running
+            streams by one chunk at a time, never by its whole prefill, and requests that
+            arrive together wait for one prefill, not for each other's; after its last chunk a
+            sequence samples its first token and joins the batch (`BatchCache.extend`: rows
+            appended);
   decode    one forward of every running sequence's last token, each row at its own length;
             each row sampled by its own sampler (temperature, penalties, grammar, seed);
   leave     sequences that are done (max_tokens reached) or cancelled (their reader stopped:
@@ -105,7 +108,8 @@ class BatchScheduler:
             raise MTPEngineError(f"expected an integer >= 1, found {max_batch!r}", field="parallel")
         self.model, self.max_batch, self.own_thread = model, max_batch, own_thread
         self._waiting: collections.deque[Sequence] = collections.deque()
-        self._joining: Sequence | None = None
+        self._joining: list[Sequence] = []  # prefilling, on `_group`'s rows
+        self._group = BatchCache(model.model)
         self._rows: list[Sequence] = []
         self._batch = BatchCache(model.model)
         self._cv = threading.Condition()
@@ -137,13 +141,12 @@ class BatchScheduler:
         """What each slot is doing (llama-server's /slots): running rows, then the joining one."""
         with self._cv:
             rows = list(self._rows)
-            joining = self._joining
+            joining = list(self._joining)
         out = [{"id": i, "state": "decoding", "prompt_tokens": len(s.prompt_ids), "generated_tokens": s.produced,
                 **({"drafted": s.counts.drafted, "accepted": s.counts.accepted} if s.draft else {})}
                for i, s in enumerate(rows)]
-        if joining is not None:
-            out.append({"id": len(out), "state": "prefilling", "prompt_tokens": len(joining.prompt_ids),
-                        "prefilled_tokens": joining.prefilled})
+        out += [{"id": len(out) + i, "state": "prefilling", "prompt_tokens": len(s.prompt_ids),
+                 "prefilled_tokens": s.prefilled} for i, s in enumerate(joining)]
         out += [{"id": i, "state": "idle"} for i in range(len(out), self.max_batch)]
         return out
 
@@ -153,7 +156,7 @@ class BatchScheduler:
 
     @property
     def running(self) -> int:
-        return len(self._rows) + (self._joining is not None)
+        return len(self._rows) + len(self._joining)
 
     # ---- the scheduler's thread --------------------------------------------------------------------
     def drive(self, until) -> None:
@@ -191,12 +194,12 @@ class BatchScheduler:
         return True
 
     def _end_all(self, error: BaseException) -> None:
-        seqs = self._rows + ([self._joining] if self._joining else []) + list(self._waiting)
+        seqs = self._rows + self._joining + list(self._waiting)
         for s in seqs:
             s.fail(error)
-        self._rows, self._joining, self._queued = [], None, None
+        self._rows, self._joining, self._queued = [], [], None
         self._waiting.clear()
-        self._batch = BatchCache(self.model.model)
+        self._batch, self._group = BatchCache(self.model.model), BatchCache(self.model.model)
 
     def _leave(self) -> None:
         keep = [i for i, s in enumerate(self._rows) if not s.done]
@@ -213,63 +216,93 @@ class BatchScheduler:
     def _keep_rows(self, keep: list[int]) -> None:
         self._batch.keep(keep)
 
+    max_joining = None  # sequences prefilling at once (None: every free slot)
+
     def _admit_and_prefill(self) -> None:
-        if self._joining is None:
-            with self._cv:
-                if self._waiting and len(self._rows) < self.max_batch:
-                    self._joining = self._waiting.popleft()
-            if self._joining is None:
-                return
-            s = self._joining
+        with self._cv:
+            free = self.max_batch - len(self._rows) - len(self._joining)
+            if self.max_joining is not None:
+                free = min(free, self.max_joining - len(self._joining))
+            new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        for s in new:
             s.joined = time.perf_counter()
             s.sampler.begin(s.prompt_ids)
             self._start_prefill(s)
-        s = self._joining
-        if s.cancelled.is_set():
-            self._joining, s.trunk = None, None
-            s.out.put(None)
+            self._joining.append(s)
+        gone = [i for i, s in enumerate(self._joining) if s.cancelled.is_set()]
+        if gone:
+            for i in gone:
+                self._joining[i].trunk = None
+                self._joining[i].out.put(None)
+            self._drop_joining(gone)
+        if not self._joining:
             return
         try:
-            self._prefill_chunk(s)
+            self._prefill_step()
         except MTPEngineError as e:
-            self._joining, s.trunk = None, None
-            s.fail(e)
+            for s in self._joining:
+                s.trunk = None
+                s.fail(e)
+            self._drop_joining(list(range(len(self._joining))))
+
+    def _drop_joining(self, idx: list[int]) -> None:
+        """Joining sequences `idx` leave the group (failed, cancelled or joined the batch)."""
+        drop = set(idx)
+        keep = [i for i in range(len(self._joining)) if i not in drop]
+        self._joining = [self._joining[i] for i in keep]
+        if len(self._group):
+            self._group.keep(keep)
 
     def _start_prefill(self, s: Sequence) -> None:
-        """Its own caches: a kept prompt state it starts with (the plain decoder's rule: the
-        prompt without its last token), else empty ones."""
+        """Its caches: a kept prompt state it starts with (the plain decoder's rule: the prompt
+        without its last token), else empty ones; a row of the joining group."""
         m = self.model.model
         kept = s.prompt_cache.take(m, s.prompt_ids[:-1], None) if s.prompt_cache is not None else None
         if kept is None:
             s.trunk = m.make_cache()
-            return
-        s.trunk = kept.trunk
-        s.trunk.restore(kept.snapshot)
-        s.prefilled = s.cached = len(kept.tokens)
-
-    def _prefill_chunk(self, s: Sequence) -> None:
-        m = self.model.model
-        n = len(s.prompt_ids)
-        # with a prompt cache the last token is a chunk of its own, after the state before it is
-        # kept (as the plain decoder does alone, so the numbers are the same)
-        end = min(s.prefilled + self.prefill_chunk, n - 1 if s.prompt_cache is not None and s.prefilled < n - 1 else n)
-        ids = s.prompt_ids[s.prefilled:end]
-        h = m.forward(mx.array([ids]), s.trunk)
-        mx.eval(h, *s.trunk.arrays())
-        s.prefilled = end
-        if s.prompt_cache is not None and end == n - 1:
-            s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk)
-        if s.prefilled < n:
-            return
-        logits = m.logits(h[0, -1])
-        token = s.sampler.sample(logits)
-        s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
-        self._batch.add(s.trunk)
-        if s.prompt_cache is not None:  # its rows are copied: the kept state is never written again
+        else:
+            s.trunk = kept.trunk
+            s.trunk.restore(kept.snapshot)
+            s.prefilled = s.cached = len(kept.tokens)
+        self._group.add(s.trunk)
+        if s.prompt_cache is not None and kept is not None:  # its rows are copied: never written again
             s.prompt_cache.release(s.trunk)
         s.trunk = None
-        self._rows.append(s)
-        self._joining = None
+
+    def _prefill_step(self) -> None:
+        """One chunk of every joining sequence's prompt in one padded forward; those whose prompt
+        is done sample their first token and join the batch."""
+        m = self.model.model
+        chunks = []
+        for s in self._joining:
+            n = len(s.prompt_ids)
+            # with a prompt cache the last token is a chunk of its own, after the state before it is
+            # kept (as the plain decoder does alone, so the numbers are the same)
+            end = n - 1 if s.prompt_cache is not None and s.prefilled < n - 1 else n
+            chunks.append(s.prompt_ids[s.prefilled:min(s.prefilled + self.prefill_chunk, end)])
+        width = max(len(c) for c in chunks)
+        ids = mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32)
+        h = m.forward_batch(ids, self._group, valid=[len(c) for c in chunks])
+        last = mx.stack([h[b, len(c) - 1] for b, c in enumerate(chunks)])
+        mx.eval(last, *self._group.arrays())
+        done = []
+        for b, (s, c) in enumerate(zip(self._joining, chunks)):
+            s.prefilled += len(c)
+            n = len(s.prompt_ids)
+            if s.prompt_cache is not None and s.prefilled == n - 1:
+                kept = self._group.row(b)  # a copy, never written: handed over at once
+                s.prompt_cache.keep(m, s.prompt_ids[:-1], kept)
+                s.prompt_cache.release(kept)
+            if s.prefilled < n:
+                continue
+            logits = m.logits(last[b])
+            token = s.sampler.sample(logits)
+            s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
+            done.append(b)
+        if done:
+            self._batch.extend(self._group, done)
+            self._rows += [self._joining[b] for b in done]
+            self._drop_joining(done)
 
     def _decode(self) -> None:
         """One batched step read, with the next one queued first when every row's token is its

@@ -14,6 +14,8 @@ models then need the padding masked in every recurrent state, which went wrong t
 """
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache, TrunkCache, roll_back_recurrent
@@ -89,6 +91,18 @@ class BatchKVCache:
         if self.keys is not None:
             self.keys, self.values = self.keys[rows], self.values[rows]
 
+    def append_rows(self, other: "BatchKVCache", rows: mx.array, needed: int) -> None:
+        """Appends `other`'s rows `rows` (their lengths at most `needed`), both buffers brought to
+        one capacity."""
+        if self.keys is None:
+            self.keys, self.values = other.keys[rows], other.values[rows]
+            return
+        self.reserve(needed)
+        other.reserve(self.capacity)
+        cap = self.capacity
+        self.keys = mx.concatenate([self.keys, other.keys[rows][:, :, :cap]], axis=0)
+        self.values = mx.concatenate([self.values, other.values[rows][:, :, :cap]], axis=0)
+
     def arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
 
@@ -103,6 +117,7 @@ class BatchRecurrentCache(RecurrentCache):
         self.window = self.states = None
         self.conv, self.state = conv, state
         self.release()
+        self.valid: mx.array | None = None  # during a padded forward: each row's valid tokens
 
     def add(self, row: RecurrentCache) -> None:
         self.conv, self.state = (mx.concatenate([self.conv, row.conv], axis=0),
@@ -110,6 +125,14 @@ class BatchRecurrentCache(RecurrentCache):
 
     def keep(self, rows: mx.array) -> None:
         self.conv, self.state = self.conv[rows], self.state[rows]
+
+    def append_rows(self, other: "BatchRecurrentCache", rows: mx.array, needed: int = 0) -> None:
+        conv, state = other.conv[rows], other.state[rows]
+        if self._conv is None:
+            self.conv, self.state = conv, state
+        else:
+            self.conv, self.state = (mx.concatenate([self.conv, conv], axis=0),
+                                     mx.concatenate([self.state, state], axis=0))
 
 
 class BatchCache:
@@ -152,6 +175,63 @@ class BatchCache:
         idx = mx.array(rows, mx.int32)
         for layer in self.layers:
             layer.keep(idx)
+
+    @contextlib.contextmanager
+    def padded(self, valid: list[int]):
+        """Around a forward whose row b holds valid[b] tokens and then padding (a batched prefill):
+        the recurrent layers ignore the padding, and each row's length then grows by valid[b]
+        (the keys written past it are stale: masked, and overwritten next)."""
+        v = mx.array(valid, mx.int32)
+        rec = [c for c in self.layers if isinstance(c, BatchRecurrentCache)]
+        for c in rec:
+            c.valid = v
+        try:
+            yield
+        finally:
+            for c in rec:
+                c.valid = None
+        self.set_lengths([x + n for x, n in zip(self.host_lengths, valid)])
+
+    def extend(self, other: "BatchCache", rows: list[int]) -> None:
+        """Appends `other`'s rows `rows` (sequences that prefilled there)."""
+        if not rows:
+            return
+        idx = mx.array(rows, mx.int32)
+        lengths = [other.host_lengths[r] for r in rows]
+        if not self.layers:
+            self.layers = [BatchKVCache(self, c.n_kv, c.head_dim, c.dtype) if isinstance(c, BatchKVCache)
+                           else BatchRecurrentCache(c) for c in other.layers]
+            for mine in self.layers:
+                if isinstance(mine, BatchRecurrentCache):
+                    mine.conv = mine.state = None
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.append_rows(theirs, idx, max(self.host_lengths + lengths))
+        self.set_lengths(self.host_lengths + lengths)
+
+    def row(self, r: int) -> TrunkCache:
+        """Row r as a sequence's own (batch-1) caches, copied: e.g. for a prompt cache to keep."""
+        layers = []
+        n = self.host_lengths[r]
+        for c in self.layers:
+            if isinstance(c, BatchKVCache):
+                kv = KVCache(c.n_kv, c.head_dim, dtype=c.dtype)
+                kv.reserve(max(n, 1))
+                if n:
+                    kv.keys[:, :, :n] = c.keys[r:r + 1, :, :n]
+                    kv.values[:, :, :n] = c.values[r:r + 1, :, :n]
+                kv.offset = n
+                layers.append(kv)
+            else:
+                rc = RecurrentCache.__new__(RecurrentCache)
+                rc.__dict__.update(c.__dict__)
+                rc.window = rc.states = None
+                rc.conv, rc.state = mx.array(c.conv[r:r + 1]), mx.array(c.state[r:r + 1])
+                rc.release()
+                del rc.valid
+                layers.append(rc)
+        trunk = TrunkCache(layers)
+        trunk.offset = n
+        return trunk
 
     def advance(self, n: int) -> None:
         """Every row took `n` more tokens (after a forward of n tokens per row)."""

@@ -158,7 +158,8 @@ class GatedDeltaNet:
         qkv_x, z_x, alpha_x, beta_x = self._inputs(x)
         conv0, state0, kept = cache.sources()
         capture = cache.capturing
-        if self.fused_kernel and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
+        valid = getattr(cache, "valid", None)  # a batched prefill's rows of several lengths
+        if self.fused_kernel and valid is None and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
             r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
                                                   self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps,
                                                   kept=kept, capture=capture))
@@ -166,7 +167,7 @@ class GatedDeltaNet:
             if kept is not None:
                 conv0, state0 = pick_state(conv0, state0, kept, d.kernel)
             r = gdn.mix(d, qkv_x, z_x, alpha_x, beta_x, conv0, state0, self.conv_w, self.dt_bias, self.a, self.norm,
-                        capture=capture)
+                        capture=capture, valid=valid)
         cache.update(r.conv, r.state)
         return self.out(r.y)
 
@@ -403,11 +404,17 @@ class Qwen35Model:
             cache.offset += s
         return (post, x) if return_prenorm else post
 
-    def forward_batch(self, ids: mx.array, batch) -> mx.array:
+    def forward_batch(self, ids: mx.array, batch, valid: list[int] | None = None) -> mx.array:
         """ids [B, S]: the next S tokens of each of B sequences, each at its own length in `batch`
         (a `batch_cache.BatchCache`, advanced here); returns the post-norm hidden states [B, S, H].
-        Up to `step.MAX_TOKENS` tokens per row it is one compiled graph, as a single sequence's."""
+        Up to `step.MAX_TOKENS` tokens per row it is one compiled graph, as a single sequence's.
+        `valid`: row b's first valid[b] tokens count, the rest pad it (prompts of several lengths
+        prefilled together); its length grows by valid[b]."""
         s = int(ids.shape[1])
+        if valid is not None:
+            with batch.padded(valid):
+                post, _ = self._body(ids, batch.layers)
+            return post
         if self._compile_steps and s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers):
             post, _ = compiled.run_batch(self, self._body, [ids], batch, s)
         else:

@@ -459,3 +459,51 @@ def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
         assert status == 200 and want[0].startswith(body["choices"][0]["text"])
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("path", [SHIPPED, MOE_Q4], ids=["trained", "moe"])
+def test_padded_prefill_of_several_lengths_equals_each_alone(models, path):
+    """Prompts of 3, 40 and 17 tokens prefilled in one forward (each row padded to 40: the
+    recurrent layers skip the padding, attention masks it), in two chunks the second time, one
+    row starting from a kept prefix: every hidden state, the caches and the next step equal each
+    prompt alone; a row copied out (`row`) and rows moved to another batch (`extend`) too."""
+    m = models(need(path)).model
+    prompts = [[5, 9, 250], [(7 * i + 3) % 500 + 1 for i in range(40)], [(11 * i + 2) % 500 + 1 for i in range(17)]]
+    alone = []
+    for p in prompts:
+        c = m.make_cache()
+        h = m.forward(mx.array([p]), c)
+        alone.append((c, h))
+    for split in (None, 20):
+        group = BatchCache(m)
+        for _ in prompts:
+            group.add(m.make_cache())
+        done = [0] * len(prompts)
+        hs: list[list] = [[] for _ in prompts]
+        for stop in ([split, None] if split else [None]):
+            chunks = [p[d:stop] for p, d in zip(prompts, done)]
+            width = max(len(c) for c in chunks)
+            ids = mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32)
+            h = m.forward_batch(ids, group, valid=[len(c) for c in chunks])
+            for b, c in enumerate(chunks):
+                hs[b].append(h[b, :len(c)])
+                done[b] += len(c)
+        assert group.host_lengths == [len(p) for p in prompts]
+        for b, (c, h) in enumerate(alone):
+            got = mx.concatenate(hs[b], axis=0)
+            assert float(mx.abs(got - h[0]).max()) < 1e-4, (split, b)
+            row = group.row(b)
+            for x, y in zip(row.layers, c.layers):
+                if hasattr(x, "keys"):
+                    assert x.offset == y.offset and mx.allclose(x.keys[:, :, :x.offset], y.keys[:, :, :y.offset], atol=1e-5)
+                else:
+                    assert mx.allclose(x.state, y.state, atol=1e-5) and mx.allclose(x.conv, y.conv, atol=1e-5)
+        batch = BatchCache(m)
+        batch.add(alone[0][0])
+        batch.extend(group, [2, 1])
+        assert batch.host_lengths == [3, 17, 40]
+        nxt = m.forward_batch(mx.array([[4], [4], [4]], mx.int32), batch)
+        for b, src in enumerate([0, 2, 1]):
+            c = alone[src][0].fork(alone[src][0].snapshot())
+            ref = m.forward(mx.array([[4]]), c)
+            assert float(mx.abs(nxt[b] - ref[0]).max()) < 1e-4, (split, b)
