@@ -280,7 +280,8 @@ class BatchScheduler:
             # kept (as the plain decoder does alone, so the numbers are the same)
             end = n - 1 if s.prompt_cache is not None and s.prefilled < n - 1 else n
             chunks.append(s.prompt_ids[s.prefilled:min(s.prefilled + self.prefill_chunk, end)])
-        width = max(len(c) for c in chunks)
+        width = _padded_width([len(c) for c in chunks])
+        chunks = [c[:width] for c in chunks]
         ids = mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32)
         h = m.forward_batch(ids, self._group, valid=[len(c) for c in chunks])
         last = mx.stack([h[b, len(c) - 1] for b, c in enumerate(chunks)])
@@ -346,3 +347,10 @@ class BatchScheduler:
                 s.deliver([token], s.sampler.token_logprobs(row[None], [token]))
             except MTPEngineError as e:
                 s.fail(e)
+
+
+def _padded_width(lengths: list[int]) -> int:
+    """The widest chunk a padded prefill step may run: at most half of its rows' tokens padding
+    (one long prompt beside short ones runs their width first, the short ones join, and it goes
+    on alone, instead of padding every row to its chunk)."""
+    return max(w for w in set(lengths) if len(lengths) * w <= 2 * sum(min(w, n) for n in lengths))

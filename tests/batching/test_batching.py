@@ -507,3 +507,15 @@ def test_padded_prefill_of_several_lengths_equals_each_alone(models, path):
             c = alone[src][0].fork(alone[src][0].snapshot())
             ref = m.forward(mx.array([[4]]), c)
             assert float(mx.abs(nxt[b] - ref[0]).max()) < 1e-4, (split, b)
+
+
+def test_a_padded_prefill_step_pads_at_most_half_its_rows():
+    from mtp_engine.batching.scheduler import _padded_width
+
+    assert _padded_width([512] + [10] * 7) == 10  # the short ones first; the long one then alone
+    assert _padded_width([512]) == 512
+    assert _padded_width([7, 5, 6]) == 7
+    assert _padded_width([100, 90, 3]) == 100  # 300 slots for 193 tokens
+    for lengths in ([1, 2, 3, 40], [16, 1, 1, 1, 1], [9, 9]):
+        w = _padded_width(lengths)
+        assert w in lengths and len(lengths) * w <= 2 * sum(min(w, n) for n in lengths)
