@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the three MLX-CUDA staging calls, see
 # ../shared/device/mlx-cuda/README.md): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|startup|bench|batch|server|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|kernels|spec|startup|bench|batch|server|all]
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 what=${1:-all}
@@ -13,6 +13,19 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
         tests/generation/test_prompt_cache.py tests/generation/test_constraint.py tests/model/test_qmv_kernels.py tests/model/test_model_llamacpp.py \
         tests/batching/test_batching.py -k "not serve_parallel" > "$out/tests.log" 2>&1  # serve needs uvicorn, absent there
     echo "tests rc=$?"; grep -E "passed|failed" "$out/tests.log" | tail -1
+fi
+if [ "$what" = kernels ]; then  # the custom kernels alone against the MLX path (a few minutes)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/model/test_gdn_kernel.py \
+        tests/model/test_attn_kernel.py tests/model/test_qmv_kernels.py tests/model/test_kernel_selftest.py \
+        tests/model/test_kernel_source.py > "$out/kernels.log" 2>&1
+    echo "kernels rc=$?"; grep -E "passed|failed" "$out/kernels.log" | tail -1
+fi
+if [ "$what" = spec ]; then  # issue 23: a round's parts, then auto's speedups, at the 9B shape
+    timeout 200 python3 scripts/round_burst.py --ks 0,3,4 --repeats 3 > "$out/round_burst.txt" 2>&1
+    echo "round_burst rc=$?"; tail -3 "$out/round_burst.txt"
+    timeout 330 python3 scripts/bench_gpu.py --sections auto --tokens 128 --repeats 2 --shapes 9b \
+        --accs 0.5,0.8,0.9 --out "$out/auto" > "$out/auto.log" 2>&1
+    echo "auto rc=$?"; tail -12 "$out/auto.log"
 fi
 if [ "$what" = startup ] || [ "$what" = all ]; then
     for i in 1 2; do
