@@ -192,7 +192,8 @@ class RecurrentCache:
         self.capturing = False
 
     def begin_capture(self) -> None:
-        self._settle()
+        # not settled: the captured forward itself starts from slot `kept` (a verify after a
+        # rolled-back verify, the usual round, must not gather the states outside its graph)
         self.capturing = True
 
     def rollback(self, n_keep: int) -> None:
