@@ -85,7 +85,7 @@ def test_greedy_parity_every_fixture_file(name):
     # every file's reference carries the same prompts; its own is the one a bare clone has
     ref = json.loads(need(TINY / f"qwen35-mtp-tiny-{name}.gguf.ref.json").read_text())
     m = _load(TINY / f"qwen35-mtp-tiny-{name}.gguf", exact=False)
-    prompts = [p["prompt_ids"] for p in ref["prompts"]][: 4 if name == "f32" else 2]
+    prompts = [p["prompt_ids"] for p in ref["prompts"]][: 3 if name == "f32" else 2]
     for ids in prompts:
         base = _plain(m, ids, 32)
         for n_max in range(1, 7):
