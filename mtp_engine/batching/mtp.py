@@ -16,7 +16,8 @@ chosen for the batch (`draft_length`):
             it) in one head forward; the next round starts from (bonus, trunk hidden at n_b).
 k = 0 is a plain batched step (plus the head's one exact row). Every sequence here prefills its
 prompt but the last token and runs it through the head (llama.cpp's draft-mtp scheme), so the
-first round emits its first token.
+first round emits its first token; sequences that join together prefill together (trunk, then
+head, each one padded forward per chunk, as `BatchScheduler` does).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
-from .scheduler import BatchScheduler, Sequence
+from .scheduler import BatchScheduler, Sequence, _padded_width
 
 class DraftLengthChooser:
     """n-max auto for a batch: the k that maximises the batch's expected tokens per second, from
@@ -96,6 +97,7 @@ class MTPBatchScheduler(BatchScheduler):
             raise MTPEngineError("draft-mtp batches need a model with an MTP head", field="spec")
         super().__init__(model, max_batch, own_thread)
         self._head = BatchCache(model.model)
+        self._head_group = BatchCache(model.model)  # the joining sequences' head rows
         self._h_last: mx.array | None = None  # [B, 1, H]: the trunk hidden each row's head step reads
         self.rounds_by_k: dict[int, int] = {}
         self.chooser = DraftLengthChooser()
@@ -103,60 +105,80 @@ class MTPBatchScheduler(BatchScheduler):
     def _end_all(self, error: BaseException) -> None:
         super()._end_all(error)
         self._head, self._h_last = BatchCache(self.model.model), None
+        self._head_group = BatchCache(self.model.model)
 
     def _keep_rows(self, keep: list[int]) -> None:
         super()._keep_rows(keep)
         self._head.keep(keep)
         self._h_last = self._h_last[mx.array(keep, mx.int32)] if keep else None
 
-    # ---- a sequence's own prefill ---------------------------------------------------------------
-    max_joining = 1  # one sequence prefills at a time, trunk and head on caches of its own
-
-    def _prefill_step(self) -> None:
-        self._prefill_chunk(self._joining[0])
+    # ---- prefill: the joining sequences together -------------------------------------------------
+    def _drop_joining(self, idx: list[int]) -> None:
+        keep = [i for i in range(len(self._joining)) if i not in set(idx)]
+        super()._drop_joining(idx)
+        if len(self._head_group):
+            self._head_group.keep(keep)
 
     def _start_prefill(self, s: Sequence) -> None:
+        """Its trunk and head caches (a kept prompt state's, or empty) become rows of the joining
+        group; `s.h_prev` is the trunk hidden state its next head row reads."""
         m = self.model.model
         kept = s.prompt_cache.take(m, s.prompt_ids[:-1], "draft-mtp") if s.prompt_cache is not None else None
         if kept is None:
-            s.trunk, s.head = m.make_cache(), m.mtp.make_cache()
+            trunk, head = m.make_cache(), m.mtp.make_cache()
             s.h_prev = mx.zeros((1, 1, m.cfg.hidden_size))
-            return
-        s.trunk = kept.trunk
-        s.trunk.restore(kept.snapshot)
-        cache, rows, h_last = kept.drafter_state
-        cache.truncate(rows)
-        s.head, s.h_prev = cache, h_last
-        s.prefilled = s.cached = len(kept.tokens)
+        else:
+            trunk = kept.trunk
+            trunk.restore(kept.snapshot)
+            head, rows, s.h_prev = kept.drafter_state
+            head.truncate(rows)
+            s.prefilled = s.cached = len(kept.tokens)
+        self._group.add(trunk)
+        head_trunk = TrunkCache([head])
+        head_trunk.offset = head.offset
+        self._head_group.add(head_trunk)
+        if kept is not None:  # its rows are copied: the kept state is never written again
+            s.prompt_cache.release(trunk)
 
-    def _prefill_chunk(self, s: Sequence) -> None:
+    def _prefill_step(self) -> None:
+        """One chunk of every joining prompt but its last token (the first round's), trunk then
+        head, in one padded forward each; sequences whose prompt is done join the batch."""
         m = self.model.model
-        n = len(s.prompt_ids) - 1  # the last token is the first round's
-        if s.prefilled < n:
-            ids = s.prompt_ids[s.prefilled:min(s.prefilled + self.prefill_chunk, n)]
-            post = m.forward(mx.array([ids]), s.trunk)
-            h_prev = mx.concatenate([s.h_prev, post[:, :-1]], axis=1)
-            m.mtp(m.embed_tokens(mx.array([ids])), h_prev, s.head)
-            s.h_prev = post[:, -1:]
-            mx.eval(s.h_prev, *s.trunk.arrays(), *s.head.state())
-            s.prefilled += len(ids)
-            if s.prefilled < n:
-                return
-            if s.prompt_cache is not None:  # the trunk and head after all but the last token
-                # the hidden state copied: a slice would hold the whole chunk's hidden states
-                s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk, "draft-mtp",
-                                    HeadPrefix(s.head, s.head.offset, mx.array(np.array(s.h_prev))))
-        s.last_token = s.prompt_ids[-1]
-        self._batch.add(s.trunk)
-        head = TrunkCache([s.head])
-        head.offset = s.head.offset
-        self._head.add(head)
-        self._h_last = s.h_prev if self._h_last is None else mx.concatenate([self._h_last, s.h_prev], axis=0)
-        if s.prompt_cache is not None:
-            s.prompt_cache.release(s.trunk)
-        s.trunk = s.head = s.h_prev = None
-        self._rows.append(s)
-        self._joining.remove(s)
+        rest = [len(s.prompt_ids) - 1 - s.prefilled for s in self._joining]
+        ready = [b for b, r in enumerate(rest) if r == 0]
+        if not ready:
+            width = _padded_width([min(r, self.prefill_chunk) for r in rest])
+            chunks = [s.prompt_ids[s.prefilled:s.prefilled + min(r, width)] for s, r in zip(self._joining, rest)]
+            ids = mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32)
+            valid = [len(c) for c in chunks]
+            post = m.forward_batch(ids, self._group, valid=valid)
+            carried = mx.concatenate([s.h_prev for s in self._joining], axis=0)
+            h_prev = mx.concatenate([carried, post[:, :-1]], axis=1) if width > 1 else carried
+            m.mtp.forward_batch(m.embed_tokens(ids), h_prev, self._head_group, valid=valid)
+            for b, s in enumerate(self._joining):
+                s.h_prev = post[b:b + 1, valid[b] - 1:valid[b]]
+            mx.eval(*[s.h_prev for s in self._joining], *self._group.arrays(), *self._head_group.arrays())
+            for b, s in enumerate(self._joining):
+                s.prefilled += valid[b]
+                if s.prefilled < len(s.prompt_ids) - 1:
+                    continue
+                ready.append(b)
+                if s.prompt_cache is not None:  # the trunk and head after all but the last token
+                    trunk, head = self._group.row(b), self._head_group.row(b).layers[0]
+                    # the hidden state copied: a slice would hold the whole chunk's hidden states
+                    s.prompt_cache.keep(m, s.prompt_ids[:-1], trunk, "draft-mtp",
+                                        HeadPrefix(head, head.offset, mx.array(np.array(s.h_prev))))
+                    s.prompt_cache.release(trunk)
+        self._batch.extend(self._group, ready)
+        self._head.extend(self._head_group, ready)
+        joined = [self._joining[b] for b in ready]
+        h = mx.concatenate([s.h_prev for s in joined], axis=0)
+        self._h_last = h if self._h_last is None else mx.concatenate([self._h_last, h], axis=0)
+        for s in joined:
+            s.last_token = s.prompt_ids[-1]
+            s.h_prev = None
+        self._rows += joined
+        self._drop_joining(ready)
 
     # ---- a batched round ------------------------------------------------------------------------
     def _accepted(self, drafts: list[int], target: list[int]) -> int:

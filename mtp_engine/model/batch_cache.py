@@ -128,7 +128,7 @@ class BatchRecurrentCache(RecurrentCache):
 
     def append_rows(self, other: "BatchRecurrentCache", rows: mx.array, needed: int = 0) -> None:
         conv, state = other.conv[rows], other.state[rows]
-        if self._conv is None:
+        if self.window is None and self._conv is None:  # no rows yet (a rolled-back pass's form has rows)
             self.conv, self.state = conv, state
         else:
             self.conv, self.state = (mx.concatenate([self.conv, conv], axis=0),
