@@ -112,11 +112,7 @@ class BatchRecurrentCache(RecurrentCache):
     the batch-1 cache's: its arrays simply have B rows)."""
 
     def __init__(self, first: RecurrentCache):
-        conv, state = first.conv, first.state
-        self.__dict__.update(first.__dict__)
-        self.window = self.states = None
-        self.conv, self.state = conv, state
-        self.release()
+        self._reset(first.kernel, first.conv, first.state)
         self.valid: mx.array | None = None  # during a padded forward: each row's valid tokens
 
     def add(self, row: RecurrentCache) -> None:
@@ -222,13 +218,7 @@ class BatchCache:
                 kv.offset = n
                 layers.append(kv)
             else:
-                rc = RecurrentCache.__new__(RecurrentCache)
-                rc.__dict__.update(c.__dict__)
-                rc.window = rc.states = None
-                rc.conv, rc.state = mx.array(c.conv[r:r + 1]), mx.array(c.state[r:r + 1])
-                rc.release()
-                del rc.valid
-                layers.append(rc)
+                layers.append(RecurrentCache.holding(c.kernel, mx.array(c.conv[r:r + 1]), mx.array(c.state[r:r + 1])))
         trunk = TrunkCache(layers)
         trunk.offset = n
         return trunk

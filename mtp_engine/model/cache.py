@@ -133,8 +133,18 @@ class RecurrentCache:
 
     def __init__(self, kernel: int, channels: int, value_heads: int, key_dim: int, value_dim: int,
                  dtype=mx.float32):
-        self._conv = mx.zeros((1, kernel - 1, channels), dtype)
-        self._state = mx.zeros((1, value_heads, key_dim, value_dim), dtype)
+        self._reset(kernel, mx.zeros((1, kernel - 1, channels), dtype),
+                    mx.zeros((1, value_heads, key_dim, value_dim), dtype))
+
+    @classmethod
+    def holding(cls, kernel: int, conv: mx.array, state: mx.array) -> "RecurrentCache":
+        """A cache whose conv window and state are these arrays (not copied)."""
+        c = cls.__new__(cls)
+        c._reset(kernel, conv, state)
+        return c
+
+    def _reset(self, kernel: int, conv: mx.array, state: mx.array) -> None:
+        self._conv, self._state = conv, state
         self.kernel = kernel
         self.capturing = False
         self.window: mx.array | None = None  # after a captured pass (see the class docstring)
@@ -321,12 +331,7 @@ class TrunkCache:
                     return None
                 layers.append(c.view(s))
             else:
-                r = RecurrentCache.__new__(RecurrentCache)
-                r.__dict__.update(c.__dict__)
-                r.window = r.states = None
-                r.conv, r.state = s
-                r.release()
-                layers.append(r)
+                layers.append(RecurrentCache.holding(c.kernel, *s))
         fork = TrunkCache(layers)
         fork.offset = snap[-1]
         return fork
