@@ -32,7 +32,7 @@ from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
-from .scheduler import BatchScheduler, Sequence, _padded_width
+from .scheduler import BatchScheduler, Sequence
 
 class DraftLengthChooser:
     """n-max auto for a batch: the k that maximises the batch's expected tokens per second, from
@@ -113,9 +113,8 @@ class MTPBatchScheduler(BatchScheduler):
         self._h_last = self._h_last[mx.array(keep, mx.int32)] if keep else None
 
     # ---- prefill: the joining sequences together -------------------------------------------------
-    def _drop_joining(self, idx: list[int]) -> None:
-        keep = [i for i in range(len(self._joining)) if i not in set(idx)]
-        super()._drop_joining(idx)
+    def _keep_joining_rows(self, keep: list[int]) -> None:
+        super()._keep_joining_rows(keep)
         if len(self._head_group):
             self._head_group.keep(keep)
 
@@ -144,16 +143,13 @@ class MTPBatchScheduler(BatchScheduler):
         """One chunk of every joining prompt but its last token (the first round's), trunk then
         head, in one padded forward each; sequences whose prompt is done join the batch."""
         m = self.model.model
-        rest = [len(s.prompt_ids) - 1 - s.prefilled for s in self._joining]
-        ready = [b for b, r in enumerate(rest) if r == 0]
+        ends = [len(s.prompt_ids) - 1 for s in self._joining]
+        ready = [b for b, (s, e) in enumerate(zip(self._joining, ends)) if s.prefilled == e]
         if not ready:
-            width = _padded_width([min(r, self.prefill_chunk) for r in rest])
-            chunks = [s.prompt_ids[s.prefilled:s.prefilled + min(r, width)] for s, r in zip(self._joining, rest)]
-            ids = mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32)
-            valid = [len(c) for c in chunks]
+            ids, valid = self._next_chunks(ends)
             post = m.forward_batch(ids, self._group, valid=valid)
             carried = mx.concatenate([s.h_prev for s in self._joining], axis=0)
-            h_prev = mx.concatenate([carried, post[:, :-1]], axis=1) if width > 1 else carried
+            h_prev = mx.concatenate([carried, post[:, :-1]], axis=1) if ids.shape[1] > 1 else carried
             m.mtp.forward_batch(m.embed_tokens(ids), h_prev, self._head_group, valid=valid)
             for b, s in enumerate(self._joining):
                 s.h_prev = post[b:b + 1, valid[b] - 1:valid[b]]

@@ -31,7 +31,6 @@ from ..errors import MTPEngineError
 from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler, check_finite
 from ..model.batch_cache import BatchCache
-from ..model.cache import TrunkCache
 from ..model.loaded import Model
 from ..speculative.stats import RoundCounts
 
@@ -49,7 +48,6 @@ class Sequence:
         self.cancelled = threading.Event()
         self.produced = 0
         self.last_token: int | None = None
-        self.trunk: TrunkCache | None = None  # its own caches while it prefills
         self.prefilled = 0
         self.submitted = time.perf_counter()
         self.joined: float | None = None  # when its prefill started
@@ -58,8 +56,7 @@ class Sequence:
         self.draft = draft and sampler.argmax_on_device
         self.n_max = n_max  # None: the batch's draft length
         self.counts = RoundCounts()  # its rounds' statistics
-        self.head = None  # the MTP head's batch-1 cache while it prefills (MTP batches)
-        self.h_prev = None  # the trunk hidden state its next head row reads
+        self.h_prev = None  # the trunk hidden state its next head row reads (MTP batches, while it prefills)
 
     def cancel(self) -> None:
         """Its reader is done: the row leaves before the next step."""
@@ -216,13 +213,9 @@ class BatchScheduler:
     def _keep_rows(self, keep: list[int]) -> None:
         self._batch.keep(keep)
 
-    max_joining = None  # sequences prefilling at once (None: every free slot)
-
     def _admit_and_prefill(self) -> None:
         with self._cv:
             free = self.max_batch - len(self._rows) - len(self._joining)
-            if self.max_joining is not None:
-                free = min(free, self.max_joining - len(self._joining))
             new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         for s in new:
             s.joined = time.perf_counter()
@@ -232,7 +225,6 @@ class BatchScheduler:
         gone = [i for i, s in enumerate(self._joining) if s.cancelled.is_set()]
         if gone:
             for i in gone:
-                self._joining[i].trunk = None
                 self._joining[i].out.put(None)
             self._drop_joining(gone)
         if not self._joining:
@@ -241,7 +233,6 @@ class BatchScheduler:
             self._prefill_step()
         except MTPEngineError as e:
             for s in self._joining:
-                s.trunk = None
                 s.fail(e)
             self._drop_joining(list(range(len(self._joining))))
 
@@ -250,6 +241,9 @@ class BatchScheduler:
         drop = set(idx)
         keep = [i for i in range(len(self._joining)) if i not in drop]
         self._joining = [self._joining[i] for i in keep]
+        self._keep_joining_rows(keep)
+
+    def _keep_joining_rows(self, keep: list[int]) -> None:
         if len(self._group):
             self._group.keep(keep)
 
@@ -259,36 +253,38 @@ class BatchScheduler:
         m = self.model.model
         kept = s.prompt_cache.take(m, s.prompt_ids[:-1], None) if s.prompt_cache is not None else None
         if kept is None:
-            s.trunk = m.make_cache()
+            trunk = m.make_cache()
         else:
-            s.trunk = kept.trunk
-            s.trunk.restore(kept.snapshot)
+            trunk = kept.trunk
+            trunk.restore(kept.snapshot)
             s.prefilled = s.cached = len(kept.tokens)
-        self._group.add(s.trunk)
-        if s.prompt_cache is not None and kept is not None:  # its rows are copied: never written again
-            s.prompt_cache.release(s.trunk)
-        s.trunk = None
+        self._group.add(trunk)
+        if kept is not None:  # its rows are copied: the kept state is never written again
+            s.prompt_cache.release(trunk)
+
+    def _next_chunks(self, ends: list[int]) -> tuple[mx.array, list[int]]:
+        """The next chunk of each joining prompt, up to ends[b] (exclusive), as one padded batch
+        [J, width] and each row's valid length (at most half the slots padding: `_padded_width`)."""
+        rest = [min(e - s.prefilled, self.prefill_chunk) for s, e in zip(self._joining, ends)]
+        width = _padded_width(rest)
+        chunks = [s.prompt_ids[s.prefilled:s.prefilled + min(r, width)] for s, r in zip(self._joining, rest)]
+        return mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32), [len(c) for c in chunks]
 
     def _prefill_step(self) -> None:
         """One chunk of every joining sequence's prompt in one padded forward; those whose prompt
         is done sample their first token and join the batch."""
         m = self.model.model
-        chunks = []
-        for s in self._joining:
-            n = len(s.prompt_ids)
-            # with a prompt cache the last token is a chunk of its own, after the state before it is
-            # kept (as the plain decoder does alone, so the numbers are the same)
-            end = n - 1 if s.prompt_cache is not None and s.prefilled < n - 1 else n
-            chunks.append(s.prompt_ids[s.prefilled:min(s.prefilled + self.prefill_chunk, end)])
-        width = _padded_width([len(c) for c in chunks])
-        chunks = [c[:width] for c in chunks]
-        ids = mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32)
-        h = m.forward_batch(ids, self._group, valid=[len(c) for c in chunks])
-        last = mx.stack([h[b, len(c) - 1] for b, c in enumerate(chunks)])
+        # with a prompt cache the last token is a chunk of its own, after the state before it is
+        # kept (as the plain decoder does alone, so the numbers are the same)
+        ids, valid = self._next_chunks([len(s.prompt_ids) - 1 if s.prompt_cache is not None
+                                        and s.prefilled < len(s.prompt_ids) - 1 else len(s.prompt_ids)
+                                        for s in self._joining])
+        h = m.forward_batch(ids, self._group, valid=valid)
+        last = mx.stack([h[b, v - 1] for b, v in enumerate(valid)])
         mx.eval(last, *self._group.arrays())
         done = []
-        for b, (s, c) in enumerate(zip(self._joining, chunks)):
-            s.prefilled += len(c)
+        for b, s in enumerate(self._joining):
+            s.prefilled += valid[b]
             n = len(s.prompt_ids)
             if s.prompt_cache is not None and s.prefilled == n - 1:
                 kept = self._group.row(b)  # a copy, never written: handed over at once

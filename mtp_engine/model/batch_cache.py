@@ -116,19 +116,17 @@ class BatchRecurrentCache(RecurrentCache):
         self.valid: mx.array | None = None  # during a padded forward: each row's valid tokens
 
     def add(self, row: RecurrentCache) -> None:
-        self.conv, self.state = (mx.concatenate([self.conv, row.conv], axis=0),
-                                 mx.concatenate([self.state, row.state], axis=0))
+        self.set(mx.concatenate([self.conv, row.conv], axis=0), mx.concatenate([self.state, row.state], axis=0))
 
     def keep(self, rows: mx.array) -> None:
-        self.conv, self.state = self.conv[rows], self.state[rows]
+        self.set(self.conv[rows], self.state[rows])
 
     def append_rows(self, other: "BatchRecurrentCache", rows: mx.array, needed: int = 0) -> None:
         conv, state = other.conv[rows], other.state[rows]
         if self.window is None and self._conv is None:  # no rows yet (a rolled-back pass's form has rows)
-            self.conv, self.state = conv, state
+            self.set(conv, state)
         else:
-            self.conv, self.state = (mx.concatenate([self.conv, conv], axis=0),
-                                     mx.concatenate([self.state, state], axis=0))
+            self.set(mx.concatenate([self.conv, conv], axis=0), mx.concatenate([self.state, state], axis=0))
 
 
 class BatchCache:
@@ -199,7 +197,7 @@ class BatchCache:
                            else BatchRecurrentCache(c) for c in other.layers]
             for mine in self.layers:
                 if isinstance(mine, BatchRecurrentCache):
-                    mine.conv = mine.state = None
+                    mine.set(None, None)
         for mine, theirs in zip(self.layers, other.layers):
             mine.append_rows(theirs, idx, max(self.host_lengths + lengths))
         self.set_lengths(self.host_lengths + lengths)

@@ -154,25 +154,18 @@ class RecurrentCache:
 
     @property
     def conv(self) -> mx.array:
-        if self.window is not None:
-            self._settle()
-        return self._conv
-
-    @conv.setter
-    def conv(self, value: mx.array) -> None:
         self._settle()
-        self._conv = value
+        return self._conv
 
     @property
     def state(self) -> mx.array:
-        if self.window is not None:
-            self._settle()
+        self._settle()
         return self._state
 
-    @state.setter
-    def state(self, value: mx.array) -> None:
-        self._settle()
-        self._state = value
+    def set(self, conv: mx.array | None, state: mx.array | None) -> None:
+        """Replaces the conv window and state (a captured pass's per-position form is dropped)."""
+        self.window = self.states = None
+        self._conv, self._state, self._open = conv, state, False
 
     def _settle(self) -> None:
         """From the per-position form to the plain one (picks state `kept`)."""
@@ -197,8 +190,7 @@ class RecurrentCache:
             self.kept = int(state.shape[1]) - 1
             self._conv = self._state = None
         else:
-            self.window = self.states = None
-            self._conv, self._state, self._open = conv, state, False
+            self.set(conv, state)
         self.capturing = False
 
     def begin_capture(self) -> None:
@@ -342,7 +334,7 @@ class TrunkCache:
             if isinstance(c, KVCache):
                 c.truncate(s)
             else:
-                c.conv, c.state = s
+                c.set(*s)
                 c.release()
         self.offset = snap[-1]
         self._captured = 0

@@ -77,18 +77,20 @@ class _RecurrentView:
         self.conv, self.state, self.kept = conv, state, None
 
 
-def _kind(c) -> str:
-    """A cache's part in a graph's key and layout: attention (`kv`), a recurrent layer in its plain
-    form (`rec`) or picking its state from a rolled-back pass (`pick`: three inputs)."""
-    if isinstance(c, (KVCache, BatchKVCache)):
-        return "kv"
-    return "pick" if c.sources()[2] is not None else "rec"
-
-
-def _inputs(c) -> list[mx.array]:
-    if isinstance(c, (KVCache, BatchKVCache)):
-        return [c.keys, c.values]
-    return [a for a in c.sources() if a is not None]
+def _layout(caches) -> tuple[tuple[str, ...], list[mx.array]]:
+    """The caches' parts in a graph's key and their input arrays: attention (`kv`: keys, values),
+    a recurrent layer in its plain form (`rec`: conv, state) or picking its state from a
+    rolled-back pass (`pick`: window, states, kept)."""
+    kinds, arrays = [], []
+    for c in caches:
+        if isinstance(c, (KVCache, BatchKVCache)):
+            kinds.append("kv")
+            arrays += [c.keys, c.values]
+        else:
+            conv, state, kept = c.sources()
+            kinds.append("rec" if kept is None else "pick")
+            arrays += [conv, state] + ([] if kept is None else [kept])
+    return tuple(kinds), arrays
 
 
 def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
@@ -100,10 +102,10 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     returned through the graph and handed to `set_side`. Returns the body's outputs.
     `compiled=False` runs the same graph uncompiled (device-resident rounds where steps are not
     compiled: the cache offsets are device values only this form takes)."""
-    kinds = tuple(_kind(c) for c in caches)
     for c in caches:
         if isinstance(c, KVCache):
             c.reserve(c.limit + n_tokens)
+    kinds, arrays = _layout(caches)
     key = (n_tokens, kinds, capture)
     fns = owner.__dict__.setdefault("_compiled_steps" if compiled else "_graph_steps", {})
     if key not in fns:
@@ -112,7 +114,6 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
         fns[key] = (mx.compile(fn) if compiled else fn, layout)
     fn, layout = fns[key]
     offsets = _offsets([c for c in caches if isinstance(c, KVCache)])
-    arrays = [a for c in caches for a in _inputs(c)]
     saved = _release_kv(caches, KVCache)
     try:
         outs = fn(offsets, *args, *arrays)
@@ -147,14 +148,14 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
     """`run` for a batch: `body(*args, views)` over the batch's layers as one compiled graph, with
     each row's length (`batch.lengths`) an input, so a step of any lengths reuses the graph (one
     per batch size, tokens per row, capture and capacity). Recurrent layers that `begin_capture`d
-    keep the pass's rollback inputs. The caller advances the lengths."""
+    keep every per-position state (rollback picks one). The caller advances the lengths."""
     layers = batch.layers
-    kinds = tuple(_kind(c) for c in layers)
     capture = any(getattr(c, "capturing", False) for c in layers)
     end = max(batch.host_lengths) + n_tokens
     for c in layers:
         if isinstance(c, BatchKVCache):
             c.reserve(end)
+    kinds, arrays = _layout(layers)
     key = ("batch", n_tokens, kinds, capture)
     fns = owner.__dict__.setdefault("_compiled_steps", {})
     if key not in fns:
@@ -162,7 +163,6 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
         fn = _traced(body, kinds, capture, None, layout, lambda keys, values, lengths, i: _BatchKVView(keys, values, lengths))
         fns[key] = (mx.compile(fn), layout)
     fn, layout = fns[key]
-    arrays = [a for c in layers for a in _inputs(c)]
     saved = _release_kv(layers, BatchKVCache)
     try:
         outs = fn(batch.lengths, *args, *arrays)
