@@ -36,8 +36,8 @@ VENDORED = ROOT / "tests" / "fixtures"
 
 def fixtures_dir() -> Path:
     """$MTP_FIXTURES, else the `shared/fixtures` folder beside (or inside) the checkout, else the
-    set vendored in `tests/fixtures` (tests/fixtures/README.md: what it holds, and `FULL_SET_ONLY`
-    what it leaves out)."""
+    set vendored in `tests/fixtures` (tests/fixtures/README.md says what it holds and how the rest
+    is rebuilt)."""
     env = os.environ.get("MTP_FIXTURES")
     candidates = [Path(env)] if env else []
     candidates += [ROOT.parent / "shared" / "fixtures", ROOT / "shared" / "fixtures", VENDORED]
@@ -62,9 +62,23 @@ def _unpack(packed: Path) -> None:
     os.replace(tmp, out)
 
 
+def _prepare_vendored() -> None:
+    """A bare clone's fixtures, made once per checkout (ignored by git): the tiny f32 model from
+    its .xz, then the files rebuilt from it (tests/fixture_rebuild.py: the other file types and
+    the HF weights, each checked by sha256). Under a lock, as every test worker imports this."""
+    import fcntl
+
+    from tests.fixture_rebuild import rebuild
+
+    with open(VENDORED / "rebuild" / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _unpack(VENDORED / "llamacpp" / "qwen35-mtp-tiny-f32.gguf.xz")
+        rebuild(VENDORED)
+
+
 FIXTURES = fixtures_dir()
-if FIXTURES == VENDORED:  # the tiny f32 model is vendored compressed (5 MB instead of 15)
-    _unpack(VENDORED / "llamacpp" / "qwen35-mtp-tiny-f32.gguf.xz")
+if FIXTURES == VENDORED:
+    _prepare_vendored()
 TINY = FIXTURES / "llamacpp"
 TRAINED = FIXTURES / "trained"
 MOE = FIXTURES / "llamacpp-moe"
@@ -72,20 +86,12 @@ HF_TINY = TINY / "hf" / "qwen35-mtp-tiny"
 SHIPPED = ROOT / "models" / "qwen35-mtp-code-Q4_K_M.gguf"  # the model in models/ (me.load()'s default)
 TINY_F32 = TINY / "qwen35-mtp-tiny-f32.gguf"
 TINY_Q4 = TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"
-# the Q8_0 file of the full fixture set, else the Q4_K_M one vendored in tests/fixtures
-TINY_Q8 = next((p for p in (TINY / "qwen35-mtp-tiny-Q8_0.gguf", TINY_Q4) if p.exists()), TINY / "qwen35-mtp-tiny-Q8_0.gguf")
+TINY_Q8 = TINY / "qwen35-mtp-tiny-Q8_0.gguf"
 MOE_Q4 = MOE / "qwen35moe-mtp-tiny-Q4_K_M.gguf"
 # the trained code model: the full set's, else the byte-identical copy shipped in models/
 TRAINED_GGUF = next((p for p in (TRAINED / "qwen35-mtp-code-Q4_K_M.gguf", SHIPPED) if p.exists()),
                     TRAINED / "qwen35-mtp-code-Q4_K_M.gguf")
 TINY_TOKENIZER = TINY_F32  # the tiny model's tokenizer and llama.cpp's prompt ids (any of its files has them)
-
-
-def vendored_tokenizer(name: str, full: Path) -> Path:
-    """A Hugging Face tokenizer.json: the full set's `full`, else the copy vendored in
-    tests/fixtures/tokenizers/<name>/ (outside the fixture layout: a bare clone must not look as if
-    it had the full set's HF checkpoint folder, whose weights are not vendored)."""
-    return full if full.exists() else VENDORED / "tokenizers" / name / "tokenizer.json"
 
 
 def load_script(name: str) -> ModuleType:
@@ -157,13 +163,6 @@ def need(path: Path) -> Path:
 # `needs_tool` (an optional program outside Python, e.g. Chromium for the page test).
 MAY_SKIP = {"gpu": "needs MLX's CUDA backend (a GPU): scripts/gpu_check.sh runs it",
             "needs_tool": "needs an optional program outside Python (e.g. Chromium)"}
-# Files of the shared fixture set that are not vendored (the GPU machine takes at most 64 MiB of
-# working tree, and the tree is ~30 MB with what is vendored): a test that needs one skips with
-# `need()`'s "fixture not found", and only for these. docs/testing.md lists the tests.
-FULL_SET_ONLY = ("qwen35moe-mtp-tiny",  # the MoE model, its references and HF config (6.6 MB)
-                 "hf/qwen35-mtp-tiny",  # the HF checkpoint of the tiny model (7.4 MB of bf16 weights)
-                 "qwen35-mtp-tiny-f16", "qwen35-mtp-tiny-Q8_0", "qwen35-mtp-tiny-Q6_K",
-                 "qwen35-mtp-tiny-Q5_K_M", "qwen35-mtp-tiny-Q4_0")  # the other file types (19 MB)
 
 
 def _cuda() -> bool:
@@ -175,9 +174,7 @@ GPU = _cuda()
 
 
 # markers that select rather than excuse: `-m "not slow"` is the quick loop while editing
-SELECT = {"slow": "among the slowest tests (the trained model's long parity runs, notebooks)",
-          "needs_fixtures": "uses files of the full fixture set (../shared/fixtures or $MTP_FIXTURES) that a bare "
-                            "clone lacks; skips without them (FULL_SET_ONLY)"}
+SELECT = {"slow": "among the slowest tests (the trained model's long parity runs, notebooks)"}
 
 
 def pytest_configure(config) -> None:
@@ -195,7 +192,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if missing:
         terminalreporter.write_line(
             f"{len(missing)} tests skipped for fixtures this checkout lacks ({FIXTURES}): point MTP_FIXTURES at "
-            "a full fixture set (the shared/fixtures folder) to run them; docs/testing.md lists them")
+            "a full fixture set (the shared/fixtures folder); tests/fixtures/README.md says what a bare clone holds")
 
 
 def pytest_runtest_setup(item) -> None:
@@ -212,11 +209,9 @@ def pytest_runtest_makereport(item, call):
     if any(item.get_closest_marker(m) for m in MAY_SKIP) or hasattr(report, "wasxfail"):
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    if FIXTURES == VENDORED and "fixture" in reason and any(name in reason for name in FULL_SET_ONLY):
-        return
     report.outcome = "failed"
     report.longrepr = (f"{item.nodeid} skipped in a strict run ({reason}); only tests marked "
-                       f"{' or '.join(MAY_SKIP)}, or missing a FULL_SET_ONLY fixture, may skip (tests/conftest.py)")
+                       f"{' or '.join(MAY_SKIP)} may skip (tests/conftest.py)")
 
 # measured device costs (n-max auto) are cached on disk; keep the tests' cache out of $HOME
 if "MTP_ENGINE_CACHE_DIR" not in os.environ:

@@ -26,7 +26,6 @@ from mtp_engine.model.hf import QuantSpec, TensorSource, expected_tensors, load_
 from mtp_engine.model.hf_checkpoint import HFCheckpoint
 from mtp_engine.model.loader import load_gguf
 
-pytestmark = pytest.mark.needs_fixtures
 
 HF = TINY / "hf" / "qwen35-mtp-tiny"
 F32_GGUF = TINY / "qwen35-mtp-tiny-f32.gguf"

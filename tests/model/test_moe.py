@@ -28,7 +28,6 @@ from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 from tests.reference_numpy import RefModel, load_gguf_weights, moe_ffn
 
-pytestmark = pytest.mark.needs_fixtures
 
 MOE = FIXTURES / "llamacpp-moe"
 Q4KM = MOE / "qwen35moe-mtp-tiny-Q4_K_M.gguf"

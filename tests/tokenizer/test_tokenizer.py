@@ -7,7 +7,6 @@ import json
 import os
 import types
 import unicodedata
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -16,14 +15,14 @@ import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import TINY_TOKENIZER, TRAINED_GGUF, fixtures_dir, vendored_tokenizer
+from tests.conftest import HF_TINY, TINY_TOKENIZER, TRAINED_GGUF, fixtures_dir
 from mtp_engine.errors import MTPEngineError
 from mtp_engine.tokenizer.tokenizer import StreamingDetokenizer, Tokenizer
 
 FIXTURES = str(fixtures_dir())
 TINY_GGUF = str(TINY_TOKENIZER)
 TINY_REF = TINY_GGUF + ".ref.json"
-TINY_HF = str(vendored_tokenizer("qwen35-mtp-tiny", Path(FIXTURES) / "llamacpp/hf/qwen35-mtp-tiny/tokenizer.json"))
+TINY_HF = str(HF_TINY / "tokenizer.json")
 CODE_GGUF = str(TRAINED_GGUF)
 CODE_PROMPTS = f"{FIXTURES}/trained/prompts.json"
 CODE_HF = f"{FIXTURES}/trained/hf/tokenizer.json"

@@ -1,0 +1,17 @@
+#!/bin/sh
+# Runs on the GPU machine in the last staging call (scripts/gpu_stage.sh copies it there as
+# .gpu/N/install.sh): joins the parts the earlier calls left in /tmp/mlxw with this call's, checks
+# the wheel's sha256 and installs MLX (CUDA), mlx and gguf into /tmp/site. Nothing when installed.
+set -e
+if PYTHONPATH=/tmp/site python3 -c 'import mlx.core as mx; assert mx.default_device().type == mx.gpu' 2>/dev/null; then
+    exit 0
+fi
+here=$(cd "$(dirname "$0")" && pwd)
+cp "$here"/part.* /tmp/mlxw/
+cd /tmp/mlxw
+wheel=$(awk '{print $2}' SHA256SUMS)
+cat part.* > "$wheel"
+sha256sum -c SHA256SUMS
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "$wheel" mlx-*.whl gguf-*.whl
+PYTHONPATH=/tmp/site python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'

@@ -1,0 +1,39 @@
+#!/bin/sh
+# Stages MLX's CUDA wheel for the GPU machine in as many parts as this tree leaves room for.
+# A device call carries the working tree plus one part, 64 MiB in all; the shared stage.sh cuts the
+# wheel in three ~30 MB parts, which leaves a tree of 35 MB at most, and the tree (the shipped model
+# and the vendored fixtures) is larger. Run from the project root, here:
+#     sh scripts/gpu_stage.sh [../shared/device/mlx-cuda]
+# then the calls it prints, back to back (the machine keeps /tmp only while warm).
+set -e
+src=${1:-../shared/device/mlx-cuda}
+limit=$((60 * 1024 * 1024))  # of the 64 MiB, keeping 4 MiB for files added before the calls
+tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
+wheel=$(cat "$src"/part.* | wc -c)
+extra=$(cat "$src"/mlx-*.whl "$src"/gguf-*.whl "$src"/SHA256SUMS | wc -c)
+room=$((limit - tree - extra))
+if [ "$room" -le $((8 * 1024 * 1024)) ]; then
+    echo "gpu_stage: the tree is $((tree / 1048576)) MiB, too large to carry MLX beside it" >&2; exit 1
+fi
+n=$(( (wheel + room - 1) / room ))
+[ "$n" -lt 3 ] && n=3
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+rm -rf .gpu/stage && mkdir -p .gpu/stage
+cat "$src"/part.* > .gpu/stage/wheel
+split -n "$n" -d -a 2 .gpu/stage/wheel .gpu/stage/part.
+rm .gpu/stage/wheel
+i=1
+for p in .gpu/stage/part.*; do
+    rm -rf ".gpu/$i" && mkdir -p ".gpu/$i" && mv "$p" ".gpu/$i/"
+    i=$((i + 1))
+done
+rmdir .gpu/stage
+cp "$src"/mlx-*.whl "$src"/gguf-*.whl "$src"/SHA256SUMS .gpu/1/
+cp scripts/gpu_install.sh ".gpu/$n/install.sh"
+echo "staged MLX in $n parts (tree $((tree / 1048576)) MiB + at most $(( (wheel / n + extra) / 1048576 + 1)) MiB a call)."
+i=1
+while [ "$i" -lt "$n" ]; do
+    echo "  call $i: mkdir -p /tmp/mlxw && cp .gpu/$i/* /tmp/mlxw/        carry .gpu/$i"
+    i=$((i + 1))
+done
+echo "  call $n: sh .gpu/$n/install.sh && export PYTHONPATH=/tmp/site:\$PWD && sh scripts/gpu_check.sh tests   carry .gpu/$n"
