@@ -186,15 +186,16 @@ def test_greedy_batches_queue_the_next_step_before_reading_this_one(models, monk
 
 
 @pytest.mark.parametrize("spec", ["none", "draft-mtp"])
-def test_compiled_batched_steps_equal_each_alone(spec):
+def test_compiled_batched_steps_equal_each_alone(models, spec):
     """Batched forwards of up to 16 tokens per row run as one compiled graph (the GPU's default;
     forced here on the CPU): each row writes at its own length and attends under its own mask,
-    and the tokens are still each prompt's alone. One graph per (rows, tokens per row, capture):
-    rows moving on to new lengths trace nothing new."""
+    and the tokens are still each prompt's alone (run uncompiled: the reference, and no traces of
+    single-sequence shapes to pay for). One graph per (rows, tokens per row, capture): rows moving
+    on to new lengths trace nothing new."""
     from mtp_engine import EngineOptions, load
 
+    want = _alone(models(need(TINY_Q4)), PROMPTS[:3], max_tokens=14, ignore_eos=True)
     m = load(need(TINY_Q4), options=EngineOptions(compile_steps=True))
-    want = _alone(m, PROMPTS[:3], max_tokens=14, ignore_eos=True)
     kw = dict(spec="draft-mtp", n_max=2) if spec == "draft-mtp" else {}
     got = batch_generate(PROMPTS[:3], m, max_tokens=14, ignore_eos=True, parallel=3, **kw)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
