@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import socket
 import sys
 import time
@@ -100,6 +101,21 @@ def proc_stats(pid: int) -> dict:
     return {"fds": fds, "rss_bytes": rss}
 
 
+def rss_by_mapping(pid: int) -> Counter:
+    """Resident bytes per mapping kind (a file's name, [heap], anonymous), to tell where memory that
+    stays after the requests lives: the C heap and its arenas, MLX's buffers, libraries loaded late."""
+    out: Counter = Counter()
+    name = "?"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                name = os.path.basename(head[5]) if len(head) > 5 else "anonymous"
+            elif head[0] == "Rss:":
+                out[name] += int(head[1]) * 1024
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=str(ROOT / "tests/fixtures/llamacpp/qwen35-mtp-tiny-Q4_K_M.gguf"))
@@ -110,10 +126,12 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=1, help="serve --parallel N: requests share batched steps")
     ap.add_argument("--idle-release", type=float, default=0.0,
                     help="serve --idle-release S: MLX's cached buffers handed back after S idle seconds")
+    ap.add_argument("--serve-args", default="", help="more `serve` flags, as one string (e.g. '--cache-slots 1')")
     a = ap.parse_args()
     server = LiveServer(Path(a.model), "--header-timeout", "2", "--queue-size", "16",
                         *(["--parallel", str(a.parallel)] if a.parallel > 1 else []),
-                        *(["--idle-release", str(a.idle_release)] if a.idle_release > 0 else []))
+                        *(["--idle-release", str(a.idle_release)] if a.idle_release > 0 else []),
+                        *shlex.split(a.serve_args))
     try:
         for _ in range(3):  # warm: compiled paths, caches, the first allocations
             server.request("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})
@@ -121,6 +139,7 @@ def main() -> int:
         if a.idle_release:
             time.sleep(a.idle_release + 1.0)  # measured where the idle server's buffers were handed back
         before = proc_stats(server.proc.pid)
+        maps_before = rss_by_mapping(server.proc.pid)
         statuses: Counter = Counter()
         t0 = time.perf_counter()
 
@@ -142,12 +161,15 @@ def main() -> int:
         server.wait_idle(timeout=60)
         time.sleep(max(2.5, a.idle_release + 1.0))  # header deadlines of the last half-open connections
         after = proc_stats(server.proc.pid)
+        grown = rss_by_mapping(server.proc.pid)
+        grown.subtract(maps_before)
         alive = server.proc.poll() is None and server.health()["status"] == "ok"
     finally:
         server.stop()
     five = sum(v for k, v in statuses.items() if k.isdigit() and k.startswith("5") and k != "503")
     summary = {"requests": a.requests, "workers": a.workers, "parallel": a.parallel, "idle_release": a.idle_release,
                "seconds": round(elapsed, 1),
+               "rss_grown_by_mapping_kib": {k: v >> 10 for k, v in grown.most_common(6) if v},
                "statuses": dict(sorted(statuses.items())), "server_errors_5xx": five,
                "alive": alive, "before": before, "after": after, "rss_every_1000_requests": trace,
                "checks": {"no 5xx (503 = queue full is allowed)": five == 0, "server alive": alive,

@@ -1,6 +1,6 @@
 #!/bin/sh
-# One device call's worth of GPU checks (after the three MLX-CUDA staging calls, see
-# ../shared/device/mlx-cuda/README.md): the CUDA-only tests, start-up in two processes, and the
+# One device call's worth of GPU checks (after the MLX-CUDA staging calls that
+# `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
 # Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|kernels|spec|startup|bench|batch|server|all]
 out=${OUT:-gpu-check}

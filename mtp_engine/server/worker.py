@@ -14,15 +14,18 @@ import queue
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from .. import api
+from ..constraint import Constraint
 from ..errors import MTPEngineError
 from ..generation.loop import Chunk
 from ..generation.prompt_cache import PromptCache
-from ..request.prepare import Prepared, chat_template_note
+from ..request.keywords import request_from_keywords
+from ..request.prepare import Prepared, chat_template_note, prepare
 
 log = logging.getLogger("mtp_engine.server")
 
@@ -116,6 +119,7 @@ class GenerationWorker:
         self._stopping = False
         self._count = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="mtp-engine-generation", daemon=True)
+        self._runner_jobs: queue.Queue | None = None  # jobs for the runner threads (parallel > 1)
 
     def start(self) -> None:
         self._thread.start()
@@ -182,8 +186,9 @@ class GenerationWorker:
                 job = self.jobs.get(timeout=self._idle_release)
             except queue.Empty:
                 self._free.release()
-                if dirty and self.running == 0:  # idle for a while: hand the allocator's cached buffers back
+                if dirty and self.running == 0:  # idle for a while: hand the caches' memory back
                     mx.clear_cache()
+                    self.model.tokenizer.release_caches()
                     _trim_heap()
                     dirty = False
                 continue
@@ -199,8 +204,23 @@ class GenerationWorker:
                 self.running += 1
             if self.parallel == 1:
                 self._run_in_slot(job)
-            else:  # the job reads its tokens in its own thread; this one takes the next job
-                threading.Thread(target=self._run_in_slot, args=(job,), name="mtp-engine-request", daemon=True).start()
+            else:  # the job reads its tokens in a runner thread; this one takes the next job
+                self._runners().put(job)
+
+    def _runners(self) -> queue.Queue:
+        """The hand-off to `parallel` long-lived runner threads, started on first use. Not a thread
+        per request: each new thread gets its own C heap arena and stack, and 10k requests left
+        ~7 MiB of such pages resident after they ended. The slots' semaphore keeps at most
+        `parallel` jobs running, so a runner is always free when a job arrives."""
+        if self._runner_jobs is None:
+            self._runner_jobs = queue.Queue()
+            for i in range(self.parallel):
+                threading.Thread(target=self._runner, name=f"mtp-engine-request-{i}", daemon=True).start()
+        return self._runner_jobs
+
+    def _runner(self) -> None:
+        while (job := self._runner_jobs.get()) is not None:
+            self._run_in_slot(job)
 
     @property
     def busy(self) -> bool:
@@ -226,11 +246,32 @@ class GenerationWorker:
         kw.pop("cache_prompt", None)  # the warm-up's prompt is no one's
         if kw.get("spec") == "draft-mtp" and self.model.model.mtp is None:
             kw["spec"] = "none"  # served plainly (run_serve says so)
-        log.info("warming up: %d tokens with the default settings", WARM_UP_TOKENS)
+        log.info("warming up: %d tokens in %d slot(s) with the default settings", WARM_UP_TOKENS, self.parallel)
         t0 = time.monotonic()
-        # enough rounds for a plain step and the first drafting rounds' shapes; EOS ignored so a
-        # model that would stop at once still runs them
-        api.generate(WARM_UP_PROMPT, self.model, **{**kw, "max_tokens": WARM_UP_TOKENS, "ignore_eos": True})
+        # EOS ignored so a model that would stop at once still runs the plain and the first drafting
+        # rounds' shapes. One sequence per slot, each ending a step after the last, so every batch
+        # width the slots can reach (parallel down to 1) is traced before the first request (vLLM
+        # captures its graphs per batch size at start-up); the first is a chat message, so the
+        # chat template is compiled too. What a request would build on first use is built here,
+        # where the server's starting memory includes it.
+        runs = [{"messages": [{"role": "user", "content": WARM_UP_PROMPT}]}]
+        runs += [{"prompt": WARM_UP_PROMPT}] * (self.parallel - 1)
+
+        def one(run: dict) -> None:  # a request's own path: typed request, preparation, stream
+            for _ in api.stream_request(prepare(self.model, request_from_keywords(**{**kw, **run})), self.model):
+                pass
+
+        runs = [{**r, "max_tokens": WARM_UP_TOKENS + i, "ignore_eos": True} for i, r in enumerate(runs)]
+        if self.parallel == 1:
+            one(runs[0])
+        else:
+            with ThreadPoolExecutor(self.parallel, thread_name_prefix="mtp-engine-warm-up") as pool:
+                for f in [pool.submit(one, r) for r in runs]:
+                    f.result()
+        try:  # JSON mode (response_format): llguidance's start-up and the vocabulary's trie, ~6 MiB
+            one({"prompt": WARM_UP_PROMPT, "max_tokens": 2, "constraint": Constraint.json()})
+        except MTPEngineError:
+            pass  # llguidance absent: requests with a grammar are refused anyway
         self.warm_seconds = time.monotonic() - t0
 
     def _run(self, job: Job) -> None:
