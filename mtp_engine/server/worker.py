@@ -188,7 +188,6 @@ class GenerationWorker:
                 self._free.release()
                 if dirty and self.running == 0:  # idle for a while: hand the caches' memory back
                     mx.clear_cache()
-                    self.model.tokenizer.release_caches()
                     _trim_heap()
                     dirty = False
                 continue

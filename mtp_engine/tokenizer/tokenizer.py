@@ -131,14 +131,6 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def release_caches(self) -> None:
-        """Empties the backend's word cache (the BPE model keeps up to 10,000 words it has merged,
-        ~3 MiB of text after many different prompts); it refills as text comes. For a server that
-        hands memory back when idle (`serve --idle-release`)."""
-        clear = getattr(self._backend.model, "_clear_cache", None)
-        if clear is not None:
-            clear()
-
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes that token ``token_id`` stands for (control tokens: their own text)."""
         if not 0 <= token_id < self.vocab_size:

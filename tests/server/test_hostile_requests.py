@@ -4,6 +4,7 @@ user owns is overwritten."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import shutil
 import time
 
@@ -272,3 +273,28 @@ def test_an_idle_server_hands_its_memory_back(monkeypatch):
         loop.close()
     monkeypatch.undo()
     W._trim_heap()  # the real one runs here (glibc) or does nothing
+
+
+def test_warm_up_reaches_every_batch_width_and_json_mode(monkeypatch):
+    """`serve --parallel N` warms up one sequence per slot, each a step longer than the last, so
+    every batch width N..1 is built before the first request (compiled per width on a GPU, memory
+    first used here rather than by requests); with llguidance, a JSON-mode request too."""
+    from mtp_engine.batching.mtp import MTPBatchScheduler
+    from mtp_engine.batching.scheduler import BatchScheduler
+    from mtp_engine.server import worker as W
+
+    widths = []
+    for cls in (BatchScheduler, MTPBatchScheduler):
+        def decode(self, _decode=cls._decode):
+            widths.append(len(self._rows))
+            _decode(self)
+        monkeypatch.setattr(cls, "_decode", decode)
+    w = W.GenerationWorker(str(need(TINY_Q4)), queue_size=2, warm_up={}, parallel=3)
+    w.start()
+    try:
+        model = W.wait_ready(w, timeout=120)
+        assert w.warm_seconds is not None and {3, 2, 1} <= set(widths), widths
+        if importlib.util.find_spec("llguidance") is not None:
+            assert "_llguidance" in model.tokenizer.__dict__  # JSON mode's vocabulary trie is built
+    finally:
+        w.stop()
