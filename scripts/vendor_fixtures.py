@@ -22,7 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.fixture_rebuild import RECIPES, rebuild  # noqa: E402
+from tests.fixture_rebuild import RECIPES, f32_tensors, rebuild, unpack  # noqa: E402
 
 TINY = "qwen35-mtp-tiny"
 REBUILT_TYPES = ("f16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_0")
@@ -112,12 +112,10 @@ def main() -> int:
     args = ap.parse_args()
     vendored = ROOT / "tests" / "fixtures"
     if not args.check:
-        from gguf import GGUFReader
         (vendored / "rebuild").mkdir(exist_ok=True)
         recipes = {f"llamacpp/{TINY}-{t}.gguf": gguf_recipe(args.full, f"llamacpp/{TINY}-{t}.gguf", vendored)
                    for t in REBUILT_TYPES}
-        f32 = {t.name: np.asarray(t.data, np.float32).reshape([int(x) for x in reversed(list(t.shape))])
-               for t in GGUFReader(str(args.full / f"llamacpp/{TINY}-f32.gguf")).tensors}
+        f32 = f32_tensors(args.full / f"llamacpp/{TINY}-f32.gguf")
         recipes[f"{HF}/model.safetensors"] = safetensors_recipe(args.full, f32, vendored)
         (vendored / RECIPES).write_text(json.dumps(recipes, indent=1) + "\n")
         for rel in COPIED:
@@ -128,10 +126,7 @@ def main() -> int:
         work = Path(tmp) / "fixtures"
         shutil.copytree(vendored, work, ignore=shutil.ignore_patterns(*[Path(r).name for r in json.loads(
             (vendored / RECIPES).read_text())]))
-        f32 = work / "llamacpp" / f"{TINY}-f32.gguf"
-        if not f32.exists():
-            import lzma
-            f32.write_bytes(lzma.open(str(f32) + ".xz").read())
+        unpack(work / "llamacpp" / f"{TINY}-f32.gguf.xz")
         for path in rebuild(work):
             rel = path.relative_to(work)
             same = sha256(path) == sha256(args.full / rel)

@@ -47,32 +47,17 @@ def fixtures_dir() -> Path:
     return candidates[0]
 
 
-def _unpack(packed: Path) -> None:
-    """A vendored `.xz` file next to itself, once (its name without .xz; atomic, so concurrent
-    test workers may race)."""
-    import lzma
-
-    out = packed.with_suffix("")
-    if out.exists() or not packed.exists():
-        return
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    with lzma.open(packed) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
-    os.replace(tmp, out)
-
-
 def _prepare_vendored() -> None:
     """A bare clone's fixtures, made once per checkout (ignored by git): the tiny f32 model from
     its .xz, then the files rebuilt from it (tests/fixture_rebuild.py: the other file types and
     the HF weights, each checked by sha256). Under a lock, as every test worker imports this."""
     import fcntl
 
-    from tests.fixture_rebuild import rebuild
+    from tests.fixture_rebuild import rebuild, unpack
 
     with open(VENDORED / "rebuild" / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _unpack(VENDORED / "llamacpp" / "qwen35-mtp-tiny-f32.gguf.xz")
+        unpack(VENDORED / "llamacpp" / "qwen35-mtp-tiny-f32.gguf.xz")
         rebuild(VENDORED)
 
 

@@ -26,7 +26,23 @@ class RebuildError(RuntimeError):
     pass
 
 
-def _f32_tensors(path: Path) -> dict[str, np.ndarray]:
+def unpack(packed: Path) -> None:
+    """A vendored `.xz` file next to itself, once (its name without .xz; atomic, so concurrent
+    test workers may race)."""
+    import lzma
+
+    out = packed.with_suffix("")
+    if out.exists() or not packed.exists():
+        return
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    with lzma.open(packed) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    os.replace(tmp, out)
+
+
+def f32_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of an all-F32 GGUF file, by name, in numpy's shape (GGUF's reversed)."""
     from gguf import GGUFReader
     reader = GGUFReader(str(path))
     out = {}
@@ -92,7 +108,7 @@ def rebuild(root: Path, only: str | None = None) -> list[Path]:
             continue
         src_path = root / recipe["source"]
         if src_path not in sources:
-            sources[src_path] = _f32_tensors(src_path)
+            sources[src_path] = f32_tensors(src_path)
         build = _gguf_bytes if recipe["kind"] == "gguf" else _safetensors_bytes
         data = build(recipe, root, sources[src_path])
         digest = hashlib.sha256(data).hexdigest()

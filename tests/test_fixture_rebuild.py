@@ -13,7 +13,7 @@ import pytest
 from gguf import GGUFReader
 
 from tests.conftest import FIXTURES, TINY, TINY_F32, TINY_Q4, VENDORED
-from tests.fixture_rebuild import RECIPES, RebuildError, rebuild
+from tests.fixture_rebuild import RECIPES, RebuildError, f32_tensors, rebuild
 from tests.ggml_quants_ref import nearest_int, quantize
 
 RECIPE = json.loads((VENDORED / RECIPES).read_text())
@@ -39,7 +39,7 @@ def test_the_files_in_use_are_the_originals(rel):
 def test_ggml_quantizers_reproduce_llama_quantize():
     """Q4_K and Q6_K tensors of llama-quantize's Q4_K_M file (vendored as it is, so this does not
     lean on any recipe), from the f32 model: byte for byte."""
-    f32 = {t.name: np.asarray(t.data) for t in GGUFReader(str(TINY_F32)).tensors}
+    f32 = f32_tensors(TINY_F32)
     seen = set()
     for t in GGUFReader(str(TINY_Q4)).tensors:
         kind = t.tensor_type.name

@@ -253,14 +253,14 @@ class GenerationWorker:
         # captures its graphs per batch size at start-up); the first is a chat message, so the
         # chat template is compiled too. What a request would build on first use is built here,
         # where the server's starting memory includes it.
-        runs = [{"messages": [{"role": "user", "content": WARM_UP_PROMPT}]}]
-        runs += [{"prompt": WARM_UP_PROMPT}] * (self.parallel - 1)
+        first = [{"messages": [{"role": "user", "content": WARM_UP_PROMPT}]}]
+        runs = [{**r, "max_tokens": WARM_UP_TOKENS + i, "ignore_eos": True}
+                for i, r in enumerate(first + [{"prompt": WARM_UP_PROMPT}] * (self.parallel - 1))]
 
         def one(run: dict) -> None:  # a request's own path: typed request, preparation, stream
             for _ in api.stream_request(prepare(self.model, request_from_keywords(**{**kw, **run})), self.model):
                 pass
 
-        runs = [{**r, "max_tokens": WARM_UP_TOKENS + i, "ignore_eos": True} for i, r in enumerate(runs)]
         if self.parallel == 1:
             one(runs[0])
         else:
@@ -268,9 +268,11 @@ class GenerationWorker:
                 for f in [pool.submit(one, r) for r in runs]:
                     f.result()
         try:  # JSON mode (response_format): llguidance's start-up and the vocabulary's trie, ~6 MiB
-            one({"prompt": WARM_UP_PROMPT, "max_tokens": 2, "constraint": Constraint.json()})
+            json_mode = Constraint.json()
         except MTPEngineError:
-            pass  # llguidance absent: requests with a grammar are refused anyway
+            json_mode = None  # llguidance absent: requests with a grammar are refused anyway
+        if json_mode is not None:
+            one({"prompt": WARM_UP_PROMPT, "max_tokens": 2, "constraint": json_mode})
         self.warm_seconds = time.monotonic() - t0
 
     def _run(self, job: Job) -> None:
