@@ -2,18 +2,31 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|kernels|spec|startup|bench|batch|server|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|batch|server|all]
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 what=${1:-all}
 export PYTHONUNBUFFERED=1
+# The CUDA-backend suite: the kernels and compiled step (group 1), then the model against its
+# references, caches, constraints and batching on the GPU path (group 2). Over pytest-xdist workers
+# (gpu_stage.sh stages it) both groups fit one call; in one process each needs its own (tests1, tests2).
+group1="tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py tests/model/test_kernel_selftest.py
+    tests/model/test_qmv_kernels.py tests/model/test_compiled_step.py tests/model/test_model_llamacpp.py"
+group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.py tests/generation/test_constraint.py
+    tests/batching/test_batching.py"
+gpu_tests() {  # name, then the files; serve_parallel needs uvicorn, absent there
+    timeout 580 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=12 $workers -k "not serve_parallel" \
+        $2 > "$out/$1.log" 2>&1
+    echo "$1 rc=$?"; grep -E "passed|failed" "$out/$1.log" | tail -1
+}
+workers=""
+python3 -c "import xdist" 2>/dev/null && workers="-n 8"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    timeout 580 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=8 tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py \
-        tests/model/test_kernel_selftest.py tests/model/test_compiled_step.py tests/model/test_model_reference.py \
-        tests/generation/test_prompt_cache.py tests/generation/test_constraint.py tests/model/test_qmv_kernels.py tests/model/test_model_llamacpp.py \
-        tests/batching/test_batching.py -k "not serve_parallel" > "$out/tests.log" 2>&1  # serve needs uvicorn, absent there
-    echo "tests rc=$?"; grep -E "passed|failed" "$out/tests.log" | tail -1
+    if [ -n "$workers" ]; then gpu_tests tests "$group1 $group2"
+    else gpu_tests tests1 "$group1"; echo "(no pytest-xdist: run 'gpu_check.sh tests2' in the next call)"; fi
 fi
+[ "$what" = tests1 ] && gpu_tests tests1 "$group1"
+[ "$what" = tests2 ] && gpu_tests tests2 "$group2"
 if [ "$what" = kernels ]; then  # the custom kernels alone against the MLX path (a few minutes)
     timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/model/test_gdn_kernel.py \
         tests/model/test_attn_kernel.py tests/model/test_qmv_kernels.py tests/model/test_kernel_selftest.py \
