@@ -68,13 +68,22 @@ class ResidentRounds:
         self._queued: list[Queued] = []
         self._prev_k = -1
         self._resident = (self.resident_rounds and self.model.resident_rounds and self.sampler.grammar is None
-                          and self.prof.mode != "precise")
+                          and self.prof.mode != "precise" and self._may_draft())
         if self._resident:
             self._last_dev = mx.array([ids[-1]], dtype=mx.int32)
             self._key = mx.random.key(int(self.sampler.rng.integers(0, 2**63)))
             self.cache.kv_to_device()
             self.drafter.to_device()
         return out
+
+    def _may_draft(self) -> bool:
+        """Whether this run is expected to draft: n-max 0 never does, and auto not where its costs
+        say that even fully accepted drafts cannot pay (MLX's CPU backend). Such a run keeps the
+        host round, whose plain steps are the plain decoder's (host KV offsets, attention over the
+        valid positions only): resident plain rounds cost 2-3% more there (docs/benchmarks.md)."""
+        if self.scheduler is not None:
+            return self.scheduler.can_win
+        return self.params.k_max > 0
 
     def step(self) -> list[int]:
         if not self._resident:

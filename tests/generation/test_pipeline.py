@@ -182,3 +182,22 @@ def test_p_min_and_n_min_decide_which_drafts_count(tiny):
         _, _, confident = d.drafter.draft_resident(3, p_min)
         assert confident is not None and int(np.array(confident).sum()) == counted, (p_min, confident)
         d.finish()
+
+
+@pytest.mark.parametrize("case", ["auto cannot pay", "n-max 0", "auto can pay", "n-max 2"])
+def test_a_run_that_will_not_draft_keeps_the_plain_decoders_steps(tiny, case):
+    """Resident rounds keep KV offsets on the device (attention reads past the valid positions);
+    on the CPU their plain rounds cost 2-3% more than the plain decoder's. A run that is not
+    expected to draft (n-max 0; auto whose costs say even full acceptance cannot pay) keeps the
+    host round; one that may draft is resident. Output is plain decoding's either way."""
+    from mtp_engine.speculative.calibration import default_seed
+    from mtp_engine.speculative.scheduler import DraftLengthScheduler
+
+    costs = {"auto cannot pay": default_seed(gpu=False), "auto can pay": {k: 1.1 for k in range(1, 9)}}.get(case)
+    n_max = {"n-max 0": 0, "n-max 2": 2}.get(case)
+    d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max),
+                        scheduler=DraftLengthScheduler(costs) if costs else None)
+    got, st = _tokens(d, tiny.tokenizer, 12)
+    assert d._resident == (case in ("auto can pay", "n-max 2"))
+    ref, _ = _tokens(PlainDecoder(tiny.model, Sampler(SamplerConfig())), tiny.tokenizer, 12)
+    assert got == ref
