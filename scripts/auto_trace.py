@@ -21,13 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_9b_oracle import _Tok, config_9b, random_model  # noqa: E402
-from mtp_engine.generation.decode import PlainDecoder  # noqa: E402
-from mtp_engine.generation.loop import run  # noqa: E402
-from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
-from mtp_engine.speculative.ablations import ablation_decoder  # noqa: E402
-from mtp_engine.speculative.config import DraftParams  # noqa: E402
-from mtp_engine.speculative.scheduler import DraftLengthScheduler, auto_k_max  # noqa: E402
+from bench_9b_oracle import config_9b, decode_tps, random_model  # noqa: E402
+from mtp_engine.speculative.scheduler import DraftLengthScheduler  # noqa: E402
 
 
 class TracedScheduler(DraftLengthScheduler):
@@ -43,21 +38,14 @@ class TracedScheduler(DraftLengthScheduler):
 
 
 def decode(model, prompt, tokens, k=None, a=None, costs=None):
-    sampler = Sampler(SamplerConfig(seed=0))
-    sched = None
-    if k is None:
-        dec = PlainDecoder(model, sampler)
-    else:
-        sched = TracedScheduler(costs, k_max=auto_k_max(model)) if k == "auto" else None
-        dec = ablation_decoder(model, sampler, DraftParams(k), scheduler=sched, oracle_acceptance=a)
-    last = None
-    for last in run(dec, _Tok(), prompt, tokens, ignore_eos=True):
-        pass
+    """(tok/s, {k: median ms of its warm rounds}, the scheduler or None) of one run."""
+    decs: list = []
+    tps, _ = decode_tps(model, prompt, tokens, None if k is None else "draft-mtp", k, a, costs, TracedScheduler, decs)
     laps: dict = {}
-    for kk, s, first in getattr(dec, "clock", None).rounds if hasattr(dec, "clock") else []:
+    for kk, s, first in decs[0].clock.rounds if hasattr(decs[0], "clock") else []:
         if not first:
             laps.setdefault(kk, []).append(s * 1e3)
-    return last.stats["decode_tokens_per_second"], {kk: round(statistics.median(v), 2) for kk, v in sorted(laps.items())}, sched
+    return tps, {kk: round(statistics.median(v), 2) for kk, v in sorted(laps.items())}, decs[0].scheduler if k else None
 
 
 def main() -> int:

@@ -81,14 +81,19 @@ class _Tok:
         return D()
 
 
-def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=None) -> tuple[float, dict]:
+def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=None, scheduler_type=DraftLengthScheduler,
+               decoders: list | None = None) -> tuple[float, dict]:
+    """tok/s and stats of one greedy run; `decoders` (a list) receives the decoder, for its clock
+    and scheduler (scripts/auto_trace.py)."""
     sampler = Sampler(SamplerConfig(seed=0))
     if spec is None:
         dec = PlainDecoder(model, sampler)
     else:
         # as the API builds it (compiled steps: drafts up to 4)
-        sched = DraftLengthScheduler(costs, k_max=auto_k_max(model)) if n_max == "auto" else None
+        sched = scheduler_type(costs, k_max=auto_k_max(model)) if n_max == "auto" else None
         dec = ablation_decoder(model, sampler, DraftParams(n_max), scheduler=sched, oracle_acceptance=oracle)
+    if decoders is not None:
+        decoders.append(dec)
     last = None
     for last in run(dec, _Tok(), prompt, tokens, ignore_eos=True):
         pass
