@@ -80,7 +80,9 @@ class ResidentRounds:
         """Whether this run is expected to draft: n-max 0 never does, and auto not where its costs
         say that even fully accepted drafts cannot pay (MLX's CPU backend). Such a run keeps the
         host round, whose plain steps are the plain decoder's (host KV offsets, attention over the
-        valid positions only): resident plain rounds cost 2-3% more there (docs/benchmarks.md)."""
+        valid positions only): resident plain rounds cost 2-3% more there (docs/benchmarks.md).
+        Decided once per run: should its probes find drafting paying after all, the run drafts on
+        host rounds, and the costs it stores make the next run resident."""
         if self.scheduler is not None:
             return self.scheduler.can_win
         return self.params.k_max > 0
