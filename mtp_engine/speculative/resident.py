@@ -82,7 +82,7 @@ class ResidentRounds:
         host round, whose plain steps are the plain decoder's (host KV offsets, attention over the
         valid positions only): resident plain rounds cost 2-3% more there (docs/benchmarks.md).
         Decided once per run: should its probes find drafting paying after all, the run drafts on
-        host rounds, and the costs it stores make the next run resident."""
+        host rounds; the next run starts from the costs this one stored."""
         if self.scheduler is not None:
             return self.scheduler.can_win
         return self.params.k_max > 0
