@@ -45,7 +45,7 @@ def decode(model, prompt, tokens, k=None, a=None, costs=None):
     for kk, s, first in decs[0].clock.rounds if hasattr(decs[0], "clock") else []:
         if not first:
             laps.setdefault(kk, []).append(s * 1e3)
-    return tps, {kk: round(statistics.median(v), 2) for kk, v in sorted(laps.items())}, decs[0].scheduler if k else None
+    return tps, {kk: round(statistics.median(v), 2) for kk, v in sorted(laps.items())}, getattr(decs[0], "scheduler", None)
 
 
 def main() -> int:

@@ -32,9 +32,8 @@ cp "$src"/mlx-*.whl "$src"/gguf-*.whl "$src"/SHA256SUMS .gpu/1/
 cp scripts/gpu_install.sh ".gpu/$n/install.sh"
 # pytest-xdist spreads the GPU suite over worker processes (kernel compilation is CPU-bound, the
 # machine has 16 cores): without it the suite needs two device calls, with it one
-if python3 -m pip download -q --no-deps -d ".gpu/$n" pytest-xdist==3.8.0 execnet==2.1.2 >/dev/null 2>&1; then :; else
+python3 -m pip download -q --no-deps -d ".gpu/$n" pytest-xdist==3.8.0 execnet==2.1.2 >/dev/null 2>&1 ||
     echo "gpu_stage: pytest-xdist not staged (no package index): the GPU tests run in one process" >&2
-fi
 echo "staged MLX in $n parts (tree $((tree / 1048576)) MiB + at most $(( (wheel / n + extra) / 1048576 + 1)) MiB a call)."
 i=1
 while [ "$i" -lt "$n" ]; do

@@ -43,15 +43,14 @@ class _KVView:
         self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), start, axes=(2,))
         self.values = mx.slice_update(self.values, v.astype(self.values.dtype), start, axes=(2,))
         s, cap = k.shape[2], self.keys.shape[2]
-        if self.reach is not None and self.reach < cap:
-            # an uncompiled step may take a new shape every call: attention reads up to the host's
-            # bound instead of the whole buffer (on the CPU backend the full read cost 2-4% of a
-            # plain step at a 256-position capacity); positions past it are masked either way
-            r = self.reach
-            mask = mx.arange(r)[None, :] <= (self.offset + mx.arange(s))[:, None]
-            return self.keys[:, :, :r], self.values[:, :, :r], mask
+        # an uncompiled step may take a new shape every call: attention reads up to the host's bound
+        # instead of the whole buffer (on the CPU backend the full read cost 2-4% of a plain step at
+        # a 256-position capacity); positions past it are masked either way
+        r = cap if self.reach is None else min(self.reach, cap)
         # query i (position offset + i) sees cache positions <= offset + i; the rest is stale or empty
-        mask = mx.arange(cap)[None, :] <= (self.offset + mx.arange(s))[:, None]
+        mask = mx.arange(r)[None, :] <= (self.offset + mx.arange(s))[:, None]
+        if r < cap:
+            return self.keys[:, :, :r], self.values[:, :, :r], mask
         return self.keys, self.values, mask
 
 
@@ -123,9 +122,10 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
                      lambda keys, values, offsets, i: _KVView(keys, values, offsets[i], reach[i] if reach else None))
         fns[key] = (mx.compile(fn) if compiled else fn, layout, reach)
     fn, layout, reach = fns[key]
+    kv = [c for c in caches if isinstance(c, KVCache)]
     if not compiled:
-        reach[:] = [c.limit + n_tokens for c in caches if isinstance(c, KVCache)]
-    offsets = _offsets([c for c in caches if isinstance(c, KVCache)])
+        reach[:] = [c.limit + n_tokens for c in kv]
+    offsets = _offsets(kv)
     saved = _release_kv(caches, KVCache)
     try:
         outs = fn(offsets, *args, *arrays)
