@@ -58,12 +58,15 @@ def main() -> int:
     costs = {int(k): float(v) for k, v in json.loads(Path(a.costs).read_text()).items()} if a.costs else None
     model = random_model(config_9b(a.small))
     prompt = list(range(100, 164))
+    accs = [float(x) for x in a.accs.split(",")]
     t = time.perf_counter()
     decode(model, prompt, 16)
     for k in (1, 2, 3, 4, "auto"):
         decode(model, prompt, 24, k, 0.8, costs)
+    for acc in accs:  # auto's fallback to plain steps and back: head block widths fixed runs never use
+        decode(model, prompt, a.tokens, "auto", acc, costs)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
-    for acc in (float(x) for x in a.accs.split(",")):
+    for acc in accs:
         plain, laps, _ = decode(model, prompt, a.tokens)
         print(f"a={acc} plain {plain:.1f} tok/s laps {laps}", flush=True)
         for k in (1, 2, 3, 4):
