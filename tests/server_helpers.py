@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class LiveServer:
-    def __init__(self, model: Path, *flags: str, timeout: float = 120.0):
+    def __init__(self, model: Path, *flags: str, timeout: float = 120.0, launcher: tuple[str, ...] = ()):
+        """`launcher`: interpreter arguments before the module (e.g. a memory profiler's `-m memray run ...`)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen([sys.executable, "-m", "mtp_engine.cli", "serve", "-m", str(model), "--port", "0",
-                                      *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        self.proc = subprocess.Popen([sys.executable, *launcher, "-m", "mtp_engine.cli", "serve", "-m", str(model),
+                                      "--port", "0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=str(ROOT))
         self.stderr: list[str] = []
         self.banner = ""  # the line that says where it serves
@@ -87,11 +88,11 @@ class LiveServer:
             time.sleep(0.05)
         raise AssertionError(f"server still busy after {timeout} s: {self.health()}")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)

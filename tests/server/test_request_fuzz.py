@@ -73,7 +73,8 @@ def test_live_server_survives_hostile_traffic(tmp_path):
     from tests.conftest import ROOT, TINY_Q4
     out = tmp_path / "fuzz.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "fuzz_requests.py"), "-m", str(TINY_Q4),
-                        "--requests", "120", "--workers", "4", "--out", str(out)],
+                        "--requests", "120", "--workers", "4", "--warm-requests", "40", "--blocks", "2",
+                        "--rss-slack-mib", "24", "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     summary = json.loads(out.read_text())
     assert p.returncode == 0 and all(summary["checks"].values()), p.stdout[-2000:] + p.stderr[-2000:]
