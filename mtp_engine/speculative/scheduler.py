@@ -57,7 +57,20 @@ def _seed_from(costs: Costs | dict | None) -> dict[int, float]:
                 if k + 1 in costs.verify}
     else:
         seed = {int(k): float(v) for k, v in costs.items() if 1 <= int(k) <= AUTO_MAX}
-    return seed or default_seed()
+    return _complete(seed) if seed else default_seed()
+
+
+def _complete(seed: dict[int, float]) -> dict[int, float]:
+    """A stored entry holds only the draft lengths a run measured ({2: .., 4: ..}): the others take
+    the device prior moved by the nearest stored length's error against it, so every k has a cost
+    (a missing one crashed the first round's choice) and an unmeasured longer draft stays in reach."""
+    prior = default_seed()
+    out = dict(seed)
+    for k in range(1, AUTO_MAX + 1):
+        if k not in out and k in prior:
+            near = min(seed, key=lambda kk: (abs(kk - k), kk))
+            out[k] = max(prior[k] + seed[near] - prior.get(near, seed[near]), 1.0)
+    return dict(sorted(out.items()))
 
 
 class DraftLengthScheduler:

@@ -132,6 +132,29 @@ def test_no_calibration_pass_and_measured_costs_seed_the_next_run(tiny, tmp_path
         tiny.model.use(before)
 
 
+def test_a_stored_entry_of_some_draft_lengths_seeds_every_length(tiny, tmp_path):
+    """A run stores only the lengths it measured ({3: ..}); the next run's scheduler must still cost
+    every k (the first round's choice read seed[1]: a KeyError on the GPU) and may still go longer
+    than what was measured. Then a whole generation from such an entry, as a second process runs."""
+    s = DraftLengthScheduler({3: 1.6}, k_max=4)
+    assert s.k_max == 4 and s.seed[3] == pytest.approx(1.6)
+    steps = [s.round_steps(k) for k in range(1, 5)]
+    assert all(1.0 <= x < 10 for x in steps) and steps == sorted(steps)
+    prior = default_seed()
+    assert s.seed[4] == pytest.approx(prior[4] + 1.6 - prior[3])  # the prior, moved by k = 3's error
+    assert isinstance(s.can_win, bool) and 0 <= s.next_k(100) <= 4
+    folder = tmp_path / "costs"
+    before = tiny.model.options
+    tiny.model.use(before.updated(cache_dir=str(folder)))
+    try:
+        calibration.save(tiny.path, tiny.model, {3: 1.6}, 3.0, folder)
+        r = generate([349, 220, 451, 72], tiny, max_tokens=12, ignore_eos=True, spec="draft-mtp", n_max="auto")
+        plain = generate([349, 220, 451, 72], tiny, max_tokens=12, ignore_eos=True, spec="none")
+        assert r.token_ids == plain.token_ids
+    finally:
+        tiny.model.use(before)
+
+
 def test_cli_accepts_auto_and_rejects_words(capsys):
     p = str(need(TINY / "qwen35-mtp-tiny-f32.gguf"))
     assert main(["generate", "-m", p, "-p", "To be", "-n", "6", "--spec-type", "draft-mtp",
