@@ -2,7 +2,7 @@
 the best fixed n-max (0..8), per device, acceptance and seed (stored costs right, 0.3 steps too
 high, 0.3 too low, or the GPU/CPU prior of a first run). Deterministic; prints a markdown table.
 
-Usage: python scripts/sim_auto_sweep.py [--rounds 3000]
+Usage: python scripts/sim_auto_sweep.py [--rounds 3000] [--pipelined]
 """
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ from mtp_engine.speculative.scheduler import DraftLengthScheduler  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3000)
+    ap.add_argument("--pipelined", action="store_true",
+                    help="rounds as the device-resident decoder runs them: the next chosen before this one is "
+                         "observed, a time a sample only between rounds of its own k")
     a = ap.parse_args()
     print("| device | a | best fixed | " + " | ".join(f"auto/plain, auto/best ({s})" for s in
                                                      ("stored", "+0.3", "-0.3", "prior")) + " |")
@@ -31,7 +34,7 @@ def main() -> int:
             best = max(range(9), key=lambda k: fixed[k])
             cells = []
             for seed in (dev.seed_costs(), dev.seed_costs(0.3), dev.seed_costs(-0.3), default_seed(gpu=dev is not CPU)):
-                r = simulate(dev, lambda i: acc, a.rounds, sched=DraftLengthScheduler(seed)).rate
+                r = simulate(dev, lambda i: acc, a.rounds, sched=DraftLengthScheduler(seed), pipelined=a.pipelined).rate
                 cells.append(f"{r / fixed[0]:.2f}, {r / fixed[best]:.2f}")
                 worst.append((r / fixed[best], name, acc))
             print(f"| {name} | {acc} | n-max {best} ({fixed[best] / fixed[0]:.2f}x) | " + " | ".join(cells) + " |")

@@ -40,15 +40,20 @@ class Run:
         return self.tokens / self.seconds
 
 
-def simulate(dev: SimDevice, acceptance, rounds: int, sched=None, fixed_k: int = 0, seed: int = 0) -> Run:
+def simulate(dev: SimDevice, acceptance, rounds: int, sched=None, fixed_k: int = 0, seed: int = 0,
+             pipelined: bool = False) -> Run:
     """`acceptance(i)`: probability that each draft of round i is right (independent, the chain
-    stops at the first miss). With `sched` it chooses k; else every round drafts `fixed_k`."""
+    stops at the first miss). With `sched` it chooses k; else every round drafts `fixed_k`.
+    `pipelined`: as the device-resident decoder runs them, round i+1 is chosen (queued) before
+    round i is observed, and round i counts as a steady sample of t(k) only between rounds of its
+    own k (`resident.ResidentRounds.step`)."""
     rng = random.Random(seed)
     seen: set = set()
     owed = 0
     run = Run()
+    prev = None
+    k = sched.next_k(context=0) if sched else fixed_k
     for i in range(rounds):
-        k = sched.next_k(context=run.tokens) if sched else fixed_k
         n = 0
         if k:
             while n < k and rng.random() < acceptance(i):
@@ -60,13 +65,21 @@ def simulate(dev: SimDevice, acceptance, rounds: int, sched=None, fixed_k: int =
         first = k not in seen
         seen.add(k)
         c = dev.compile_s if first else 0.0
-        if sched:
-            sched.observe(k, n, t + c, context=run.tokens, first_use=first)
         owed = min(owed + 1, 8) if k == 0 else n
         run.tokens += n + 1
         run.seconds += t
         run.compile += c
         run.chosen.append(k)
+        if sched:
+            if pipelined:
+                nxt = sched.next_k(context=run.tokens) if i + 1 < rounds else None
+                sched.observe(k, n, t + c, context=run.tokens, first_use=first, steady=prev == k == nxt)
+            else:
+                sched.observe(k, n, t + c, context=run.tokens, first_use=first)
+                nxt = sched.next_k(context=run.tokens)
+        else:
+            nxt = fixed_k
+        prev, k = k, nxt
     return run
 
 
