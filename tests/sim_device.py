@@ -66,6 +66,7 @@ def simulate(dev: SimDevice, acceptance, rounds: int, sched=None, fixed_k: int =
         seen.add(k)
         c = dev.compile_s if first else 0.0
         owed = min(owed + 1, 8) if k == 0 else n
+        context = run.tokens
         run.tokens += n + 1
         run.seconds += t
         run.compile += c
@@ -73,9 +74,9 @@ def simulate(dev: SimDevice, acceptance, rounds: int, sched=None, fixed_k: int =
         if sched:
             if pipelined:
                 nxt = sched.next_k(context=run.tokens) if i + 1 < rounds else None
-                sched.observe(k, n, t + c, context=run.tokens, first_use=first, steady=prev == k == nxt)
+                sched.observe(k, n, t + c, context=context, first_use=first, steady=prev == k == nxt)
             else:
-                sched.observe(k, n, t + c, context=run.tokens, first_use=first)
+                sched.observe(k, n, t + c, context=context, first_use=first)
                 nxt = sched.next_k(context=run.tokens)
         else:
             nxt = fixed_k
