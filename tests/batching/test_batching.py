@@ -499,8 +499,11 @@ def test_padded_prefill_of_several_lengths_equals_each_alone(models, path):
                     assert x.offset == y.offset and mx.allclose(x.keys[:, :, :x.offset], y.keys[:, :, :y.offset], atol=1e-5)
                 else:
                     # the conv window holds projections of size ~1: on the GPU a product of another
-                    # row count sums in another order (5e-5 relative, measured on an H100)
-                    assert mx.allclose(x.state, y.state, atol=1e-5) and mx.allclose(x.conv, y.conv, rtol=1e-4, atol=1e-5)
+                    # row count sums in another order, an error of the sum's size, not of each
+                    # value's (9e-5 on values up to ~2, measured on an H100): bounded by the window's scale
+                    scale = max(1.0, float(mx.abs(y.conv).max()))
+                    assert mx.allclose(x.state, y.state, atol=1e-5)
+                    assert float(mx.abs(x.conv - y.conv).max()) <= 1e-4 * scale, (split, b)
         batch = BatchCache(m)
         batch.add(alone[0][0])
         batch.extend(group, [2, 1])
