@@ -35,6 +35,8 @@ _DECAY = 0.95  # per observation: a change of text shows within tens of rounds
 _PROBE_EVERY = 16  # plain rounds between probes at least (the budget usually spaces them more)
 _WINDOW = 32  # timed rounds kept per (context range, k); the median is robust to stalls
 _EXPLORE_AFTER = 8  # drafting rounds before a longer draft is explored (a probe's luck is no evidence)
+_SURE_WIN = 1.5  # expected rate over plain's above which measuring t(0) is deferred ...
+_DEFER_T0 = 64  # ... to this round (a 128-token run at high acceptance is ~45 rounds)
 _EXPLORE_RUN = 4  # rounds in a row that try an unmeasured k (a pipelined round is timed only between
 # rounds of its own k: four give MIN_SAMPLES timed ones)
 
@@ -222,10 +224,14 @@ class DraftLengthScheduler:
             self._exploring = [kk] * (_EXPLORE_RUN - 1)
             self._explored.add((self._bucket, kk))
             k = kk
-        elif k and self._plain_unmeasured() and self.rounds % 8 == 3:
-            # every rate is relative to a plain step's time: measure it, whatever the seed says; three
-            # in a row, as a pipelined round times cleanly only between rounds of its own k
-            k, self._forced_plain = 0, 2
+        elif k and self._plain_unmeasured() and self.rounds % 8 == 3 and (
+                rates[best] < _SURE_WIN or self.rounds >= _DEFER_T0):
+            # (a choice far above plain's rate does not hang on t(0): in a short run its measurement
+            # would cost more than it could change, so it waits for a longer one)
+            # every rate is relative to a plain step's time: measure it, whatever the seed says; a
+            # pipelined round times cleanly only between rounds of its own k, so MIN_SAMPLES + 2 in a
+            # row give MIN_SAMPLES samples at once (three gave one, and a second stretch followed)
+            k, self._forced_plain = 0, MIN_SAMPLES + 1
         probe = False
         if k == 0:
             self._plain_streak += 1

@@ -20,7 +20,7 @@ from mtp_engine.speculative.scheduler import DraftLengthScheduler
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
-from tests.sim_device import CPU, GPU, H200_9B, H200_9B_S11, MOE, simulate
+from tests.sim_device import CPU, GPU, H200_9B, H200_9B_S11, MOE, SimDevice, simulate
 
 
 def _costs(v, c=0.1, f=0.05, k=8):
@@ -227,6 +227,26 @@ def test_a_long_draft_the_prior_underrates_is_tried_and_kept():
     assert max(range(5), key=lambda k: fixed[k]) == 4
     assert auto.rate / max(fixed) >= 0.97, (auto.rate / max(fixed), s.stats())
     assert auto.chosen[-100:].count(4) >= 90
+
+
+def test_a_short_run_measures_plain_steps_once_and_only_where_it_matters():
+    """Pipelined rounds time cleanly only between rounds of their own k: the plain-step measurement
+    is one stretch of MIN_SAMPLES + 2 rounds (it was three, one sample, then a second stretch), and
+    where the drafts already promise 1.5x plain's rate it waits past a short run's length."""
+    h100 = SimDevice(verify={2: 1.2, 3: 1.2, 4: 1.2, 5: 1.2}, draft=0.1)  # t(k)/t(0) 1.35-1.65
+    marginal = DraftLengthScheduler(default_seed(gpu=True), k_max=4)
+    ch = simulate(h100, lambda i: 0.6, 45, sched=marginal, pipelined=True, seed=1).chosen
+    stretches = "".join("0" if k == 0 else "d" for k in ch).split("d")
+    assert max(len(z) for z in stretches) == sch.MIN_SAMPLES + 2 and ch.count(0) <= sch.MIN_SAMPLES + 3, ch
+    assert marginal.step_seconds() is not None
+    sure = DraftLengthScheduler(default_seed(gpu=True), k_max=4)
+    for _ in range(12):  # a run that drafts 4 and accepts nearly all
+        sure.update(4, 4)
+    ch = simulate(h100, lambda i: 0.95, 45, sched=sure, pipelined=True, seed=1).chosen
+    assert ch.count(0) == 0 and sure.rounds < sch._DEFER_T0, ch
+    longer = simulate(h100, lambda i: 0.95, 120, sched=DraftLengthScheduler(default_seed(gpu=True), k_max=4),
+                      pipelined=True, seed=1).chosen
+    assert 0 in longer[sch._DEFER_T0:], "a long run still measures t(0)"
 
 
 FOLLOW_ROUNDS = 40  # stated in docs/spec.md: rounds within which auto stops drafting after code turns to prose
