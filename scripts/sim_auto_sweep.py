@@ -33,7 +33,7 @@ def main() -> int:
             fixed = [simulate(dev, lambda i: acc, a.rounds, fixed_k=k).rate for k in range(9)]
             best = max(range(9), key=lambda k: fixed[k])
             cells = []
-            for seed in (dev.seed_costs(), dev.seed_costs(0.3), dev.seed_costs(-0.3), default_seed(gpu=dev is not CPU)):
+            for seed in (dev.seed_costs(), dev.seed_costs(0.3), dev.seed_costs(-0.3), default_seed(gpu=dev is not CPU, moe=dev is MOE)):
                 r = simulate(dev, lambda i: acc, a.rounds, sched=DraftLengthScheduler(seed), pipelined=a.pipelined).rate
                 cells.append(f"{r / fixed[0]:.2f}, {r / fixed[best]:.2f}")
                 worst.append((r / fixed[best], name, acc))

@@ -134,7 +134,8 @@ def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int
     if params.auto:
         # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
         costs = calibration.load_seed(model.path, model.model, model.options.cache_path) if stored else None
-        scheduler = DraftLengthScheduler(costs, k_max=auto_k_max(model.model))
+        scheduler = DraftLengthScheduler(costs, k_max=auto_k_max(model.model),
+                                         prior=calibration.default_seed(moe=model.model.cfg.is_moe))
     return build_decoder(spec.method, model.model, sampler, params, profiler, scheduler,
                          prompt_cache=req.prompt_cache, calibration_path=model.path if stored else "")
 

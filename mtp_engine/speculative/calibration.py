@@ -41,15 +41,19 @@ def _read_all(folder: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def default_seed(gpu: bool | None = None) -> dict[int, float]:
-    """Round costs in plain steps before anything was measured on this model and device. A GPU runs
-    a few rows for little more than one (V(S) ~ 1 + 0.2 (S-1), a draft step ~0.15, measured on the
-    H200 with the shipped model); MLX's CPU backend costs ~S steps for S rows and ~0.3 per draft
+def default_seed(gpu: bool | None = None, moe: bool = False) -> dict[int, float]:
+    """Round costs in plain steps before anything was measured on this model and device. On a GPU a
+    dense model's device-resident round costs ~1.2 + 0.12 k steps (the 9B shape on an H100, session
+    15: t(k)/t(0) 1.29-1.42, 1.39-1.53, 1.45-1.64, 1.5-1.75 for k = 1..4); an MoE model's verify rows
+    reach other experts, so its rounds grow faster (~1.05 + 0.35 k: the 35B-A3B shape's verify curve
+    V = 1.37, 1.66, 1.96 for 2-4 rows). MLX's CPU backend costs ~S steps for S rows and ~0.3 per draft
     step (docs/benchmarks.md), where no draft length can pay."""
     if gpu is None:
         gpu = mx.default_device() == mx.gpu
+    if gpu and moe:
+        return {k: 1.05 + 0.35 * k for k in range(1, MAX_K + 1)}
     if gpu:
-        return {k: 1.0 + 0.2 * k + 0.15 * k + 0.05 for k in range(1, MAX_K + 1)}
+        return {k: 1.2 + 0.12 * k for k in range(1, MAX_K + 1)}
     return {k: 0.95 * (k + 1) + 0.3 * k + 0.05 for k in range(1, MAX_K + 1)}
 
 

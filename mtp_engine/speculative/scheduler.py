@@ -51,22 +51,21 @@ def context_bucket(context: int) -> int:
     return max(0, int(context).bit_length() - 9)
 
 
-def _seed_from(costs: Costs | dict | None) -> dict[int, float]:
+def _seed_from(costs: Costs | dict | None, prior: dict[int, float]) -> dict[int, float]:
     if costs is None:
-        return default_seed()
+        return dict(prior)
     if isinstance(costs, Costs):
         seed = {k: costs.verify[k + 1] + k * costs.draft + costs.fixed for k in range(1, AUTO_MAX + 1)
                 if k + 1 in costs.verify}
     else:
         seed = {int(k): float(v) for k, v in costs.items() if 1 <= int(k) <= AUTO_MAX}
-    return _complete(seed) if seed else default_seed()
+    return _complete(seed, prior) if seed else dict(prior)
 
 
-def _complete(seed: dict[int, float]) -> dict[int, float]:
+def _complete(seed: dict[int, float], prior: dict[int, float]) -> dict[int, float]:
     """A stored entry holds only the draft lengths a run measured ({2: .., 4: ..}): the others take
     the device prior moved by the nearest stored length's error against it, so every k has a cost
     (a missing one crashed the first round's choice) and an unmeasured longer draft stays in reach."""
-    prior = default_seed()
     out = dict(seed)
     for k in range(1, AUTO_MAX + 1):
         if k not in out and k in prior:
@@ -78,11 +77,12 @@ def _complete(seed: dict[int, float]) -> dict[int, float]:
 class DraftLengthScheduler:
     """Chooses k each round; learns acceptance per draft position and time per round from the rounds
     it observes. `costs`: stored round costs {k: plain steps}, the old calibration's `Costs`, or None
-    (a device-class prior)."""
+    (the prior). `prior`: round costs before any measurement (`calibration.default_seed` of this
+    device and model kind when None); it also fills the lengths a stored entry lacks."""
 
     def __init__(self, costs: Costs | dict[int, float] | None = None, k_max: int = AUTO_MAX,
-                 budget: float = PROBE_BUDGET):
-        self.seed = _seed_from(costs)
+                 budget: float = PROBE_BUDGET, prior: dict[int, float] | None = None):
+        self.seed = _seed_from(costs, prior or default_seed())
         self.k_max = min(k_max, max(self.seed))
         self.budget = budget
         self.acc = [0.0] * self.k_max  # decayed counts per draft position (prior in `alphas`)

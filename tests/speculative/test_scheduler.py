@@ -249,6 +249,27 @@ def test_a_short_run_measures_plain_steps_once_and_only_where_it_matters():
     assert 0 in longer[sch._DEFER_T0:], "a long run still measures t(0)"
 
 
+def test_the_first_runs_prior_fits_the_model_kind_in_a_128_token_run():
+    """A first run starts from the prior and has ~45 rounds to learn in. A dense model's rounds on
+    a GPU cost ~1.2 + 0.12 k steps (the 9B shape on an H100); an MoE model's grow faster (verify rows
+    reach other experts). Each prior must serve its kind: mean over 12 seeds of auto over the best
+    fixed n-max, pipelined rounds (the old linear prior gave 0.90-0.95 on the dense device)."""
+    h100 = SimDevice(verify={2: 1.2, 3: 1.2, 4: 1.2, 5: 1.2}, draft=0.1)
+    dense, moe = default_seed(gpu=True), default_seed(gpu=True, moe=True)
+    assert dense[4] < moe[4]
+
+    def vs_best(dev, a, prior):
+        out = []
+        for seed in range(12):
+            best = max(simulate(dev, lambda i: a, 45, fixed_k=k, seed=seed).rate for k in range(5))
+            s = DraftLengthScheduler(None, k_max=4, prior=prior)
+            out.append(simulate(dev, lambda i: a, 45, sched=s, seed=seed, pipelined=True).rate / best)
+        return statistics.mean(out)
+
+    assert vs_best(h100, 0.9, dense) >= 0.97 and vs_best(h100, 0.8, dense) >= 0.95
+    assert vs_best(MOE, 0.8, moe) > vs_best(MOE, 0.8, dense)
+
+
 FOLLOW_ROUNDS = 40  # stated in docs/spec.md: rounds within which auto stops drafting after code turns to prose
 RETURN_ROUNDS = 150  # ... and drafts again after prose turns back to code (a GPU-like device, probes ~every 16)
 
