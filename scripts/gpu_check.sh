@@ -14,7 +14,7 @@ group1="tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py tests/mod
     tests/model/test_qmv_kernels.py tests/model/test_compiled_step.py tests/model/test_model_llamacpp.py"
 group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.py tests/generation/test_constraint.py
     tests/batching/test_batching.py"
-gpu_tests() {  # name, then the files; serve_parallel needs uvicorn, absent there
+gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU
     timeout 580 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=12 $workers -k "not serve_parallel" \
         $2 > "$out/$1.log" 2>&1
     echo "$1 rc=$?"; grep -E "passed|failed" "$out/$1.log" | tail -1

@@ -34,6 +34,10 @@ cp scripts/gpu_install.sh ".gpu/$n/install.sh"
 # machine has 16 cores): without it the suite needs two device calls, with it one
 python3 -m pip download -q --no-deps -d ".gpu/$n" pytest-xdist==3.8.0 execnet==2.1.2 >/dev/null 2>&1 ||
     echo "gpu_stage: pytest-xdist not staged (no package index): the GPU tests run in one process" >&2
+# the server's own dependencies (pure Python; the device has none of them): `gpu_check.sh server`
+python3 -m pip download -q --no-deps -d ".gpu/$n" uvicorn==0.55.0 h11==0.16.0 click==8.5.1 starlette==1.10.0 \
+    anyio==4.16.0 idna==3.10 >/dev/null 2>&1 ||
+    echo "gpu_stage: the server's wheels not staged (no package index): gpu_check.sh server cannot start it" >&2
 echo "staged MLX in $n parts (tree $((tree / 1048576)) MiB + at most $(( (wheel / n + extra) / 1048576 + 1)) MiB a call)."
 i=1
 while [ "$i" -lt "$n" ]; do
