@@ -349,7 +349,7 @@ class DraftLengthScheduler:
         if not counts:
             return {}
         b = max(counts, key=counts.get)
-        t0 = self.step_seconds(b)
+        t0 = self._median(0, b)  # measured: one derived from the seed would store the seed back as measured
         if t0 is None:
             return {}
         # steady rounds only: a probe's time carries the catch-up of a plain stretch

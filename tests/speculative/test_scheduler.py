@@ -244,6 +244,8 @@ def test_a_short_run_measures_plain_steps_once_and_only_where_it_matters():
         sure.update(4, 4)
     ch = simulate(h100, lambda i: 0.95, 45, sched=sure, pipelined=True, seed=1).chosen
     assert ch.count(0) == 0 and sure.rounds < sch._DEFER_T0, ch
+    assert sure.measured_round_steps() == {}  # no t(0): nothing to store as measured for the next run
+    assert set(marginal.measured_round_steps()) <= {1, 2, 3, 4}
     longer = simulate(h100, lambda i: 0.95, 120, sched=DraftLengthScheduler(default_seed(gpu=True), k_max=4),
                       pipelined=True, seed=1).chosen
     assert 0 in longer[sch._DEFER_T0:], "a long run still measures t(0)"
