@@ -257,6 +257,52 @@ def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
     m.scheduler.stop()
 
 
+def test_plain_rows_skip_the_head_and_a_drafting_row_joins_them_later(shipped_model):
+    """A batch of plain rows runs no head step (their head rows are never read); a draft-mtp row
+    that joins after their head rows went stale still drafts from its own, and every row gets what
+    it gets alone."""
+    from dataclasses import replace
+
+    from mtp_engine.api import stream_request
+    from mtp_engine.batching import batch_scheduler
+    from mtp_engine.request import prepare, request_from_keywords
+
+    kws = [dict(spec="none"), dict(spec="none", max_tokens=40), dict(spec="draft-mtp", n_max=3)]
+    want = [generate(p, shipped_model, ignore_eos=True, **{"max_tokens": 24, **kw}) for p, kw in zip(PROMPTS, kws)]
+    m = replace(shipped_model, scheduler=None)
+    m.scheduler = batch_scheduler(m, 3)
+    head_steps = []
+    forward = m.model.mtp.forward_batch
+    m.model.mtp.forward_batch = lambda *a, **k: (head_steps.append(1), forward(*a, **k))[1]
+    got: dict[int, list[int]] = {}
+    started = threading.Event()
+
+    def read(i):
+        req = request_from_keywords(PROMPTS[i], ignore_eos=True, **{"max_tokens": 24, **kws[i]})
+        got[i] = []
+        for c in stream_request(prepare(m, req), m):
+            got[i] += c.token_ids
+            if i == 1 and len(got[i]) >= 8:
+                started.set()
+
+    try:
+        plain = [threading.Thread(target=read, args=(i,)) for i in (0, 1)]
+        for t in plain:
+            t.start()
+        assert started.wait(120)
+        before = len(head_steps)  # plain rows only so far: at most their prefill chunks ran the head
+        assert before <= 2, before  # 8+ batched decode steps without a head step (one each before)
+        late = threading.Thread(target=read, args=(2,))
+        late.start()
+        for t in plain + [late]:
+            t.join(120)
+        assert [got[i] for i in range(3)] == [w.token_ids for w in want]
+        assert len(head_steps) > before  # the drafting row's rounds ran the head
+    finally:
+        del m.model.mtp.forward_batch
+        m.scheduler.stop()
+
+
 @pytest.mark.parametrize("oracle", [0.0, 1.0])
 def test_oracle_batches_accept_what_they_are_told(shipped_model, oracle):
     """The benchmark's oracle scheduler (batching/ablations.py): at acceptance 0 no draft counts and
