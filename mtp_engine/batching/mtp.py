@@ -189,16 +189,18 @@ class MTPBatchScheduler(BatchScheduler):
         rows = list(self._rows)
         if not rows:
             return
+        if self._queued is not None or not any(s.draft for s in rows):
+            # rows that never draft take the plain batched step, pipelined (`BatchScheduler._decode`);
+            # their head rows are never read, so the head is skipped and `_h_last` may go stale. A step
+            # still queued when a drafting row joins is read first (it delivers to the rows it ran).
+            super()._decode()
+            return
         m, mtp = self.model.model, self.model.model.mtp
         k = draft_length(rows, self.chooser)
         t0 = time.perf_counter()
         last = mx.array([[s.last_token] for s in rows], dtype=mx.int32)
         tok, h, drafts = last, self._h_last, []
-        # step 1 also when k = 0: the head's row for the last token, which a drafting row needs for
-        # its next draft; a batch of rows that never draft skips the head (their head rows are never
-        # read: rows do not see each other), so plain requests cost a plain batched step
-        head_steps = max(k, 1) if any(s.draft for s in rows) else 0
-        for i in range(head_steps):
+        for i in range(max(k, 1)):  # step 1 also when k = 0: the head's row for the last token
             h = mtp.forward_batch(m.embed_tokens(tok), h, self._head)
             if i < k:
                 d = mx.argmax(m.logits(h[:, -1]), axis=-1).astype(mx.int32)

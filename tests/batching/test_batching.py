@@ -258,9 +258,10 @@ def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
 
 
 def test_plain_rows_skip_the_head_and_a_drafting_row_joins_them_later(shipped_model):
-    """A batch of plain rows runs no head step (their head rows are never read); a draft-mtp row
-    that joins after their head rows went stale still drafts from its own, and every row gets what
-    it gets alone."""
+    """A batch of plain rows takes the plain scheduler's pipelined steps and runs no head step
+    (their head rows are never read); a draft-mtp row that joins after their head rows went stale
+    (while a step may still be queued) still drafts from its own, and every row gets what it gets
+    alone."""
     from dataclasses import replace
 
     from mtp_engine.api import stream_request
