@@ -23,9 +23,8 @@ from mtp_engine.model.config import Qwen35Config
 from mtp_engine.model.layers import Linear
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.ablations import ablation_decoder
-from mtp_engine.speculative.calibration import default_seed
 from mtp_engine.speculative.config import DraftParams
-from mtp_engine.speculative.scheduler import DraftLengthScheduler, auto_k_max
+from mtp_engine.speculative.scheduler import DraftLengthScheduler
 
 
 def config_9b(small: bool) -> Qwen35Config:
@@ -91,8 +90,7 @@ def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=Non
         dec = PlainDecoder(model, sampler)
     else:
         # as the API builds it (compiled steps: drafts up to 4)
-        sched = scheduler_type(costs, k_max=auto_k_max(model), prior=default_seed(moe=model.cfg.is_moe)) \
-            if n_max == "auto" else None
+        sched = scheduler_type.for_model(model, costs) if n_max == "auto" else None
         dec = ablation_decoder(model, sampler, DraftParams(n_max), scheduler=sched, oracle_acceptance=oracle)
     if decoders is not None:
         decoders.append(dec)

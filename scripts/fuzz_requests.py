@@ -197,9 +197,9 @@ def main() -> int:
                   f"{idle_trace[-1] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
         elapsed = time.perf_counter() - t0
         after = proc_stats(pid)
-        grown = rss_by_mapping(pid)
+        maps_after = rss_by_mapping(pid)
+        grown, warm_added = maps_after.copy(), maps_after.copy()
         grown.subtract(maps_before)
-        warm_added = rss_by_mapping(pid)
         warm_added.subtract(maps_cold)
         alive = server.proc.poll() is None and server.health()["status"] == "ok"
     finally:

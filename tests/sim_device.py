@@ -91,5 +91,7 @@ H200_9B = SimDevice(verify={1: 1.0, 2: 1.84, 3: 2.2, 4: 2.7, 5: 3.14, 6: 3.6, 7:
 # session 11's H200 9B rounds (bench_gpu.py --sections auto): t(k) / t(0) ~ 1.6, 1.75, 2.2, 2.25 for
 # k = 1..4: a 4-draft round costs about a 3-draft one, which a linear prior does not foresee
 H200_9B_S11 = SimDevice(verify={2: 1.45, 3: 1.5, 4: 1.85, 5: 1.8, 6: 2.3, 7: 2.5, 8: 2.7, 9: 2.9}, draft=0.1)
+H100_9B = SimDevice(verify={2: 1.2, 3: 1.2, 4: 1.2, 5: 1.2, 6: 1.6, 7: 1.8, 8: 2.0, 9: 2.2},
+                    draft=0.1)  # session 15's 9B rounds on an H100: t(k)/t(0) ~ 1.35-1.65 for k = 1..4
 MOE = SimDevice(verify={1: 1.0, 2: 1.37, 3: 1.66, 4: 1.96, 5: 2.81, 6: 2.90, 7: 3.2, 8: 3.5, 9: 3.8},
                 draft=0.10)  # 35B-A3B shape, measured

@@ -24,7 +24,7 @@ from ..generation.sampling import Sampler
 from ..model.loaded import Model
 from ..speculative import calibration
 from ..speculative.methods import NEEDS_MTP_HEAD, build_decoder
-from ..speculative.scheduler import DraftLengthScheduler, auto_k_max
+from ..speculative.scheduler import DraftLengthScheduler
 from ..tokenizer.bounded import encode_prompt
 from .request import GenerationRequest
 
@@ -134,8 +134,7 @@ def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int
     if params.auto:
         # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
         costs = calibration.load_seed(model.path, model.model, model.options.cache_path) if stored else None
-        scheduler = DraftLengthScheduler(costs, k_max=auto_k_max(model.model),
-                                         prior=calibration.default_seed(moe=model.model.cfg.is_moe))
+        scheduler = DraftLengthScheduler.for_model(model.model, costs)
     return build_decoder(spec.method, model.model, sampler, params, profiler, scheduler,
                          prompt_cache=req.prompt_cache, calibration_path=model.path if stored else "")
 

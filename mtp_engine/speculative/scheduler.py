@@ -80,6 +80,13 @@ class DraftLengthScheduler:
     (the prior). `prior`: round costs before any measurement (`calibration.default_seed` of this
     device and model kind when None); it also fills the lengths a stored entry lacks."""
 
+    @classmethod
+    def for_model(cls, model, costs: Costs | dict[int, float] | None = None) -> "DraftLengthScheduler":
+        """The scheduler a run of `model` starts with: its draft-length cap (`auto_k_max`) and the
+        prior of this device and model kind (dense or MoE)."""
+        cfg = getattr(model, "cfg", None)
+        return cls(costs, k_max=auto_k_max(model), prior=default_seed(moe=bool(cfg and cfg.is_moe)))
+
     def __init__(self, costs: Costs | dict[int, float] | None = None, k_max: int = AUTO_MAX,
                  budget: float = PROBE_BUDGET, prior: dict[int, float] | None = None):
         self.seed = _seed_from(costs, prior or default_seed())
@@ -226,11 +233,11 @@ class DraftLengthScheduler:
             k = kk
         elif k and self._plain_unmeasured() and self.rounds % 8 == 3 and (
                 rates[best] < _SURE_WIN or self.rounds >= _DEFER_T0):
-            # (a choice far above plain's rate does not hang on t(0): in a short run its measurement
-            # would cost more than it could change, so it waits for a longer one)
             # every rate is relative to a plain step's time: measure it, whatever the seed says; a
             # pipelined round times cleanly only between rounds of its own k, so MIN_SAMPLES + 2 in a
-            # row give MIN_SAMPLES samples at once (three gave one, and a second stretch followed)
+            # row give MIN_SAMPLES samples at once (three gave one, and a second stretch followed).
+            # A choice far above plain's rate does not hang on t(0): in a short run its measurement
+            # would cost more than it could change, so it waits for a longer one
             k, self._forced_plain = 0, MIN_SAMPLES + 1
         probe = False
         if k == 0:

@@ -20,7 +20,7 @@ from mtp_engine.speculative.scheduler import DraftLengthScheduler
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
-from tests.sim_device import CPU, GPU, H200_9B, H200_9B_S11, MOE, SimDevice, simulate
+from tests.sim_device import CPU, GPU, H200_9B, H200_9B_S11, MOE, H100_9B, simulate
 
 
 def _costs(v, c=0.1, f=0.05, k=8):
@@ -233,20 +233,19 @@ def test_a_short_run_measures_plain_steps_once_and_only_where_it_matters():
     """Pipelined rounds time cleanly only between rounds of their own k: the plain-step measurement
     is one stretch of MIN_SAMPLES + 2 rounds (it was three, one sample, then a second stretch), and
     where the drafts already promise 1.5x plain's rate it waits past a short run's length."""
-    h100 = SimDevice(verify={2: 1.2, 3: 1.2, 4: 1.2, 5: 1.2}, draft=0.1)  # t(k)/t(0) 1.35-1.65
     marginal = DraftLengthScheduler(default_seed(gpu=True), k_max=4)
-    ch = simulate(h100, lambda i: 0.6, 45, sched=marginal, pipelined=True, seed=1).chosen
+    ch = simulate(H100_9B, lambda i: 0.6, 45, sched=marginal, pipelined=True, seed=1).chosen
     stretches = "".join("0" if k == 0 else "d" for k in ch).split("d")
     assert max(len(z) for z in stretches) == sch.MIN_SAMPLES + 2 and ch.count(0) <= sch.MIN_SAMPLES + 3, ch
     assert marginal.step_seconds() is not None
     sure = DraftLengthScheduler(default_seed(gpu=True), k_max=4)
     for _ in range(12):  # a run that drafts 4 and accepts nearly all
         sure.update(4, 4)
-    ch = simulate(h100, lambda i: 0.95, 45, sched=sure, pipelined=True, seed=1).chosen
+    ch = simulate(H100_9B, lambda i: 0.95, 45, sched=sure, pipelined=True, seed=1).chosen
     assert ch.count(0) == 0 and sure.rounds < sch._DEFER_T0, ch
     assert sure.measured_round_steps() == {}  # no t(0): nothing to store as measured for the next run
     assert set(marginal.measured_round_steps()) <= {1, 2, 3, 4}
-    longer = simulate(h100, lambda i: 0.95, 120, sched=DraftLengthScheduler(default_seed(gpu=True), k_max=4),
+    longer = simulate(H100_9B, lambda i: 0.95, 120, sched=DraftLengthScheduler(default_seed(gpu=True), k_max=4),
                       pipelined=True, seed=1).chosen
     assert 0 in longer[sch._DEFER_T0:], "a long run still measures t(0)"
 
@@ -256,7 +255,6 @@ def test_the_first_runs_prior_fits_the_model_kind_in_a_128_token_run():
     a GPU cost ~1.2 + 0.12 k steps (the 9B shape on an H100); an MoE model's grow faster (verify rows
     reach other experts). Each prior must serve its kind: mean over 12 seeds of auto over the best
     fixed n-max, pipelined rounds (the old linear prior gave 0.90-0.95 on the dense device)."""
-    h100 = SimDevice(verify={2: 1.2, 3: 1.2, 4: 1.2, 5: 1.2}, draft=0.1)
     dense, moe = default_seed(gpu=True), default_seed(gpu=True, moe=True)
     assert dense[4] < moe[4]
 
@@ -268,7 +266,7 @@ def test_the_first_runs_prior_fits_the_model_kind_in_a_128_token_run():
             out.append(simulate(dev, lambda i: a, 45, sched=s, seed=seed, pipelined=True).rate / best)
         return statistics.mean(out)
 
-    assert vs_best(h100, 0.9, dense) >= 0.97 and vs_best(h100, 0.8, dense) >= 0.95
+    assert vs_best(H100_9B, 0.9, dense) >= 0.97 and vs_best(H100_9B, 0.8, dense) >= 0.95
     assert vs_best(MOE, 0.8, moe) > vs_best(MOE, 0.8, dense)
 
 
