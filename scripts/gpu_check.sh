@@ -11,7 +11,8 @@ export PYTHONUNBUFFERED=1
 # references, caches, constraints and batching on the GPU path (group 2). Over pytest-xdist workers
 # (gpu_stage.sh stages it) both groups fit one call; in one process each needs its own (tests1, tests2).
 group1="tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py tests/model/test_kernel_selftest.py
-    tests/model/test_qmv_kernels.py tests/model/test_compiled_step.py tests/model/test_model_llamacpp.py"
+    tests/model/test_qmv_kernels.py tests/model/test_compiled_step.py tests/model/test_model_llamacpp.py
+    tests/model/test_kernel_cache.py"
 group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.py tests/generation/test_constraint.py
     tests/batching/test_batching.py"
 gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU

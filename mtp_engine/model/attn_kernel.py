@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
 MAX_TOKENS = 16
@@ -179,7 +180,7 @@ def new_kv(y: mx.array, k_norm: mx.array, pos: mx.array, n_head: int, n_head_kv:
     (keys, values) [1, n_head_kv, S, head_dim], keys normalised and roped."""
     global _kv_kernel
     if _kv_kernel is None:
-        _kv_kernel = mx.fast.cuda_kernel(name="mtp_attn_kv", input_names=["y", "kw", "pos", "params"],
+        _kv_kernel = CudaKernel(name="mtp_attn_kv", input_names=["y", "kw", "pos", "params"],
                                          output_names=["k_new", "v_new"], source=compact(_KV_SOURCE))
     s = int(y.shape[0])
     shape = (1, n_head_kv, s, head_dim)
@@ -195,7 +196,7 @@ def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos:
     holding the new keys at pos .. pos + S - 1), gated: [S, n_head * head_dim]."""
     global _attend_kernel
     if _attend_kernel is None:
-        _attend_kernel = mx.fast.cuda_kernel(
+        _attend_kernel = CudaKernel(
             name="mtp_attn_decode", input_names=["y", "qw", "keys", "values", "pos", "params"],
             output_names=["o"], source=compact(_ATTEND_SOURCE))
     s = int(y.shape[0])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
 MAX_TOKENS = 16
@@ -181,7 +182,7 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
     global _kernel, _SLOT0
     if _kernel is None:
         # inputs are addressed by their row strides, so slices of the joined product need no copy
-        _kernel = mx.fast.cuda_kernel(name="mtp_gdn_fused", input_names=_INPUTS, output_names=_OUTPUTS,
+        _kernel = CudaKernel(name="mtp_gdn_fused", input_names=_INPUTS, output_names=_OUTPUTS,
                                       source=compact(_SOURCE), ensure_row_contiguous=False)
         _SLOT0 = mx.array([0], mx.int32)
     s = int(qkv.shape[1])

@@ -22,6 +22,7 @@ import warnings
 import mlx.core as mx
 
 from . import mma_kernel
+from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
 MAX_ROWS = 8
@@ -147,7 +148,7 @@ def simt_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
     """The CUDA-core kernel alone: x [M, K] (M <= 8) times W^T, [M, N] float32."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mtp_qmv_rows", input_names=["x", "wq", "scales", "biases"],
+        _kernel = CudaKernel(name="mtp_qmv_rows", input_names=["x", "wq", "scales", "biases"],
                                       output_names=["out"], source=compact(_SOURCE))
     m = x.shape[0]
     rows = next(r for r in ROW_VARIANTS if r >= m)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
 MAX_ROWS = 8
@@ -261,7 +262,7 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     (scripts/qmv_rows.py times others)."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mtp_qmv_mma", input_names=["x", "wq", "scales", "biases"],
+        _kernel = CudaKernel(name="mtp_qmv_mma", input_names=["x", "wq", "scales", "biases"],
                                       output_names=["out"], source=compact(SOURCE), header=HEADER)
     n = weight.shape[0]
     while n % (16 * tiles):

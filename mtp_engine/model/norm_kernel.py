@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
 MAX_ROWS = 16
@@ -59,7 +60,7 @@ def add_rms_norm(x: mx.array, d: mx.array, w: mx.array, eps: float,
 def _fused(x: mx.array, d: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mtp_add_rms_norm", input_names=["x", "d", "w", "eps"],
+        _kernel = CudaKernel(name="mtp_add_rms_norm", input_names=["x", "d", "w", "eps"],
                                       output_names=["h", "hn"], source=compact(_SOURCE))
     rows = x.size // x.shape[-1]
     nt = 1024 if x.shape[-1] >= 4096 else 256
