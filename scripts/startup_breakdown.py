@@ -25,4 +25,7 @@ for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
     keys = ("time_to_first_token_seconds", "compile_seconds", "decode_tokens_per_second", "acceptance_rate",
             "auto_message")
     T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
+from mtp_engine.model import kernel_cache  # noqa: E402
+
+T["kernel_cache"] = dict(kernel_cache.STATS)  # custom-kernel variants compiled here vs found stored
 print(json.dumps(T, indent=1), flush=True)

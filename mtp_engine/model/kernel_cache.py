@@ -212,6 +212,8 @@ def _include_dirs(nvrtc_major: int) -> list[Path]:
     return dirs + [Path(home) / "include"]
 
 
+# what this process compiled and stored, and found stored (startup_breakdown.py reports it)
+STATS = {"compiled": 0, "compile_seconds": 0.0, "found": 0}
 _nvrtc: NVRTC | None = None
 _nvrtc_error: str | None = None
 _lock = threading.Lock()
@@ -234,6 +236,7 @@ def store(func_name: str, source: str) -> Path | None:
     module = f"{func_name}_{std_hash(source.encode()):x}"
     path = module_path(mlx_cache_dir(), module)
     if path.is_file():
+        STATS["found"] += 1
         return path
     with _lock:  # one compile of a module at a time in this process; another process may race: renames are whole
         if path.is_file():
@@ -251,7 +254,8 @@ def store(func_name: str, source: str) -> Path | None:
         except OSError as e:
             log.info("could not keep compiled kernel %s (%s)", module, e)
             return None
-        log.debug("compiled %s in %.2f s", func_name, time.perf_counter() - t0)
+        STATS["compiled"] += 1
+        STATS["compile_seconds"] += time.perf_counter() - t0
     return path
 
 
