@@ -125,10 +125,14 @@ def module_path(cache_dir: Path, module_name: str) -> Path:
     return p / (module_name[off:] + ".ptx")
 
 
-def mlx_cache_dir() -> Path:
-    """The folder MLX's CUDA backend reads compiled modules from."""
+def mlx_cache_dirs() -> list[Path]:
+    """The folders MLX's CUDA backend may read compiled modules from: `$MLX_PTX_CACHE_DIR`, and
+    its default. Both, because MLX reads the variable once, at its first compile: one before
+    `load()` (any MLX work on the GPU, a test before it) leaves MLX on the default folder whatever
+    the variable says afterwards, and a process cannot ask MLX which it took."""
+    default = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
     env = os.environ.get("MLX_PTX_CACHE_DIR")
-    return Path(env) if env else Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+    return [Path(env), default] if env and Path(env) != default else [default]
 
 
 class NVRTC:
@@ -234,29 +238,34 @@ def store(func_name: str, source: str) -> Path | None:
     """Compiles `source` (as MLX would) into MLX's cache folder unless it is there: the module's
     path, or None where nothing could be stored (no NVRTC, a read-only folder; MLX then compiles)."""
     module = f"{func_name}_{std_hash(source.encode()):x}"
-    path = module_path(mlx_cache_dir(), module)
-    if path.is_file():
+    paths = [module_path(d, module) for d in mlx_cache_dirs()]
+    if all(p.is_file() for p in paths):
         STATS["found"] += 1
-        return path
+        return paths[0]
     with _lock:  # one compile of a module at a time in this process; another process may race: renames are whole
-        if path.is_file():
-            return path
-        nvrtc = _compiler()
-        if nvrtc is None:
-            return None
-        t0 = time.perf_counter()
-        kernel = "mlx::core::cu::" + func_name
-        code, mangled = nvrtc.compile(source, module, kernel)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _write(path.with_suffix(".txt"), f"{kernel}\t{mangled}\n".encode())
-            _write(path, code)
-        except OSError as e:
-            log.info("could not keep compiled kernel %s (%s)", module, e)
-            return None
-        STATS["compiled"] += 1
-        STATS["compile_seconds"] += time.perf_counter() - t0
-    return path
+        have = next((p for p in paths if p.is_file()), None)
+        if have is not None:  # stored in one folder, copied to the other
+            names, code = have.with_suffix(".txt").read_bytes(), have.read_bytes()
+        else:
+            nvrtc = _compiler()
+            if nvrtc is None:
+                return None
+            t0 = time.perf_counter()
+            kernel = "mlx::core::cu::" + func_name
+            code, mangled = nvrtc.compile(source, module, kernel)
+            names = f"{kernel}\t{mangled}\n".encode()
+            STATS["compiled"] += 1
+            STATS["compile_seconds"] += time.perf_counter() - t0
+        for p in paths:
+            if p.is_file():
+                continue
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                _write(p.with_suffix(".txt"), names)  # the names first: MLX reading code without them fails
+                _write(p, code)
+            except OSError as e:
+                log.info("could not keep compiled kernel %s in %s (%s)", module, p.parent, e)
+    return paths[0]
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -94,7 +94,7 @@ def test_mlx_builds_the_source_this_module_hashes():
                                         output_dtypes=[mx.float32, mx.float32]))]
     for kernel, call in cases:
         func, ours = kernel.variant_source(call["inputs"], call["template"], call["output_dtypes"])
-        assert _mlx_printed_source(kernel, **call) == ours.rstrip("\n"), kernel.name
+        assert _mlx_printed_source(kernel, **call) == ours, kernel.name
 
 
 @gpu_only
@@ -110,15 +110,54 @@ def test_mlx_runs_the_code_stored_under_its_name():
     nvrtc = kernel_cache._compiler()
     assert nvrtc is not None, kernel_cache._nvrtc_error
     code, mangled = nvrtc.compile(source.replace("+ 1.0f", "+ 42.0f"), "probe", "mlx::core::cu::" + func)
-    path = module_path(kernel_cache.mlx_cache_dir(), f"{func}_{std_hash(source.encode()):x}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    paths = [module_path(d, f"{func}_{std_hash(source.encode()):x}") for d in kernel_cache.mlx_cache_dirs()]
     try:
-        path.with_suffix(".txt").write_text(f"mlx::core::cu::{func}\t{mangled}\n")
-        path.write_bytes(code)
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".txt").write_text(f"mlx::core::cu::{func}\t{mangled}\n")
+            path.write_bytes(code)
         assert k._kernel(**call)[0].tolist() == [42.0, 43.0, 44.0, 45.0]
     finally:
-        path.unlink(missing_ok=True)
-        path.with_suffix(".txt").unlink(missing_ok=True)
+        for path in paths:
+            path.unlink(missing_ok=True)
+            path.with_suffix(".txt").unlink(missing_ok=True)
+
+
+@gpu_only
+def test_the_code_is_found_when_mlx_compiled_before_the_cache_folder_was_chosen(tmp_path):
+    """MLX fixes its folder at its first compile; `load()` choosing one afterwards (as in a test
+    suite, or a program that used MLX first) must still leave a folder MLX reads. A subprocess: the
+    folder is chosen once per process."""
+    import subprocess
+    import textwrap
+    name = f"mtp_probe_late_{uuid.uuid4().hex[:12]}"
+    code = textwrap.dedent(f"""
+        import os, mlx.core as mx
+        mx.eval(mx.compile(lambda a: mx.sin(a) * 2 + 1)(mx.arange(3.0)))  # MLX JIT-compiles a fusion first
+        os.environ["MLX_PTX_CACHE_DIR"] = {str(tmp_path)!r}
+        from mtp_engine.model import kernel_cache as kc
+        k = kc.CudaKernel(name={name!r}, input_names=["x"], output_names=["out"],
+                          source="out[threadIdx.x] = 3.0f * x[threadIdx.x];")
+        x = mx.arange(4, dtype=mx.float32)
+        func, src = k.variant_source([x], [], [mx.float32])
+        # a decoy (times 5) stored where kernel_cache stores: MLX must run it
+        code, mangled = kc._compiler().compile(src.replace("3.0f", "5.0f"), "probe", "mlx::core::cu::" + func)
+        paths = [kc.module_path(d, func + "_%x" % kc.std_hash(src.encode())) for d in kc.mlx_cache_dirs()]
+        for p in paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.with_suffix(".txt").write_text("mlx::core::cu::" + func + chr(9) + mangled + chr(10))
+            p.write_bytes(code)
+        out = k._kernel(inputs=[x], template=[], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
+                        output_dtypes=[mx.float32])[0]
+        print(out.tolist())
+        for p in paths:
+            p.unlink(); p.with_suffix(".txt").unlink()
+    """)
+    env = {**os.environ}
+    env.pop("MLX_PTX_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[-2] == "[0.0, 5.0, 10.0, 15.0]", r.stdout
 
 
 @gpu_only
@@ -129,7 +168,7 @@ def test_a_kernel_is_stored_once_and_then_loaded():
     out = k(inputs=[x], template=[], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
             output_dtypes=[mx.float32])[0]
     func, source = k.variant_source([x], [], [mx.float32])
-    path = module_path(kernel_cache.mlx_cache_dir(), f"{func}_{std_hash(source.encode()):x}")
+    path = module_path(kernel_cache.mlx_cache_dirs()[0], f"{func}_{std_hash(source.encode()):x}")
     try:
         assert path.is_file() and path.with_suffix(".txt").read_text().startswith(f"mlx::core::cu::{func}\t")
         assert out.tolist() == [0.0, 2.0, 4.0, 6.0]
