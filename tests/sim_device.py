@@ -19,6 +19,7 @@ class SimDevice:
     noise: float = 0.05  # lognormal sigma per round
     stall_p: float = 0.01  # share of rounds that stall (another process, GC) ...
     stall_x: float = 5.0  # ... for this many times their time
+    switch: float = 0.0  # pipelined: added to a round whose k differs from the round before (a bubble)
 
     def round_steps(self, k: int) -> float:
         return 1.0 if k == 0 else self.verify[k + 1] + k * self.draft + self.fixed
@@ -59,6 +60,8 @@ def simulate(dev: SimDevice, acceptance, rounds: int, sched=None, fixed_k: int =
             while n < k and rng.random() < acceptance(i):
                 n += 1
         steps = dev.round_steps(k) + (owed * dev.row if k else 0.0)
+        if pipelined and prev is not None and prev != k:
+            steps += dev.switch
         t = dev.step_s * steps * math.exp(rng.gauss(0.0, dev.noise))
         if rng.random() < dev.stall_p:
             t *= dev.stall_x
@@ -95,3 +98,8 @@ H100_9B = SimDevice(verify={2: 1.2, 3: 1.2, 4: 1.2, 5: 1.2, 6: 1.6, 7: 1.8, 8: 2
                     draft=0.1)  # session 15's 9B rounds on an H100: t(k)/t(0) ~ 1.35-1.65 for k = 1..4
 MOE = SimDevice(verify={1: 1.0, 2: 1.37, 3: 1.66, 4: 1.96, 5: 2.81, 6: 2.90, 7: 3.2, 8: 3.5, 9: 3.8},
                 draft=0.10)  # 35B-A3B shape, measured
+# session 16's 9B rounds on an H100 (docs/benchmarks.md, auto_trace): t(k)/t(0) ~ 1.29, 1.30, 1.44,
+# 1.53 for k = 1..4 (auto's steady rounds at a = 0.5 and 0.8); a round after one of another k cost
+# ~0.4 step more (auto's rounds of each k against fixed n-max's, 25 changes of k in 67 rounds)
+H100_9B_S16 = SimDevice(verify={2: 1.15, 3: 1.07, 4: 1.12, 5: 1.12, 6: 1.6, 7: 1.8, 8: 2.0, 9: 2.2}, draft=0.09,
+                        switch=0.4)
