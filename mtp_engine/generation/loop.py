@@ -31,6 +31,9 @@ class Chunk:
     logprobs: list[dict] | None = None  # per token, when asked for: {"token", "logprob", "top": [(id, lp)]}
     n_drafted: int = 0  # drafts proposed by the round(s) this chunk came from (accepted or not)
     tool_calls: list[dict] | None = None  # the last chunk, when tools were given: the calls the text holds
+    # per token, its text from the stream's detokenizer (stop strings not yet cut; a last extra
+    # entry: bytes held back until the end), for traces that show each token's text
+    pieces: list[str] = field(default_factory=list)
 
 
 class _StopMatcher:
@@ -135,6 +138,7 @@ def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int],
     while not done:
         # token by token, so a round that overshoots EOS, max_tokens or a stop string is cut exactly
         out_ids: list[int] = []
+        pieces: list[str] = []
         text = ""
         hit = False
         drafted, logprobs, n_drafted = meta
@@ -144,7 +148,8 @@ def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int],
                 break
             generated.append(tok)
             out_ids.append(tok)
-            piece, hit = matcher.push(detok.add(tok))
+            pieces.append(detok.add(tok))
+            piece, hit = matcher.push(pieces[-1])
             text += piece
             if hit:
                 finish, done = "stop", True
@@ -153,13 +158,14 @@ def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int],
                 done = True
                 break
         if done and not hit:  # held-back bytes and stop-string prefixes are final text now
-            tail, _ = matcher.push(detok.flush())
+            pieces.append(detok.flush())
+            tail, _ = matcher.push(pieces[-1])
             text += tail + matcher.flush()
         if ttft is None and pending:
             ttft = time.perf_counter() - t0
         if text or out_ids:
             yield Chunk(text, out_ids, drafted=drafted[:len(out_ids)], n_drafted=n_drafted,
-                        logprobs=logprobs[:len(out_ids)] if logprobs is not None else None)
+                        logprobs=logprobs[:len(out_ids)] if logprobs is not None else None, pieces=pieces)
         if not done:
             decoder.budget = max_tokens - len(generated)
             pending = decoder.step()

@@ -96,13 +96,14 @@ async def _next_event(job: Job, request: Request) -> Event:
             job.cancel()
             raise ClientGone
     while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), POLL_S)
-        except asyncio.TimeoutError:
+        ev = job.pop()
+        if ev is not None:
+            return ev
+        if not await job.wait(POLL_S):
             job.checked_at = time.monotonic()
             if await request.is_disconnected():
                 job.cancel()
-                raise ClientGone from None
+                raise ClientGone
 
 
 def _trace(ev: Event, counters: dict) -> dict:
@@ -178,13 +179,23 @@ class Generation:
         ev, last, opened = first, None, False
         try:
             while ev.kind == "chunk":
-                c = last = ev.chunk
-                last_ev = ev
-                if c.text or c.token_ids:  # the final chunk only carries the finish reason and stats
-                    for body in self._chunk_bodies(ev, not opened):
-                        opened = True
-                        yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-                ev = await _next_event(self.job, request)
+                # every chunk that has arrived goes out in one write: one send per loop turn, not
+                # per token (the client sees the same events)
+                parts = []
+                while True:
+                    c = last = ev.chunk
+                    last_ev = ev
+                    if c.text or c.token_ids:  # the final chunk only carries the finish reason and stats
+                        for body in self._chunk_bodies(ev, not opened):
+                            opened = True
+                            parts.append(f"data: {json.dumps(body, ensure_ascii=False)}\n\n")
+                    nxt = self.job.pop()
+                    if nxt is None or nxt.kind != "chunk":
+                        break
+                    ev = nxt
+                if parts:
+                    yield "".join(parts)
+                ev = nxt if nxt is not None else await _next_event(self.job, request)
             if ev.kind == "error":  # headers are sent: the error travels as an event
                 yield f"data: {json.dumps(_engine_error(ev.error).body())}\n\n"
                 return

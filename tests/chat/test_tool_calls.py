@@ -186,10 +186,12 @@ def _run(gen, job, loop, evs, stream: bool):
 
     async def go():
         for e in evs[1:]:
-            job.events.put_nowait(e)
+            job.put(e)
         if not stream:
             return await gen.collect(evs[0], request)
-        return [json.loads(x[6:]) for x in [s async for s in gen.stream(evs[0], request)] if x != "data: [DONE]\n\n"]
+        # one write may carry several SSE events (every chunk that had arrived)
+        text = "".join([s async for s in gen.stream(evs[0], request)])
+        return [json.loads(e[6:]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
 
     try:
         return loop.run_until_complete(go())
