@@ -1,0 +1,71 @@
+"""The hand-over of a job's events from the generation thread to the event loop (server/worker.Job):
+one wake-up in flight at a time, the handler taking what has arrived. Nothing may be lost,
+reordered or left waiting, whatever the interleaving of the two threads."""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+from mtp_engine.generation.loop import Chunk
+from mtp_engine.server.app import Generation, _next_event
+from mtp_engine.server.worker import Event, Job
+
+
+class _Request:
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def test_every_event_arrives_once_in_order_under_any_interleaving():
+    async def run(seed: int) -> list[int]:
+        loop = asyncio.get_running_loop()
+        job = Job(SimpleNamespace(tool_format=None, prompt_ids=[1]), False, loop)
+        rng = random.Random(seed)
+        pauses = [rng.choice([0.0, 0.0, 0.0, 1e-5, 2e-4]) for _ in range(3000)]
+
+        def produce() -> None:
+            for i, p in enumerate(pauses):
+                job.put(Event("chunk", Chunk(str(i), [i])))
+                if p:
+                    time.sleep(p)
+            job.put(Event("done"))
+
+        threading.Thread(target=produce).start()
+        got = []
+        while True:
+            ev = await _next_event(job, _Request())
+            if ev.kind == "done":
+                return got
+            got.append(ev.chunk.token_ids[0])
+            if rng.random() < 0.01:
+                await asyncio.sleep(1e-3)  # a busy handler: events pile up meanwhile
+
+    for seed in range(3):
+        assert asyncio.run(run(seed)) == list(range(3000))
+
+
+def test_a_stream_writes_what_has_arrived_together_and_every_event_once():
+    async def run() -> str:
+        loop = asyncio.get_running_loop()
+        job = Job(SimpleNamespace(tool_format=None, prompt_ids=[1]), True, loop)
+        for i in range(50):  # all arrived before the handler runs: one write
+            job.put(Event("chunk", Chunk(f"t{i} ", [i], drafted=[False], pieces=[f"t{i} "]), [f"t{i} "]))
+        job.put(Event("chunk", Chunk("", [], "length", {"decode_seconds": 1.0})))
+        job.put(Event("done", prompt_tokens=1))
+        state = SimpleNamespace(worker=SimpleNamespace(model=SimpleNamespace(tokenizer=None)), model_name="m")
+        req = SimpleNamespace(kind="completion", tools=None, logprobs=None, mtp_trace=True, include_usage=False)
+        gen = Generation(state, req, job)
+        first = await _next_event(job, _Request())
+        writes = [s async for s in gen.stream(first, _Request())]
+        assert len(writes) <= 3, len(writes)  # the tokens, the end, [DONE]
+        return "".join(writes)
+
+    import json
+    text = asyncio.run(run())
+    events = [json.loads(e[6:]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+    tokens = [t["id"] for e in events for t in e.get("mtp", {}).get("tokens", []) if "usage" not in e["mtp"]]
+    assert "".join(e["choices"][0]["text"] for e in events) == "".join(f"t{i} " for i in range(50))
+    assert tokens == list(range(50))
