@@ -250,6 +250,9 @@ def store(func_name: str, source: str) -> Path | None:
             nvrtc = _compiler()
             if nvrtc is None:
                 return None
+            if STATS["compiled"] == 0:  # once per process: a first run on this GPU / MLX pauses here
+                log.info("compiling this model's CUDA kernels for this GPU and MLX version (first run only, "
+                         "~2 s each, a dozen at most; kept in %s)", paths[0].parent)
             t0 = time.perf_counter()
             kernel = "mlx::core::cu::" + func_name
             code, mangled = nvrtc.compile(source, module, kernel)
