@@ -2,11 +2,22 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|batch|server|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|batch|server|summary|all]
+# (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 what=${1:-all}
 export PYTHONUNBUFFERED=1
+# `all` must end inside one device call (600 s, the install before it included): each section gets at most what is left of 560 s,
+# and one that cannot get its minimum is skipped and named in the summary
+deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-560} ))
+left() {  # left MAX MIN: seconds this section may take, or nothing when fewer than MIN remain
+    r=$(( deadline - $(date +%s) ))
+    [ "$r" -gt "$1" ] && r=$1
+    if [ "$r" -lt "$2" ]; then echo "skipped for time: $3" >> "$out/skipped.txt"; return 1; fi
+    echo "$r"
+}
+[ "$what" = summary ] || rm -f "$out/skipped.txt"
 # The CUDA-backend suite: the kernels and compiled step (group 1), then the model against its
 # references, caches, constraints and batching on the GPU path (group 2). Over pytest-xdist workers
 # (gpu_stage.sh stages it) both groups fit one call; in one process each needs its own (tests1, tests2).
@@ -16,7 +27,8 @@ group1="tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py tests/mod
 group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.py tests/generation/test_constraint.py
     tests/batching/test_batching.py"
 gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU
-    timeout 580 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=12 $workers -k "not serve_parallel" \
+    t=$(left 580 120 "$1") || return 0
+    timeout "$t" python3 -m pytest -q -p no:cacheprovider --tb=short --durations=12 $workers -k "not serve_parallel" \
         $2 > "$out/$1.log" 2>&1
     echo "$1 rc=$?"; grep -E "passed|failed" "$out/$1.log" | tail -1
 }
@@ -43,11 +55,12 @@ if [ "$what" = spec ]; then  # issue 23: a round's parts, then auto's speedups, 
 fi
 if [ "$what" = startup ] || [ "$what" = all ]; then
     for i in 1 2; do
-        timeout 150 python3 scripts/startup_breakdown.py > "$out/startup$i.json" 2> "$out/startup$i.err"
+        t=$(left 150 20 "startup $i") || continue
+        timeout "$t" python3 scripts/startup_breakdown.py > "$out/startup$i.json" 2> "$out/startup$i.err"
         echo "startup $i rc=$?"
     done
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [ "$what" = bench ]; then  # not in `all`: with the suite it would not fit one call
     timeout 200 python3 scripts/bench_gpu.py --sections plain,verify --configs fused,fused+attn --repeats 5 \
         --tokens 64 --no-peer > "$out/plain-verify.json" 2> "$out/plain-verify.log"
     echo "plain/verify rc=$?"
@@ -60,9 +73,15 @@ if [ "$what" = batch ]; then  # continuous batching (issue 27): the shipped mode
     echo "batch rc=$?"; tail -5 "$out/batch.log"
 fi
 if [ "$what" = server ] || [ "$what" = all ]; then
+    repeats=9
+    [ "$what" = all ] && repeats=5  # ~70 s a spec type instead of ~110 s
     for spec in none draft-mtp; do
-        timeout 150 python3 scripts/bench_server.py -n 256 --repeats 9 --spec $spec --n-max auto \
+        t=$(left 150 60 "server $spec") || continue
+        timeout "$t" python3 scripts/bench_server.py -n 256 --repeats $repeats --spec $spec --n-max auto \
             --out "$out/server-$spec.json" > "$out/server-$spec.log" 2>&1
         echo "server $spec rc=$?"; tail -3 "$out/server-$spec.log"
     done
+fi
+if [ "$what" = all ] || [ "$what" = summary ]; then
+    python3 scripts/gpu_summary.py "$out" | tee "$out/summary.md"
 fi
