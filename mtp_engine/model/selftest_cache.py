@@ -18,6 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 
 FILE = "kernel-selftests.json"
+# seconds each self-test took in this process (those run, not those a stored verdict skipped):
+# scripts/startup_breakdown.py reports them apart from the rest of load()
+RUN_SECONDS: dict[str, float] = {}
 
 
 def key(name: str, source: str, shape) -> str:
