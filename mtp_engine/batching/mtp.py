@@ -32,7 +32,8 @@ from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
-from .scheduler import BatchScheduler, Sequence
+from ..speculative.scheduler import MARGIN
+from .scheduler import BatchScheduler, Sequence, _Step
 
 class DraftLengthChooser:
     """n-max auto for a batch: the k that maximises the batch's expected tokens per second, from
@@ -59,17 +60,34 @@ class DraftLengthChooser:
     def choose(self, batch: int, k_cap: int) -> int:
         batch = self.bucket(batch)
         cap = min(self.k_max, k_cap)
-        for k in range(cap + 1):  # what is not yet measured is tried first
-            if len(self.seconds.get((batch, k), [])) < self.explore + 1:
+        for k in range(cap + 1):  # what is not yet measured is tried first ...
+            if not self._measured(batch, k):
+                if k >= 2 and self._hopeless(batch, cap):
+                    break  # ... unless no longer draft could pay
                 return k
         a = self.acceptance()
 
         def rate(k: int) -> float:
-            times = sorted(self.seconds[(batch, k)][1:])
             per_row = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1  # tokens a row emits per round
-            return per_row / times[len(times) // 2]
+            return per_row / self._median(batch, k)
 
-        return max(range(cap + 1), key=rate)
+        return max((k for k in range(cap + 1) if self._measured(batch, k)), key=rate)
+
+    def _measured(self, batch: int, k: int) -> bool:
+        return len(self.seconds.get((batch, k), [])) >= self.explore + 1
+
+    def _median(self, batch: int, k: int) -> float:
+        times = sorted(self.seconds[(batch, k)][1:])
+        return times[len(times) // 2]
+
+    def _hopeless(self, batch: int, cap: int) -> bool:
+        """Whether, with rounds growing by what k = 1 added to a plain step per draft, no k up to
+        the cap beats plain steps even with every draft accepted: on a CPU a verify row costs what
+        it computes, and exploring k = 2..4 at each batch size cost 12 slow rounds of a 38-round
+        run (0.77x of plain batching, docs/benchmarks.md)."""
+        t0, t1 = self._median(batch, 0), self._median(batch, 1)
+        per_draft = max(t1 - t0, 0.0)
+        return all((k + 1) / (t0 + k * per_draft) <= (1.0 + MARGIN[0]) / t0 for k in range(1, cap + 1))
 
     def observe(self, batch: int, k: int, seconds: float, drafted: int, accepted: int) -> None:
         times = self.seconds.setdefault((self.bucket(batch), k), [])
@@ -101,6 +119,7 @@ class MTPBatchScheduler(BatchScheduler):
         self._h_last: mx.array | None = None  # [B, 1, H]: the trunk hidden each row's head step reads
         self.rounds_by_k: dict[int, int] = {}
         self.chooser = DraftLengthChooser()
+        self._k0_done: tuple[list[Sequence], float] | None = None  # the last k = 0 step read: (rows, when)
 
     def _end_all(self, error: BaseException) -> None:
         super()._end_all(error)
@@ -176,6 +195,44 @@ class MTPBatchScheduler(BatchScheduler):
         self._rows += joined
         self._drop_joining(ready)
 
+    # ---- k = 0: the plain batched step, pipelined, keeping the head in step ------------------------
+    def _may_queue(self, rows: list[Sequence]) -> bool:
+        return draft_length(rows, self.chooser) == 0
+
+    def _launch(self, rows: list[Sequence], prev: mx.array | None = None) -> _Step:
+        """The plain batched step; where a row drafts, the head's row for each row's last token
+        (read with the trunk hidden state before it) runs in the same queued work, so the head is
+        current when a later round drafts. Rows that never draft skip the head (`_h_last` may go
+        stale: it is never read for them)."""
+        if not any(s.draft for s in rows):
+            return super()._launch(rows, prev)
+        m = self.model.model
+        ids = prev[:, None].astype(mx.int32) if prev is not None else \
+            mx.array([[s.last_token] for s in rows], dtype=mx.int32)
+        m.mtp.forward_batch(m.embed_tokens(ids), self._h_last, self._head)
+        post = m.forward_batch(ids, self._batch)  # [B, 1, H]
+        self._h_last = post
+        logits = m.logits(post[:, -1])
+        step = _Step(rows, logits, mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits), axis=-1), head=True)
+        mx.async_eval(step.greedy, step.finite, self._h_last, *self._batch.arrays(), *self._head.arrays())
+        return step
+
+    def _complete(self, step: _Step) -> None:
+        if not step.head:
+            super()._complete(step)
+            return
+        for s in step.rows:
+            if s.draft and not s.done:
+                s.counts.record(0, 0)
+        self.rounds_by_k[0] = self.rounds_by_k.get(0, 0) + 1
+        super()._complete(step)
+        # a pipelined step's time is the interval between two reads of steps of the same rows
+        now = time.perf_counter()
+        drafting = any(s.draft for s in step.rows) and all(s.n_max is None for s in step.rows if s.draft)
+        if self._k0_done is not None and self._k0_done[0] == step.rows and drafting:
+            self.chooser.observe(len(step.rows), 0, now - self._k0_done[1], 0, 0)
+        self._k0_done = (step.rows, now)
+
     # ---- a batched round ------------------------------------------------------------------------
     def _accepted(self, drafts: list[int], target: list[int]) -> int:
         """How many drafts the target agrees with: the greedy prefix match (a benchmark's oracle
@@ -189,14 +246,16 @@ class MTPBatchScheduler(BatchScheduler):
         rows = list(self._rows)
         if not rows:
             return
-        if self._queued is not None or not any(s.draft for s in rows):
-            # rows that never draft take the plain batched step, pipelined (`BatchScheduler._decode`);
-            # their head rows are never read, so the head is skipped and `_h_last` may go stale. A step
-            # still queued when a drafting row joins is read first (it delivers to the rows it ran).
+        k = draft_length(rows, self.chooser)
+        if self._queued is not None or k == 0:
+            # k = 0 rounds are the plain batched step, pipelined (`BatchScheduler._decode`), with the
+            # head's row for each token queued with it where a row drafts (`_launch`): auto picks
+            # k = 0 for large batches, where a synchronous round cost 0.74-0.78x of plain batching
+            # on this CPU. A step still queued when a round must draft is read first.
             super()._decode()
             return
+        self._k0_done = None
         m, mtp = self.model.model, self.model.model.mtp
-        k = draft_length(rows, self.chooser)
         t0 = time.perf_counter()
         last = mx.array([[s.last_token] for s in rows], dtype=mx.int32)
         tok, h, drafts = last, self._h_last, []

@@ -86,6 +86,7 @@ class _Step:
     logits: mx.array  # [B, V]
     greedy: mx.array  # [B]
     finite: mx.array  # [B]
+    head: bool = False  # it also ran the MTP head's rows (batching.mtp, k = 0 rounds)
 
 
 class SchedulerStopped(MTPEngineError):
@@ -313,9 +314,13 @@ class BatchScheduler:
             return
         cur = self._queued or self._launch(rows)
         self._queued = None
-        if cur.rows == rows and all(s.sampler.argmax_on_device for s in rows):
+        if cur.rows == rows and all(s.sampler.argmax_on_device for s in rows) and self._may_queue(rows):
             self._queued = self._launch(rows, cur.greedy)
         self._complete(cur)
+
+    def _may_queue(self, rows: list["Sequence"]) -> bool:
+        """Whether the step after this one is another plain step (a subclass may want otherwise)."""
+        return True
 
     def _launch(self, rows: list["Sequence"], prev: mx.array | None = None) -> _Step:
         """Queues one batched step: each row's last token (from the host, or `prev` [B], the

@@ -360,17 +360,73 @@ def test_mtp_batch_reuses_the_prompt_cache_with_the_heads_state(shipped_model):
     m.scheduler.stop()
 
 
+def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shipped_model):
+    """auto's k = 0 rounds (its choice for large batches) are the plain batched step, queued one
+    ahead, with the head's row for each token in the same work: drafting rounds after a k = 0
+    stretch draft from an exact head (their drafts accepted as often as without the stretch) and
+    every row gets what it gets alone. A chooser that alternates stretches of 0 and 3 stands in for
+    auto's measurements."""
+    from dataclasses import replace
+
+    from mtp_engine.api import stream_request
+    from mtp_engine.batching import batch_scheduler
+    from mtp_engine.request import prepare, request_from_keywords
+
+    want = _alone(shipped_model, PROMPTS[:3], max_tokens=30, ignore_eos=True)
+    m = replace(shipped_model, scheduler=None)
+    m.scheduler = sched = batch_scheduler(m, 3)
+    choices = iter(([0] * 6 + [3] * 3) * 40)
+    sched.chooser.choose = lambda batch, cap: next(choices)
+    queued, lengths = [], []
+    launch = sched._launch
+    sched._launch = lambda rows, prev=None: (queued.append(prev is not None), launch(rows, prev))[1]
+    capture = sched._batch.begin_capture
+
+    def drafting_round_starts():  # each row's head and trunk lengths when a round drafts
+        lengths.append((list(sched._head.host_lengths), list(sched._batch.host_lengths)))
+        capture()
+
+    sched._batch.begin_capture = drafting_round_starts
+    got: dict[int, list] = {}
+
+    def read(i):
+        req = request_from_keywords(PROMPTS[i], max_tokens=30, ignore_eos=True, spec="draft-mtp", n_max="auto")
+        got[i] = list(stream_request(prepare(m, req), m))
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sched.stop()
+    assert [[t for c in got[i] for t in c.token_ids] for i in range(3)] == [w.token_ids for w in want]
+    assert sched.rounds_by_k.get(0, 0) >= 6 and sched.rounds_by_k.get(3, 0) >= 3, sched.rounds_by_k
+    assert sum(queued) >= 3, queued  # k = 0 steps queued behind the one being read
+    # the head keeps a row per trunk position through k = 0 steps: at each drafting round (after its
+    # k = 3 draft steps) every row's head is exactly 3 rows past its trunk
+    assert len(lengths) >= 2 and all(h - t == 3 for hs, ts in lengths for h, t in zip(hs, ts)), lengths
+    # the trained head after k = 0 stretches: its drafts are often right (an unsynced head's are not)
+    stats = [got[i][-1].stats for i in range(3)]
+    assert sum(st["accepted"] for st in stats) > 0.3 * sum(st["drafted"] for st in stats), \
+        [(st["accepted"], st["drafted"]) for st in stats]
+
+
 def test_auto_draft_length_is_measured_per_batch_size():
     from mtp_engine.batching.mtp import DraftLengthChooser
 
     def trained(cost_per_row: float, acceptance: float) -> DraftLengthChooser:
         c = DraftLengthChooser(k_max=3, explore=2)
-        seen = set()
-        for _ in range(12):  # every k of this batch size is tried (first use + 2) before any is chosen
+        seen = []
+        for _ in range(12):  # every k of this batch size is tried (first use + 2) before any is chosen ...
             k = c.choose(4, 3)
-            seen.add(k)
+            seen.append(k)
             c.observe(4, k, 0.1 + cost_per_row * k, 0, 0)
-        assert seen == {0, 1, 2, 3}
+        if cost_per_row < 0.1:
+            assert set(seen) == {0, 1, 2, 3}
+        else:  # ... but where k = 1 shows that a draft costs a plain step, no longer one is tried
+            assert set(seen) == {0, 1} and seen[6:] == [0] * 6, seen
         c.drafted, c.accepted = 100, int(100 * acceptance)
         return c
 
