@@ -89,12 +89,14 @@ class Job:
         """Until an event is queued (True) or `timeout` seconds pass (False), on the loop."""
         if self._events:
             return True
-        self._waiter = self.loop.create_future()
+        # the waiter itself, resolved by a wake-up or by the timer: `asyncio.wait_for` would add a
+        # second future and a loop turn to every token's wake-up
+        waiter = self._waiter = self.loop.create_future()
+        timer = self.loop.call_later(timeout, lambda: waiter.done() or waiter.set_result(None))
         try:
-            await asyncio.wait_for(self._waiter, timeout)
-        except asyncio.TimeoutError:
-            pass
+            await waiter
         finally:
+            timer.cancel()
             self._waiter = None
         return bool(self._events)
 
