@@ -37,6 +37,8 @@ _WINDOW = 32  # timed rounds kept per (context range, k); the median is robust t
 _EXPLORE_AFTER = 8  # drafting rounds before a longer draft is explored (a probe's luck is no evidence)
 _SURE_WIN = 1.5  # expected rate over plain's above which measuring t(0) is deferred ...
 _DEFER_T0 = 64  # ... to this round (a 128-token run at high acceptance is ~45 rounds)
+_SWITCH_SAMPLES = 4  # rounds beside a change of k timed before its cost is believed
+_STAY_ROUNDS = 4  # rounds a draft length is expected to be kept, over which a change's cost is spread
 _EXPLORE_RUN = 4  # rounds in a row that try an unmeasured k (a pipelined round is timed only between
 # rounds of its own k: four give MIN_SAMPLES timed ones)
 
@@ -102,6 +104,7 @@ class DraftLengthScheduler:
         self._times: dict[tuple[int, int], deque] = {}  # (context bucket, k) -> seconds per round
         self._probe_times: deque = deque(maxlen=_WINDOW)  # one-draft probes (they carry catch-up rows)
         self._first_use: list[tuple[int, int, float]] = []  # (bucket, k, seconds) of untimed rounds
+        self._beside_change = [0.0, 0]  # rounds beside a change of k: summed excess (plain steps), count
         self._bucket = 0
         self._last_k = 0
         self._plain_streak = 0
@@ -216,11 +219,26 @@ class DraftLengthScheduler:
     def _measured_drafting(self) -> bool:
         return any(k > 0 and len(d) >= MIN_SAMPLES for (_, k), d in self._times.items()) or bool(self._probe_times)
 
+    def switch_steps(self) -> float:
+        """What a change of draft length costs, in plain steps: pipelined rounds beside a change
+        (the one before it and the one after, `steady` False) against their k's steady median, the
+        mean excess of such a round times the two rounds a change touches (on an H100 ~0.4 step a
+        change; synchronous rounds are all steady: 0). 0 until _SWITCH_SAMPLES were timed."""
+        total, n = self._beside_change
+        return max(2.0 * total / n, 0.0) if n >= _SWITCH_SAMPLES else 0.0
+
     # ---- the choice -------------------------------------------------------------------------
     def next_k(self, context: int = 0) -> int:
         self._bucket = context_bucket(context)
         rates = [self.expected_rate(k) for k in range(self.k_max + 1)]
         best = max(range(1, self.k_max + 1), key=lambda k: rates[k])
+        last = self._last_k
+        if 0 < last <= self.k_max and best != last and rates[last] > 1.0 + MARGIN[0]:
+            # leaving the current length pays the measured change cost once, spread over the rounds a
+            # length is usually kept: near-equal lengths no longer trade places with every estimate
+            sw = self.switch_steps()
+            if sw and self.expected_tokens(best) / (self.round_steps(best) + sw / _STAY_ROUNDS) <= rates[last]:
+                best = last
         threshold = 1.0 + MARGIN[0] if self._last_k == 0 else 1.0 - MARGIN[1]
         k = best if rates[best] > threshold else 0
         if self._forced_plain:
@@ -337,6 +355,10 @@ class DraftLengthScheduler:
             return
         if steady:
             self._times.setdefault((b, k), deque(maxlen=_WINDOW)).append(seconds)
+        elif (m := self._median(k, b, True)) is not None and (t0 := self.step_seconds(b)):
+            # excess clipped to [-0.5, 1] step: a stall is not a change's cost
+            self._beside_change[0] += min(max((seconds - m) / t0, -0.5), 1.0)
+            self._beside_change[1] += 1
 
     # ---- reporting --------------------------------------------------------------------------
     def compile_seconds(self) -> float:
