@@ -114,11 +114,7 @@ def test_threads_share_batched_steps_and_overlap(parallel_model, shipped_model):
         except BaseException as e:  # reported below, not lost in the thread
             errors.append(e)
 
-    threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(read, range(8))
     assert not errors and [got[i] for i in range(8)] == want
     # 4 slots: the first four streams to start all start before any stream ends
     assert sorted(first.values())[3] < min(ended.values())
@@ -142,11 +138,7 @@ def test_random_cancellations_leak_no_slot(models):
         gen.close()
 
     for batch in range(10):
-        threads = [threading.Thread(target=read, args=(20 * batch + i,)) for i in range(20)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _in_threads(read, range(20 * batch, 20 * batch + 20))
     deadline = time.time() + 10
     while (s.running or s.waiting) and time.time() < deadline:
         time.sleep(0.01)
@@ -248,11 +240,7 @@ def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
         req = request_from_keywords(prompts[i], max_tokens=10, ignore_eos=True, **kws[i])
         got[i] = [t for c in stream_request(prepare(m, req), m) for t in c.token_ids]
 
-    threads = [threading.Thread(target=read, args=(i,)) for i in range(5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    _in_threads(read, range(5))
     assert [got[i] for i in range(5)] == [w.token_ids for w in want]
     m.scheduler.stop()
 
@@ -319,12 +307,8 @@ def test_oracle_batches_accept_what_they_are_told(shipped_model, oracle):
     def one(i):  # a model with a scheduler: generate() calls from threads share its batches
         got[i] = generate(PROMPTS[i], m, max_tokens=10, ignore_eos=True, spec="draft-mtp", n_max=3)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _in_threads(one, range(3))
     finally:
         m.scheduler.stop()
     got = [got[i] for i in range(3)]
@@ -393,12 +377,8 @@ def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shippe
         req = request_from_keywords(PROMPTS[i], max_tokens=30, ignore_eos=True, spec="draft-mtp", n_max="auto")
         got[i] = list(stream_request(prepare(m, req), m))
 
-    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _in_threads(read, range(3))
     finally:
         sched.stop()
     assert [[t for c in got[i] for t in c.token_ids] for i in range(3)] == [w.token_ids for w in want]
@@ -563,6 +543,15 @@ def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
         assert status == 200 and want[0].startswith(body["choices"][0]["text"])
     finally:
         server.stop()
+
+
+def _in_threads(fn, args) -> None:
+    """fn(a) for each a, each in a thread of its own, all started before any is waited for."""
+    threads = [threading.Thread(target=fn, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
 
 
 def assert_close_at_scale(got: mx.array, want: mx.array, where) -> None:
