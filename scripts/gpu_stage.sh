@@ -44,4 +44,5 @@ while [ "$i" -lt "$n" ]; do
     echo "  call $i: mkdir -p /tmp/mlxw && cp .gpu/$i/* /tmp/mlxw/        carry .gpu/$i"
     i=$((i + 1))
 done
-echo "  call $n: sh .gpu/$n/install.sh && export PYTHONPATH=/tmp/site:\$PWD && sh scripts/gpu_check.sh tests   carry .gpu/$n"
+echo "  call $n: sh .gpu/$n/install.sh > \$OUT/install.log 2>&1; export PYTHONPATH=/tmp/site:\$PWD; OUT=\$OUT sh scripts/gpu_check.sh all   carry .gpu/$n"
+echo "  (all: the suite, start-up, the server and one table within the call; later warm calls: export PYTHONPATH=/tmp/site:\$PWD; ...)"
