@@ -97,6 +97,13 @@ class DraftLengthChooser:
         self.accepted += accepted
 
 
+def _auto(rows: list[Sequence]) -> bool:
+    """Whether the batch's draft length is the chooser's: some row drafts, none fixes an n-max
+    (only then are its rounds the chooser's samples)."""
+    drafting = [s for s in rows if s.draft]
+    return bool(drafting) and all(s.n_max is None for s in drafting)
+
+
 def draft_length(rows: list[Sequence], chooser: DraftLengthChooser) -> int:
     """The batch's k: 0 when no sequence drafts, else the smallest n-max the drafting sequences
     fix, or the chooser's for this batch size (n-max auto)."""
@@ -228,8 +235,7 @@ class MTPBatchScheduler(BatchScheduler):
         super()._complete(step)
         # a pipelined step's time is the interval between two reads of steps of the same rows
         now = time.perf_counter()
-        drafting = any(s.draft for s in step.rows) and all(s.n_max is None for s in step.rows if s.draft)
-        if self._k0_done is not None and self._k0_done[0] == step.rows and drafting:
+        if self._k0_done is not None and self._k0_done[0] == step.rows and _auto(step.rows):
             self.chooser.observe(len(step.rows), 0, now - self._k0_done[1], 0, 0)
         self._k0_done = (step.rows, now)
 
@@ -299,7 +305,7 @@ class MTPBatchScheduler(BatchScheduler):
         self._h_last = mx.take_along_axis(post, mx.broadcast_to(pick, (len(rows), 1, post.shape[2])), axis=1)
         mx.eval(self._h_last, *self._batch.arrays(), *self._head.arrays())
         drafting = [b for b, s in enumerate(rows) if s.draft]
-        if drafting and all(s.n_max is None for s in rows if s.draft):
+        if _auto(rows):
             self.chooser.observe(len(rows), k, time.perf_counter() - t0, k * len(drafting),
                                  sum(keep[b] - 1 for b in drafting))
         for b, s in enumerate(rows):

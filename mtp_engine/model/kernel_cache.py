@@ -140,6 +140,7 @@ class NVRTC:
 
     def __init__(self):
         self.lib = ctypes.CDLL(_loaded_library("libnvrtc"))
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         major, minor = ctypes.c_int(), ctypes.c_int()
         self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
         if major.value < 12:  # older NVRTC may not emit this GPU's machine code (MLX then takes PTX)
@@ -147,12 +148,10 @@ class NVRTC:
         cc = _compute_capability()
         self.arch = f"--gpu-architecture=sm_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''}"
         self.includes = [f"--include-path={p}" for p in _include_dirs(major.value)]
-        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
-            msg = self.lib.nvrtcGetErrorString(rc) if hasattr(self, "arch") else rc
-            raise RuntimeError(f"{what} failed: {msg}")
+            raise RuntimeError(f"{what} failed: {self.lib.nvrtcGetErrorString(rc).decode(errors='replace')}")
 
     def compile(self, source: str, name: str, kernel: str) -> tuple[bytes, str]:
         """(cubin, mangled name of `kernel`) for `source`, as MLX compiles it."""

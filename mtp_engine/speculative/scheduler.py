@@ -239,7 +239,7 @@ class DraftLengthScheduler:
             sw = self.switch_steps()
             if sw and self.expected_tokens(best) / (self.round_steps(best) + sw / _STAY_ROUNDS) <= rates[last]:
                 best = last
-        threshold = 1.0 + MARGIN[0] if self._last_k == 0 else 1.0 - MARGIN[1]
+        threshold = 1.0 + MARGIN[0] if last == 0 else 1.0 - MARGIN[1]
         k = best if rates[best] > threshold else 0
         if self._forced_plain:
             k, self._forced_plain = 0, self._forced_plain - 1
