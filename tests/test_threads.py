@@ -100,3 +100,103 @@ def test_a_main_thread_stream_continued_elsewhere_says_so():
     head = _in_threads(lambda: next(box["s"]).token_ids, 1)[0]
     tail = _in_threads(lambda: [t for c in box["s"] for t in c.token_ids], 1)[0]
     assert head + tail == ref and first == ref[:len(first)]
+
+
+# ---- the engine thread's streams, with plain generators (no model) ------------------------------
+from mtp_engine import threads  # noqa: E402
+
+
+def _made_on() -> tuple:
+    """A stream recording, for each item it makes, the thread it ran on and how many it had made."""
+    log: list[tuple[str, int]] = []
+    stopped: list[str] = []
+
+    @threads.engine_thread
+    def count(n: int, fail_at: int | None = None):
+        try:
+            for i in range(n):
+                if i == fail_at:
+                    raise ValueError(f"bad item {i}")
+                log.append((threading.current_thread().name, i))
+                yield i
+        finally:
+            stopped.append(threading.current_thread().name)
+
+    return count, log, stopped
+
+
+def test_a_thread_reads_a_stream_made_on_the_engine_thread_in_order():
+    count, log, stopped = _made_on()
+    (got,) = _in_threads(lambda: list(count(50)), 1)
+    assert got == list(range(50))
+    assert {name for name, _ in log} == {"mtp-engine-mlx"} and stopped == ["mtp-engine-mlx"]
+
+
+def test_a_stream_runs_at_most_run_ahead_steps_past_its_reader():
+    count, log, stopped = _made_on()
+    seen: list[int] = []
+    made_when_read: list[int] = []
+
+    def read() -> None:
+        gen = count(100)
+        for i in gen:
+            seen.append(i)
+            threading.Event().wait(0.002)  # a slow reader: the engine thread waits, not runs on
+            made_when_read.append(len(log))
+            if i == 9:
+                break
+        gen.close()
+
+    _in_threads(read, 1)
+    assert seen == list(range(10))
+    assert max(m - (k + 1) for k, m in enumerate(made_when_read)) <= threads.RUN_AHEAD
+    assert len(log) <= 10 + threads.RUN_AHEAD  # closing early stopped it
+    assert stopped == ["mtp-engine-mlx"]  # its finally ran on the engine thread, at close
+
+
+def test_a_stream_error_is_raised_in_the_reader_after_the_items_before_it():
+    count, _, _ = _made_on()
+
+    def read():
+        got = []
+        try:
+            for i in count(10, fail_at=6):
+                got.append(i)
+        except ValueError as e:
+            return got, str(e)
+        return got, None
+
+    ((got, err),) = _in_threads(read, 1)
+    assert got == list(range(6)) and err == "bad item 6"
+
+
+def test_a_reader_that_stops_reading_does_not_hold_up_other_threads_streams():
+    count, log, _ = _made_on()
+    b_done = threading.Event()
+
+    def a():
+        gen = count(100)
+        first = next(gen)
+        ok = b_done.wait(30)  # A reads nothing more until B has read its whole stream
+        rest = list(gen)
+        return first, ok, rest
+
+    def b():
+        try:
+            return list(count(40))
+        finally:
+            b_done.set()
+
+    (first, ok, rest), got_b = _two(a, b)
+    assert ok, "B's stream waited for A's reader"
+    assert got_b == list(range(40)) and [first] + rest == list(range(100))
+
+
+def _two(a, b) -> tuple:
+    out: list = [None, None]
+    ts = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f())) for k, f in enumerate((a, b))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return tuple(out)

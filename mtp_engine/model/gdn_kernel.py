@@ -29,10 +29,12 @@ from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
 MAX_TOKENS = 16
+MAX_BATCH = 256  # sequences of a batched step: one block row each (grid y)
 PARTS = 4  # lanes per value column
 
 _SOURCE = """
     const int h = blockIdx.x;
+    const int b = blockIdx.y;  // the sequence (row) of a batch; every operand is offset to it
     const int tid = threadIdx.x;
     constexpr int NT = VD * P;
     constexpr int RP = KD / P;
@@ -43,7 +45,16 @@ _SOURCE = """
     const long rc = conv0_strides[1];
     const float eps = params[0];
     const bool CAPTURE = params[1] != 0.0f;  // a runtime flag: one NVRTC compile serves both
-    const int at = kept[0];  // the starting state's slot: kept tokens of a rolled-back captured pass
+    const int at = kept[b];  // the starting state's slot: kept tokens of a rolled-back captured pass
+    const float* xq = qkv + b * qkv_strides[0];
+    const float* xz = z + b * z_strides[0];
+    const float* xa = alpha + b * alpha_strides[0];
+    const float* xb = beta + b * beta_strides[0];
+    const float* c0 = conv0 + b * conv0_strides[0];
+    const int conv_rows = CAPTURE ? S + KC - 1 : KC - 1;
+    float* yb = y + (size_t)b * S * VH * VD;
+    float* sb_out = state_out + (size_t)b * (CAPTURE ? S + 1 : 1) * VH * KD * VD;
+    float* cb_out = conv_out + (size_t)b * conv_rows * C;
     __shared__ float sq[SMAX * KD];
     __shared__ float sk[SMAX * KD];
     __shared__ float sv[SMAX * VD];
@@ -64,28 +75,28 @@ _SOURCE = """
         #pragma unroll
         for (int j = 0; j < KC; ++j) {
             const int r = t + j;  // row of the window [conv state (KC-1 rows); new rows]
-            const float x = r < KC - 1 ? conv0[(r + at) * rc + ch] : qkv[(r - (KC - 1)) * rq + ch];
+            const float x = r < KC - 1 ? c0[(r + at) * rc + ch] : xq[(r - (KC - 1)) * rq + ch];
             acc += x * conv_w[ch * KC + j];
         }
         *dst = acc / (1.0f + expf(-acc));
     }
     if (tid < S) {
-        const float x = alpha[tid * ra + h] + dt_bias[h];
+        const float x = xa[tid * ra + h] + dt_bias[h];
         const float sp = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
         sg[tid] = sp * a[h];
-        sb[tid] = 1.0f / (1.0f + expf(-beta[tid * rb + h]));
+        sb[tid] = 1.0f / (1.0f + expf(-xb[tid * rb + h]));
     }
     // the new conv state, window rows S .. S+KC-2 (captured: the whole window, rows 0 .. S+KC-2);
     // each channel written by exactly one block
     {
         const int nv = VD, nqk = (h < KH) ? 2 * KD : 0;
-        const int rows = CAPTURE ? S + KC - 1 : KC - 1, first = CAPTURE ? 0 : S;
+        const int rows = conv_rows, first = CAPTURE ? 0 : S;
         for (int w = tid; w < rows * (nv + nqk); w += NT) {
             const int r = w / (nv + nqk), c = w - r * (nv + nqk);
             const int ch = c < nv ? 2 * KH * KD + h * VD + c
                                   : (c - nv < KD ? h * KD + (c - nv) : KH * KD + h * KD + (c - nv - KD));
             const int src = first + r;
-            conv_out[r * C + ch] = src < KC - 1 ? conv0[(src + at) * rc + ch] : qkv[(src - (KC - 1)) * rq + ch];
+            cb_out[r * C + ch] = src < KC - 1 ? c0[(src + at) * rc + ch] : xq[(src - (KC - 1)) * rq + ch];
         }
     }
     __syncthreads();
@@ -109,14 +120,14 @@ _SOURCE = """
     // 3. the recurrence: lane p of column j holds state rows p, p+P, ...
     const int j = tid / P, p = tid - (tid / P) * P;
     float st[RP];
-    const float* s0 = state0 + ((size_t)at * VH + h) * KD * VD;
+    const float* s0 = state0 + b * state0_strides[0] + ((size_t)at * VH + h) * KD * VD;
     #pragma unroll
     for (int r = 0; r < RP; ++r) st[r] = s0[(size_t)(p + r * P) * VD + j];
     // captured: slot t holds the state after t tokens (slot 0 the starting one)
     constexpr size_t SLOT = (size_t)VH * KD * VD;
     if (CAPTURE) {
         #pragma unroll
-        for (int r = 0; r < RP; ++r) state_out[(size_t)h * KD * VD + (size_t)(p + r * P) * VD + j] = st[r];
+        for (int r = 0; r < RP; ++r) sb_out[(size_t)h * KD * VD + (size_t)(p + r * P) * VD + j] = st[r];
     }
     for (int t = 0; t < S; ++t) {
         const float eg = expf(sg[t]);
@@ -135,7 +146,7 @@ _SOURCE = """
         for (int off = P / 2; off > 0; off >>= 1) o += __shfl_xor_sync(0xffffffffu, o, off);
         if (p == 0) so[t * VD + j] = o;
         if (CAPTURE || t == S - 1) {
-            float* s1 = state_out + (CAPTURE ? (t + 1) * SLOT : 0) + (size_t)h * KD * VD;
+            float* s1 = sb_out + (CAPTURE ? (t + 1) * SLOT : 0) + (size_t)h * KD * VD;
             #pragma unroll
             for (int r = 0; r < RP; ++r) s1[(size_t)(p + r * P) * VD + j] = st[r];
         }
@@ -150,8 +161,8 @@ _SOURCE = """
         for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
         const float inv = rsqrtf(ss / (float)VD + eps);
         for (int i = lane; i < VD; i += 32) {
-            const float zz = z[t * rz + h * VD + i];
-            y[(size_t)t * VH * VD + h * VD + i] = so[t * VD + i] * inv * norm[i] * (zz / (1.0f + expf(-zz)));
+            const float zz = xz[t * rz + h * VD + i];
+            yb[(size_t)t * VH * VD + h * VD + i] = so[t * VD + i] * inv * norm[i] * (zz / (1.0f + expf(-zz)));
         }
     }
 """
@@ -163,9 +174,10 @@ _SLOT0: mx.array | None = None  # `kept` of a plain state
 
 
 def supports(kh: int, kd: int, vh: int, vd: int, batch: int, tokens: int) -> bool:
-    """Shapes the kernel handles: one sequence, 1..16 tokens, KD split evenly over the lanes of a
-    column, a block of whole warps of at most 1024 threads, key heads tiling value heads."""
-    return (batch == 1 and 1 <= tokens <= MAX_TOKENS and kd % PARTS == 0 and (vd * PARTS) % 32 == 0
+    """Shapes the kernel handles: 1..MAX_BATCH sequences of 1..16 tokens each, KD split evenly over
+    the lanes of a column, a block of whole warps of at most 1024 threads, key heads tiling value
+    heads."""
+    return (1 <= batch <= MAX_BATCH and 1 <= tokens <= MAX_TOKENS and kd % PARTS == 0 and (vd * PARTS) % 32 == 0
             and vd * PARTS <= 1024 and vh % kh == 0 and kd // PARTS <= 64)
 
 
@@ -173,34 +185,38 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
                 conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array, state0: mx.array,
                 kh: int, kd: int, vh: int, vd: int, eps: float, kept: mx.array | None = None,
                 capture: bool = False) -> tuple[mx.array, ...]:
-    """qkv [1, S, C], z [1, S, VH*VD], alpha/beta [1, S, VH] (column slices of one product are fine:
-    rows are addressed by stride), conv0 [1, K-1, C], conv_w [C, K], state0 [1, VH, KD, VD]; or,
-    with `kept` [1] int32, a captured pass's window conv0 [1, K-1+S0, C] and states
-    [1, S0+1, VH, KD, VD] to start from slot `kept` of. Returns `gdn.Mixed`'s fields: (y
-    [1, S, VH*VD] gated-normed output, state [1, VH, KD, VD], conv state [1, K-1, C]); captured,
-    the states [1, S+1, VH, KD, VD] and the window [1, K-1+S, C]."""
+    """qkv [B, S, C], z [B, S, VH*VD], alpha/beta [B, S, VH] (column slices of one product are fine:
+    rows are addressed by stride), conv0 [B, K-1, C], conv_w [C, K], state0 [B, VH, KD, VD]; or,
+    with `kept` [B] int32, a captured pass's windows conv0 [B, K-1+S0, C] and states
+    [B, S0+1, VH, KD, VD], row b to start from its slot kept[b]. Returns `gdn.Mixed`'s fields: (y
+    [B, S, VH*VD] gated-normed output, state [B, VH, KD, VD], conv state [B, K-1, C]); captured,
+    the states [B, S+1, VH, KD, VD] and the windows [B, K-1+S, C]. The B sequences of a batch are
+    independent blocks of one launch (grid y)."""
     global _kernel, _SLOT0
     if _kernel is None:
         # inputs are addressed by their row strides, so slices of the joined product need no copy
         _kernel = CudaKernel(name="mtp_gdn_fused", input_names=_INPUTS, output_names=_OUTPUTS,
                                       source=compact(_SOURCE), ensure_row_contiguous=False)
         _SLOT0 = mx.array([0], mx.int32)
-    s = int(qkv.shape[1])
+    rows, s = int(qkv.shape[0]), int(qkv.shape[1])
     kc = int(conv_w.shape[1])
     c = int(qkv.shape[2])
     f32 = mx.float32
     # parameters must be dense (they are read by flat index); a no-op for weights as loaded
     params = [mx.contiguous(x.astype(f32)) for x in (conv_w, dt_bias, a, norm, state0)]
     acts = [x.astype(f32) for x in (qkv, z, alpha, beta, conv0)]
-    slot = _SLOT0 if kept is None else kept.astype(mx.int32)
-    state_shape = (1, s + 1, vh, kd, vd) if capture else (1, vh, kd, vd)
+    if kept is not None:
+        slot = kept.astype(mx.int32)
+    else:
+        slot = _SLOT0 if rows == 1 else mx.zeros((rows,), mx.int32)
+    state_shape = (rows, s + 1, vh, kd, vd) if capture else (rows, vh, kd, vd)
     conv_rows = kc - 1 + (s if capture else 0)
     outs = _kernel(
         inputs=[*acts, *params, mx.array([eps, float(capture)], dtype=f32), slot],
         template=[("KH", kh), ("KD", kd), ("VH", vh), ("VD", vd), ("KC", kc), ("P", PARTS),
                   ("SMAX", MAX_TOKENS)],
-        grid=(vh * vd * PARTS, 1, 1), threadgroup=(vd * PARTS, 1, 1),
-        output_shapes=[(1, s, vh * vd), state_shape, (1, conv_rows, c)],
+        grid=(vh * vd * PARTS, rows, 1), threadgroup=(vd * PARTS, 1, 1),
+        output_shapes=[(rows, s, vh * vd), state_shape, (rows, conv_rows, c)],
         output_dtypes=[f32] * 3)
     return outs[0], outs[1], outs[2]
 
@@ -210,7 +226,8 @@ _tested: bool | None = None
 
 def available(dims=None) -> bool:
     """Whether the kernel can be used in this process: on a CUDA GPU, after it matched the pure-MLX
-    mixer (`gdn.mix`) on random inputs, 1 and 5 tokens, outside any compiled graph. A compile error
+    mixer (`gdn.mix`) on random inputs (1 token; 5 captured; a batch of 3 sequences of 2 tokens,
+    each from its own slot of an earlier captured pass), outside any compiled graph. A compile error
     or a mismatch warns and answers False from then on, so the engine falls back to the MLX path
     instead of failing. Whether a model uses it is that model's choice (`EngineOptions.kernels`).
 
@@ -227,8 +244,8 @@ def available(dims=None) -> bool:
     if dims is None or not supports(dims.kh, dims.kd, dims.vh, dims.vd, 1, 1):
         dims = gdn.Dims(2, 64, 4, 64, 4, 1e-6)
     try:
-        ok = all(max_error(dims, s, seed=s, capture=cap, earlier=e) < 1e-3
-                 for s, cap, e in ((1, False, 0), (5, True, 0), (2, False, 4)))
+        ok = all(max_error(dims, s, seed=s, capture=cap, earlier=e, batch=b) < 1e-3
+                 for s, cap, e, b in ((1, False, 0, 1), (5, True, 0, 1), (2, False, 4, 3)))
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         import warnings
         warnings.warn(f"mtp-engine: fused gated-delta-net kernel unavailable ({e}); using MLX's")
@@ -237,15 +254,17 @@ def available(dims=None) -> bool:
     return ok
 
 
-def random_inputs(d, s: int, seed: int = 0, slices: bool = True, earlier: int = 0) -> dict[str, mx.array]:
-    """Random inputs of a layer of dims `d` (gdn.Dims) over s tokens, as the layer would pass them
-    (with `slices`, q/k/v, z, alpha, beta are column slices of one joined product). With `earlier`
-    > 0 the caches are a captured pass of that many tokens (window, states) and `kept` picks one."""
+def random_inputs(d, s: int, seed: int = 0, slices: bool = True, earlier: int = 0,
+                  batch: int = 1) -> dict[str, mx.array]:
+    """Random inputs of a layer of dims `d` (gdn.Dims) over s tokens of `batch` sequences, as the
+    layer would pass them (with `slices`, q/k/v, z, alpha, beta are column slices of one joined
+    product). With `earlier` > 0 the caches are a captured pass of that many tokens (windows,
+    states) and `kept` picks one per sequence (different ones)."""
     ch = 2 * d.kh * d.kd + d.vh * d.vd
     widths = [ch, d.vh * d.vd, d.vh, d.vh]
     key = mx.random.key(seed)
     ks = mx.random.split(key, 8)
-    proj = mx.random.normal((1, s, sum(widths)), key=ks[0])
+    proj = mx.random.normal((batch, s, sum(widths)), key=ks[0])
     cuts, o = [], 0
     for w in widths:
         cuts.append(proj[..., o:o + w] if slices else mx.contiguous(proj[..., o:o + w]))
@@ -253,23 +272,24 @@ def random_inputs(d, s: int, seed: int = 0, slices: bool = True, earlier: int = 
     qkv, z, alpha, beta = cuts
     lead = (earlier + 1,) if earlier else ()
     out = dict(qkv_x=qkv, z_x=z, alpha_x=alpha, beta_x=beta,
-               conv0=mx.random.normal((1, d.kernel - 1 + earlier, ch), key=ks[1]),
-               state0=0.1 * mx.random.normal((1, *lead, d.vh, d.kd, d.vd), key=ks[2]),
+               conv0=mx.random.normal((batch, d.kernel - 1 + earlier, ch), key=ks[1]),
+               state0=0.1 * mx.random.normal((batch, *lead, d.vh, d.kd, d.vd), key=ks[2]),
                conv_w=0.5 * mx.random.normal((ch, d.kernel), key=ks[3]),
                dt_bias=mx.random.normal((d.vh,), key=ks[4]),
                a=-mx.exp(mx.random.normal((d.vh,), key=ks[5])),
                norm=1.0 + 0.1 * mx.random.normal((d.vd,), key=ks[6]))
     if earlier:
-        out["kept"] = mx.array([(seed * 7 + 1) % (earlier + 1)], mx.int32)
+        out["kept"] = mx.array([(seed * 7 + 1 + 3 * r) % (earlier + 1) for r in range(batch)], mx.int32)
     return out
 
 
-def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0) -> float:
+def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0, batch: int = 1) -> float:
     """Largest absolute difference between this kernel and `gdn.mix` over every output (`capture`:
-    a captured pass; `earlier`: starting from a slot of an earlier captured pass of that many tokens)."""
+    a captured pass; `earlier`: starting from a slot of an earlier captured pass of that many
+    tokens; `batch`: sequences in one launch)."""
     from . import gdn
     from .cache import pick_state
-    x = random_inputs(d, s, seed, earlier=earlier)
+    x = random_inputs(d, s, seed, earlier=earlier, batch=batch)
     kept = x.pop("kept", None)
     ref_in = dict(x)
     if kept is not None:

@@ -29,7 +29,8 @@ def test_supported_shapes():
         assert gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, 1, 1)
         assert gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, 1, 16)
         assert not gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, 1, 17)  # prefill: chunked MLX path
-        assert not gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, 2, 1)
+        assert gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, 8, 4)  # a batched decode or verify step
+        assert not gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, gdn_kernel.MAX_BATCH + 1, 1)
     assert not gdn_kernel.supports(2, 66, 4, 64, 1, 1)  # key dim not split evenly over 4 lanes
     assert not gdn_kernel.supports(2, 64, 4, 4, 1, 1)  # a block that is not whole warps
 
@@ -39,6 +40,29 @@ def test_supported_shapes():
 @pytest.mark.parametrize("s", list(range(1, 17)))
 def test_kernel_equals_mlx_mixer(d, s):
     assert gdn_kernel.max_error(d, s, seed=s) < TOL
+
+
+@needs_gpu
+@pytest.mark.parametrize("d", SHAPES, ids=lambda d: f"kd{d.kd}vh{d.vh}")
+@pytest.mark.parametrize("s,capture,earlier", [(1, False, 0), (4, True, 0), (1, False, 3), (5, True, 5)])
+def test_batched_kernel_equals_mlx_mixer_row_by_row(d, s, capture, earlier):
+    # 8 sequences in one launch, each from its own slot of an earlier captured pass when `earlier`:
+    # every row's outputs are the MLX mixer's (which runs the batch as one array)
+    assert gdn_kernel.max_error(d, s, seed=11 * s + earlier, capture=capture, earlier=earlier, batch=8) < TOL
+
+
+@needs_gpu
+def test_batched_kernel_rows_are_independent():
+    # a row's result does not depend on the other rows: row 2 of a batch equals it run alone
+    d = SHAPES[1]
+    x = gdn_kernel.random_inputs(d, 3, seed=5, batch=4)
+    names = ["qkv_x", "z_x", "alpha_x", "beta_x", "conv0", "conv_w", "dt_bias", "a", "norm", "state0"]
+    dims = (d.kh, d.kd, d.vh, d.vd, d.eps)
+    per_row = {"qkv_x", "z_x", "alpha_x", "beta_x", "conv0", "state0"}
+    whole = gdn_kernel.gated_delta(*[x[n] for n in names], *dims)
+    alone = gdn_kernel.gated_delta(*[x[n][2:3] if n in per_row else x[n] for n in names], *dims)
+    for w, a in zip(whole, alone):
+        assert float(mx.abs(w[2:3] - a).max().item()) == 0.0
 
 
 @needs_gpu
