@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from .errors import MTPEngineError
 
-__all__ = ["arrays_of", "evaluate_all", "release_at_exit", "engine_thread", "run_on_engine_thread"]
+__all__ = ["arrays_of", "evaluate_all", "release_at_exit", "engine_thread", "on_engine_thread", "run_on_engine_thread"]
 
 
 def arrays_of(obj: Any) -> list[mx.array]:
@@ -181,16 +181,22 @@ def _engine_thread() -> _EngineThread | None:
     return None if current is _engine.thread else _engine
 
 
+def on_engine_thread(fn: Callable[[], Any]) -> Any:
+    """Runs `fn()` where this thread's MLX work belongs: right here on the main or the engine
+    thread, else on the engine thread (the caller waits; exceptions are raised in the caller).
+    A caller that consumes a whole stream (a server's job) runs it this way so that the stream,
+    started on the engine thread, is read there too: no hand-over per item."""
+    engine = _engine_thread()
+    return fn() if engine is None else engine.call(fn)
+
+
 def run_on_engine_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator: a call of `fn` from a thread other than the main one runs on the engine thread
     (the caller waits; exceptions are raised in the caller)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        engine = _engine_thread()
-        if engine is None:
-            return fn(*args, **kwargs)
-        return engine.call(lambda: fn(*args, **kwargs))
+        return on_engine_thread(lambda: fn(*args, **kwargs))
 
     return wrapper
 

@@ -27,6 +27,7 @@ from ..generation.loop import Chunk
 from ..generation.prompt_cache import PromptCache
 from ..request.keywords import request_from_keywords
 from ..request.prepare import Prepared, chat_template_note, prepare
+from ..threads import on_engine_thread
 
 log = logging.getLogger("mtp_engine.server")
 
@@ -264,7 +265,13 @@ class GenerationWorker:
 
     def _run_in_slot(self, job: Job) -> None:
         try:
-            self._run(job)
+            if self.parallel == 1:
+                # the whole job on the engine thread, where its stream runs: read from this thread,
+                # every token crossed threads before reaching the loop (server decode 0.84x of
+                # generate() on an H100 with the shipped model)
+                on_engine_thread(lambda: self._run(job))
+            else:  # batched: the scheduler's thread makes the tokens, this one streams them
+                self._run(job)
         finally:
             with self._count:
                 self.running -= 1

@@ -69,3 +69,36 @@ def test_a_stream_writes_what_has_arrived_together_and_every_event_once():
     tokens = [t["id"] for e in events for t in e.get("mtp", {}).get("tokens", []) if "usage" not in e["mtp"]]
     assert "".join(e["choices"][0]["text"] for e in events) == "".join(f"t{i} " for i in range(50))
     assert tokens == list(range(50))
+
+
+def test_a_lone_job_makes_and_hands_over_its_tokens_on_the_engine_thread(monkeypatch):
+    # with one slot the job runs where its stream runs (threads.on_engine_thread): read from the
+    # worker thread instead, each token crossed a thread before its hand-over to the loop
+    from tests.conftest import TINY_Q4, need
+    from mtp_engine.request import prepare, request_from_keywords
+    from mtp_engine.server import worker as W
+
+    put_on: list[str] = []
+    real_put = Job.put
+
+    def put(self, event):
+        put_on.append(threading.current_thread().name)
+        real_put(self, event)
+
+    monkeypatch.setattr(Job, "put", put)
+    w = W.GenerationWorker(str(need(TINY_Q4)), queue_size=2)
+    w.start()
+    loop = asyncio.new_event_loop()
+    try:
+        model = W.wait_ready(w, timeout=60)
+        job = Job(prepare(model, request_from_keywords("x", max_tokens=5, ignore_eos=True)), False, loop)
+        w.submit(job)
+        deadline = time.monotonic() + 60
+        while w.completed < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        kinds = [e.kind for e in job._events]
+        assert kinds[-1] == "done" and kinds.count("chunk") >= 1, kinds
+        assert set(put_on) == {"mtp-engine-mlx"}, put_on
+    finally:
+        w.stop()
+        loop.close()
