@@ -25,16 +25,18 @@ from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
 MAX_TOKENS = 16
+MAX_BATCH = 256  # sequences of a batched step: one block row each (grid y)
 WARPS = 8
 
 _KV_SOURCE = """
-    const int S = y_shape[0];
-    const int E = y_shape[1];
-    const int b = blockIdx.x;
-    const int s = b / HKV, hk = b % HKV;
+    const int S = y_shape[1];
+    const int E = y_shape[2];
+    const int blk = blockIdx.x;
+    const int s = blk / HKV, hk = blk % HKV;
+    const int r = blockIdx.y;  // the sequence (row) of a batch, at its own position pos[r]
     const int d = threadIdx.x;
     const float eps = params[0], log2_base = params[1];
-    const float* row = y + (size_t)s * E;
+    const float* row = y + ((size_t)r * S + s) * E;
     const float kx = row[2 * HQ * D + hk * D + d];
     const float vx = row[2 * HQ * D + HKV * D + hk * D + d];
     __shared__ float part[32];
@@ -54,11 +56,11 @@ _KV_SOURCE = """
     if (d < NROT) {
         constexpr int HALF = NROT / 2;
         const int i = d < HALF ? d : d - HALF;
-        const float ang = (float)(pos[0] + s) * exp2f(-(float)(2 * i) / (float)NROT * log2_base);
+        const float ang = (float)(pos[r] + s) * exp2f(-(float)(2 * i) / (float)NROT * log2_base);
         const float c = cosf(ang), sn = sinf(ang);
         out = d < HALF ? kn * c - kb[d + HALF] * sn : kb[d - HALF] * sn + kn * c;
     }
-    const size_t o = ((size_t)hk * S + s) * D + d;
+    const size_t o = (((size_t)r * HKV + hk) * S + s) * D + d;
     k_new[o] = out;
     v_new[o] = vx;
 """
@@ -66,14 +68,16 @@ _KV_SOURCE = """
 _ATTEND_SOURCE = """
     constexpr int NW = WARPS;
     constexpr int DL = D / 32;                  // dimensions per lane
-    const int E = y_shape[1];
+    const int S = y_shape[1];
+    const int E = y_shape[2];
     const int CAP = keys_shape[2];
-    const int b = blockIdx.x;
-    const int s = b / HQ, h = b % HQ;
+    const int blk = blockIdx.x;
+    const int s = blk / HQ, h = blk % HQ;
     const int hk = h / (HQ / HKV);
+    const int r = blockIdx.y;  // the sequence (row) of a batch: its own cache rows and position
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float eps = params[0], log2_base = params[1], scale = params[2];
-    const float* row = y + (size_t)s * E + (size_t)h * 2 * D;   // the head's query, then its gate
+    const float* row = y + ((size_t)r * S + s) * E + (size_t)h * 2 * D;   // the head's query, then its gate
     __shared__ float qs[D];
     __shared__ float part[NW];
     __shared__ float sm[NW], sl[NW];
@@ -95,7 +99,7 @@ _ATTEND_SOURCE = """
     if (tid < NROT) {
         constexpr int HALF = NROT / 2;
         const int i = tid < HALF ? tid : tid - HALF;
-        const float ang = (float)(pos[0] + s) * exp2f(-(float)(2 * i) / (float)NROT * log2_base);
+        const float ang = (float)(pos[r] + s) * exp2f(-(float)(2 * i) / (float)NROT * log2_base);
         const float c = cosf(ang), sn = sinf(ang);
         qr = tid < HALF ? qn * c - qs[tid + HALF] * sn : qs[tid - HALF] * sn + qn * c;
     }
@@ -106,9 +110,9 @@ _ATTEND_SOURCE = """
     #pragma unroll
     for (int i = 0; i < DL; ++i) { q[i] = qs[lane * DL + i]; acc[i] = 0.0f; }
     // causal: the query at position pos + s sees keys 0 .. pos + s
-    const int T = pos[0] + s + 1;
-    const float* kb = keys + (size_t)hk * CAP * D + lane * DL;
-    const float* vb = values + (size_t)hk * CAP * D + lane * DL;
+    const int T = pos[r] + s + 1;
+    const float* kb = keys + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
+    const float* vb = values + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
     float m = -INFINITY, l = 0.0f;
     for (int t = warp; t < T; t += NW) {
         const float* kr = kb + (size_t)t * D;
@@ -152,7 +156,7 @@ _ATTEND_SOURCE = """
             O += f * sacc[w][tid];
         }
         const float g = row[D + tid];
-        o[(size_t)s * HQ * D + (size_t)h * D + tid] = O / L / (1.0f + expf(-g));
+        o[((size_t)r * S + s) * HQ * D + (size_t)h * D + tid] = O / L / (1.0f + expf(-g));
     }
 """
 
@@ -164,8 +168,8 @@ _tested: bool | None = None
 def supports(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, batch: int, tokens: int,
              dtype=mx.float32) -> bool:
     """Head sizes a multiple of 32 up to 256 (a block of 256 threads holds one head), whole GQA
-    groups, an even rope width, one sequence of 1..16 tokens, a float32 cache."""
-    return (batch == 1 and 1 <= tokens <= MAX_TOKENS and head_dim % 32 == 0 and 32 <= head_dim <= 256
+    groups, an even rope width, 1..MAX_BATCH sequences of 1..16 tokens each, a float32 cache."""
+    return (1 <= batch <= MAX_BATCH and 1 <= tokens <= MAX_TOKENS and head_dim % 32 == 0 and 32 <= head_dim <= 256
             and n_head % n_head_kv == 0 and n_rot % 2 == 0 and 0 < n_rot <= head_dim and dtype == mx.float32)
 
 
@@ -176,36 +180,42 @@ def _params(eps: float, rope_base: float, scale: float) -> mx.array:
 
 def new_kv(y: mx.array, k_norm: mx.array, pos: mx.array, n_head: int, n_head_kv: int, head_dim: int,
            n_rot: int, eps: float, rope_base: float) -> tuple[mx.array, mx.array]:
-    """y [S, E] the joined q(+gate)/k/v product rows, pos [1] int32 the first new position:
-    (keys, values) [1, n_head_kv, S, head_dim], keys normalised and roped."""
+    """y [S, E] (one sequence) or [B, S, E] the joined q(+gate)/k/v product rows, pos [B] int32
+    each sequence's first new position: (keys, values) [B, n_head_kv, S, head_dim], keys
+    normalised and roped."""
     global _kv_kernel
     if _kv_kernel is None:
         _kv_kernel = CudaKernel(name="mtp_attn_kv", input_names=["y", "kw", "pos", "params"],
                                          output_names=["k_new", "v_new"], source=compact(_KV_SOURCE))
-    s = int(y.shape[0])
-    shape = (1, n_head_kv, s, head_dim)
+    y = y[None] if y.ndim == 2 else y
+    b, s = int(y.shape[0]), int(y.shape[1])
+    shape = (b, n_head_kv, s, head_dim)
     return tuple(_kv_kernel(inputs=[y, k_norm.astype(mx.float32), pos, _params(eps, rope_base, 1.0)],
                             template=[("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv), ("NROT", n_rot)],
-                            grid=(n_head_kv * s * head_dim, 1, 1), threadgroup=(head_dim, 1, 1),
+                            grid=(n_head_kv * s * head_dim, b, 1), threadgroup=(head_dim, 1, 1),
                             output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32]))
 
 
 def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos: mx.array, n_head: int,
            n_head_kv: int, head_dim: int, n_rot: int, eps: float, rope_base: float) -> mx.array:
-    """Queries from y [S, E] against the cache buffers [1, n_head_kv, capacity, head_dim] (already
-    holding the new keys at pos .. pos + S - 1), gated: [S, n_head * head_dim]."""
+    """Queries from y [S, E] (or [B, S, E]) against the cache buffers [B, n_head_kv, capacity,
+    head_dim] (row b already holding its new keys at pos[b] .. pos[b] + S - 1), gated:
+    [S, n_head * head_dim] (or [B, S, n_head * head_dim])."""
     global _attend_kernel
     if _attend_kernel is None:
         _attend_kernel = CudaKernel(
             name="mtp_attn_decode", input_names=["y", "qw", "keys", "values", "pos", "params"],
             output_names=["o"], source=compact(_ATTEND_SOURCE))
-    s = int(y.shape[0])
-    return _attend_kernel(inputs=[y, q_norm.astype(mx.float32), keys, values, pos,
-                                  _params(eps, rope_base, head_dim ** -0.5)],
-                          template=[("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv), ("NROT", n_rot),
-                                    ("WARPS", WARPS)],
-                          grid=(n_head * s * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1),
-                          output_shapes=[(s, n_head * head_dim)], output_dtypes=[mx.float32])[0]
+    one = y.ndim == 2
+    y = y[None] if one else y
+    b, s = int(y.shape[0]), int(y.shape[1])
+    out = _attend_kernel(inputs=[y, q_norm.astype(mx.float32), keys, values, pos,
+                                 _params(eps, rope_base, head_dim ** -0.5)],
+                         template=[("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv), ("NROT", n_rot),
+                                   ("WARPS", WARPS)],
+                         grid=(n_head * s * 32 * WARPS, b, 1), threadgroup=(32 * WARPS, 1, 1),
+                         output_shapes=[(b, s, n_head * head_dim)], output_dtypes=[mx.float32])[0]
+    return out[0] if one else out
 
 
 def reference(y: mx.array, q_norm: mx.array, k_norm: mx.array, keys: mx.array, values: mx.array, pos: int,
@@ -231,30 +241,43 @@ def reference(y: mx.array, q_norm: mx.array, k_norm: mx.array, keys: mx.array, v
     return out * mx.sigmoid(gate), k, v
 
 
-def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, pos: int, seed: int = 0) -> float:
+def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, pos: int | list[int],
+              seed: int = 0) -> float:
     """Largest absolute difference between the kernels and `reference` on random inputs (output,
-    new keys, new values), with `pos` positions already in a cache of capacity pos + s + 7."""
+    new keys, new values), with `pos` positions already in a cache of capacity pos + s + 7; `pos`
+    a list: a batch of that many sequences in one launch, each at its own position, each compared
+    with `reference` run alone (the batch's cache written per row, as `BatchKVCache` does)."""
+    positions = [pos] if isinstance(pos, int) else list(pos)
+    b = len(positions)
     ks = mx.random.split(mx.random.key(seed), 5)
     e = (2 * n_head + 2 * n_head_kv) * head_dim
-    y = mx.random.normal((s, e), key=ks[0])
+    y = mx.random.normal((b, s, e), key=ks[0])
     qn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[1])
     kn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[2])
-    cap = pos + s + 7
-    keys = mx.random.normal((1, n_head_kv, cap, head_dim), key=ks[3])
-    values = mx.random.normal((1, n_head_kv, cap, head_dim), key=ks[4])
+    cap = max(positions) + s + 7
+    keys = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[3])
+    values = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[4])
     eps, base = 1e-6, 10000.0
-    ref_o, ref_k, ref_v = reference(y, qn, kn, keys, values, pos, n_head, n_head_kv, head_dim, n_rot, eps, base)
-    p = mx.array([pos], dtype=mx.int32)
-    k_new, v_new = new_kv(y, kn, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
-    keys = mx.slice_update(keys, k_new, p, axes=(2,))
-    values = mx.slice_update(values, v_new, p, axes=(2,))
-    got = attend(y, qn, keys, values, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
-    return max(float(mx.abs(a - b).max().item()) for a, b in ((ref_o, got), (ref_k, k_new), (ref_v, v_new)))
+    p = mx.array(positions, dtype=mx.int32)
+    y_in = y[0] if isinstance(pos, int) else y  # one sequence: the [S, E] form the layer passes
+    k_new, v_new = new_kv(y_in, kn, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
+    idx = mx.broadcast_to(p[:, None, None, None] + mx.arange(s)[None, None, :, None], k_new.shape)
+    got = attend(y_in, qn, mx.put_along_axis(keys, idx, k_new, axis=2), mx.put_along_axis(values, idx, v_new, axis=2),
+                 p, n_head, n_head_kv, head_dim, n_rot, eps, base)
+    got = got[None] if isinstance(pos, int) else got
+    err = 0.0
+    for r, at in enumerate(positions):
+        ref_o, ref_k, ref_v = reference(y[r], qn, kn, keys[r:r + 1], values[r:r + 1], at, n_head, n_head_kv,
+                                        head_dim, n_rot, eps, base)
+        for a, g in ((ref_o, got[r]), (ref_k, k_new[r:r + 1]), (ref_v, v_new[r:r + 1])):
+            err = max(err, float(mx.abs(a - g).max().item()))
+    return err
 
 
 def available(shape: tuple[int, int, int, int] | None = None) -> bool:
     """Whether the kernels can be used in this process: on a CUDA GPU, after they matched the MLX
-    operations on random inputs (1 and 5 tokens, GQA, partial rope); a compile error or a mismatch
+    operations on random inputs (1 and 5 tokens, GQA, partial rope; a batch of 3 sequences at
+    different positions); a compile error or a mismatch
     warns and answers False from then on, so the engine falls back to the MLX path.
 
     `shape` (n_head, n_head_kv, head_dim, n_rot): test at the model's own shape, whose compiled
@@ -270,7 +293,7 @@ def available(shape: tuple[int, int, int, int] | None = None) -> bool:
     ok = False
     try:
         # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
-        ok = all(max_error(*shape, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3)))
+        ok = all(max_error(*shape, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3), (2, [4, 0, 11])))
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         import warnings
         warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")

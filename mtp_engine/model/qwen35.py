@@ -103,18 +103,18 @@ class GatedAttention:
         return self.o(_sigmoid_gate(out, gate))
 
     def _fused(self, x: mx.array, cache: KVCache) -> mx.array:
-        """The same layer as two CUDA kernels around the cache append (`attn_kernel`)."""
+        """The same layer as two CUDA kernels around the cache append (`attn_kernel`); x [B, S, H],
+        each row at its own position in a batch's cache."""
         c = self.cfg
-        s = int(x.shape[1])
-        y = self.qkv(x).reshape(s, -1)
-        start = cache.offset  # a Python int, or an array inside a compiled step
-        pos = (start.reshape(1) if isinstance(start, mx.array) else mx.array([start])).astype(mx.int32)
+        y = self.qkv(x)
+        # a Python int, an array inside a compiled step, or a batch's lengths [B]
+        start = cache.offset
+        pos = (start.reshape(-1) if isinstance(start, mx.array) else mx.array([start])).astype(mx.int32)
         dims = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.eps, c.rope_base)
         k, v = attn_kernel.new_kv(y, self.k_norm, pos, *dims)
         cache.update(k, v)
         # the whole buffers: the kernel reads positions < pos + S itself (a slice would be copied)
-        out = attn_kernel.attend(y, self.q_norm, cache.keys, cache.values, pos, *dims)
-        return self.o(out.reshape(1, s, -1))
+        return self.o(attn_kernel.attend(y, self.q_norm, cache.keys, cache.values, pos, *dims))
 
 
 @dataclass

@@ -17,7 +17,8 @@ gpu_only = pytest.mark.gpu  # the fused attention kernels run on a CUDA GPU only
 def test_supports_rejects_shapes_the_kernels_cannot_hold():
     assert attn_kernel.supports(16, 4, 256, 64, 1, 1)
     assert attn_kernel.supports(4, 2, 64, 16, 1, 16)
-    assert not attn_kernel.supports(16, 4, 256, 64, 2, 1)      # a batch
+    assert attn_kernel.supports(16, 4, 256, 64, 8, 4)          # a batched decode or verify step
+    assert not attn_kernel.supports(16, 4, 256, 64, attn_kernel.MAX_BATCH + 1, 1)
     assert not attn_kernel.supports(16, 4, 256, 64, 1, 17)     # more tokens than a verify
     assert not attn_kernel.supports(16, 4, 512, 64, 1, 1)      # a head wider than a block
     assert not attn_kernel.supports(16, 4, 80, 64, 1, 1)       # not whole warps
@@ -113,6 +114,46 @@ def test_kernels_near_the_mlx_layer(pos):
     # the self-test's comparison: MLX's own operations (reduced-precision products on a GPU)
     for s in (1, 2, 5, 16):
         assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s) < 2e-3
+
+
+@gpu_only
+@pytest.mark.parametrize("s", [1, 4, 16])
+def test_batched_kernels_equal_the_mlx_layer_row_by_row(s):
+    # 4 sequences in one launch, each at its own position, each compared with the layer run alone
+    for shape in ((16, 4, 256, 64), (4, 2, 64, 16)):
+        assert attn_kernel.max_error(*shape, s, [0, 37, 5, 300], seed=s) < 2e-3, shape
+
+
+@gpu_only
+@pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
+def test_batched_forward_with_kernels_equals_without(which):
+    # sequences of different lengths decoding together (batch_cache.BatchCache): hidden states of
+    # a 1-token and a 4-token step with the fused attention and GDN kernels and with MLX's path
+    import numpy as np
+    from tests.conftest import need
+    from mtp_engine import load
+    from mtp_engine.model.batch_cache import BatchCache
+    m = load(need(_models()[which])).model
+    before = m.options
+
+    def steps(kernels: str) -> list:
+        m.use(before.updated(kernels=kernels))
+        try:
+            batch = BatchCache(m)
+            for n in (5, 12, 30):
+                c = m.make_cache()
+                m.forward(mx.array([[(7 * i + n) % 200 + 10 for i in range(n)]]), c)
+                batch.add(c)
+            outs = []
+            for width in (1, 4, 1):
+                ids = mx.array([[(3 * r + j) % 200 + 10 for j in range(width)] for r in range(3)])
+                outs.append(np.array(m.forward_batch(ids, batch)))
+            return outs
+        finally:
+            m.use(before)
+
+    for j, (a, b) in enumerate(zip(steps("custom"), steps("qmv,norm"))):
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0, err_msg=f"step {j}")
 
 
 @gpu_only
