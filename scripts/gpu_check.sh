@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|batch|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|batch|batch9b|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -72,9 +72,17 @@ if [ "$what" = batch ]; then  # continuous batching (issue 27): the shipped mode
         --plot "$out/batch.png" > "$out/batch.log" 2>&1
     echo "batch rc=$?"; tail -5 "$out/batch.log"
 fi
+if [ "$what" = batch9b ]; then  # issue 27's targets: the 9B shape, a batched step's parts, then streams at 1, 4, 8
+    timeout 150 python3 scripts/batch_step_probe.py --batches 1,4,8 --n 10 > "$out/batch_step.txt" 2>&1
+    echo "batch_step rc=$?"; tail -3 "$out/batch_step.txt"
+    timeout 400 python3 scripts/bench_batch.py --random-9b -t 64 --concurrency 1,4,8 --repeats 2 \
+        --out "$out/batch9b.json" --plot "$out/batch9b.png" > "$out/batch9b.log" 2>&1
+    echo "batch9b rc=$?"; tail -6 "$out/batch9b.log"
+fi
 if [ "$what" = server ] || [ "$what" = all ]; then
-    repeats=9
-    [ "$what" = all ] && repeats=5  # ~70 s a spec type instead of ~110 s
+    # single runs of the shipped model vary by +-25% (1.6 ms a token, host-bound): medians need many
+    repeats=15
+    [ "$what" = all ] && repeats=9
     for spec in none draft-mtp; do
         t=$(left 150 60 "server $spec") || continue
         timeout "$t" python3 scripts/bench_server.py -n 256 --repeats $repeats --spec $spec --n-max auto \

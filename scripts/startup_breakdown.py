@@ -2,7 +2,8 @@
 self-tests at the model's shapes, reported apart as `self_test_seconds`; `kernel_cache` counts the
 NVRTC compiles and their seconds, wherever they fell), and
 three 64-token generations on the shipped model (plain, then draft-mtp auto twice: the first pays
-for compiling its shapes). Run it twice on a fresh GPU machine: the second process shows what MLX's
+for compiling its shapes); `compiled_modules` lists, per phase, the modules that appeared in MLX's
+PTX folders (MLX's JIT: fused graphs, gathers, quantized products; and our kernels). Run it twice on a fresh GPU machine: the second process shows what MLX's
 PTX cache saves.
 
 Usage: python3 scripts/startup_breakdown.py > startup.json
@@ -15,20 +16,40 @@ import time
 T: dict = {}
 t = time.perf_counter()
 import mtp_engine as me  # noqa: E402
+from mtp_engine.model import kernel_cache, selftest_cache  # noqa: E402
 
 T["import"] = time.perf_counter() - t
+JIT: dict = {}  # per phase: the compiled modules that appeared in MLX's PTX folders (MLX's JIT and ours)
+
+
+def modules() -> set:
+    return {p.name for d in kernel_cache.mlx_cache_dirs() if d.is_dir() for p in d.rglob("*.ptx")}
+
+
+def phase(name: str, before: set) -> set:
+    now = modules()
+    new = sorted(now - before)
+    # a module's name is its kind, then a hash of its source: kinds say what was compiled
+    JIT[name] = {"count": len(new), "modules": [n[:-len(".ptx")].rsplit("_", 1)[0] for n in new]}
+    return now
+
+
+seen = modules()
 t = time.perf_counter()
 m = me.load()
 T["load"] = time.perf_counter() - t
+seen = phase("load", seen)
 for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
     t = time.perf_counter()
     r = me.generate("def parse_args(argv):", model=m, max_tokens=64, spec=spec)
     keys = ("prefill_seconds", "time_to_first_token_seconds", "compile_seconds", "decode_tokens_per_second",
             "acceptance_rate", "auto_message")
     T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
-from mtp_engine.model import kernel_cache, selftest_cache  # noqa: E402
+    seen = phase(f"gen{i}_{spec}", seen)
 
 T["kernel_cache"] = dict(kernel_cache.STATS)  # custom-kernel variants compiled here vs found stored
 # load()'s part spent testing kernels against the MLX path (the rest: GGUF read, upload, MLX's own JIT)
 T["self_test_seconds"] = dict(selftest_cache.RUN_SECONDS)
+# what each phase compiled (on a fresh machine, where start-up's seconds go: ~2-6 s a module)
+T["compiled_modules"] = JIT
 print(json.dumps(T, indent=1), flush=True)

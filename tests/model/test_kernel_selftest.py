@@ -15,7 +15,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(kernels, "cuda", lambda: True)
     monkeypatch.setattr(gdn_kernel, "_tested", None)
     monkeypatch.setattr(attn_kernel, "_tested", None)
-    monkeypatch.setattr(gdn_kernel, "max_error", lambda d, s, seed=0, **kw: calls["gdn"].append((d, s)) or 0.0)
+    monkeypatch.setattr(gdn_kernel, "max_error", lambda d, s, seed=0, **kw: calls["gdn"].append((d, s, kw.get("batch", 1))) or 0.0)
     monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0: calls["attn"].append(a) or 0.0)
     return calls
 
@@ -27,10 +27,12 @@ def test_self_tests_use_the_models_shapes(recorded, tiny_q4, monkeypatch, tmp_pa
     try:
         # an empty self-test cache: on a GPU an earlier process's pass would skip the recorded check
         tiny_q4.model.use(tiny_q4.model.options.updated(kernels="gdn,attn", cache_dir=str(tmp_path)))
-        (d, _), *_ = recorded["gdn"]
+        (d, *_), *_ = recorded["gdn"]
         assert (d.kh, d.kd, d.vh, d.vd, d.kernel) == (c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads,
                                                       c.ssm_value_dim, c.conv_kernel)
         assert {a[:4] for a in recorded["attn"]} == {(c.n_head, c.n_head_kv, c.head_dim, c.n_rot)}
+        # batched steps run the kernels too: each self-test has a case of several sequences
+        assert any(b > 1 for *_, b in recorded["gdn"]) and any(isinstance(a[5], list) for a in recorded["attn"])
         assert all(layer.mixer.fused_kernel for layer in tiny_q4.model.layers)
     finally:  # the shared model goes back to what this machine really offers
         monkeypatch.undo()
@@ -52,19 +54,20 @@ def test_a_passed_self_test_is_remembered_for_the_next_process(recorded, tiny_q4
     opts = before.updated(kernels="gdn,attn", cache_dir=str(tmp_path))
     try:
         tiny_q4.model.use(opts)  # first process: the checks run and their passes are stored
-        n_gdn = len(recorded["gdn"])  # one check per case of gdn_kernel.available
-        assert n_gdn >= 2 and len(recorded["attn"]) == 2
+        # one check per case of each kernel's `available` (one of them a batch)
+        n_gdn, n_attn = len(recorded["gdn"]), len(recorded["attn"])
+        assert n_gdn >= 2 and n_attn >= 2
         assert (tmp_path / selftest_cache.FILE).exists()
 
         gdn_kernel._tested = attn_kernel._tested = None  # a new process
         tiny_q4.model.use(opts)
-        assert len(recorded["gdn"]) == n_gdn and len(recorded["attn"]) == 2  # skipped
+        assert len(recorded["gdn"]) == n_gdn and len(recorded["attn"]) == n_attn  # skipped
         assert all(layer.mixer.fused_kernel for layer in tiny_q4.model.layers)
 
         gdn_kernel._tested = attn_kernel._tested = None  # a new process with a changed kernel
         monkeypatch.setattr(gdn_kernel, "_SOURCE", gdn_kernel._SOURCE + "\n// changed")
         tiny_q4.model.use(opts)
-        assert len(recorded["gdn"]) == 2 * n_gdn and len(recorded["attn"]) == 2
+        assert len(recorded["gdn"]) == 2 * n_gdn and len(recorded["attn"]) == n_attn
 
         gdn_kernel._tested = attn_kernel._tested = None  # a failing check is never remembered
         monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0: 1.0)
