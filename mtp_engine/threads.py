@@ -155,6 +155,10 @@ class _EngineThread:
             self._jobs.put((fn, None))
 
     def call(self, fn: Callable[[], Any]) -> Any:
+        if threading.current_thread() is self.thread:
+            # from a job already running here (a stream dropped unclosed and collected mid-step
+            # closes itself through `call`): queueing it would wait for itself
+            return fn()
         if _closing.is_set():  # exiting: this (daemon) caller waits for the end of the process
             threading.Event().wait()
         if sys.is_finalizing() or not self.thread.is_alive():  # at exit the thread may be frozen

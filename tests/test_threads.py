@@ -200,3 +200,27 @@ def _two(a, b) -> tuple:
     for t in ts:
         t.join(60)
     return tuple(out)
+
+
+def test_a_stream_dropped_without_closing_it_is_closed_even_when_collected_on_the_engine_thread():
+    import gc
+    count, log, stopped = _made_on()
+    dropped: list = []
+
+    def read_two_and_drop():
+        gen = count(100)
+        next(gen), next(gen)
+        dropped.append(gen)  # neither closed nor exhausted: its last reference goes on the engine thread
+
+    _in_threads(read_two_and_drop, 1)
+    engine = threads._engine
+
+    def collect_there():
+        dropped.clear()
+        gc.collect()
+
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (engine.call(collect_there), done.set()))
+    t.start()
+    assert done.wait(20), "closing a stream from the engine thread waited for itself"
+    assert stopped == ["mtp-engine-mlx"]
