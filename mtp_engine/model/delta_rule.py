@@ -25,15 +25,18 @@ import mlx.core as mx
 CHUNK = 32
 
 
-@mx.compile
-def delta_rule_step(state, q, k, v, g, beta):
+def delta_rule_step_ops(state, q, k, v, g, beta):
     """One token. state [b, h, kd, vd]; q, k [b, h, kd]; v [b, h, vd]; g, beta [b, h].
-    Returns (new state, output [b, h, vd], delta vector u [b, h, vd])."""
+    Returns (new state, output [b, h, vd], delta vector u [b, h, vd]). As separate MLX operations;
+    `delta_rule_step` is the same fused into one compiled graph."""
     state = state * mx.exp(g)[:, :, None, None]
     kt = k[:, :, :, None]
     u = (v - (state * kt).sum(-2)) * beta[:, :, None]
     state = state + kt * u[:, :, None, :]
     return state, (state * q[:, :, :, None]).sum(-2), u
+
+
+delta_rule_step = mx.compile(delta_rule_step_ops)
 
 
 def _unit_lower_inverse(a: mx.array) -> mx.array:

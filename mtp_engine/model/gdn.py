@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .delta_rule import delta_rule_chunked, delta_rule_step
+from .delta_rule import delta_rule_chunked, delta_rule_step, delta_rule_step_ops
 
 # up to this many tokens the delta rule runs token by token (inside a compiled step), beyond it chunked
 SEQUENTIAL_MAX = 16
@@ -35,11 +35,14 @@ class Mixed(NamedTuple):
 
 def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.array, conv0: mx.array,
         state0: mx.array, conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array,
-        capture: bool = False, valid: mx.array | None = None) -> Mixed:
+        capture: bool = False, valid: mx.array | None = None, fused_steps: bool = True) -> Mixed:
     """qkv_x [b, s, C], z_x [b, s, vh*vd], alpha_x/beta_x [b, s, vh], conv0 [b, K-1, C], state0 [b, vh, kd, vd].
     `valid` [b] int32: row r's first valid[r] tokens count and the rest pad it (a batched prefill
     of prompts of several lengths): pads neither decay nor write the state (g = 0, beta = 0) and
-    the conv window returned ends at the last valid token; their outputs are meaningless."""
+    the conv window returned ends at the last valid token; their outputs are meaningless.
+    `fused_steps=False` runs the token steps as separate operations: the CUDA kernel's self-test
+    does, since on a GPU each fused step graph is a JIT compile (seconds, on a first run) that
+    decoding with the kernel never uses again."""
     b, s = qkv_x.shape[0], qkv_x.shape[1]
     window = mx.concatenate([conv0, qkv_x], axis=1)  # [b, K-1+s, C]
     prep = _prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)
@@ -53,8 +56,9 @@ def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.a
         # decode, draft and verify: a few fused step kernels per token beat the chunked form's
         # dozens of small kernels (on the H200 the chunked form made V(2) 2.5 instead of ~1.2)
         state, outs, states = state0, [], [state0]
+        step = delta_rule_step if fused_steps else delta_rule_step_ops
         for t in range(s):
-            state, o_t, _ = delta_rule_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+            state, o_t, _ = step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
             outs.append(o_t)
             states.append(state)
         o = mx.stack(outs, axis=1)

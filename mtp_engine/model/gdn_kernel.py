@@ -294,7 +294,7 @@ def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0,
     ref_in = dict(x)
     if kept is not None:
         ref_in["conv0"], ref_in["state0"] = pick_state(x["conv0"], x["state0"], kept, d.kernel)
-    ref = gdn.mix(d, **ref_in, capture=capture)
+    ref = gdn.mix(d, **ref_in, capture=capture, fused_steps=False)
     got = gated_delta(x["qkv_x"], x["z_x"], x["alpha_x"], x["beta_x"], x["conv0"], x["conv_w"], x["dt_bias"],
                       x["a"], x["norm"], x["state0"], d.kh, d.kd, d.vh, d.vd, d.eps, kept=kept, capture=capture)
     for r, g in zip(ref, got):

@@ -60,3 +60,16 @@ def test_step_matches_sequential_and_chunked_of_one():
     np.testing.assert_allclose(np.array(o), ref_o[:, 0], atol=1e-5)
     np.testing.assert_allclose(np.array(state), ref_states[1], atol=1e-5)
     np.testing.assert_allclose(np.array(state_after(s0, k, u[:, None], g, 1)), ref_states[1], atol=1e-5)
+
+
+def test_the_mixer_with_unfused_steps_is_the_mixer():
+    # the CUDA kernel's self-test compares against gdn.mix(fused_steps=False): it must be the same
+    # computation as the fused steps the engine's MLX path runs (captured and not)
+    from mtp_engine.model import gdn, gdn_kernel
+    d = gdn.Dims(2, 16, 4, 8, 4, 1e-6)
+    for s, capture in ((1, False), (5, True), (3, False)):
+        x = gdn_kernel.random_inputs(d, s, seed=s, batch=2)
+        a = gdn.mix(d, **x, capture=capture)
+        b = gdn.mix(d, **x, capture=capture, fused_steps=False)
+        for u, w in zip(a, b):
+            np.testing.assert_allclose(np.array(u), np.array(w), atol=1e-6, rtol=1e-6)
