@@ -50,6 +50,12 @@ def startup_rows(out: Path) -> list[list[str]]:
                 f"{plain.get('time_to_first_token_seconds', 0):.2f} s (total {total:.1f} s), first draft-mtp "
                 f"compile {mtp.get('compile_seconds', 0):.2f} s; kernels compiled {kc.get('compiled', '?')}, "
                 f"found {kc.get('found', '?')}")
+        st = d.get("self_test_seconds") or {}
+        if st:
+            cell += "; self-tests " + ", ".join(f"{k} {v:.1f} s" for k, v in st.items())
+        jit = d.get("compiled_modules") or {}
+        if any(v.get("count") for v in jit.values()):  # what each phase compiled (MLX's JIT and ours)
+            cell += "; modules compiled by phase " + ", ".join(f"{k} {v['count']}" for k, v in jit.items())
         target = "TTFT <= 1 s, total <= 3 s" if i == 2 else "total <= 20 s"
         rows.append([f"start-up, {name}", cell, target])
     return rows
