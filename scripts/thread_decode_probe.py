@@ -4,7 +4,9 @@ decoding thread, not in HTTP.) The same greedy stream of N tokens, repeats inter
   main    - stream_generate() on the main thread, as bench_server.py's in-process side;
   thread  - the same in a thread, the main thread blocked in join();
   loop    - the same in a thread that hands every chunk to an asyncio loop on the main thread with
-            call_soon_threadsafe (the server's hop, minus HTTP).
+            call_soon_threadsafe (the server's hop, minus HTTP), the thread reading the stream;
+  engine  - that thread runs the whole read on the engine thread (`threads.on_engine_thread`, as the
+            server's lone job does): the chunks go from the decoding thread straight to the loop.
 Medians of tokens/s after the first chunk, and each mode's ratio to `main`.
 
     PYTHONPATH=/tmp/site:$PWD python3 scripts/thread_decode_probe.py [-n 256] [--repeats 7] [--spec none]
@@ -22,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtp_engine import load, stream_generate  # noqa: E402
+from mtp_engine.threads import on_engine_thread  # noqa: E402
 
 PROMPT = "def parse_args(argv):\n    \"\"\"Parse the command line of the tool.\"\"\"\n"
 
@@ -49,14 +52,17 @@ def in_thread(fn) -> float:
     return out[0]
 
 
-def with_loop(model, args) -> float:
+def with_loop(model, args, on_engine: bool = False) -> float:
     async def run() -> float:
         loop = asyncio.get_running_loop()
         got = []
         done = loop.create_future()
 
+        def read() -> float:
+            return decode_rate(model, args, lambda ch: loop.call_soon_threadsafe(got.append, ch))
+
         def worker():
-            r = decode_rate(model, args, lambda ch: loop.call_soon_threadsafe(got.append, ch))
+            r = on_engine_thread(read) if on_engine else read()
             loop.call_soon_threadsafe(done.set_result, r)
 
         threading.Thread(target=worker).start()
@@ -80,7 +86,8 @@ def main() -> int:
     model = load(args.model)
     modes = {"main": lambda: decode_rate(model, args),
              "thread": lambda: in_thread(lambda: decode_rate(model, args)),
-             "loop": lambda: with_loop(model, args)}
+             "loop": lambda: with_loop(model, args),
+             "engine": lambda: with_loop(model, args, on_engine=True)}
     for f in modes.values():  # warm-up: compile and trace each path once
         f()
     rates: dict[str, list[float]] = {k: [] for k in modes}
