@@ -38,6 +38,10 @@ python3 -m pip download -q --no-deps -d ".gpu/$n" pytest-xdist==3.8.0 execnet==2
 python3 -m pip download -q --no-deps -d ".gpu/$n" uvicorn==0.55.0 h11==0.16.0 click==8.5.1 starlette==1.10.0 \
     anyio==4.16.0 idna==3.10 >/dev/null 2>&1 ||
     echo "gpu_stage: the server's wheels not staged (no package index): gpu_check.sh server cannot start it" >&2
+# the peer benchmarks' mlx-lm (its transformers/huggingface_hub imports get the stand-ins of
+# scripts/peer_shims: those wheels with theirs are ~34 MB, more than a call carries)
+python3 -m pip download -q --no-deps -d ".gpu/$n" mlx-lm==0.32.2 >/dev/null 2>&1 ||
+    echo "gpu_stage: mlx-lm not staged (no package index): the peer columns stay empty" >&2
 echo "staged MLX in $n parts (tree $((tree / 1048576)) MiB + at most $(( (wheel / n + extra) / 1048576 + 1)) MiB a call)."
 i=1
 while [ "$i" -lt "$n" ]; do
