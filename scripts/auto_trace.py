@@ -37,14 +37,20 @@ class TracedScheduler(DraftLengthScheduler):
         super().observe(drafted, n, seconds, context, first_use, steady)
 
 
-def decode(model, prompt, tokens, k=None, a=None, costs=None):
+EARLY: dict = {}  # run name -> its first rounds' ms (is a run's start slow whatever the policy?)
+
+
+def decode(model, prompt, tokens, k=None, a=None, costs=None, name=None):
     """(tok/s, {k: median ms of its warm rounds}, the scheduler or None) of one run."""
     decs: list = []
     tps, _ = decode_tps(model, prompt, tokens, None if k is None else "draft-mtp", k, a, costs, TracedScheduler, decs)
     laps: dict = {}
-    for kk, s, first in decs[0].clock.rounds if hasattr(decs[0], "clock") else []:
+    rounds = decs[0].clock.rounds if hasattr(decs[0], "clock") else []
+    for kk, s, first in rounds:
         if not first:
             laps.setdefault(kk, []).append(s * 1e3)
+    if name:
+        EARLY[name] = [round(s * 1e3, 1) for _, s, _ in rounds[:24]]
     return tps, {kk: round(statistics.median(v), 2) for kk, v in sorted(laps.items())}, getattr(decs[0], "scheduler", None)
 
 
@@ -67,13 +73,15 @@ def main() -> int:
         decode(model, prompt, a.tokens, "auto", acc, costs)
     print(f"warm-up {time.perf_counter() - t:.1f} s", flush=True)
     for acc in accs:
-        plain, laps, _ = decode(model, prompt, a.tokens)
+        plain, laps, _ = decode(model, prompt, a.tokens, name="plain")
         print(f"a={acc} plain {plain:.1f} tok/s laps {laps}", flush=True)
         for k in (1, 2, 3, 4):
-            tps, laps, _ = decode(model, prompt, a.tokens, k, acc)
+            tps, laps, _ = decode(model, prompt, a.tokens, k, acc, name=f"n-max {k}")
             print(f"a={acc} n-max {k}: {tps / plain:.2f}x laps {laps}", flush=True)
-        tps, laps, sched = decode(model, prompt, a.tokens, "auto", acc, costs)
+        tps, laps, sched = decode(model, prompt, a.tokens, "auto", acc, costs, name="auto")
         print(f"a={acc} auto: {tps / plain:.2f}x laps {laps}", flush=True)
+        print("  first rounds' ms per run:", "; ".join(f"{n}: {' '.join(map(str, v))}" for n, v in EARLY.items()),
+              flush=True)
         print("  rounds (k, n, ms, first, steady):", " ".join(
             f"{d}/{n}/{ms}{'F' if f else ''}{'' if s else 'u'}" for d, n, ms, f, s in sched.log), flush=True)
         print(f"  alphas {[round(x, 2) for x in sched.alphas()]} round_steps "
