@@ -1,17 +1,30 @@
 """Where a new process's start-up goes: import, `load()` (on a GPU it includes the custom kernels'
 self-tests at the model's shapes, reported apart as `self_test_seconds`; `kernel_cache` counts the
-NVRTC compiles and their seconds, wherever they fell), and
-three 64-token generations on the shipped model (plain, then draft-mtp auto twice: the first pays
-for compiling its shapes); `compiled_modules` lists, per phase, the modules that appeared in MLX's
-PTX folders (MLX's JIT: fused graphs, gathers, quantized products; and our kernels). Run it twice on a fresh GPU machine: the second process shows what MLX's
-PTX cache saves.
+NVRTC compiles and their seconds, wherever they fell), and three 64-token generations on the
+shipped model (plain, then draft-mtp auto twice: the first pays for compiling its shapes);
+`compiled_modules` lists, per phase, the modules that appeared in MLX's PTX folders (MLX's JIT:
+fused graphs, gathers, quantized products; and our kernels). Run it twice: the second process
+shows what the caches save.
 
-Usage: python3 scripts/startup_breakdown.py > startup.json
+`--root DIR`: every cache this run may read or write lives under DIR (the temp folder, so MLX's
+default PTX folder; the engine's cache folder, so its own PTX folder and the self-test verdicts):
+an empty DIR is a fresh machine's start-up on any machine, the same DIR again its second process.
+
+Usage: python3 scripts/startup_breakdown.py [--root DIR] > startup.json
 """
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
+
+if "--root" in sys.argv:  # before MLX or the engine read any of these
+    root = os.path.abspath(sys.argv[sys.argv.index("--root") + 1])
+    os.makedirs(root, exist_ok=True)
+    os.environ["TMPDIR"] = root
+    os.environ["MTP_ENGINE_CACHE_DIR"] = os.path.join(root, "mtp-engine")
+    os.environ.pop("MLX_PTX_CACHE_DIR", None)  # load() points it into the engine's cache folder
 
 T: dict = {}
 t = time.perf_counter()
