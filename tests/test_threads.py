@@ -15,19 +15,24 @@ PROMPT = "Once upon a time"
 
 
 def _in_threads(fn, n: int) -> list:
-    out: list = [None] * n
+    return _each([fn] * n)
+
+
+def _each(fns: list, timeout: float | None = None) -> list:
+    """Each function in a thread of its own, all started, then joined: their results (or errors)."""
+    out: list = [None] * len(fns)
 
     def work(k: int) -> None:
         try:
-            out[k] = fn()
+            out[k] = fns[k]()
         except BaseException as e:  # noqa: BLE001 - reported by the test
             out[k] = e
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(n)]
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(fns))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout)
     return out
 
 
@@ -187,19 +192,9 @@ def test_a_reader_that_stops_reading_does_not_hold_up_other_threads_streams():
         finally:
             b_done.set()
 
-    (first, ok, rest), got_b = _two(a, b)
+    (first, ok, rest), got_b = _each([a, b], timeout=60)
     assert ok, "B's stream waited for A's reader"
     assert got_b == list(range(40)) and [first] + rest == list(range(100))
-
-
-def _two(a, b) -> tuple:
-    out: list = [None, None]
-    ts = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f())) for k, f in enumerate((a, b))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    return tuple(out)
 
 
 def test_a_stream_dropped_without_closing_it_is_closed_even_when_collected_on_the_engine_thread():

@@ -206,23 +206,17 @@ class MTPBatchScheduler(BatchScheduler):
     def _may_queue(self, rows: list[Sequence]) -> bool:
         return draft_length(rows, self.chooser) == 0
 
-    def _launch(self, rows: list[Sequence], prev: mx.array | None = None) -> _Step:
-        """The plain batched step; where a row drafts, the head's row for each row's last token
-        (read with the trunk hidden state before it) runs in the same queued work, so the head is
-        current when a later round drafts. Rows that never draft skip the head (`_h_last` may go
+    def _forward(self, rows: list[Sequence], ids: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """The plain batched step's forward; where a row drafts, the head's row for each row's last
+        token (read with the trunk hidden state before it) runs in the same queued work, so the head
+        is current when a later round drafts. Rows that never draft skip the head (`_h_last` may go
         stale: it is never read for them)."""
         if not any(s.draft for s in rows):
-            return super()._launch(rows, prev)
+            return super()._forward(rows, ids)
         m = self.model.model
-        ids = prev[:, None].astype(mx.int32) if prev is not None else \
-            mx.array([[s.last_token] for s in rows], dtype=mx.int32)
         m.mtp.forward_batch(m.embed_tokens(ids), self._h_last, self._head)
-        post = m.forward_batch(ids, self._batch)  # [B, 1, H]
-        self._h_last = post
-        logits = m.logits(post[:, -1])
-        step = _Step(rows, logits, mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits), axis=-1), head=True)
-        mx.async_eval(step.greedy, step.finite, self._h_last, *self._batch.arrays(), *self._head.arrays())
-        return step
+        post = self._h_last = m.forward_batch(ids, self._batch)  # [B, 1, H]
+        return post, [post, *self._head.arrays()]
 
     def _complete(self, step: _Step) -> None:
         if not step.head:

@@ -325,13 +325,18 @@ class BatchScheduler:
     def _launch(self, rows: list["Sequence"], prev: mx.array | None = None) -> _Step:
         """Queues one batched step: each row's last token (from the host, or `prev` [B], the
         step before's argmax still on the device)."""
-        m = self.model.model
         ids = prev[:, None].astype(mx.int32) if prev is not None else \
             mx.array([[s.last_token] for s in rows], dtype=mx.int32)
-        logits = m.logits(m.forward_batch(ids, self._batch)[:, -1])  # [B, V]
-        step = _Step(rows, logits, mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits), axis=-1))
-        mx.async_eval(step.greedy, step.finite, *self._batch.arrays())
+        post, head = self._forward(rows, ids)
+        logits = self.model.model.logits(post[:, -1])  # [B, V]
+        step = _Step(rows, logits, mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits), axis=-1), head=bool(head))
+        mx.async_eval(step.greedy, step.finite, *self._batch.arrays(), *head)
         return step
+
+    def _forward(self, rows: list["Sequence"], ids: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """A plain step's batched forward of `ids` [B, 1]: the trunk's hidden states [B, 1, H], and
+        the arrays of the MTP head's rows when the step also ran them (none here; batching.mtp)."""
+        return self.model.model.forward_batch(ids, self._batch), []
 
     def _complete(self, step: _Step) -> None:
         self.steps += 1

@@ -247,7 +247,8 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
     new keys, new values), with `pos` positions already in a cache of capacity pos + s + 7; `pos`
     a list: a batch of that many sequences in one launch, each at its own position, each compared
     with `reference` run alone (the batch's cache written per row, as `BatchKVCache` does)."""
-    positions = [pos] if isinstance(pos, int) else list(pos)
+    one = isinstance(pos, int)
+    positions = [pos] if one else list(pos)
     b = len(positions)
     ks = mx.random.split(mx.random.key(seed), 5)
     e = (2 * n_head + 2 * n_head_kv) * head_dim
@@ -259,12 +260,12 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
     values = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[4])
     eps, base = 1e-6, 10000.0
     p = mx.array(positions, dtype=mx.int32)
-    y_in = y[0] if isinstance(pos, int) else y  # one sequence: the [S, E] form the layer passes
+    y_in = y[0] if one else y  # one sequence: the [S, E] form the layer passes
     k_new, v_new = new_kv(y_in, kn, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
     idx = mx.broadcast_to(p[:, None, None, None] + mx.arange(s)[None, None, :, None], k_new.shape)
     got = attend(y_in, qn, mx.put_along_axis(keys, idx, k_new, axis=2), mx.put_along_axis(values, idx, v_new, axis=2),
                  p, n_head, n_head_kv, head_dim, n_rot, eps, base)
-    got = got[None] if isinstance(pos, int) else got
+    got = got[None] if one else got
     err = 0.0
     for r, at in enumerate(positions):
         ref_o, ref_k, ref_v = reference(y[r], qn, kn, keys[r:r + 1], values[r:r + 1], at, n_head, n_head_kv,
