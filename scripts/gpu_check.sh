@@ -23,7 +23,7 @@ left() {  # left MAX MIN: seconds this section may take, or nothing when fewer t
 # (gpu_stage.sh stages it) both groups fit one call; in one process each needs its own (tests1, tests2).
 group1="tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py tests/model/test_kernel_selftest.py
     tests/model/test_qmv_kernels.py tests/model/test_compiled_step.py tests/model/test_model_llamacpp.py
-    tests/model/test_kernel_cache.py"
+    tests/model/test_kernel_cache.py tests/model/test_kernel_warmup.py"
 group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.py tests/generation/test_constraint.py
     tests/batching/test_batching.py"
 gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU

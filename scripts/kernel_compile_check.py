@@ -10,33 +10,15 @@ wrong numbers: those are the GPU tests' and each kernel's self-test.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtp_engine.model import attn_kernel, gdn, gdn_kernel, kernel_cache, kernels, mma_kernel, norm_kernel  # noqa: E402
-
-CAPTURED: dict[str, str] = {}  # module name -> source
-
-
-def _capture() -> None:
-    """CudaKernel without MLX's CUDA back-end: a call records its source and returns zeros."""
-    def init(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True):
-        self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
-        self.source, self.header = source, header
-
-    def call(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
-        func, src = self.variant_source(inputs, template, output_dtypes)
-        CAPTURED[func] = src
-        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
-
-    kernel_cache.CudaKernel.__init__ = init
-    kernel_cache.CudaKernel.__call__ = call
-
+from mtp_engine.model import attn_kernel, gdn, gdn_kernel, kernel_cache, kernels, mma_kernel, norm_kernel, nvrtc  # noqa: E402
 
 def _launch_all() -> None:
     """Every kernel's wrapper at the shapes the engine runs (sources depend on template values)."""
@@ -55,48 +37,70 @@ def _launch_all() -> None:
     norm_kernel._fused(mx.ones((2, 256)), mx.ones((2, 256)), mx.ones((256,)), 1e-6)
 
 
-class Compiler(kernel_cache.NVRTC):
-    """kernel_cache's NVRTC, from the pip wheels, for a named architecture (no GPU asked)."""
+def pip_compiler(arch: str) -> nvrtc.Compiler:
+    """NVRTC from NVIDIA's pip wheels, for a named architecture (no GPU asked)."""
+    import nvidia.cuda_nvrtc
+    import nvidia.cuda_runtime
+    root = Path(nvidia.cuda_nvrtc.__path__[0])
+    lib = sorted((root / "lib").glob("libnvrtc.so*"))[0]
+    inc = [Path(nvidia.cuda_runtime.__path__[0]) / "include"]
+    try:
+        import nvidia.cuda_cccl
+        inc.insert(0, Path(nvidia.cuda_cccl.__path__[0]) / "include")
+    except ImportError:
+        pass
+    # MLX's own headers bring INFINITY in on the device; the wheels' headers alone do not
+    return nvrtc.Compiler(str(lib), arch, [str(p) for p in inc], ("-DINFINITY=__int_as_float(0x7f800000)",))
 
-    def __init__(self, arch: str):
-        import nvidia.cuda_nvrtc
-        import nvidia.cuda_runtime
-        root = Path(nvidia.cuda_nvrtc.__path__[0])
-        lib = sorted((root / "lib").glob("libnvrtc.so*"))[0]
-        self.lib = ctypes.CDLL(str(lib))
-        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        self.arch = f"--gpu-architecture={arch}"
-        inc = [Path(nvidia.cuda_runtime.__path__[0]) / "include"]
-        try:
-            import nvidia.cuda_cccl
-            inc.insert(0, Path(nvidia.cuda_cccl.__path__[0]) / "include")
-        except ImportError:
-            pass
-        # MLX's own headers bring INFINITY in on the device; the wheels' headers alone do not
-        self.includes = [f"--include-path={p}" for p in inc] + ["-DINFINITY=__int_as_float(0x7f800000)"]
+
+def in_workers(compiler: nvrtc.Compiler, captured: dict[str, str], workers: int) -> tuple[float, list[dict]]:
+    """The variants compiled by `workers` of kernel_cache's NVRTC processes (the engine's first-run
+    path), into a temporary folder: (wall seconds, their result lines)."""
+    import tempfile
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = [{"module": f, "kernel": "mlx::core::cu::" + f, "source": s, "paths": [str(Path(tmp) / f"{f}.ptx")]}
+                for f, s in sorted(captured.items())]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            out = [r for rs in pool.map(lambda share: kernel_cache._run_worker(compiler.spec, share, 600),
+                                        [jobs[i::workers] for i in range(workers)]) for r in rs]
+        return time.perf_counter() - t0, out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="also compile them in this many worker processes, as a first run does, and time both")
     a = ap.parse_args()
-    _capture()
-    _launch_all()
+    with kernel_cache.recording() as rec:  # launches nothing: each call records the source MLX would build
+        _launch_all()
+    captured = rec.variants
     try:
-        nvrtc = Compiler(a.arch)
+        compiler = pip_compiler(a.arch)
     except (ImportError, IndexError, OSError) as e:
         print(f"NVRTC not found ({e}); pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 "
               "nvidia-cuda-cccl-cu12", file=sys.stderr)
         return 2
     failed = 0
-    for func, src in sorted(CAPTURED.items()):
+    t0 = time.perf_counter()
+    for func, src in sorted(captured.items()):
         try:
-            nvrtc.compile(src, func, "mlx::core::cu::" + func)
+            compiler.compile(src, func, "mlx::core::cu::" + func)
             print(f"ok      {func}")
         except RuntimeError as e:
             failed += 1
             print(f"FAILED  {func}\n{e}")
-    print(f"{len(CAPTURED) - failed} of {len(CAPTURED)} kernel variants compile for {a.arch}")
+    serial = time.perf_counter() - t0
+    print(f"{len(captured) - failed} of {len(captured)} kernel variants compile for {a.arch} ({serial:.1f} s one by one)")
+    if a.workers:
+        wall, results = in_workers(compiler, captured, a.workers)
+        bad = [r["module"] for r in results if not r.get("ok")]
+        print(f"in {a.workers} worker processes: {wall:.1f} s ({serial / wall:.2f}x); "
+              f"{len(results) - len(bad)} compiled" + (f", failed: {bad}" if bad else ""))
+        failed += len(bad)
     return 1 if failed else 0
 
 

@@ -250,28 +250,37 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
     one = isinstance(pos, int)
     positions = [pos] if one else list(pos)
     b = len(positions)
-    ks = mx.random.split(mx.random.key(seed), 5)
-    e = (2 * n_head + 2 * n_head_kv) * head_dim
-    y = mx.random.normal((b, s, e), key=ks[0])
-    qn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[1])
-    kn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[2])
-    cap = max(positions) + s + 7
-    keys = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[3])
-    values = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[4])
     eps, base = 1e-6, 10000.0
-    p = mx.array(positions, dtype=mx.int32)
-    y_in = y[0] if one else y  # one sequence: the [S, E] form the layer passes
+    # the inputs, the cache writes and the reference on the CPU: on a GPU each of their operations
+    # would be a JIT compile on a fresh machine that decoding never uses
+    with mx.stream(mx.cpu):
+        ks = mx.random.split(mx.random.key(seed), 5)
+        e = (2 * n_head + 2 * n_head_kv) * head_dim
+        y = mx.random.normal((b, s, e), key=ks[0])
+        qn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[1])
+        kn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[2])
+        cap = max(positions) + s + 7
+        keys = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[3])
+        values = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[4])
+        p = mx.array(positions, dtype=mx.int32)
+        y_in = y[0] if one else y  # one sequence: the [S, E] form the layer passes
+        refs = [reference(y[r], qn, kn, keys[r:r + 1], values[r:r + 1], at, n_head, n_head_kv, head_dim, n_rot,
+                          eps, base) for r, at in enumerate(positions)]
+        mx.eval(y_in, qn, kn, keys, values, p, refs)
     k_new, v_new = new_kv(y_in, kn, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
-    idx = mx.broadcast_to(p[:, None, None, None] + mx.arange(s)[None, None, :, None], k_new.shape)
-    got = attend(y_in, qn, mx.put_along_axis(keys, idx, k_new, axis=2), mx.put_along_axis(values, idx, v_new, axis=2),
-                 p, n_head, n_head_kv, head_dim, n_rot, eps, base)
+    mx.eval(k_new, v_new)
+    with mx.stream(mx.cpu):
+        idx = mx.broadcast_to(p[:, None, None, None] + mx.arange(s)[None, None, :, None], k_new.shape)
+        keys_in, values_in = mx.put_along_axis(keys, idx, k_new, axis=2), mx.put_along_axis(values, idx, v_new, axis=2)
+        mx.eval(keys_in, values_in)
+    got = attend(y_in, qn, keys_in, values_in, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
+    mx.eval(got)
     got = got[None] if one else got
     err = 0.0
-    for r, at in enumerate(positions):
-        ref_o, ref_k, ref_v = reference(y[r], qn, kn, keys[r:r + 1], values[r:r + 1], at, n_head, n_head_kv,
-                                        head_dim, n_rot, eps, base)
-        for a, g in ((ref_o, got[r]), (ref_k, k_new[r:r + 1]), (ref_v, v_new[r:r + 1])):
-            err = max(err, float(mx.abs(a - g).max().item()))
+    with mx.stream(mx.cpu):
+        for r, (ref_o, ref_k, ref_v) in enumerate(refs):
+            for a, g in ((ref_o, got[r]), (ref_k, k_new[r:r + 1]), (ref_v, v_new[r:r + 1])):
+                err = max(err, float(mx.abs(a - g).max().item()))
     return err
 
 

@@ -289,15 +289,21 @@ def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0,
     tokens; `batch`: sequences in one launch)."""
     from . import gdn
     from .cache import pick_state
-    x = random_inputs(d, s, seed, earlier=earlier, batch=batch)
-    kept = x.pop("kept", None)
-    ref_in = dict(x)
-    if kept is not None:
-        ref_in["conv0"], ref_in["state0"] = pick_state(x["conv0"], x["state0"], kept, d.kernel)
-    ref = gdn.mix(d, **ref_in, capture=capture, fused_steps=False)
+    # the inputs and the reference on the CPU: on a GPU each of their operations would be a JIT
+    # compile on a fresh machine (tens of seconds at a 9B shape) that decoding never uses
+    with mx.stream(mx.cpu):
+        x = random_inputs(d, s, seed, earlier=earlier, batch=batch)
+        kept = x.pop("kept", None)
+        ref_in = dict(x)
+        if kept is not None:
+            ref_in["conv0"], ref_in["state0"] = pick_state(x["conv0"], x["state0"], kept, d.kernel)
+        ref = gdn.mix(d, **ref_in, capture=capture, fused_steps=False)
+        mx.eval(x, ref)
     got = gated_delta(x["qkv_x"], x["z_x"], x["alpha_x"], x["beta_x"], x["conv0"], x["conv_w"], x["dt_bias"],
                       x["a"], x["norm"], x["state0"], d.kh, d.kd, d.vh, d.vd, d.eps, kept=kept, capture=capture)
     for r, g in zip(ref, got):
         if r.shape != g.shape:
             raise AssertionError(f"shape {g.shape}, expected {r.shape}")
-    return max(float(mx.abs(r - g).max().item()) for r, g in zip(ref, got))
+    mx.eval(got)
+    with mx.stream(mx.cpu):
+        return max(float(mx.abs(r - g).max().item()) for r, g in zip(ref, got))

@@ -20,14 +20,20 @@ default `<temp>/mlx/<version>/ptx`.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
+
+from . import nvrtc
 
 log = logging.getLogger("mtp_engine.kernels")
 
@@ -35,21 +41,6 @@ _MASK = (1 << 64) - 1
 _MUL = 0xC6A4A7935BD1E995
 _SEED = 0xC70F6907
 
-# what `#include "mlx/backend/cuda/device/utils.cuh"` must provide to the kernels' signatures (the
-# header itself lives inside libmlx.so): the same types, so arguments are laid out as MLX passes them
-_UTILS_HEADER = """#pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/array>
-#include <cuda/std/cstdint>
-#include <cuda/std/limits>
-#define MAX_NDIM 10
-#define WARP_SIZE 32
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, MAX_NDIM>;
-using Strides = cuda::std::array<int64_t, MAX_NDIM>;
-}
-"""
 _DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 _CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
                mx.int64: "int64_t", mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t",
@@ -135,50 +126,15 @@ def mlx_cache_dirs() -> list[Path]:
     return [Path(env), default] if env and Path(env) != default else [default]
 
 
-class NVRTC:
-    """The NVRTC library MLX links, driven through ctypes, for this process's GPU."""
-
-    def __init__(self):
-        self.lib = ctypes.CDLL(_loaded_library("libnvrtc"))
-        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-        if major.value < 12:  # older NVRTC may not emit this GPU's machine code (MLX then takes PTX)
-            raise RuntimeError(f"NVRTC {major.value}.{minor.value} is older than 12")
-        cc = _compute_capability()
-        self.arch = f"--gpu-architecture=sm_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''}"
-        self.includes = [f"--include-path={p}" for p in _include_dirs(major.value)]
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise RuntimeError(f"{what} failed: {self.lib.nvrtcGetErrorString(rc).decode(errors='replace')}")
-
-    def compile(self, source: str, name: str, kernel: str) -> tuple[bytes, str]:
-        """(cubin, mangled name of `kernel`) for `source`, as MLX compiles it."""
-        lib, prog = self.lib, ctypes.c_void_p()
-        headers = (ctypes.c_char_p * 1)(_UTILS_HEADER.encode())
-        names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
-        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 1,
-                                           headers, names), "nvrtcCreateProgram")
-        try:
-            self._check(lib.nvrtcAddNameExpression(prog, kernel.encode()), "nvrtcAddNameExpression")
-            opts = [b"--device-as-default-execution-space", self.arch.encode(), *(i.encode() for i in self.includes)]
-            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-            if rc != 0:
-                size = ctypes.c_size_t()
-                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                text = ctypes.create_string_buffer(size.value + 1)
-                lib.nvrtcGetProgramLog(prog, text)
-                raise RuntimeError(f"NVRTC could not compile {name}: {text.value.decode(errors='replace')[:2000]}")
-            mangled = ctypes.c_char_p()
-            self._check(lib.nvrtcGetLoweredName(prog, kernel.encode(), ctypes.byref(mangled)), "nvrtcGetLoweredName")
-            size = ctypes.c_size_t()
-            self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-            code = ctypes.create_string_buffer(size.value)
-            self._check(lib.nvrtcGetCUBIN(prog, code), "nvrtcGetCUBIN")
-            return code.raw, mangled.value.decode()
-        finally:
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+def _make_compiler() -> nvrtc.Compiler:
+    """The NVRTC library MLX links, for this process's GPU, with MLX's include folders."""
+    lib = _loaded_library("libnvrtc")
+    major, minor = nvrtc.Compiler(lib, "", []).version()
+    if major < 12:  # older NVRTC may not emit this GPU's machine code (MLX then takes PTX)
+        raise RuntimeError(f"NVRTC {major}.{minor} is older than 12")
+    cc = _compute_capability()
+    return nvrtc.Compiler(lib, f"sm_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''}",
+                          [str(p) for p in _include_dirs(major)])
 
 
 def _loaded_library(stem: str) -> str:
@@ -215,18 +171,22 @@ def _include_dirs(nvrtc_major: int) -> list[Path]:
     return dirs + [Path(home) / "include"]
 
 
-# what this process compiled and stored, and found stored (startup_breakdown.py reports it)
-STATS = {"compiled": 0, "compile_seconds": 0.0, "found": 0}
-_nvrtc: NVRTC | None = None
+# what this process compiled and stored, and found stored (startup_breakdown.py reports it);
+# "compile_wall" is the wall time of `compile_all` (its compiles overlap, so it is less than their sum)
+STATS = {"compiled": 0, "compile_seconds": 0.0, "found": 0, "compile_wall": 0.0}
+_nvrtc: nvrtc.Compiler | None = None
 _nvrtc_error: str | None = None
-_lock = threading.Lock()
+_lock = threading.Lock()  # the shared state below; never held through a compile
+_module_locks: dict[str, threading.Lock] = {}
+_recording = threading.local()
+_announced = False  # the first-run notice was given
 
 
-def _compiler() -> NVRTC | None:
+def _compiler() -> nvrtc.Compiler | None:
     global _nvrtc, _nvrtc_error
     if _nvrtc is None and _nvrtc_error is None:
         try:
-            _nvrtc = NVRTC()
+            _nvrtc = _make_compiler()
         except (OSError, RuntimeError, AttributeError) as e:
             _nvrtc_error = str(e)
             log.info("kernels are compiled in each process (%s)", e)
@@ -239,41 +199,117 @@ def store(func_name: str, source: str) -> Path | None:
     module = f"{func_name}_{std_hash(source.encode()):x}"
     paths = [module_path(d, module) for d in mlx_cache_dirs()]
     if all(p.is_file() for p in paths):
-        STATS["found"] += 1
+        with _lock:
+            STATS["found"] += 1
         return paths[0]
-    with _lock:  # one compile of a module at a time in this process; another process may race: renames are whole
+    with _lock:
+        module_lock = _module_locks.setdefault(module, threading.Lock())
+    # one compile of a module at a time in this process, different modules at once (NVRTC compiles
+    # distinct programs concurrently and ctypes lets other threads run); another process may race:
+    # renames are whole
+    with module_lock:
         have = next((p for p in paths if p.is_file()), None)
-        if have is not None:  # stored in one folder, copied to the other
-            names, code = have.with_suffix(".txt").read_bytes(), have.read_bytes()
+        if have is not None:  # stored in one folder (or by another thread), copied to the other
+            kernel, mangled = have.with_suffix(".txt").read_text().rstrip("\n").split("\t")
+            code = have.read_bytes()
         else:
-            nvrtc = _compiler()
-            if nvrtc is None:
+            _announce(paths[0].parent)
+            compiler = _compiler()
+            if compiler is None:
                 return None
-            if STATS["compiled"] == 0:  # once per process: a first run on this GPU / MLX pauses here
-                log.info("compiling this model's CUDA kernels for this GPU and MLX version (first run only, "
-                         "~2 s each, a dozen at most; kept in %s)", paths[0].parent)
             t0 = time.perf_counter()
             kernel = "mlx::core::cu::" + func_name
-            code, mangled = nvrtc.compile(source, module, kernel)
-            names = f"{kernel}\t{mangled}\n".encode()
-            STATS["compiled"] += 1
-            STATS["compile_seconds"] += time.perf_counter() - t0
+            code, mangled = compiler.compile(source, module, kernel)
+            with _lock:
+                STATS["compiled"] += 1
+                STATS["compile_seconds"] += time.perf_counter() - t0
         for p in paths:
-            if p.is_file():
-                continue
             try:
-                p.parent.mkdir(parents=True, exist_ok=True)
-                _write(p.with_suffix(".txt"), names)  # the names first: MLX reading code without them fails
-                _write(p, code)
+                nvrtc.write_module([p], kernel, code, mangled)
             except OSError as e:
                 log.info("could not keep compiled kernel %s in %s (%s)", module, p.parent, e)
     return paths[0]
 
 
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def _announce(folder: Path) -> None:
+    """Once per process: a first run on this GPU / MLX pauses to compile, and says so."""
+    global _announced
+    with _lock:
+        first, _announced = not _announced and _compiler() is not None, True
+    if first:
+        log.info("compiling this model's CUDA kernels for this GPU and MLX version (first run only, a few "
+                 "seconds; kept in %s)", folder)
+
+
+class recording:
+    """Within this context (this thread only) a `CudaKernel` call launches nothing: it records the
+    variant MLX would compile for it (`variants`: module function name -> source) and returns zeros
+    of the output shapes. It lists what a piece of code will launch (a model's self-tests, its
+    products at every row count) so that `compile_all` can compile it all at once, before any of it
+    runs; nothing recorded may be evaluated for its values."""
+
+    def __init__(self) -> None:
+        self.variants: dict[str, str] = {}
+
+    def __enter__(self) -> "recording":
+        self._outer = getattr(_recording, "active", None)
+        _recording.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _recording.active = self._outer
+
+
+def compile_all(variants: dict[str, str], workers: int | None = None, timeout: float = 600.0) -> int:
+    """Compiles and stores every variant not stored yet, in `workers` processes at once (default:
+    one per core, at most one per variant; `nvrtc.py` says why processes): a first run on a GPU pays
+    for its slowest kernel instead of the sum of them all. Returns how many were compiled; one that
+    fails or times out is left to its first launch, which MLX then compiles as it always did."""
+    jobs, copies = [], []
+    for func, source in sorted(variants.items()):
+        module = f"{func}_{std_hash(source.encode()):x}"
+        paths = [module_path(d, module) for d in mlx_cache_dirs()]
+        if all(p.is_file() for p in paths):
+            with _lock:
+                STATS["found"] += 1
+        elif any(p.is_file() for p in paths):
+            copies.append((func, source))  # stored in one folder: `store` copies it
+        else:
+            jobs.append({"module": module, "kernel": "mlx::core::cu::" + func, "source": source,
+                         "paths": [str(p) for p in paths]})
+    for item in copies:
+        store(*item)
+    compiler = _compiler() if jobs else None
+    if compiler is None:
+        return 0
+    _announce(Path(jobs[0]["paths"][0]).parent)
+    n = max(1, min(len(jobs), workers or os.cpu_count() or 1))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n, thread_name_prefix="mtp-nvrtc") as pool:  # each thread waits on one process
+        results = [r for rs in pool.map(lambda share: _run_worker(compiler.spec, share, timeout),
+                                        [jobs[i::n] for i in range(n)]) for r in rs]
+    done = [r for r in results if r.get("ok")]
+    for r in results:
+        if not r.get("ok"):
+            log.info("kernel %s not compiled ahead (its first launch compiles it): %s", r["module"], r.get("error"))
+    with _lock:
+        STATS["compiled"] += sum(1 for r in done if r.get("compiled"))
+        STATS["compile_seconds"] += sum(r.get("seconds", 0.0) for r in done if r.get("compiled"))
+        STATS["compile_wall"] += time.perf_counter() - t0
+    return sum(1 for r in done if r.get("compiled"))
+
+
+def _run_worker(spec: dict, jobs: list[dict], timeout: float) -> list[dict]:
+    """One `nvrtc.py` process compiling `jobs`: its result lines (a failed process: every job failed)."""
+    try:
+        proc = subprocess.run([sys.executable, "-I", nvrtc.__file__], input=json.dumps({"compiler": spec, "jobs": jobs}),
+                              capture_output=True, text=True, timeout=timeout)
+        results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        error = proc.stderr.strip()[-500:] or f"exit status {proc.returncode}"
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        results, error = [], str(e)
+    seen = {r.get("module") for r in results}
+    return results + [{"module": j["module"], "ok": False, "error": error} for j in jobs if j["module"] not in seen]
 
 
 class CudaKernel:
@@ -284,9 +320,17 @@ class CudaKernel:
                  header: str = "", ensure_row_contiguous: bool = True):
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
         self.source, self.header = source, header
-        self._kernel = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                                           source=source, header=header, ensure_row_contiguous=ensure_row_contiguous)
+        self._contiguous = ensure_row_contiguous
+        self._mlx_kernel = None  # built at the first launch: a `recording` needs none (nor a CUDA back-end)
         self._stored: set = set()  # variants already looked up in this process
+
+    @property
+    def _kernel(self):
+        if self._mlx_kernel is None:
+            self._mlx_kernel = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names,
+                                                   output_names=self.output_names, source=self.source,
+                                                   header=self.header, ensure_row_contiguous=self._contiguous)
+        return self._mlx_kernel
 
     def variant_source(self, inputs: list[mx.array], template: list, output_dtypes: list) -> tuple[str, str]:
         """(kernel name, source) MLX builds for these inputs and template arguments."""
@@ -297,6 +341,11 @@ class CudaKernel:
 
     def __call__(self, *, inputs: list[mx.array], template: list, grid, threadgroup, output_shapes,
                  output_dtypes, **kw) -> list[mx.array]:
+        rec = getattr(_recording, "active", None)
+        if rec is not None:
+            func, source = self.variant_source(inputs, template, output_dtypes)
+            rec.variants[func] = source
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         key = (tuple(template), tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes))
         if key not in self._stored:
             self._stored.add(key)

@@ -175,13 +175,19 @@ def available() -> bool:
     if not _cuda():
         return False
     try:
-        w = mx.random.normal((64, 256), key=mx.random.key(3))
-        q, s, b = mx.quantize(w, group_size=32, bits=4)
         ok = True
         for rows in (1, 3):  # the CUDA-core kernel, then the tensor-core one
-            x = mx.random.normal((rows, 256), key=mx.random.key(4))
-            ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
-            ok = ok and bool(mx.allclose(quantized_rows(x, q, s, b, 4, 32), ref, atol=1e-3, rtol=1e-3).item())
+            # inputs and reference on the CPU: no GPU JIT compile that decoding never uses
+            with mx.stream(mx.cpu):
+                w = mx.random.normal((64, 256), key=mx.random.key(3))
+                q, s, b = mx.quantize(w, group_size=32, bits=4)
+                x = mx.random.normal((rows, 256), key=mx.random.key(4))
+                ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
+                mx.eval(q, s, b, x, ref)
+            got = quantized_rows(x, q, s, b, 4, 32)
+            mx.eval(got)
+            with mx.stream(mx.cpu):
+                ok = ok and bool(mx.allclose(got, ref, atol=1e-3, rtol=1e-3).item())
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         warnings.warn(f"mtp-engine: custom quantized kernel unavailable ({e}); using MLX's")
         ok = False

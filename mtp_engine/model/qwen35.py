@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..options import EngineOptions
-from . import attn_kernel, gdn, gdn_kernel, kernels, mma_kernel, norm_kernel, selftest_cache
+from . import attn_kernel, gdn, gdn_kernel, kernel_warmup, kernels, mma_kernel, norm_kernel, selftest_cache
 from . import step as compiled
 from .cache import KVCache, RecurrentCache, TrunkCache, pick_state
 from .config import Qwen35Config
@@ -321,6 +321,12 @@ class Qwen35Model:
                   "attn": (attn_kernel, attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE, attn_shape,
                            lambda: attn_kernel.available(attn_shape)),
                   "norm": (norm_kernel, norm_kernel._SOURCE, None, norm_kernel.available)}
+        if kernels.cuda():  # a first run on this GPU compiles every kernel it will launch at once
+            pending = [(module, run) for name, (module, source, shape, run) in checks.items()
+                       if name in allowed and module._tested is None
+                       and not selftest_cache.passed(opts.cache_path, selftest_cache.key(name, source, shape))]
+            kernel_warmup.compile_ahead(pending, [o for o in self._parts() if isinstance(o, Linear)]
+                                        if "qmv" in allowed else [], c.hidden_size if "norm" in allowed else None)
         ok = {name: name in allowed and _checked(name, *checks[name], opts.cache_path) for name in checks}
         qmv, fused_gdn, fused_attn, self.fused_norm = ok["qmv"], ok["gdn"], ok["attn"], ok["norm"]
         for obj in self._parts():
