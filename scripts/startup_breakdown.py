@@ -3,7 +3,8 @@ self-tests at the model's shapes, reported apart as `self_test_seconds`; `kernel
 NVRTC compiles and their seconds, wherever they fell), and three 64-token generations on the
 shipped model (plain, then draft-mtp auto twice: the first pays for compiling its shapes);
 `compiled_modules` lists, per phase, the modules that appeared in MLX's PTX folders (MLX's JIT:
-fused graphs, gathers, quantized products; and our kernels). Run it twice: the second process
+fused graphs, gathers, quantized products; and our kernels), each with when it was written and the
+gap since the one before (about its compile time, where nothing else ran between). Run it twice: the second process
 shows what the caches save.
 
 `--root DIR`: every cache this run may read or write lives under DIR (the temp folder, so MLX's
@@ -35,30 +36,38 @@ T["import"] = time.perf_counter() - t
 JIT: dict = {}  # per phase: the compiled modules that appeared in MLX's PTX folders (MLX's JIT and ours)
 
 
-def modules() -> set:
-    return {p.name for d in kernel_cache.mlx_cache_dirs() if d.is_dir() for p in d.rglob("*.ptx")}
+def modules() -> dict:
+    """Module file name -> when it was written (epoch seconds)."""
+    return {p.name: p.stat().st_mtime for d in kernel_cache.mlx_cache_dirs() if d.is_dir() for p in d.rglob("*.ptx")}
 
 
-def phase(name: str, before: set) -> set:
+def phase(name: str, before: dict, started: float) -> dict:
     now = modules()
-    new = sorted(now - before)
-    # a module's name is its kind, then a hash of its source: kinds say what was compiled
-    JIT[name] = {"count": len(new), "modules": [n[:-len(".ptx")].rsplit("_", 1)[0] for n in new]}
+    new = sorted((when, n) for n, when in now.items() if n not in before)
+    # a module's name is its kind, then a hash of its source: kinds say what was compiled; the time
+    # each was written, from the phase's start, and the gap since the one before (~ its compile)
+    rows, last = [], started
+    for when, n in new:
+        rows.append([n[:-len(".ptx")].rsplit("_", 1)[0], round(when - started, 2), round(when - last, 2)])
+        last = when
+    JIT[name] = {"count": len(new), "modules": [r[0] for r in rows], "written": rows}
     return now
 
 
 seen = modules()
+start = time.time()
 t = time.perf_counter()
 m = me.load()
 T["load"] = time.perf_counter() - t
-seen = phase("load", seen)
+seen = phase("load", seen, start)
 for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
+    start = time.time()
     t = time.perf_counter()
     r = me.generate("def parse_args(argv):", model=m, max_tokens=64, spec=spec)
     keys = ("prefill_seconds", "time_to_first_token_seconds", "compile_seconds", "decode_tokens_per_second",
             "acceptance_rate", "auto_message")
     T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
-    seen = phase(f"gen{i}_{spec}", seen)
+    seen = phase(f"gen{i}_{spec}", seen, start)
 
 T["kernel_cache"] = dict(kernel_cache.STATS)  # custom-kernel variants compiled here vs found stored
 # load()'s part spent testing kernels against the MLX path (the rest: GGUF read, upload, MLX's own JIT)
