@@ -152,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--random-9b", action="store_true", help="the 9B shape, random weights (see above)")
+    ap.add_argument("--peer", action="store_true",
+                    help="mlx-lm's batch_generate beside ours at the model's shape (random 4-bit g32 weights; "
+                         "always on with --random-9b)")
     ap.add_argument("--oracle", type=float, default=None,
                     help="draft-mtp rounds accept each draft with this probability (random weights draft nothing "
                          "useful); their outputs are then not compared")
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     alone = load(args.model) if not args.random_9b else _random_9b(load(args.model))
     peer = None
-    if args.random_9b:  # mlx-lm's batch_generate at the same shape, beside ours
+    if args.random_9b or args.peer:  # mlx-lm's batch_generate at the same shape, beside ours
         import mlx_lm_ref
         peer = mlx_lm_ref.build(alone.model.cfg)
     rows = []

@@ -16,6 +16,10 @@ kernels' self-tests (qwen35._checked) and the GPU suite check the stored code li
 
 Where: `$MLX_PTX_CACHE_DIR` (api.load points it into `EngineOptions.cache_dir`), else MLX's
 default `<temp>/mlx/<version>/ptx`.
+
+Ahead: `recording` lists the variants some code would launch without launching them, and
+`compile_all` compiles the missing ones at once in worker processes (`nvrtc.py`), so a first run
+pays for its slowest kernel rather than their sum (`kernel_warmup` does it for a model at load).
 """
 from __future__ import annotations
 
