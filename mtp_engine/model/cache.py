@@ -129,7 +129,13 @@ class RecurrentCache:
     with `kept` the number of the pass's tokens the cache holds (S until a rollback). Rollback only
     moves `kept`, a host int or a device count per row, so it runs no kernel; the next forward
     starts from state `kept` (the fused kernel reads it in place, the MLX path gathers it inside
-    its compiled graph), and `conv`/`state` build it when something else asks."""
+    its compiled graph), and `conv`/`state` build it when something else asks.
+
+    `capture_width` W (set by a speculative run, `TrunkCache.capture_at_width`): a captured pass
+    of S <= W tokens leaves W + 1 state slots and a K-1+W-row window, of which the first S + 1
+    and K-1+S count. The next forward's inputs then have one shape whatever the last round's draft
+    length was, so a compiled step is traced once per width it runs, not once per pair of
+    successive draft lengths (each pair was a new trace in the middle of an auto run)."""
 
     def __init__(self, kernel: int, channels: int, value_heads: int, key_dim: int, value_dim: int,
                  dtype=mx.float32):
@@ -151,6 +157,8 @@ class RecurrentCache:
         self.states: mx.array | None = None
         self.kept: int | mx.array = 0
         self._open = False  # a captured pass not yet rolled back
+        self._tokens = 0  # tokens of the last captured pass
+        self.capture_width: int | None = None
 
     @property
     def conv(self) -> mx.array:
@@ -182,12 +190,13 @@ class RecurrentCache:
             return self.window, self.states, self.kept
         return self.conv, self.state, None
 
-    def update(self, conv: mx.array, state: mx.array) -> None:
+    def update(self, conv: mx.array, state: mx.array, tokens: int | None = None) -> None:
         """A forward's result: the new conv window and state, or, when capturing, the pass's
-        window and per-position states (see the class docstring)."""
+        window and per-position states (see the class docstring) over its `tokens` (default: all
+        the slots hold)."""
         if self.capturing:
             self.window, self.states, self._open = conv, state, True
-            self.kept = int(state.shape[1]) - 1
+            self.kept = self._tokens = int(state.shape[1]) - 1 if tokens is None else int(tokens)
             self._conv = self._state = None
         else:
             self.set(conv, state)
@@ -214,7 +223,7 @@ class RecurrentCache:
     def _captured_tokens(self) -> int:
         if not self._open:
             raise RuntimeError("rollback without a captured forward")
-        return int(self.states.shape[1]) - 1
+        return self._tokens
 
     def release(self) -> None:
         """Forgets that a captured pass could still be rolled back (it keeps all its tokens)."""
@@ -264,6 +273,13 @@ class TrunkCache:
             if isinstance(c, RecurrentCache):
                 c.begin_capture()
         self._captured = n_tokens
+
+    def capture_at_width(self, width: int | None) -> None:
+        """Captured passes of up to `width` tokens leave buffers of that width (`RecurrentCache`
+        says why); None: of their own length."""
+        for c in self.layers:
+            if isinstance(c, RecurrentCache):
+                c.capture_width = width
 
     def rollback(self, n_keep: int) -> None:
         """After a captured forward of S tokens, keeps its first `n_keep` tokens."""

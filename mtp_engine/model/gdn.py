@@ -35,14 +35,16 @@ class Mixed(NamedTuple):
 
 def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.array, conv0: mx.array,
         state0: mx.array, conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array,
-        capture: bool = False, valid: mx.array | None = None, fused_steps: bool = True) -> Mixed:
+        capture: bool = False, valid: mx.array | None = None, fused_steps: bool = True,
+        width: int | None = None) -> Mixed:
     """qkv_x [b, s, C], z_x [b, s, vh*vd], alpha_x/beta_x [b, s, vh], conv0 [b, K-1, C], state0 [b, vh, kd, vd].
     `valid` [b] int32: row r's first valid[r] tokens count and the rest pad it (a batched prefill
     of prompts of several lengths): pads neither decay nor write the state (g = 0, beta = 0) and
     the conv window returned ends at the last valid token; their outputs are meaningless.
     `fused_steps=False` runs the token steps as separate operations: the CUDA kernel's self-test
     does, since on a GPU each fused step graph is a JIT compile (seconds, on a first run) that
-    decoding with the kernel never uses again."""
+    decoding with the kernel never uses again. `width` (captured passes): the captured buffers
+    hold that many tokens (>= s; the slots past s are zeros), `cache.RecurrentCache` says why."""
     b, s = qkv_x.shape[0], qkv_x.shape[1]
     window = mx.concatenate([conv0, qkv_x], axis=1)  # [b, K-1+s, C]
     prep = _prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)
@@ -66,6 +68,12 @@ def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.a
         o, state, _ = delta_rule_chunked(q, k, v, g, beta, state0)
     y = _output(o, z_x.reshape(b, s, d.vh, d.vd), norm, d.eps).reshape(b, s, d.vh * d.vd)
     if capture:
+        pad = (width or s) - s
+        if pad < 0:
+            raise ValueError(f"a captured pass of {s} tokens does not fit width {width}")
+        if pad:
+            states += [mx.zeros_like(state0)] * pad
+            window = mx.concatenate([window, mx.zeros((b, pad, window.shape[2]), window.dtype)], axis=1)
         return Mixed(y, mx.stack(states, axis=1), window)
     if valid is not None:  # the window after each row's last valid token
         rows = (valid.reshape(b, 1) + mx.arange(d.kernel - 1)[None, :])[:, :, None]

@@ -45,16 +45,17 @@ _SOURCE = """
     const long rc = conv0_strides[1];
     const float eps = params[0];
     const bool CAPTURE = params[1] != 0.0f;  // a runtime flag: one NVRTC compile serves both
+    const int W = CAPTURE ? (int)params[2] : 0;  // captured buffers' tokens (>= S; slots past S unwritten)
     const int at = kept[b];  // the starting state's slot: kept tokens of a rolled-back captured pass
     const float* xq = qkv + b * qkv_strides[0];
     const float* xz = z + b * z_strides[0];
     const float* xa = alpha + b * alpha_strides[0];
     const float* xb = beta + b * beta_strides[0];
     const float* c0 = conv0 + b * conv0_strides[0];
-    const int conv_rows = CAPTURE ? S + KC - 1 : KC - 1;
+    const int conv_rows = CAPTURE ? S + KC - 1 : KC - 1;  // written
     float* yb = y + (size_t)b * S * VH * VD;
-    float* sb_out = state_out + (size_t)b * (CAPTURE ? S + 1 : 1) * VH * KD * VD;
-    float* cb_out = conv_out + (size_t)b * conv_rows * C;
+    float* sb_out = state_out + (size_t)b * (CAPTURE ? W + 1 : 1) * VH * KD * VD;
+    float* cb_out = conv_out + (size_t)b * (CAPTURE ? W + KC - 1 : KC - 1) * C;
     __shared__ float sq[SMAX * KD];
     __shared__ float sk[SMAX * KD];
     __shared__ float sv[SMAX * VD];
@@ -184,14 +185,15 @@ def supports(kh: int, kd: int, vh: int, vd: int, batch: int, tokens: int) -> boo
 def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, conv0: mx.array,
                 conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array, state0: mx.array,
                 kh: int, kd: int, vh: int, vd: int, eps: float, kept: mx.array | None = None,
-                capture: bool = False) -> tuple[mx.array, ...]:
+                capture: bool = False, width: int | None = None) -> tuple[mx.array, ...]:
     """qkv [B, S, C], z [B, S, VH*VD], alpha/beta [B, S, VH] (column slices of one product are fine:
     rows are addressed by stride), conv0 [B, K-1, C], conv_w [C, K], state0 [B, VH, KD, VD]; or,
     with `kept` [B] int32, a captured pass's windows conv0 [B, K-1+S0, C] and states
     [B, S0+1, VH, KD, VD], row b to start from its slot kept[b]. Returns `gdn.Mixed`'s fields: (y
     [B, S, VH*VD] gated-normed output, state [B, VH, KD, VD], conv state [B, K-1, C]); captured,
-    the states [B, S+1, VH, KD, VD] and the windows [B, K-1+S, C]. The B sequences of a batch are
-    independent blocks of one launch (grid y)."""
+    the states [B, W+1, VH, KD, VD] and the windows [B, K-1+W, C], W = `width` (default S; the
+    slots past S are left unwritten and never read: `cache.RecurrentCache`). The B sequences of a
+    batch are independent blocks of one launch (grid y)."""
     global _kernel, _SLOT0
     if _kernel is None:
         # inputs are addressed by their row strides, so slices of the joined product need no copy
@@ -209,10 +211,11 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
         slot = kept.astype(mx.int32)
     else:
         slot = _SLOT0 if rows == 1 else mx.zeros((rows,), mx.int32)
-    state_shape = (rows, s + 1, vh, kd, vd) if capture else (rows, vh, kd, vd)
-    conv_rows = kc - 1 + (s if capture else 0)
+    w = max(s, width or s)
+    state_shape = (rows, w + 1, vh, kd, vd) if capture else (rows, vh, kd, vd)
+    conv_rows = kc - 1 + (w if capture else 0)
     outs = _kernel(
-        inputs=[*acts, *params, mx.array([eps, float(capture)], dtype=f32), slot],
+        inputs=[*acts, *params, mx.array([eps, float(capture), float(w)], dtype=f32), slot],
         template=[("KH", kh), ("KD", kd), ("VH", vh), ("VD", vd), ("KC", kc), ("P", PARTS),
                   ("SMAX", MAX_TOKENS)],
         grid=(vh * vd * PARTS, rows, 1), threadgroup=(vd * PARTS, 1, 1),
@@ -227,7 +230,8 @@ _tested: bool | None = None
 def available(dims=None) -> bool:
     """Whether the kernel can be used in this process: on a CUDA GPU, after it matched the pure-MLX
     mixer (`gdn.mix`) on random inputs (1 token; 5 captured; a batch of 3 sequences of 2 tokens,
-    each from its own slot of an earlier captured pass), outside any compiled graph. A compile error
+    each from its own slot of an earlier captured pass; 2 sequences of 3 tokens captured into
+    buffers 5 wide), outside any compiled graph. A compile error
     or a mismatch warns and answers False from then on, so the engine falls back to the MLX path
     instead of failing. Whether a model uses it is that model's choice (`EngineOptions.kernels`).
 
@@ -244,8 +248,9 @@ def available(dims=None) -> bool:
     if dims is None or not supports(dims.kh, dims.kd, dims.vh, dims.vd, 1, 1):
         dims = gdn.Dims(2, 64, 4, 64, 4, 1e-6)
     try:
-        ok = all(max_error(dims, s, seed=s, capture=cap, earlier=e, batch=b) < 1e-3
-                 for s, cap, e, b in ((1, False, 0, 1), (5, True, 0, 1), (2, False, 4, 3)))
+        ok = all(max_error(dims, s, seed=s, capture=cap, earlier=e, batch=b, width=w) < 1e-3
+                 for s, cap, e, b, w in ((1, False, 0, 1, None), (5, True, 0, 1, None), (2, False, 4, 3, None),
+                                         (3, True, 0, 2, 5)))
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         import warnings
         warnings.warn(f"mtp-engine: fused gated-delta-net kernel unavailable ({e}); using MLX's")
@@ -283,10 +288,12 @@ def random_inputs(d, s: int, seed: int = 0, slices: bool = True, earlier: int = 
     return out
 
 
-def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0, batch: int = 1) -> float:
+def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0, batch: int = 1,
+              width: int | None = None) -> float:
     """Largest absolute difference between this kernel and `gdn.mix` over every output (`capture`:
-    a captured pass; `earlier`: starting from a slot of an earlier captured pass of that many
-    tokens; `batch`: sequences in one launch)."""
+    a captured pass, `width`: into buffers of that many tokens, whose slots past s are not
+    compared; `earlier`: starting from a slot of an earlier captured pass of that many tokens;
+    `batch`: sequences in one launch)."""
     from . import gdn
     from .cache import pick_state
     # the inputs and the reference on the CPU: on a GPU each of their operations would be a JIT
@@ -297,13 +304,18 @@ def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0,
         ref_in = dict(x)
         if kept is not None:
             ref_in["conv0"], ref_in["state0"] = pick_state(x["conv0"], x["state0"], kept, d.kernel)
-        ref = gdn.mix(d, **ref_in, capture=capture, fused_steps=False)
+        ref = gdn.mix(d, **ref_in, capture=capture, fused_steps=False, width=width)
         mx.eval(x, ref)
     got = gated_delta(x["qkv_x"], x["z_x"], x["alpha_x"], x["beta_x"], x["conv0"], x["conv_w"], x["dt_bias"],
-                      x["a"], x["norm"], x["state0"], d.kh, d.kd, d.vh, d.vd, d.eps, kept=kept, capture=capture)
+                      x["a"], x["norm"], x["state0"], d.kh, d.kd, d.vh, d.vd, d.eps, kept=kept, capture=capture,
+                      width=width)
     for r, g in zip(ref, got):
         if r.shape != g.shape:
             raise AssertionError(f"shape {g.shape}, expected {r.shape}")
     mx.eval(got)
+    if capture and width:  # the slots past the pass's tokens are never read (nor written by the kernel)
+        keep = (slice(None), slice(None, s + 1)), (slice(None), slice(None, d.kernel - 1 + s))
+        ref = gdn.Mixed(ref.y, ref.state[keep[0]], ref.conv[keep[1]])
+        got = (got[0], got[1][keep[0]], got[2][keep[1]])
     with mx.stream(mx.cpu):
         return max(float(mx.abs(r - g).max().item()) for r, g in zip(ref, got))

@@ -74,13 +74,15 @@ class _RecurrentView:
     """A gated-delta-net cache inside a trace: what the forward starts from (`sources`, as
     `RecurrentCache.sources` gave it) and what it leaves (`update`)."""
 
-    def __init__(self, conv: mx.array, state: mx.array, kept: mx.array | None, capturing: bool):
+    def __init__(self, conv: mx.array, state: mx.array, kept: mx.array | None, capturing: bool,
+                 capture_width: int | None = None):
         self.conv, self.state, self.kept, self.capturing = conv, state, kept, capturing
+        self.capture_width = capture_width
 
     def sources(self) -> tuple[mx.array, mx.array, mx.array | None]:
         return self.conv, self.state, self.kept
 
-    def update(self, conv: mx.array, state: mx.array) -> None:
+    def update(self, conv: mx.array, state: mx.array, tokens: int | None = None) -> None:
         self.conv, self.state, self.kept = conv, state, None
 
 
@@ -113,13 +115,15 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
         if isinstance(c, KVCache):
             c.reserve(c.limit + n_tokens)
     kinds, arrays = _layout(caches)
-    key = (n_tokens, kinds, capture)
+    width = next((c.capture_width for c in caches if isinstance(c, RecurrentCache)), None) if capture else None
+    key = (n_tokens, kinds, capture, width)
     fns = owner.__dict__.setdefault("_compiled_steps" if compiled else "_graph_steps", {})
     if key not in fns:
         layout: dict[str, int] = {}  # filled when the graph is traced: how many outputs are the body's
         reach: list = []  # uncompiled: per KV cache, a host bound of its offset after this step
         fn = _traced(body, kinds, capture, side, layout,
-                     lambda keys, values, offsets, i: _KVView(keys, values, offsets[i], reach[i] if reach else None))
+                     lambda keys, values, offsets, i: _KVView(keys, values, offsets[i], reach[i] if reach else None),
+                     width)
         fns[key] = (mx.compile(fn) if compiled else fn, layout, reach)
     fn, layout, reach = fns[key]
     kv = [c for c in caches if isinstance(c, KVCache)]
@@ -135,23 +139,23 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     del arrays, saved
     body_out, rest = outs[:layout["body"]], outs[layout["body"]:]
     shift_offsets(caches, n_tokens)
-    rest = _write_back(caches, rest, KVCache, n_tokens)
+    rest = _write_back(caches, rest, KVCache, n_tokens, n_tokens)
     if set_side:
         set_side(list(rest))
     return body_out
 
 
-def _write_back(caches, rest: list, kv_type: type, grown: int = 0) -> list:
+def _write_back(caches, rest: list, kv_type: type, grown: int = 0, tokens: int | None = None) -> list:
     """Puts a graph's cache outputs back on `caches` (KV buffers; recurrent windows and states,
-    per position when captured); returns the outputs after them. A KV cache's host bound grows
-    by `grown` tokens."""
+    per position when captured, over the forward's `tokens`); returns the outputs after them. A KV
+    cache's host bound grows by `grown` tokens."""
     for c in caches:
         if isinstance(c, kv_type):
             c.keys, c.values = rest[0], rest[1]
             if getattr(c, "bound", None) is not None:
                 c.bound += grown
         else:
-            c.update(rest[0], rest[1])
+            c.update(rest[0], rest[1], tokens)
         rest = rest[2:]
     return rest
 
@@ -216,7 +220,8 @@ def _restore(saved: list) -> None:
         c.keys, c.values = keys, values
 
 
-def _traced(body: Callable, kinds: tuple[str, ...], capture: bool, side, layout: dict[str, int], kv_view: Callable):
+def _traced(body: Callable, kinds: tuple[str, ...], capture: bool, side, layout: dict[str, int], kv_view: Callable,
+            capture_width: int | None = None):
     def fn(offsets, *flat):
         n_cache = sum(3 if k == "pick" else 2 for k in kinds)
         args, arrays = flat[:len(flat) - n_cache], flat[len(flat) - n_cache:]
@@ -227,7 +232,7 @@ def _traced(body: Callable, kinds: tuple[str, ...], capture: bool, side, layout:
                 i_kv += 1
             else:
                 kept = arrays[j + 2] if kind == "pick" else None
-                views.append(_RecurrentView(arrays[j], arrays[j + 1], kept, capture))
+                views.append(_RecurrentView(arrays[j], arrays[j + 1], kept, capture, capture_width))
             j += 3 if kind == "pick" else 2
         outs = list(body(*args, views))
         layout["body"] = len(outs)

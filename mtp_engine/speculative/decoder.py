@@ -88,6 +88,8 @@ class SpeculativeDecoder(DecoderBase):
         with self.prof.stage("prefill"):
             kept = self._reuse_prefix(ids[:-1], self.drafter.name)
             h = self._prefill_trunk(ids[self.cached_tokens:-1], pick=self._fed)
+            if self.model.compile_steps:  # one verify graph per width, whatever the round before drafted
+                self.cache.capture_at_width(self.params.k_max + 1)
             self.last_token = ids[-1]
             if kept is None:
                 self.drafter.begin(ids, h)

@@ -52,6 +52,16 @@ def test_batched_kernel_equals_mlx_mixer_row_by_row(d, s, capture, earlier):
 
 
 @needs_gpu
+@pytest.mark.parametrize("d", SHAPES, ids=lambda d: f"kd{d.kd}vh{d.vh}")
+@pytest.mark.parametrize("s,width,earlier,batch", [(1, 5, 0, 1), (3, 5, 0, 1), (5, 5, 0, 1), (2, 9, 4, 3), (4, 16, 0, 8)])
+def test_kernel_captures_into_fixed_width_buffers(d, s, width, earlier, batch):
+    # a verify of s tokens into buffers `width` wide (cache.RecurrentCache.capture_width): the
+    # first s + 1 slots and K-1+s window rows are the MLX mixer's, from a slot of an earlier pass too
+    assert gdn_kernel.max_error(d, s, seed=3 * s + width, capture=True, earlier=earlier, batch=batch,
+                                width=width) < TOL
+
+
+@needs_gpu
 def test_batched_kernel_rows_are_independent():
     # a row's result does not depend on the other rows: row 2 of a batch equals it run alone
     d = SHAPES[1]
