@@ -89,7 +89,8 @@ class SpeculativeDecoder(DecoderBase):
             kept = self._reuse_prefix(ids[:-1], self.drafter.name)
             h = self._prefill_trunk(ids[self.cached_tokens:-1], pick=self._fed)
             if self.model.compile_steps:  # one verify graph per width, whatever the round before drafted
-                self.cache.capture_at_width(self.params.k_max + 1)
+                longest = self.scheduler.k_max if self.scheduler is not None else self.params.k_max
+                self.cache.capture_at_width(longest + 1)
             self.last_token = ids[-1]
             if kept is None:
                 self.drafter.begin(ids, h)
