@@ -140,7 +140,7 @@ class DecoderBase:
         hiddens = []
         for s in range(0, len(ids), self.prefill_chunk):
             post, pre = self.model.forward(mx.array([ids[s:s + self.prefill_chunk]]), self.cache,
-                                           return_prenorm=True)
+                                           return_prenorm=True, one_off=True)
             h = pick(post, pre) if pick else post
             mx.eval(h, *self.cache.arrays())
             hiddens.append(h)

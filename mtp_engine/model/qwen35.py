@@ -228,12 +228,15 @@ class MTPHead:
     def make_cache(self) -> KVCache:
         return KVCache(self.cfg.n_head_kv, self.cfg.head_dim)
 
-    def __call__(self, embeds: mx.array, h_prev: mx.array, cache: KVCache, resident: bool = False) -> mx.array:
+    def __call__(self, embeds: mx.array, h_prev: mx.array, cache: KVCache, resident: bool = False,
+                 one_off: bool = False) -> mx.array:
         """embeds [1, S, H] (embedding of token t), h_prev [1, S, H] (post-norm hidden at t-1);
         returns the head's normed hidden state [1, S, H] (feed it back for the next draft step).
-        `resident`: the cache's offset may be a device value (compiled or not, the graph form)."""
+        `resident`: the cache's offset may be a device value (compiled or not, the graph form).
+        `one_off`: a shape that may not recur (the prompt's rows): compiled only if already traced."""
         s = int(embeds.shape[1])
-        fits = s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp)
+        fits = s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp) and \
+            not (one_off and not resident and not compiled.traced(self, [cache], s))
         if (self.compile_steps and fits) or resident:
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("mtp")) if self.expert_use \
                 else (None, None)
@@ -393,17 +396,20 @@ class Qwen35Model:
         return self.embed.rows(ids)
 
     def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False,
-                resident: bool = False):
+                resident: bool = False, one_off: bool = False):
         """Runs ids [1, S] through the trunk, appending to `cache`; returns the hidden state after
         `output_norm` [1, S, H] (what the output head and the MTP head read). With `capture`, the
         caches keep what `cache.rollback(n)` needs to keep only the first n of these tokens. With
         `return_prenorm`, returns (post-norm, pre-norm) hidden states. `resident`: a
         device-resident round's forward (KV offsets may be device values; `cache.offset`, the
-        host's count, is left to the round)."""
+        host's count, is left to the round). `one_off`: a forward whose shape may not recur (a
+        prompt's prefill): compiled only when its graph is traced already (`step.traced`), so a
+        new prompt length costs no trace."""
         s = int(ids.shape[1])
         if capture:
             cache.begin_capture(s)
-        fits = s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers)
+        fits = s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers) and \
+            not (one_off and not resident and not compiled.traced(self, cache.layers, s, capture))
         if (self._compile_steps and fits) or resident:
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \

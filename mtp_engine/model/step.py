@@ -102,6 +102,20 @@ def _layout(caches) -> tuple[tuple[str, ...], list[mx.array]]:
     return tuple(kinds), arrays
 
 
+def _key(caches, n_tokens: int, capture: bool) -> tuple[tuple, list[mx.array]]:
+    """A graph's key in its owner's table, and the caches' input arrays."""
+    kinds, arrays = _layout(caches)
+    width = next((c.capture_width for c in caches if isinstance(c, RecurrentCache)), None) if capture else None
+    return (n_tokens, kinds, capture, width), arrays
+
+
+def traced(owner, caches: Sequence[KVCache | RecurrentCache], n_tokens: int, capture: bool = False) -> bool:
+    """Whether `run` has a compiled graph for this forward already: a forward of a shape that may
+    not recur (a prompt's prefill) runs uncompiled unless it has, since a trace costs more than
+    dispatching the operations once (`scripts/trace_cost.py`: 70-100 ms of host at the 9B shape)."""
+    return _key(caches, n_tokens, capture)[0] in owner.__dict__.get("_compiled_steps", {})
+
+
 def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
         n_tokens: int, capture: bool = False, side: Callable[[], list] | None = None,
         set_side: Callable[[list], None] | None = None, compiled: bool = True) -> list[mx.array]:
@@ -114,9 +128,8 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
     for c in caches:
         if isinstance(c, KVCache):
             c.reserve(c.limit + n_tokens)
-    kinds, arrays = _layout(caches)
-    width = next((c.capture_width for c in caches if isinstance(c, RecurrentCache)), None) if capture else None
-    key = (n_tokens, kinds, capture, width)
+    key, arrays = _key(caches, n_tokens, capture)
+    kinds, width = key[1], key[3]
     fns = owner.__dict__.setdefault("_compiled_steps" if compiled else "_graph_steps", {})
     if key not in fns:
         layout: dict[str, int] = {}  # filled when the graph is traced: how many outputs are the body's

@@ -109,7 +109,7 @@ class MTPDrafter(Drafter):
         h_prev = mx.concatenate([h_before, hidden[:, :-1]], axis=1)
         for s in range(0, len(head), self.prefill_chunk):
             e = slice(s, s + self.prefill_chunk)
-            m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache)
+            m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache, one_off=True)
             mx.eval(m, *self.cache.state())
 
     def draft(self, k: int, p_min: float = 0.0) -> Draft:

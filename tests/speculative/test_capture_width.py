@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import SHIPPED, TINY_Q4, need
 from mtp_engine import EngineOptions, generate, load
-from mtp_engine.model import gdn
+from mtp_engine.model import gdn, step
 from mtp_engine.model.cache import RecurrentCache
 from mtp_engine.speculative import decoder as decoder_module
 
@@ -24,16 +24,16 @@ def compiled_model():
 
 
 class _Traces:
-    """Counts the trunk's traces (its body runs only while mx.compile traces it) and drives the
-    draft length of every round from a list."""
+    """Counts the trunk's traces (a compiled graph's body runs only while mx.compile traces it, on
+    the graph's cache views) and drives the draft length of every round from a list."""
 
     def __init__(self, model, monkeypatch, ks: list[int]):
         self.count, self.ks = 0, list(ks)
         body = model.model._body
 
-        def counting(*a, **kw):
-            self.count += 1
-            return body(*a, **kw)
+        def counting(ids, caches):
+            self.count += isinstance(caches[0], (step._KVView, step._RecurrentView))  # a trace, not a call
+            return body(ids, caches)
 
         monkeypatch.setattr(model.model, "_body", counting)
         monkeypatch.setattr(model.model, "_compiled_steps", {}, raising=False)  # traced afresh here
@@ -116,3 +116,22 @@ def test_mix_pads_a_captured_pass_to_its_width_and_keeps_the_first_slots():
         c.rollback(4)
     c.rollback(2)
     assert mx.array_equal(c.state, exact.state[:, 2]) and mx.array_equal(c.conv, exact.conv[:, 2:2 + d.kernel - 1])
+
+
+def test_a_new_prompt_length_costs_no_trace(compiled_model, monkeypatch):
+    """A prompt's prefill is a shape that may not recur: it runs uncompiled unless its graph is
+    traced already (a trace costs more than dispatching its operations once), so after a first
+    generation of each kind, a second one with another prompt length traces nothing."""
+    t = _Traces(compiled_model, monkeypatch, [])
+    monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_choose_k", lambda d: d.params.k_max)
+    plain = {n: generate(PROMPT[:n], compiled_model, max_tokens=12, ignore_eos=True).token_ids for n in (3, 4)}
+    spec = {n: generate(PROMPT[:n], compiled_model, max_tokens=12, spec="draft-mtp", n_max=2, ignore_eos=True)
+            for n in (3, 4)}
+    first = t.count
+    assert first > 0
+    for n in (5, 6, 2):
+        assert generate(PROMPT[:n], compiled_model, max_tokens=12, ignore_eos=True).token_ids
+        assert generate(PROMPT[:n], compiled_model, max_tokens=12, spec="draft-mtp", n_max=2, ignore_eos=True).stats[
+            "drafted"] > 0
+    assert t.count == first, (first, t.count)
+    assert all(spec[n].token_ids == plain[n] for n in plain)  # uncompiled prefill, compiled rounds: same tokens
