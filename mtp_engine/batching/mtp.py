@@ -267,6 +267,8 @@ class MTPBatchScheduler(BatchScheduler):
                 tok = d[:, None]
         ids = mx.concatenate([last, mx.stack(drafts, axis=1)], axis=1) if k else last  # [B, k+1]
         if k:
+            if m.compile_steps:  # one verify graph per width, whatever the round before drafted
+                self._batch.capture_at_width(max(k, self.chooser.k_max) + 1)
             self._batch.begin_capture()
         post = m.forward_batch(ids, self._batch)  # [B, k+1, H]
         logits = m.logits(post)

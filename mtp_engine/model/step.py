@@ -184,12 +184,14 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
     for c in layers:
         if isinstance(c, BatchKVCache):
             c.reserve(end)
-    kinds, arrays = _layout(layers)
-    key = ("batch", n_tokens, kinds, capture)
+    key, arrays = _key(layers, n_tokens, capture)
+    kinds, width = key[1], key[3]
+    key = ("batch",) + key
     fns = owner.__dict__.setdefault("_compiled_steps", {})
     if key not in fns:
         layout: dict[str, int] = {}
-        fn = _traced(body, kinds, capture, None, layout, lambda keys, values, lengths, i: _BatchKVView(keys, values, lengths))
+        fn = _traced(body, kinds, capture, None, layout, lambda keys, values, lengths, i: _BatchKVView(keys, values, lengths),
+                     width)
         fns[key] = (mx.compile(fn), layout)
     fn, layout = fns[key]
     saved = _release_kv(layers, BatchKVCache)
@@ -199,7 +201,7 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
         _restore(saved)
         raise
     del arrays, saved
-    _write_back(layers, outs[layout["body"]:], BatchKVCache)
+    _write_back(layers, outs[layout["body"]:], BatchKVCache, tokens=n_tokens)
     return outs[:layout["body"]]
 
 
