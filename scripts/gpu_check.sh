@@ -59,7 +59,7 @@ if [ "$what" = startup ] || [ "$what" = all ]; then
     root=$(mktemp -d /tmp/mtp-startup.XXXXXX)
     for i in 1 2; do
         t=$(left 150 20 "startup $i") || continue
-        timeout "$t" python3 scripts/startup_breakdown.py --root "$root" > "$out/startup$i.json" 2> "$out/startup$i.err"
+        timeout "$t" python3 scripts/startup_breakdown.py --root "$root" --first-forward > "$out/startup$i.json" 2> "$out/startup$i.err"
         echo "startup $i rc=$?"
     done
 fi

@@ -45,8 +45,9 @@ def startup_rows(out: Path) -> list[list[str]]:
             continue
         plain, mtp = d.get("gen0_none", {}), d.get("gen1_draft-mtp", {})
         kc = d.get("kernel_cache", {})
-        total = d["import"] + d["load"] + plain.get("wall", 0.0)
-        cell = (f"import {d['import']:.2f} s, load {d['load']:.2f} s, first plain TTFT "
+        total = d["import"] + d["load"] + d.get("first_forward", 0.0) + plain.get("wall", 0.0)
+        first = f"first forward {d['first_forward']:.2f} s, " if "first_forward" in d else ""
+        cell = (f"import {d['import']:.2f} s, load {d['load']:.2f} s, {first}first plain TTFT "
                 f"{plain.get('time_to_first_token_seconds', 0):.2f} s (total {total:.1f} s), first draft-mtp "
                 f"compile {mtp.get('compile_seconds', 0):.2f} s; kernels compiled {kc.get('compiled', '?')}, "
                 f"found {kc.get('found', '?')}")

@@ -11,7 +11,10 @@ shows what the caches save.
 default PTX folder; the engine's cache folder, so its own PTX folder and the self-test verdicts):
 an empty DIR is a fresh machine's start-up on any machine, the same DIR again its second process.
 
-Usage: python3 scripts/startup_breakdown.py [--root DIR] > startup.json
+`--first-forward`: before the first generation, one uncompiled one-token forward on a scratch
+cache (reported as `first_forward`): the GPU's first-use costs apart from the generation's own.
+
+Usage: python3 scripts/startup_breakdown.py [--root DIR] [--first-forward] > startup.json
 """
 from __future__ import annotations
 
@@ -60,6 +63,15 @@ t = time.perf_counter()
 m = me.load()
 T["load"] = time.perf_counter() - t
 seen = phase("load", seen, start)
+if "--first-forward" in sys.argv:
+    # one uncompiled one-token forward on a scratch cache before the first generation: the GPU's
+    # first-use costs (library handles, module loads, first allocations) apart from the generation's
+    import mlx.core as mx
+    start = time.time()
+    t = time.perf_counter()
+    mx.eval(m.model.forward(mx.array([[1]]), m.model.make_cache(), one_off=True))
+    T["first_forward"] = time.perf_counter() - t
+    seen = phase("first_forward", seen, start)
 for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
     start = time.time()
     t = time.perf_counter()

@@ -55,7 +55,9 @@ class PPModel(Qwen35Model):
                                          c.ssm_value_dim) if rec else KVCache(c.n_head_kv, c.head_dim))
         return TrunkCache(caches)
 
-    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False):
+    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False,
+                one_off: bool = False):
+        # `one_off` (a prompt's prefill) changes nothing here: a stage's forward is never compiled
         s = int(ids.shape[1])
         if capture:
             cache.begin_capture(s)
