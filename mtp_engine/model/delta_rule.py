@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .fused import fused
+
 CHUNK = 32
 
 
@@ -36,7 +38,7 @@ def delta_rule_step_ops(state, q, k, v, g, beta):
     return state, (state * q[:, :, :, None]).sum(-2), u
 
 
-delta_rule_step = mx.compile(delta_rule_step_ops)
+delta_rule_step = fused(delta_rule_step_ops)
 
 
 def _unit_lower_inverse(a: mx.array) -> mx.array:

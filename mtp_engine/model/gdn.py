@@ -9,6 +9,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from .delta_rule import delta_rule_chunked, delta_rule_step, delta_rule_step_ops
+from .fused import fused
 
 # up to this many tokens the delta rule runs token by token (inside a compiled step), beyond it chunked
 SEQUENTIAL_MAX = 16
@@ -105,9 +106,9 @@ def _prepare(kh: int, kd: int, vh: int, vd: int, kernel: int, eps: float):
         g = mx.logaddexp(alpha_x + dt_bias, 0.0) * a  # log decay, [b, s, vh]
         return q, k, v, g, mx.sigmoid(beta_x)
 
-    return mx.compile(prepare)
+    return fused(prepare)
 
 
-@mx.compile
+@fused
 def _output(o, z, norm, eps):
     return mx.fast.rms_norm(o, norm, eps) * (z * mx.sigmoid(z))

@@ -19,6 +19,7 @@ from . import step as compiled
 from .cache import KVCache, RecurrentCache, TrunkCache, pick_state
 from .config import Qwen35Config
 from .expert_use import ExpertUse
+from .fused import fused
 from .layers import Linear, concat_outputs, rms_norm
 from .norm_kernel import add_rms_norm
 
@@ -173,12 +174,12 @@ class GatedDeltaNet:
         return self.out(r.y)
 
 
-@mx.compile
+@fused
 def _swiglu(g, u):
     return g * mx.sigmoid(g) * u
 
 
-@mx.compile
+@fused
 def _sigmoid_gate(x, gate):
     return x * mx.sigmoid(gate)
 

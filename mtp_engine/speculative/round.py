@@ -19,6 +19,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..model.fused import fused
+
 
 @dataclass
 class Round:
@@ -76,7 +78,7 @@ def live_drafts(confident: mx.array | None, k: int, n_min: int = 0) -> mx.array:
     return mx.arange(k) < count
 
 
-@mx.compile
+@fused
 def accept_greedy_device(drafts: mx.array, scored: mx.array, live: mx.array) -> tuple[mx.array, mx.array]:
     """drafts [k] int32, scored [k+1, V], live [k] bool (drafts that count): (n accepted, emitted
     [k+1]: the accepted drafts, the target's argmax at row n, then padding)."""
@@ -88,7 +90,7 @@ def accept_greedy_device(drafts: mx.array, scored: mx.array, live: mx.array) -> 
     return n, mx.where(mx.arange(padded.shape[0]) < n, padded, token)
 
 
-@mx.compile
+@fused
 def accept_sampling_device(drafts: mx.array, p: mx.array, q: mx.array, live: mx.array,
                            key: mx.array) -> tuple[mx.array, mx.array]:
     """Speculative sampling (Leviathan et al.) on the device: draft i (drawn from q [k, V]) is kept
