@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import MTPEngineError
 from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
-from ..model.cache import TrunkCache
+from ..model.cache import TrunkCache, capture_at_width
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
 from ..speculative.scheduler import MARGIN
@@ -268,7 +268,7 @@ class MTPBatchScheduler(BatchScheduler):
         ids = mx.concatenate([last, mx.stack(drafts, axis=1)], axis=1) if k else last  # [B, k+1]
         if k:
             if m.compile_steps:  # one verify graph per width, whatever the round before drafted
-                self._batch.capture_at_width(max(k, self.chooser.k_max) + 1)
+                capture_at_width(self._batch.layers, max(k, self.chooser.k_max) + 1)
             self._batch.begin_capture()
         post = m.forward_batch(ids, self._batch)  # [B, k+1, H]
         logits = m.logits(post)

@@ -231,13 +231,6 @@ class BatchCache:
         self.host_lengths = list(lengths)
         self.lengths = mx.array(self.host_lengths, mx.int32)
 
-    def capture_at_width(self, width: int | None) -> None:
-        """Captured passes of up to `width` tokens per row leave buffers of that width
-        (`cache.RecurrentCache.capture_width`: one compiled graph per width)."""
-        for layer in self.layers:
-            if isinstance(layer, BatchRecurrentCache):
-                layer.capture_width = width
-
     def begin_capture(self) -> None:
         """Before a forward whose tokens `rollback_rows` may drop, row by row."""
         for layer in self.layers:

@@ -131,7 +131,7 @@ class RecurrentCache:
     starts from state `kept` (the fused kernel reads it in place, the MLX path gathers it inside
     its compiled graph), and `conv`/`state` build it when something else asks.
 
-    `capture_width` W (set by a speculative run, `TrunkCache.capture_at_width`): a captured pass
+    `capture_width` W (set by a speculative run, `capture_at_width`): a captured pass
     of S <= W tokens leaves W + 1 state slots and a K-1+W-row window, of which the first S + 1
     and K-1+S count. The next forward's inputs then have one shape whatever the last round's draft
     length was, so a compiled step is traced once per width it runs, not once per pair of
@@ -252,6 +252,14 @@ def pick_state(window: mx.array, states: mx.array, kept: int | mx.array, kernel:
     return conv, state
 
 
+def capture_at_width(layers: list, width: int | None) -> None:
+    """The recurrent layers among `layers` (a trunk's or a batch's) capture passes of up to `width`
+    tokens into buffers of that width (`RecurrentCache` says why); None: of their own length."""
+    for c in layers:
+        if isinstance(c, RecurrentCache):
+            c.capture_width = width
+
+
 def roll_back_recurrent(layers: list[RecurrentCache], keep: mx.array) -> None:
     """After a captured pass, each layer's row b keeps its first keep[b] tokens (keep: [B] int32 on
     the device): no kernel runs, the next forward starts from those states."""
@@ -273,13 +281,6 @@ class TrunkCache:
             if isinstance(c, RecurrentCache):
                 c.begin_capture()
         self._captured = n_tokens
-
-    def capture_at_width(self, width: int | None) -> None:
-        """Captured passes of up to `width` tokens leave buffers of that width (`RecurrentCache`
-        says why); None: of their own length."""
-        for c in self.layers:
-            if isinstance(c, RecurrentCache):
-                c.capture_width = width
 
     def rollback(self, n_keep: int) -> None:
         """After a captured forward of S tokens, keeps its first `n_keep` tokens."""

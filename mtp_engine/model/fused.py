@@ -31,5 +31,4 @@ def fused(fn: Callable) -> Callable:
     def call(*args, **kwargs):
         return compiled(*args, **kwargs) if on_gpu() else fn(*args, **kwargs)
 
-    call.compiled = compiled
     return call

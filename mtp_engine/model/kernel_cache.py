@@ -197,11 +197,16 @@ def _compiler() -> nvrtc.Compiler | None:
     return _nvrtc
 
 
+def _module_files(func_name: str, source: str) -> tuple[str, list[Path]]:
+    """The module name MLX gives `source` and its file in each folder MLX may read."""
+    module = f"{func_name}_{std_hash(source.encode()):x}"
+    return module, [module_path(d, module) for d in mlx_cache_dirs()]
+
+
 def store(func_name: str, source: str) -> Path | None:
     """Compiles `source` (as MLX would) into MLX's cache folder unless it is there: the module's
     path, or None where nothing could be stored (no NVRTC, a read-only folder; MLX then compiles)."""
-    module = f"{func_name}_{std_hash(source.encode()):x}"
-    paths = [module_path(d, module) for d in mlx_cache_dirs()]
+    module, paths = _module_files(func_name, source)
     if all(p.is_file() for p in paths):
         with _lock:
             STATS["found"] += 1
@@ -271,8 +276,7 @@ def compile_all(variants: dict[str, str], workers: int | None = None, timeout: f
     fails or times out is left to its first launch, which MLX then compiles as it always did."""
     jobs, copies = [], []
     for func, source in sorted(variants.items()):
-        module = f"{func}_{std_hash(source.encode()):x}"
-        paths = [module_path(d, module) for d in mlx_cache_dirs()]
+        module, paths = _module_files(func, source)
         if all(p.is_file() for p in paths):
             with _lock:
                 STATS["found"] += 1
@@ -296,11 +300,12 @@ def compile_all(variants: dict[str, str], workers: int | None = None, timeout: f
     for r in results:
         if not r.get("ok"):
             log.info("kernel %s not compiled ahead (its first launch compiles it): %s", r["module"], r.get("error"))
+    compiled = [r for r in done if r.get("compiled")]
     with _lock:
-        STATS["compiled"] += sum(1 for r in done if r.get("compiled"))
-        STATS["compile_seconds"] += sum(r.get("seconds", 0.0) for r in done if r.get("compiled"))
+        STATS["compiled"] += len(compiled)
+        STATS["compile_seconds"] += sum(r.get("seconds", 0.0) for r in compiled)
         STATS["compile_wall"] += time.perf_counter() - t0
-    return sum(1 for r in done if r.get("compiled"))
+    return len(compiled)
 
 
 def _run_worker(spec: dict, jobs: list[dict], timeout: float) -> list[dict]:

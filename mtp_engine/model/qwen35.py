@@ -237,7 +237,7 @@ class MTPHead:
         `one_off`: a shape that may not recur (the prompt's rows): compiled only if already traced."""
         s = int(embeds.shape[1])
         fits = s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp) and \
-            not (one_off and not resident and not compiled.traced(self, [cache], s))
+            (not one_off or compiled.traced(self, [cache], s))
         if (self.compile_steps and fits) or resident:
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("mtp")) if self.expert_use \
                 else (None, None)
@@ -410,7 +410,7 @@ class Qwen35Model:
         if capture:
             cache.begin_capture(s)
         fits = s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers) and \
-            not (one_off and not resident and not compiled.traced(self, cache.layers, s, capture))
+            (not one_off or compiled.traced(self, cache.layers, s, capture))
         if (self._compile_steps and fits) or resident:
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \

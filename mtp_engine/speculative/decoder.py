@@ -28,6 +28,7 @@ from ..generation.decode import DecoderBase, kv_capacity
 from ..generation.profiler import Profiler
 from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler, check_finite, distribution
+from ..model.cache import capture_at_width
 from ..model.qwen35 import Qwen35Model
 from . import calibration
 from .accept import accept_greedy, accept_sampling
@@ -90,7 +91,7 @@ class SpeculativeDecoder(DecoderBase):
             h = self._prefill_trunk(ids[self.cached_tokens:-1], pick=self._fed)
             if self.model.compile_steps:  # one verify graph per width, whatever the round before drafted
                 longest = self.scheduler.k_max if self.scheduler is not None else self.params.k_max
-                self.cache.capture_at_width(longest + 1)
+                capture_at_width(self.cache.layers, longest + 1)
             self.last_token = ids[-1]
             if kept is None:
                 self.drafter.begin(ids, h)

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import SHIPPED, TINY_Q4, need
 from mtp_engine import EngineOptions, generate, load
 from mtp_engine.model import gdn, step
-from mtp_engine.model.cache import RecurrentCache
+from mtp_engine.model.cache import RecurrentCache, capture_at_width
 from mtp_engine.speculative import decoder as decoder_module
 
 PROMPT = [349, 220, 451, 72, 389, 11]
@@ -78,7 +78,7 @@ _prefill = decoder_module.SpeculativeDecoder.prefill
 
 def _prefill_without_width(self, ids):
     out = _prefill(self, ids)
-    self.cache.capture_at_width(None)
+    capture_at_width(self.cache.layers, None)
     return out
 
 
