@@ -67,24 +67,21 @@ class _PeerTok:
         return ""
 
 
-def mlx_lm_batch(net, prompt_ids: list[list[int]], tokens: int, repeats: int) -> float | None:
+def mlx_lm_batch(net, prompt_ids: list[list[int]], tokens: int) -> float | None:
     """mlx-lm's `batch_generate` (its users' batched call) on its own qwen3_5 model at our shape
-    (random 4-bit g32 weights, scripts/mlx_lm_ref.py): aggregate tok/s, median over `repeats`
-    after a warm-up."""
+    (random 4-bit g32 weights, scripts/mlx_lm_ref.py): one run's aggregate tok/s (None without
+    mlx-lm). The caller warms it up (`tokens` 4) and interleaves its repeats with ours."""
     try:
         from mlx_lm import batch_generate
     except Exception:
         return None
     if net is None:
         return None
-    batch_generate(net, _PeerTok(), prompt_ids, max_tokens=4)
-    rates = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        r = batch_generate(net, _PeerTok(), prompt_ids, max_tokens=tokens)
-        rates.append(len(prompt_ids) * tokens / (time.perf_counter() - t))
-        del r
-    return statistics.median(rates)
+    t = time.perf_counter()
+    r = batch_generate(net, _PeerTok(), prompt_ids, max_tokens=tokens)
+    rate = len(prompt_ids) * tokens / (time.perf_counter() - t)
+    del r
+    return rate
 
 
 def _with_scheduler(model, parallel: int, oracle: float | None = None):
@@ -177,11 +174,15 @@ def main(argv=None) -> int:
         for spec in ("none", "draft-mtp"):  # warm-up (first-use costs out of the timings)
             run_streams(batched, prompts, 4, True, spec)
         run_streams(alone, prompts[:1], 4, False)
+        ids = [alone.tokenizer.encode(p) for p in prompts]
+        peer_rates = None if mlx_lm_batch(peer, ids, 4) is None else []  # its warm-up; None: no peer
         res = {"batched": [], "batched_mtp": [], "sequential": []}
-        for _ in range(args.repeats):
+        for _ in range(args.repeats):  # every repeat runs each config once, the peer's included
             res["batched"].append(run_streams(batched, prompts, args.tokens, True))
             res["batched_mtp"].append(run_streams(batched, prompts, args.tokens, True, "draft-mtp"))
             res["sequential"].append(run_streams(alone, prompts, args.tokens, False))
+            if peer_rates is not None:
+                peer_rates.append(mlx_lm_batch(peer, ids, args.tokens))
         row = {"concurrency": c,
                "outputs_equal": all(b["outputs"] == s["outputs"] and (args.oracle is not None or d["outputs"] == s["outputs"])
                                     for b, d, s in zip(res["batched"], res["batched_mtp"], res["sequential"])),
@@ -191,9 +192,8 @@ def main(argv=None) -> int:
             for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "stream_tok_s"):
                 row[f"{kind}_{key}"] = statistics.median(r[key] for r in runs)
         row["aggregate_ratio"] = row["batched_aggregate_tok_s"] / row["sequential_aggregate_tok_s"]
-        if peer is not None:
-            ids = [alone.tokenizer.encode(p) for p in prompts]
-            row["mlx_lm_batch_tok_s"] = mlx_lm_batch(peer, ids, args.tokens, args.repeats)
+        if peer_rates:
+            row["mlx_lm_batch_tok_s"] = statistics.median(peer_rates)
         row["mtp_ratio"] = row["batched_mtp_aggregate_tok_s"] / row["batched_aggregate_tok_s"]
         rows.append(row)
         print(f"C={c:2d}  batched {row['batched_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['batched_ttft_p50_s']:.3f} "
