@@ -191,6 +191,8 @@ class MTPBatchScheduler(BatchScheduler):
                     s.prompt_cache.keep(m, s.prompt_ids[:-1], trunk, "draft-mtp",
                                         HeadPrefix(head, head.offset, mx.array(np.array(s.h_prev))))
                     s.prompt_cache.release(trunk)
+        if not ready:  # every joining prompt has chunks left: the running rows step meanwhile
+            return
         self._batch.extend(self._group, ready)
         self._head.extend(self._head_group, ready)
         joined = [self._joining[b] for b in ready]

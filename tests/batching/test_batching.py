@@ -57,13 +57,35 @@ def test_batch_stops_and_logprobs_per_sequence(shipped_model):
             assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
 
 
-def test_long_prompt_prefills_in_chunks_beside_running_streams(shipped_model, monkeypatch):
+@pytest.mark.parametrize("spec", ["none", "draft-mtp"])
+def test_long_prompt_prefills_in_chunks_beside_running_streams(shipped_model, monkeypatch, spec):
     from mtp_engine.batching.scheduler import BatchScheduler
 
     monkeypatch.setattr(BatchScheduler, "prefill_chunk", 4)  # every prompt here takes several chunks
-    want = _alone(shipped_model, PROMPTS, max_tokens=6, ignore_eos=True)
-    got = batch_generate(PROMPTS, shipped_model, max_tokens=6, ignore_eos=True, parallel=4)
+    want = _alone(shipped_model, PROMPTS, max_tokens=6, ignore_eos=True, spec=spec)
+    got = batch_generate(PROMPTS, shipped_model, max_tokens=6, ignore_eos=True, parallel=4, spec=spec)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+@pytest.mark.parametrize("spec", ["none", "draft-mtp"])
+def test_prompts_longer_than_a_chunk_batch_at_the_real_chunk_size(models, spec):
+    """A prompt of more than one real prefill chunk (512 tokens) beside short ones, through
+    `batch_generate` and through threads on a `load(parallel=2)` model: every answer as alone
+    (the MTP batch used to fail every sequence when no joining prompt finished in a chunk)."""
+    from mtp_engine.batching.scheduler import BatchScheduler
+
+    tiny = models(need(TINY_Q4))
+    long = "".join(f"x{i} = {i} * {i}\n" for i in range(130))
+    assert len(tiny.tokenizer.encode(long)) > 2 * BatchScheduler.prefill_chunk
+    prompts = [PROMPTS[1], long, PROMPTS[2]]
+    want = _alone(tiny, prompts, max_tokens=6, ignore_eos=True, spec=spec)
+    got = batch_generate(prompts, tiny, max_tokens=6, ignore_eos=True, parallel=3, spec=spec)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    par = models(need(TINY_Q4), parallel=2)
+    out: dict[int, list[int]] = {}
+    _in_threads(lambda i: out.__setitem__(i, generate(prompts[i], par, max_tokens=6, ignore_eos=True,
+                                                       spec=spec).token_ids), range(3))
+    assert [out[i] for i in range(3)] == [w.token_ids for w in want]
 
 
 def test_batch_refusals_name_the_field(shipped_model):
