@@ -357,6 +357,10 @@ def batch_generate(prompts: list[str | list[int]], model: Model | str | None = N
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="mtp-engine-batch-reader") as pool:
         futures = [pool.submit(one, p) for p in prepared]
         _drive(scheduler, lambda: all(f.done() for f in futures))
+        for i, f in enumerate(futures):
+            e = f.exception()
+            if isinstance(e, MTPEngineError):
+                raise MTPEngineError(f"prompts[{i}]: {e}", field=e.field) from e
         return [f.result() for f in futures]
 
 

@@ -21,6 +21,7 @@ import functools
 import queue
 import sys
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import fields, is_dataclass
@@ -30,7 +31,7 @@ import mlx.core as mx
 
 from .errors import MTPEngineError
 
-__all__ = ["arrays_of", "evaluate_all", "release_at_exit", "engine_thread", "on_engine_thread", "run_on_engine_thread"]
+__all__ = ["arrays_of", "evaluate_all", "quiesce_at_exit", "release_at_exit", "engine_thread", "on_engine_thread", "run_on_engine_thread"]
 
 
 def arrays_of(obj: Any) -> list[mx.array]:
@@ -83,6 +84,11 @@ def _release() -> None:
     # for it) aborted the same way, mid-step: the engine thread finishes its current step, takes
     # no other, and the callers wait until the interpreter is gone.
     _closing.set()
+    for worker in list(_workers):  # their current step finished and drained, then parked
+        try:
+            worker.quiesce(EXIT_WAIT_S)
+        except Exception:  # MLX already shutting down: exit goes on
+            pass
     if _engine is not None and _engine.thread.is_alive():
         _engine.idle.wait(EXIT_WAIT_S)
         # the engine thread's own stream: work it queued ahead of its reads (pipelined steps and
@@ -110,6 +116,17 @@ def release_at_exit() -> None:
         if not _registered:
             atexit.register(_release)
             _registered = True
+
+
+_workers: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def quiesce_at_exit(worker: Any) -> None:
+    """Registers a long-lived thread's owner (a batch scheduler) whose `quiesce(timeout)` makes
+    that thread finish its current step, wait for its queued device work and park, at exit: the
+    same abort as the engine thread's otherwise (module docstring)."""
+    _workers.add(worker)
+    release_at_exit()
 
 
 def _drain() -> None:

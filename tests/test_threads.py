@@ -73,20 +73,23 @@ def test_clean_exit_after_threaded_generation():
     assert p.returncode == 0, p.stderr[-500:]
 
 
-@pytest.mark.parametrize("spec", ["none", "draft-mtp"])
-def test_clean_exit_while_a_daemon_thread_still_generates(spec):
-    """The program ends while a daemon thread is mid-generation: the interpreter exits with the
-    program's status (it aborted with SIGABRT, exit 134, in 10 runs of 10)."""
+@pytest.mark.parametrize("spec, parallel", [("none", None), ("draft-mtp", None), ("none", 4), ("draft-mtp", 4)])
+def test_clean_exit_while_a_daemon_thread_still_generates(spec, parallel):
+    """The program ends while daemon threads are mid-generation (alone, or batched on a
+    `load(parallel=4)` model whose scheduler thread runs the steps): the interpreter exits with the
+    program's status and says nothing (it aborted with SIGABRT, exit 134, in 10 runs of 10 alone and
+    4 of 4 batched)."""
     code = (f"import sys, threading, time; sys.path.insert(0, {str(ROOT)!r}); import mtp_engine as me\n"
-            f"m = me.load({str(need(TINY_Q8))!r})\n"
+            f"m = me.load({str(need(TINY_Q8))!r}, parallel={parallel!r})\n"
             "started = threading.Event()\n"
             "def work():\n"
             f"    for i, c in enumerate(me.stream_generate('Hi ' * 8, m, max_tokens=4000, spec={spec!r}, ignore_eos=True)):\n"
             "        started.set()\n"
-            "threading.Thread(target=work, daemon=True).start()\n"
-            "started.wait(60); time.sleep(0.3)\n")
+            "for _ in range(2): threading.Thread(target=work, daemon=True).start()\n"
+            "started.wait(60); time.sleep(0.3)\n"
+            "sys.exit(3)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-500:]
+    assert p.returncode == 3 and "terminate" not in p.stderr, p.stderr[-500:]
 
 
 def test_a_main_thread_stream_continued_elsewhere_says_so():

@@ -32,7 +32,7 @@ from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache, capture_at_width
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
-from ..speculative.scheduler import MARGIN
+from ..speculative.scheduler import AUTO_MAX, MARGIN
 from .scheduler import BatchScheduler, Sequence, _Step
 
 class DraftLengthChooser:
@@ -104,23 +104,26 @@ def _auto(rows: list[Sequence]) -> bool:
     return bool(drafting) and all(s.n_max is None for s in drafting)
 
 
-def draft_length(rows: list[Sequence], chooser: DraftLengthChooser) -> int:
+def draft_length(rows: list[Sequence], chooser: DraftLengthChooser, cap: int = AUTO_MAX) -> int:
     """The batch's k: 0 when no sequence drafts, else the smallest n-max the drafting sequences
-    fix, or the chooser's for this batch size (n-max auto)."""
+    fix, or the chooser's for this batch size (n-max auto); never more than `cap` (a row's own
+    n-max of 64 would otherwise make every row of the batch verify 65 rows a round)."""
     drafting = [s for s in rows if s.draft]
     if not drafting:
         return 0
     fixed = [s.n_max for s in drafting if s.n_max is not None]
-    return min(fixed) if fixed else chooser.choose(len(rows), chooser.k_max)
+    return min(min(fixed) if fixed else chooser.choose(len(rows), chooser.k_max), cap)
 
 
 class MTPBatchScheduler(BatchScheduler):
     """`BatchScheduler` whose rounds draft with the model's MTP head (see the module docstring)."""
 
-    def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True):
+    def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True, max_draft: int = AUTO_MAX):
+        """`max_draft`: the longest draft any round runs, whatever its rows ask for."""
         if model.model.mtp is None:
             raise MTPEngineError("draft-mtp batches need a model with an MTP head", field="spec")
         super().__init__(model, max_batch, own_thread)
+        self.max_draft = max_draft
         self._head = BatchCache(model.model)
         self._head_group = BatchCache(model.model)  # the joining sequences' head rows
         self._h_last: mx.array | None = None  # [B, 1, H]: the trunk hidden each row's head step reads
@@ -206,7 +209,7 @@ class MTPBatchScheduler(BatchScheduler):
 
     # ---- k = 0: the plain batched step, pipelined, keeping the head in step ------------------------
     def _may_queue(self, rows: list[Sequence]) -> bool:
-        return draft_length(rows, self.chooser) == 0
+        return draft_length(rows, self.chooser, self.max_draft) == 0
 
     def _forward(self, rows: list[Sequence], ids: mx.array) -> tuple[mx.array, list[mx.array]]:
         """The plain batched step's forward; where a row drafts, the head's row for each row's last
@@ -248,7 +251,7 @@ class MTPBatchScheduler(BatchScheduler):
         rows = list(self._rows)
         if not rows:
             return
-        k = draft_length(rows, self.chooser)
+        k = draft_length(rows, self.chooser, self.max_draft)
         if self._queued is not None or k == 0:
             # k = 0 rounds are the plain batched step, pipelined (`BatchScheduler._decode`), with the
             # head's row for each token queued with it where a row drafts (`_launch`): auto picks

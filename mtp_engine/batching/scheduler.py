@@ -33,6 +33,7 @@ from ..generation.sampling import Sampler, check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
 from ..speculative.stats import RoundCounts
+from ..threads import quiesce_at_exit
 
 
 class Sequence:
@@ -116,6 +117,8 @@ class BatchScheduler:
         self.steps = 0  # batched decode steps run
         self._queued: _Step | None = None  # the next step, queued before the host read this one
         self.completed = 0
+        self._exiting = False  # the interpreter is exiting: finish the current step and park
+        self._parked = threading.Event()
 
     # ---- any thread --------------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -127,6 +130,7 @@ class BatchScheduler:
             if self.own_thread and self._thread is None:
                 self._thread = threading.Thread(target=self._main, name="mtp-engine-batch", daemon=True)
                 self._thread.start()
+                quiesce_at_exit(self)
             self._cv.notify()
 
     def stop(self) -> None:
@@ -134,6 +138,16 @@ class BatchScheduler:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+
+    def quiesce(self, timeout: float) -> None:
+        """At interpreter exit (`threads.quiesce_at_exit`): the thread finishes its current step,
+        waits for the device work it queued and parks; its readers wait until the process is gone
+        (a step cut off by teardown aborted the process: exit 134)."""
+        with self._cv:
+            self._exiting = True
+            self._cv.notify()
+        if self._thread is not None and self._thread.is_alive():
+            self._parked.wait(timeout)
 
     def slots(self) -> list[dict]:
         """What each slot is doing (llama-server's /slots): running rows, then the joining one."""
@@ -171,14 +185,15 @@ class BatchScheduler:
         """One pass of the loop (leave, admit/prefill a chunk, decode a step); waits up to
         `timeout` (None: for ever) when there is nothing to do. False when it did nothing."""
         with self._cv:
-            if not self._stopping and not (self._waiting or self._joining or self._rows):
+            if not (self._stopping or self._exiting) and not (self._waiting or self._joining or self._rows):
                 self._cv.wait(timeout)
+            if self._exiting and self.own_thread:
+                self._park()
             if self._stopping:
                 self._end_all(SchedulerStopped("the batch scheduler stopped before this generation ended",
                                                field="model"))
                 if self.own_thread:
-                    while True:  # parked: see the class docstring
-                        self._cv.wait()
+                    self._park()
                 return False
             if not (self._waiting or self._joining or self._rows):
                 return False
@@ -188,8 +203,16 @@ class BatchScheduler:
             self._decode()
         except Exception as e:  # a bug must not hang the readers: each gets the error
             traceback.print_exc()
-            self._end_all(e)
+            self._end_all(_engine_error(e))
         return True
+
+    def _park(self) -> None:
+        """Waits for the device work this thread queued, then for ever (the class docstring says
+        why the thread never ends); called holding `_cv`."""
+        mx.synchronize()
+        self._parked.set()
+        while True:
+            self._cv.wait()
 
     def _end_all(self, error: BaseException) -> None:
         seqs = self._rows + self._joining + list(self._waiting)
@@ -232,9 +255,11 @@ class BatchScheduler:
             return
         try:
             self._prefill_step()
-        except MTPEngineError as e:
+        except Exception as e:  # only the prompts in this chunk fail: the running rows go on
+            if not isinstance(e, MTPEngineError):
+                traceback.print_exc()
             for s in self._joining:
-                s.fail(e)
+                s.fail(_engine_error(e))
             self._drop_joining(list(range(len(self._joining))))
 
     def _drop_joining(self, idx: list[int]) -> None:
@@ -353,6 +378,16 @@ class BatchScheduler:
                 s.deliver([token], s.sampler.token_logprobs(row[None], [token]))
             except MTPEngineError as e:
                 s.fail(e)
+
+
+def _engine_error(e: Exception) -> MTPEngineError:
+    """What a sequence's reader is given for a failure inside the scheduler: the engine's error
+    type, whatever raised (MLX raises ValueError and RuntimeError)."""
+    if isinstance(e, MTPEngineError):
+        return e
+    err = MTPEngineError(f"the batch failed: {type(e).__name__}: {e}", field="model")
+    err.__cause__ = e
+    return err
 
 
 def _padded_width(lengths: list[int]) -> int:

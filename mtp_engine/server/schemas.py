@@ -21,6 +21,7 @@ from ..generation.sampling import MAX_LOGPROBS
 from ..request.keywords import request_from_keywords
 from ..request.request import GenerationRequest
 from ..speculative.config import SPEC_METHODS
+from ..speculative.scheduler import AUTO_MAX
 from ..text_input import check_stop
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused before it is parsed
@@ -56,6 +57,11 @@ class ServerDefaults:
     n_min: int = 0
     p_min: float = 0.0
     penalties: PenaltyConfig = field(default_factory=PenaltyConfig)
+
+    @property
+    def n_max_cap(self) -> int:
+        """The longest draft a request may ask for: `--spec-draft-n-max` (auto's longest when auto)."""
+        return self.n_max if isinstance(self.n_max, int) else AUTO_MAX
 
 
 @dataclass
@@ -199,7 +205,11 @@ def _draft(body: dict, d: ServerDefaults) -> dict:
         raise APIError(400, f"spec_draft_n_max: expected an integer in [0, 64] or \"auto\", found {n_max!r:.60}",
                        "spec_draft_n_max")
     n_min = _integer(body, "spec_draft_n_min", 0, 64, d.n_min)
-    if n_min > (8 if n_max == "auto" else n_max):
+    if n_max != "auto" and n_max > d.n_max_cap:
+        # the server's --spec-draft-n-max caps every request: one client's long drafts would slow
+        # every stream that shares its batch or waits behind it; the output is the same either way
+        n_max, n_min = d.n_max_cap, min(n_min, d.n_max_cap)
+    if n_min > (AUTO_MAX if n_max == "auto" else n_max):
         raise APIError(400, f"spec_draft_n_min ({n_min}) must not exceed spec_draft_n_max ({n_max})",
                        "spec_draft_n_min")
     return dict(spec=spec, n_max=n_max, n_min=n_min, p_min=_number(body, "spec_draft_p_min", 0.0, 1.0, d.p_min))

@@ -107,6 +107,50 @@ def test_batch_refusals_name_the_field(shipped_model):
     assert e.value.field == "parallel"
 
 
+@pytest.mark.parametrize("spec", ["none", "draft-mtp"])
+def test_a_prefill_that_fails_ends_only_its_own_sequences(models, monkeypatch, spec):
+    """An error inside a prefill chunk (MLX raising, say) fails the prompts of that chunk with the
+    engine's error type, named by `batch_generate` as prompts[i]; the streams already decoding go
+    on to their answers."""
+    from mtp_engine.batching.scheduler import BatchScheduler
+
+    tiny = models(need(TINY_Q4))
+    bad = "zzz bad prompt"
+    prefill = BatchScheduler._prefill_step
+    mtp_prefill = __import__("mtp_engine.batching.mtp", fromlist=["x"]).MTPBatchScheduler._prefill_step
+
+    def failing(original):
+        def step(self):
+            if any(tiny.tokenizer.decode(s.prompt_ids) == bad for s in self._joining):
+                raise ValueError("[concatenate] No arrays provided for concatenation")
+            return original(self)
+        return step
+
+    monkeypatch.setattr(BatchScheduler, "_prefill_step", failing(prefill))
+    monkeypatch.setattr("mtp_engine.batching.mtp.MTPBatchScheduler._prefill_step", failing(mtp_prefill))
+    prompts = [PROMPTS[1], PROMPTS[2], bad]
+    with pytest.raises(MTPEngineError) as e:
+        batch_generate(prompts, tiny, max_tokens=8, ignore_eos=True, parallel=2, spec=spec)
+    assert "prompts[2]" in str(e.value) and "ValueError" in str(e.value)
+    want = _alone(tiny, prompts[:2], max_tokens=200, ignore_eos=True, spec=spec)
+    par = models(need(TINY_Q4), parallel=3)
+    out: dict[int, object] = {}
+
+    def one(i):
+        if i == 2:  # it joins once the others decode
+            deadline = time.time() + 30
+            while len(par.scheduler._rows) < 2 and time.time() < deadline:
+                time.sleep(0.002)
+        try:
+            out[i] = generate(prompts[i], par, max_tokens=200, ignore_eos=True, spec=spec).token_ids
+        except Exception as e:  # noqa: BLE001 - checked below
+            out[i] = e
+
+    _in_threads(one, range(3))
+    assert [out[0], out[1]] == [w.token_ids for w in want]
+    assert isinstance(out[2], MTPEngineError), out[2]
+
+
 # ---- stream_generate from many threads, on a model loaded with parallel= --------------------------
 
 @pytest.fixture(scope="module")
@@ -345,6 +389,31 @@ def test_oracle_batches_accept_what_they_are_told(shipped_model, oracle):
         assert all(s["accepted"] == s["drafted"] and s["acceptance_per_position"] == [1.0, 1.0, 1.0] for s in st)
     with pytest.raises(MTPEngineError, match="acceptance"):
         OracleBatchScheduler(m, 2, oracle=1.5, own_thread=False)
+
+
+def test_no_row_makes_the_batch_draft_longer_than_its_cap(shipped_model):
+    """A sequence asking for n-max 64 beside others: the batch's rounds draft at most the
+    scheduler's `max_draft` (the API's load(parallel=N) and the server's batches alike), and every
+    answer is still its plain greedy answer alone."""
+    from dataclasses import replace
+
+    from mtp_engine.batching import MTPBatchScheduler
+
+    m = replace(shipped_model, scheduler=None)
+    m.scheduler = MTPBatchScheduler(m, 3, max_draft=2)
+    got: dict[int, object] = {}
+    n_maxes = [64, 3, "auto"]
+
+    def one(i):
+        got[i] = generate(PROMPTS[i], m, max_tokens=10, ignore_eos=True, spec="draft-mtp", n_max=n_maxes[i])
+
+    try:
+        _in_threads(one, range(3))
+    finally:
+        m.scheduler.stop()
+    want = _alone(shipped_model, PROMPTS[:3], max_tokens=10, ignore_eos=True)
+    assert [got[i].token_ids for i in range(3)] == [w.token_ids for w in want]
+    assert m.scheduler.rounds_by_k and max(m.scheduler.rounds_by_k) <= 2, m.scheduler.rounds_by_k
 
 
 def test_mtp_batch_reuses_the_prompt_cache_with_the_heads_state(shipped_model):

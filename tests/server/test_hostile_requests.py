@@ -298,3 +298,15 @@ def test_warm_up_reaches_every_batch_width_and_json_mode(monkeypatch):
             assert "_llguidance" in model.tokenizer.__dict__  # JSON mode's vocabulary trie is built
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("server, asked, want", [("auto", 64, (8, 0)), (3, 64, (3, 0)), (3, 2, (2, 0)),
+                                                 (3, "auto", ("auto", 0)), (0, 5, (0, 0)), (4, (9, 6), (4, 4))])
+def test_a_request_never_drafts_longer_than_the_server_allows(server, asked, want):
+    """--spec-draft-n-max caps what a request may ask for (auto: auto's longest draft): a client
+    asking for 64 drafts a round would slow every stream beside it; a request may ask for less."""
+    from mtp_engine.server.schemas import ServerDefaults, parse_completion
+    n_max, n_min = asked if isinstance(asked, tuple) else (asked, 0)
+    kw = parse_completion({"prompt": "x", "spec_draft_n_max": n_max, "spec_draft_n_min": n_min},
+                          ServerDefaults(n_max=server)).kwargs
+    assert (kw["n_max"], kw["n_min"]) == want
