@@ -15,11 +15,12 @@ QUIET_SECONDS = 1.0  # loads that finish sooner print nothing
 
 
 def load_progress(label: str, quiet: bool = False, stream: TextIO | None = None,
-                  after: float = QUIET_SECONDS, verb: str = "loading", unit: str = "blocks") -> Callable[[int, int], None]:
+                  after: float = QUIET_SECONDS, verb: str = "loading", unit: str = "blocks",
+                  rate: bool = False) -> Callable[[int, int], None]:
     """A `progress(done, total)` callback that writes "loading LABEL: done/total blocks (p%)" to
     `stream` (default stderr) once the load has taken `after` seconds: rewritten in place on a
     terminal, one line per tenth otherwise (logs). `quiet` turns it off; `verb` and `unit` name
-    other long work (``converting``, ``tensors``)."""
+    other long work (``converting``, ``tensors``); `rate` adds units per second (a prompt's prefill)."""
     t0 = time.perf_counter()
     state = {"shown": False, "last_tenth": -1}
 
@@ -33,6 +34,8 @@ def load_progress(label: str, quiet: bool = False, stream: TextIO | None = None,
         state["shown"] = True
         pct = 100 * done // total
         line = f"{verb} {label}: {done}/{total} {unit} ({pct}%), {elapsed:.1f} s"
+        if rate and elapsed > 0:
+            line += f", {done / elapsed:.0f} {unit}/s"
         if getattr(out, "isatty", lambda: False)():
             out.write("\r" + line + ("\n" if done >= total else ""))
         elif pct // 10 != state["last_tenth"] or done >= total:

@@ -193,7 +193,9 @@ def _generate(args) -> int:
     text = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
     request = request_from_keywords(**text, max_tokens=args.max_tokens, stop=args.stop or None,
                                     ignore_eos=args.ignore_eos, profile=args.profile, logprobs=args.logprobs,
-                                    constraint=_constraint(args), **sampling_kwargs(args))
+                                    constraint=_constraint(args), **sampling_kwargs(args),
+                                    progress=load_progress("the prompt", quiet=args.json or quiet_rank(model),
+                                                           verb="prefilling", unit="tokens", rate=True))
     note = chat_template_note(model) if args.chat else None
     if note and not quiet_rank(model):
         print(f"mtp-engine: {note}", file=sys.stderr)

@@ -21,6 +21,8 @@ from .profiler import Profiler
 from .prompt_cache import PromptCache
 from .sampling import Sampler, check_finite
 
+Progress = Callable[[int, int], None]  # (prompt tokens prefilled, of total)
+
 
 class RoundClock:
     """Wall time between consecutive rounds' host reads (what a round costs the caller, host work
@@ -85,8 +87,9 @@ class DecoderBase:
     budget: int | None = None  # tokens the caller still wants: no round is queued past them
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, progress: Progress | None = None):
         self.model = model
+        self.progress = progress  # told (tokens done, total) after each prefill chunk
         self.sampler = sampler
         self.prof = profiler or Profiler("off")
         self.cache = model.make_cache()
@@ -144,6 +147,8 @@ class DecoderBase:
             h = pick(post, pre) if pick else post
             mx.eval(h, *self.cache.arrays())
             hiddens.append(h)
+            if self.progress is not None:
+                self.progress(min(s + self.prefill_chunk, len(ids)), len(ids))
         return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
 
     def _reuse_prefix(self, prefix: list[int], drafter: str | None = None):
@@ -185,8 +190,8 @@ class PlainDecoder(DecoderBase):
     """Decodes one token per trunk forward."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
-                 prompt_cache: PromptCache | None = None):
-        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache)
+                 prompt_cache: PromptCache | None = None, progress: Progress | None = None):
+        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress)
         self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
 
     def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:

@@ -1,4 +1,4 @@
-"""Gated full attention of 1..16 new tokens (decode, draft, verify) as two CUDA kernels, via
+"""Gated full attention of 1..16 new tokens (decode, draft, verify) as CUDA kernels, via
 `mx.fast.cuda_kernel`; `qwen35.GatedAttention` keeps the pure-MLX path as the portable path (CPU,
 Metal, prefill) and as the reference these kernels are tested against.
 
@@ -10,10 +10,13 @@ data; on the H200 a step's time is mostly the host's cost per node, not the GPU'
 1. `new_kv`: one block per (kv head, token) takes the joined q/k/v product's row, RMS-normalises the
    key, ropes it (NEOX halves over the first `n_rot` dimensions) and writes the new keys and values
    in the cache's [1, kv heads, S, D] layout; the cache appends them (MLX `slice_update`, in place);
-2. `attend`: one block per (query head, token) normalises and ropes the query, attends causally over
-   the cache up to its own position (8 warps over the keys, each with an online softmax, merged in
-   shared memory) and multiplies by the sigmoid of the head's gate, writing the row the output
-   product reads.
+2. `attend` (flash-decoding): one block per (kv head, token, key range) normalises and ropes the
+   group's query heads, reads its range of the keys and values once for all of them (8 warps over
+   the keys, each with an online softmax per head, merged in shared memory) and writes each head's
+   normalised partial row and log-sum-exp; a second launch merges the ranges and multiplies by the
+   sigmoid of the head's gate, writing the row the output product reads. The ranges split what each
+   query sees (its causal length, a device value) evenly, their number follows the cache's
+   capacity, so a long context is spread over the whole GPU at any position.
 
 Rollback is unchanged: the cache still moves its offset.
 """
@@ -68,53 +71,64 @@ _KV_SOURCE = """
 _ATTEND_SOURCE = """
     constexpr int NW = WARPS;
     constexpr int DL = D / 32;                  // dimensions per lane
+    constexpr int G = HQ / HKV;                 // query heads sharing one kv head
     const int S = y_shape[1];
     const int E = y_shape[2];
     const int CAP = keys_shape[2];
+    const int NSPLIT = gridDim.x / (HKV * S);   // key ranges of one (kv head, token), one block each
     const int blk = blockIdx.x;
-    const int s = blk / HQ, h = blk % HQ;
-    const int hk = h / (HQ / HKV);
+    const int split = blk % NSPLIT;
+    const int s = (blk / NSPLIT) / HKV, hk = (blk / NSPLIT) % HKV;
     const int r = blockIdx.y;  // the sequence (row) of a batch: its own cache rows and position
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float eps = params[0], log2_base = params[1], scale = params[2];
-    const float* row = y + ((size_t)r * S + s) * E + (size_t)h * 2 * D;   // the head's query, then its gate
-    __shared__ float qs[D];
+    __shared__ float qs[G][D];
     __shared__ float part[NW];
-    __shared__ float sm[NW], sl[NW];
-    __shared__ float sacc[NW][D];
-    // RMSNorm of the query over D
-    const float qx = tid < D ? row[tid] : 0.0f;
-    float ss = qx * qx;
+    __shared__ float red[NW][D];
+    __shared__ float sm[NW][G], sl[NW][G];
+    // RMSNorm and rope of the group's query heads (each D wide; blockDim >= D)
     #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (lane == 0) part[warp] = ss;
-    __syncthreads();
-    float tot = 0.0f;
-    #pragma unroll
-    for (int w = 0; w < NW; ++w) tot += part[w];
-    const float qn = qx * rsqrtf(tot / (float)D + eps) * (tid < D ? qw[tid] : 0.0f);
-    if (tid < D) qs[tid] = qn;
-    __syncthreads();
-    float qr = qn;
-    if (tid < NROT) {
-        constexpr int HALF = NROT / 2;
-        const int i = tid < HALF ? tid : tid - HALF;
-        const float ang = (float)(pos[r] + s) * exp2f(-(float)(2 * i) / (float)NROT * log2_base);
-        const float c = cosf(ang), sn = sinf(ang);
-        qr = tid < HALF ? qn * c - qs[tid + HALF] * sn : qs[tid - HALF] * sn + qn * c;
+    for (int g = 0; g < G; ++g) {
+        const float* row = y + ((size_t)r * S + s) * E + (size_t)(hk * G + g) * 2 * D;
+        const float qx = tid < D ? row[tid] : 0.0f;
+        float ss = qx * qx;
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        if (lane == 0) part[warp] = ss;
+        __syncthreads();
+        float tot = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < NW; ++w) tot += part[w];
+        const float qn = qx * rsqrtf(tot / (float)D + eps) * (tid < D ? qw[tid] : 0.0f);
+        if (tid < D) qs[g][tid] = qn;
+        __syncthreads();
+        float qr = qn;
+        if (tid < NROT) {
+            constexpr int HALF = NROT / 2;
+            const int i = tid < HALF ? tid : tid - HALF;
+            const float ang = (float)(pos[r] + s) * exp2f(-(float)(2 * i) / (float)NROT * log2_base);
+            const float c = cosf(ang), sn = sinf(ang);
+            qr = tid < HALF ? qn * c - qs[g][tid + HALF] * sn : qs[g][tid - HALF] * sn + qn * c;
+        }
+        __syncthreads();
+        if (tid < D) qs[g][tid] = qr * scale;
+        __syncthreads();
     }
-    __syncthreads();
-    if (tid < D) qs[tid] = qr * scale;
-    __syncthreads();
-    float q[DL], acc[DL];
+    float q[G][DL], acc[G][DL], m[G], l[G];
     #pragma unroll
-    for (int i = 0; i < DL; ++i) { q[i] = qs[lane * DL + i]; acc[i] = 0.0f; }
-    // causal: the query at position pos + s sees keys 0 .. pos + s
+    for (int g = 0; g < G; ++g) {
+        m[g] = -INFINITY; l[g] = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < DL; ++i) { q[g][i] = qs[g][lane * DL + i]; acc[g][i] = 0.0f; }
+    }
+    // causal: the query at position pos + s sees keys 0 .. pos + s; this block's share of them
     const int T = pos[r] + s + 1;
+    const int per = (T + NSPLIT - 1) / NSPLIT;
+    const int t0 = split * per;
+    const int t1 = min(T, t0 + per);
     const float* kb = keys + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
     const float* vb = values + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
-    float m = -INFINITY, l = 0.0f;
-    for (int t = warp; t < T; t += NW) {
+    for (int t = t0 + warp; t < t1; t += NW) {
         const float* kr = kb + (size_t)t * D;
         const float* vr = vb + (size_t)t * D;
         float kv[DL], vv[DL];
@@ -127,41 +141,92 @@ _ATTEND_SOURCE = """
         }
         #pragma unroll
         for (int i = DL - DL % 4; i < DL; ++i) { kv[i] = kr[i]; vv[i] = vr[i]; }
-        float dot = 0.0f;
+        float dot[G];
         #pragma unroll
-        for (int i = 0; i < DL; ++i) dot = fmaf(q[i], kv[i], dot);
-        #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        const float mn = fmaxf(m, dot);
-        const float corr = expf(m - mn);
-        const float p = expf(dot - mn);
-        l = l * corr + p;
-        #pragma unroll
-        for (int i = 0; i < DL; ++i) acc[i] = fmaf(p, vv[i], acc[i] * corr);
-        m = mn;
-    }
-    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
-    #pragma unroll
-    for (int i = 0; i < DL; ++i) sacc[warp][lane * DL + i] = acc[i];
-    __syncthreads();
-    if (tid < D) {
-        float M = -INFINITY;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w]);
-        float L = 0.0f, O = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) {
-            const float f = sm[w] == -INFINITY ? 0.0f : expf(sm[w] - M);
-            L += f * sl[w];
-            O += f * sacc[w][tid];
+        for (int g = 0; g < G; ++g) {
+            dot[g] = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < DL; ++i) dot[g] = fmaf(q[g][i], kv[i], dot[g]);
         }
-        const float g = row[D + tid];
-        o[((size_t)r * S + s) * HQ * D + (size_t)h * D + tid] = O / L / (1.0f + expf(-g));
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            #pragma unroll
+            for (int g = 0; g < G; ++g) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], off);
+        }
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float mn = fmaxf(m[g], dot[g]);
+            const float corr = expf(m[g] - mn);
+            const float p = expf(dot[g] - mn);
+            l[g] = l[g] * corr + p;
+            #pragma unroll
+            for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(p, vv[i], acc[g][i] * corr);
+            m[g] = mn;
+        }
+    }
+    // the warps' partial softmaxes merged per query head: this block's (normalised row, log-sum-exp)
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (lane == 0) { sm[warp][g] = m[g]; sl[warp][g] = l[g]; }
+        #pragma unroll
+        for (int i = 0; i < DL; ++i) red[warp][lane * DL + i] = acc[g][i];
+        __syncthreads();
+        if (tid < D) {
+            float M = -INFINITY;
+            #pragma unroll
+            for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][g]);
+            float L = 0.0f, O = 0.0f;
+            #pragma unroll
+            for (int w = 0; w < NW; ++w) {
+                const float f = sm[w][g] == -INFINITY ? 0.0f : expf(sm[w][g] - M);
+                L += f * sl[w][g];
+                O += f * red[w][tid];
+            }
+            const size_t at = (((size_t)r * S + s) * HQ + hk * G + g) * NSPLIT + split;
+            part_o[at * D + tid] = L > 0.0f ? O / L : 0.0f;
+            if (tid == 0) lse[at] = L > 0.0f ? M + logf(L) : -INFINITY;
+        }
+        __syncthreads();
     }
 """
 
+_MERGE_SOURCE = """
+    const int S = y_shape[1];
+    const int E = y_shape[2];
+    const int NSPLIT = lse_shape[3];
+    const int s = blockIdx.x / HQ, h = blockIdx.x % HQ;
+    const int r = blockIdx.y;
+    const int d = threadIdx.x;
+    const size_t at = (((size_t)r * S + s) * HQ + h) * NSPLIT;
+    float M = -INFINITY;
+    for (int j = 0; j < NSPLIT; ++j) M = fmaxf(M, lse[at + j]);
+    float W = 0.0f, O = 0.0f;
+    for (int j = 0; j < NSPLIT; ++j) {
+        const float x = lse[at + j];
+        const float w = x == -INFINITY ? 0.0f : expf(x - M);
+        W += w;
+        O = fmaf(w, part_o[(at + j) * D + d], O);
+    }
+    const float g = y[((size_t)r * S + s) * E + (size_t)h * 2 * D + D + d];
+    o[((size_t)r * S + s) * HQ * D + (size_t)h * D + d] = O / W / (1.0f + expf(-g));
+"""
+
+# Keys one block of `attend` reads at most (its share of the context): a long context is spread
+# over HKV x S x splits blocks (flash-decoding); one block per (kv head, token) over 32k keys left
+# all but 16 of the GPU's SMs idle (a step grew by ~33 ms between 512 and 32k positions).
+KEYS_PER_SPLIT = 256
+MAX_SPLITS = 256
+
+
+def splits(capacity: int) -> int:
+    """Key ranges per (kv head, token) for a cache of `capacity` positions: one block reads at most
+    about KEYS_PER_SPLIT keys of the valid ones (each block splits what its query sees evenly)."""
+    return max(1, min(-(-capacity // KEYS_PER_SPLIT), MAX_SPLITS))
+
+
 _kv_kernel = None
 _attend_kernel = None
+_merge_kernel = None
 _tested: bool | None = None
 
 
@@ -200,21 +265,29 @@ def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos:
            n_head_kv: int, head_dim: int, n_rot: int, eps: float, rope_base: float) -> mx.array:
     """Queries from y [S, E] (or [B, S, E]) against the cache buffers [B, n_head_kv, capacity,
     head_dim] (row b already holding its new keys at pos[b] .. pos[b] + S - 1), gated:
-    [S, n_head * head_dim] (or [B, S, n_head * head_dim])."""
-    global _attend_kernel
+    [S, n_head * head_dim] (or [B, S, n_head * head_dim]). Two launches: each block attends one
+    kv head's query heads (read once for the group) over one range of the keys (`splits`), then
+    the ranges' partial softmaxes are merged and gated."""
+    global _attend_kernel, _merge_kernel
     if _attend_kernel is None:
         _attend_kernel = CudaKernel(
-            name="mtp_attn_decode", input_names=["y", "qw", "keys", "values", "pos", "params"],
-            output_names=["o"], source=compact(_ATTEND_SOURCE))
+            name="mtp_attn_split", input_names=["y", "qw", "keys", "values", "pos", "params"],
+            output_names=["part_o", "lse"], source=compact(_ATTEND_SOURCE))
+        _merge_kernel = CudaKernel(name="mtp_attn_merge", input_names=["y", "part_o", "lse"], output_names=["o"],
+                                   source=compact(_MERGE_SOURCE))
     one = y.ndim == 2
     y = y[None] if one else y
     b, s = int(y.shape[0]), int(y.shape[1])
-    out = _attend_kernel(inputs=[y, q_norm.astype(mx.float32), keys, values, pos,
-                                 _params(eps, rope_base, head_dim ** -0.5)],
-                         template=[("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv), ("NROT", n_rot),
-                                   ("WARPS", WARPS)],
-                         grid=(n_head * s * 32 * WARPS, b, 1), threadgroup=(32 * WARPS, 1, 1),
-                         output_shapes=[(b, s, n_head * head_dim)], output_dtypes=[mx.float32])[0]
+    n = splits(int(keys.shape[2]))
+    dims = [("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv)]
+    part_o, lse = _attend_kernel(
+        inputs=[y, q_norm.astype(mx.float32), keys, values, pos, _params(eps, rope_base, head_dim ** -0.5)],
+        template=dims + [("NROT", n_rot), ("WARPS", WARPS)],
+        grid=(n_head_kv * s * n * 32 * WARPS, b, 1), threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(b, s, n_head, n, head_dim), (b, s, n_head, n)], output_dtypes=[mx.float32, mx.float32])
+    out = _merge_kernel(inputs=[y, part_o, lse], template=dims, grid=(n_head * s * head_dim, b, 1),
+                        threadgroup=(head_dim, 1, 1), output_shapes=[(b, s, n_head * head_dim)],
+                        output_dtypes=[mx.float32])[0]
     return out[0] if one else out
 
 
@@ -287,7 +360,7 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
 def available(shape: tuple[int, int, int, int] | None = None) -> bool:
     """Whether the kernels can be used in this process: on a CUDA GPU, after they matched the MLX
     operations on random inputs (1 and 5 tokens, GQA, partial rope; a batch of 3 sequences at
-    different positions); a compile error or a mismatch
+    different positions; 700 keys over several blocks); a compile error or a mismatch
     warns and answers False from then on, so the engine falls back to the MLX path.
 
     `shape` (n_head, n_head_kv, head_dim, n_rot): test at the model's own shape, whose compiled
@@ -303,7 +376,8 @@ def available(shape: tuple[int, int, int, int] | None = None) -> bool:
     ok = False
     try:
         # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
-        ok = all(max_error(*shape, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3), (2, [4, 0, 11])))
+        # (2, 700): a cache long enough to split its keys over several blocks
+        ok = all(max_error(*shape, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3), (2, [4, 0, 11]), (2, 700)))
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         import warnings
         warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")

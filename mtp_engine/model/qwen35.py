@@ -323,7 +323,7 @@ class Qwen35Model:
         attn_shape = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot)
         checks = {"qmv": (kernels, kernels._SOURCE + mma_kernel.SOURCE, None, kernels.available),
                   "gdn": (gdn_kernel, gdn_kernel._SOURCE, gdn_dims, lambda: gdn_kernel.available(gdn_dims)),
-                  "attn": (attn_kernel, attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE, attn_shape,
+                  "attn": (attn_kernel, attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE + attn_kernel._MERGE_SOURCE, attn_shape,
                            lambda: attn_kernel.available(attn_shape)),
                   "norm": (norm_kernel, norm_kernel._SOURCE, None, norm_kernel.available)}
         if kernels.cuda():  # a first run on this GPU compiles every kernel it will launch at once

@@ -66,11 +66,11 @@ def request_from_keywords(prompt: str | list[int] | None = None, *, messages: li
                           ignore_eos: bool = False, profile: str | None = None,
                           sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
                           tool_choice: str | dict = "auto", parallel_tool_calls: bool = True, constraint=None,
-                          prompt_cache=None, fit_context: bool = False, **sampling) -> GenerationRequest:
+                          prompt_cache=None, fit_context: bool = False, progress=None, **sampling) -> GenerationRequest:
     """The `GenerationRequest` of `generate`'s keywords (`sampling`: the flat sampling and
     penalty keywords of `sampler_config`)."""
     return GenerationRequest(prompt=prompt, messages=messages, tools=tools, tool_choice=tool_choice,
                              parallel_tool_calls=parallel_tool_calls,
                              sampler=sampler_config(sampler, **sampling), spec=spec_config(spec, n_max, n_min, p_min),
                              constraint=constraint, stop=stop, max_tokens=max_tokens, fit_context=fit_context,
-                             ignore_eos=ignore_eos, profile=profile, prompt_cache=prompt_cache)
+                             ignore_eos=ignore_eos, profile=profile, prompt_cache=prompt_cache, progress=progress)

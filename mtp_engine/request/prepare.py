@@ -122,7 +122,7 @@ def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int
     sampler = make_sampler(model, prepared, seed)
     spec = req.spec
     if spec.method == "none":
-        return PlainDecoder(model.model, sampler, profiler, prompt_cache=req.prompt_cache)
+        return PlainDecoder(model.model, sampler, profiler, prompt_cache=req.prompt_cache, progress=req.progress)
     if spec.method in NEEDS_MTP_HEAD and model.model.mtp is None and getattr(model.info, "has_mtp_tensors",
                                                                               True) is False:
         raise MTPEngineError(f"{spec.method} needs the MTP head, and this checkpoint has no mtp.* tensors (mlx-lm's "
@@ -136,6 +136,7 @@ def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int
         costs = calibration.load_seed(model.path, model.model, model.options.cache_path) if stored else None
         scheduler = DraftLengthScheduler.for_model(model.model, costs)
     return build_decoder(spec.method, model.model, sampler, params, profiler, scheduler,
-                         prompt_cache=req.prompt_cache, calibration_path=model.path if stored else "")
+                         prompt_cache=req.prompt_cache, calibration_path=model.path if stored else "",
+                         progress=req.progress)
 
 

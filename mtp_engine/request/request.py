@@ -8,7 +8,7 @@ ids, the context) is `request.prepare`'s work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..chat import tool_calls
 from ..constraint import Constraint
@@ -37,7 +37,8 @@ class GenerationRequest:
     `max_tokens`: the most tokens to generate; with `fit_context` it shrinks to what the context
     leaves after the prompt (the server's default and the chat's turns) instead of being refused.
     `profile`: None, "off", "round" or "precise". `prompt_cache`: where successive requests keep
-    and reuse prompt state."""
+    and reuse prompt state. `progress(done, total)`: told the prompt tokens prefilled after each
+    prefill chunk (the command line's progress line for a long prompt)."""
 
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
@@ -53,6 +54,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     profile: str | None = None
     prompt_cache: PromptCache | None = None
+    progress: Callable[[int, int], None] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -77,6 +79,9 @@ class GenerationRequest:
         if self.prompt_cache is not None and not isinstance(self.prompt_cache, PromptCache):
             raise MTPEngineError(f"expected a PromptCache, found {type(self.prompt_cache).__name__}",
                                  field="prompt_cache")
+        if self.progress is not None and not callable(self.progress):
+            raise MTPEngineError(f"expected a callable (done, total), found {type(self.progress).__name__}",
+                                 field="progress")
         if self.profile not in (None, *PROFILE_MODES):
             raise MTPEngineError(f"expected one of {', '.join(PROFILE_MODES)} or None, found {self.profile!r:.40}",
                                  field="profile")

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MTPEngineError
-from ..generation.decode import DecoderBase, kv_capacity
+from ..generation.decode import DecoderBase, Progress, kv_capacity
 from ..generation.profiler import Profiler
 from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler, check_finite, distribution
@@ -59,10 +59,11 @@ class SpeculativeDecoder(DecoderBase):
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams, drafter: Drafter,
                  profiler: Profiler | None = None, scheduler: DraftLengthScheduler | None = None, *,
-                 prompt_cache: PromptCache | None = None, calibration_path: str = ""):
+                 prompt_cache: PromptCache | None = None, calibration_path: str = "",
+                 progress: Progress | None = None):
         if params.auto and scheduler is None:
             raise MTPEngineError("n-max auto needs a scheduler with the device's measured costs", field="n-max")
-        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache)
+        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress)
         self.params = params
         self.scheduler = scheduler if params.auto else None
         self.drafter = drafter

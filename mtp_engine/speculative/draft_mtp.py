@@ -7,6 +7,7 @@ feed, oracle acceptance) are in speculative/ablations.py.
 """
 from __future__ import annotations
 
+from ..generation.decode import Progress
 from ..generation.profiler import Profiler
 from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler
@@ -26,9 +27,10 @@ class DraftMTPDecoder(ResidentRounds, SpeculativeDecoder):
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,
-                 prompt_cache: PromptCache | None = None, calibration_path: str = ""):
+                 prompt_cache: PromptCache | None = None, calibration_path: str = "",
+                 progress: Progress | None = None):
         super().__init__(model, sampler, params, MTPDrafter(model), profiler, scheduler,
-                         prompt_cache=prompt_cache, calibration_path=calibration_path)
+                         prompt_cache=prompt_cache, calibration_path=calibration_path, progress=progress)
 
     # the head's state, where tests and notebooks look for it
     @property

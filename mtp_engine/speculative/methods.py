@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import MTPEngineError
+from ..generation.decode import Progress
 from ..generation.profiler import Profiler
 from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler
@@ -36,13 +37,14 @@ assert set(DECODERS) == set(SPEC_METHODS) - {"none"}
 def build_decoder(method: str, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                   profiler: Profiler | None = None,
                   scheduler: DraftLengthScheduler | None = None, *, prompt_cache: PromptCache | None = None,
-                  calibration_path: str = "") -> SpeculativeDecoder:
+                  calibration_path: str = "", progress: Progress | None = None) -> SpeculativeDecoder:
     """The speculative decoder of `method` (one of `DECODERS`); `prompt_cache` where it reuses and
-    keeps prompt state, `calibration_path` the model file whose stored round costs it updates."""
+    keeps prompt state, `calibration_path` the model file whose stored round costs it updates,
+    `progress` what is told of a long prefill."""
     if method not in DECODERS:
         raise MTPEngineError(f"unknown spec type {method!r}: expected one of {list(SPEC_METHODS)}", field="spec")
     if method in NEEDS_MTP_HEAD and model.mtp is None:
         raise MTPEngineError(f"{method} needs a model with an MTP head (nextn_predict_layers >= 1); "
                              "this model has none", field="spec")
     return DECODERS[method](model, sampler, params, profiler, scheduler, prompt_cache=prompt_cache,
-                            calibration_path=calibration_path)
+                            calibration_path=calibration_path, progress=progress)

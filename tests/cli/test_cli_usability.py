@@ -122,3 +122,34 @@ def test_progress_quiet_and_the_cli_keeps_stdout_for_json(capsys):
     assert main(["generate", "-m", path, "-p", "x", "-n", "2", "--json"]) == 0
     out = capsys.readouterr().out
     assert "loading" not in out and out.count("\n") == 1
+
+
+@pytest.mark.parametrize("spec", ["none", "draft-mtp"])
+def test_a_long_prefill_shows_its_progress(capsys, monkeypatch, tmp_path, spec):
+    """A prompt of several prefill chunks reports each chunk (tokens done of total), and the
+    command line prints them as a progress line with a rate on stderr (here shown at once: a real
+    one waits a second), never on stdout."""
+    import mtp_engine as me
+    import importlib
+    cli_main = importlib.import_module("mtp_engine.cli.main")
+    from mtp_engine.generation.decode import DecoderBase
+
+    monkeypatch.setattr(DecoderBase, "prefill_chunk", 16)
+    m = me.load(need(TINY_Q4))
+    prompt = "".join(f"x{i} = {i}\n" for i in range(20))
+    n = len(m.tokenizer.encode(prompt))
+    seen: list[tuple[int, int]] = []
+    req = me.GenerationRequest(prompt=prompt, max_tokens=2, spec=me.SpecConfig(spec),
+                               progress=lambda done, total: seen.append((done, total)))
+    list(me.stream_request(req, m))
+    assert seen and seen[-1][0] in (n - 1, n) and all(b == seen[0][1] for _, b in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and len(seen) >= n // 16
+    with pytest.raises(me.MTPEngineError, match="callable"):
+        me.GenerationRequest(prompt="x", progress=3)
+    real = cli_main.load_progress
+    monkeypatch.setattr(cli_main, "load_progress", lambda *a, **kw: real(*a, **{**kw, "after": 0.0}))
+    f = tmp_path / "p.txt"
+    f.write_text(prompt)
+    assert main(["generate", "-m", str(need(TINY_Q4)), "-f", str(f), "-n", "2", "--spec-type", spec]) == 0
+    out, err = capsys.readouterr()
+    assert "prefilling the prompt:" in err and "tokens/s" in err and "prefilling" not in out

@@ -125,6 +125,26 @@ def test_batched_kernels_equal_the_mlx_layer_row_by_row(s):
 
 
 @gpu_only
+@pytest.mark.parametrize("pos", [1, 255, 4096, 32768])
+@pytest.mark.parametrize("s", [1, 4, 9])
+def test_long_contexts_split_over_blocks_equal_the_mlx_layer(pos, s):
+    """Flash-decoding: contexts of up to 32k keys, split over many blocks and merged, at the 9B
+    head shape, for a decode step, a verify's rows and a batch whose rows sit at different lengths
+    (one of them short enough for a single key range)."""
+    assert attn_kernel.splits(pos + s + 7) == min(-(-(pos + s + 7) // attn_kernel.KEYS_PER_SPLIT),
+                                                   attn_kernel.MAX_SPLITS)
+    assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s) < 2e-3, (pos, s)
+    if pos >= 4096:
+        assert attn_kernel.max_error(16, 4, 256, 64, s, [pos, 3, pos // 2], seed=s + 1) < 2e-3, (pos, s)
+
+
+def test_key_ranges_follow_the_capacity():
+    assert attn_kernel.splits(1) == 1 and attn_kernel.splits(attn_kernel.KEYS_PER_SPLIT) == 1
+    assert attn_kernel.splits(attn_kernel.KEYS_PER_SPLIT + 1) == 2
+    assert attn_kernel.splits(10 ** 7) == attn_kernel.MAX_SPLITS
+
+
+@gpu_only
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
 def test_batched_forward_with_kernels_equals_without(which):
     # sequences of different lengths decoding together (batch_cache.BatchCache): hidden states of

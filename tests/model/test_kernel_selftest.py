@@ -75,7 +75,7 @@ def test_a_passed_self_test_is_remembered_for_the_next_process(recorded, tiny_q4
         tiny_q4.model.use(opts)
         assert not any(getattr(layer.mixer, "fused_kernel", False) for layer in tiny_q4.model.layers
                        if hasattr(layer.mixer, "q_norm"))
-        k = selftest_cache.key("attn", attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE,
+        k = selftest_cache.key("attn", attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE + attn_kernel._MERGE_SOURCE,
                                (tiny_q4.model.cfg.n_head, tiny_q4.model.cfg.n_head_kv, tiny_q4.model.cfg.head_dim,
                                 tiny_q4.model.cfg.n_rot))
         assert not selftest_cache.passed(tmp_path, k)

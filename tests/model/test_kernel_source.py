@@ -7,7 +7,8 @@ import pytest
 from mtp_engine.model import attn_kernel, gdn_kernel, kernels, mma_kernel, norm_kernel
 from mtp_engine.model.kernel_source import compact
 
-SOURCES = {"kv": attn_kernel._KV_SOURCE, "attend": attn_kernel._ATTEND_SOURCE, "gdn": gdn_kernel._SOURCE,
+SOURCES = {"kv": attn_kernel._KV_SOURCE, "attend": attn_kernel._ATTEND_SOURCE,
+           "merge": attn_kernel._MERGE_SOURCE, "gdn": gdn_kernel._SOURCE,
            "qmv": kernels._SOURCE, "mma": mma_kernel.SOURCE, "norm": norm_kernel._SOURCE}
 
 

@@ -1,0 +1,256 @@
+"""Long prompts and long contexts at the Qwen3.5-9B shape (random 4-bit g32 weights, an 8192-token
+vocabulary): where a long prefill's time goes, decode attention over long caches, and time to
+first token / prefill / decode tok/s against the prompt's length, ours beside mlx-lm's
+`generate_step` on the same shape in one process.
+
+    python3 scripts/bench_context.py [--sections parts,attn,context] [--lengths 512,2048,8192,32768]
+        [--tokens 48] [--repeats 2] [--oracle 0.8] [--peer-max 8192] [--out DIR]
+
+Sections:
+  parts    one prefill chunk's pieces timed apart (rows 512 / 2048 / 4096): a 4096x12288 product as
+           MLX's quantized matmul on float32 rows, dequantized to float32, to bf16; a gated-delta-net
+           mixer; an attention mixer at offsets 0 and 8192; a whole chunk's forward;
+  attn     one decode step's attention over L keys (1, 4 and 9 query rows): our split kernel at
+           several key ranges per block, MLX's sdpa on the same cache;
+  context  per prompt length: ours plain and draft-mtp (oracle acceptance `--oracle`, n-max auto
+           and 3), mlx-lm (up to `--peer-max` tokens: its 32k prefill takes over a minute);
+           repeats interleaved, medians; a plot of decode tok/s against context.
+Writes DIR/context.json (and context.png); prints one table per section.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx_lm_ref  # noqa: E402
+from bench_9b_oracle import _Tok, config_9b, random_model  # noqa: E402
+
+from mtp_engine.generation.decode import PlainDecoder  # noqa: E402
+from mtp_engine.generation.loop import run  # noqa: E402
+from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
+from mtp_engine.model import attn_kernel, kernels  # noqa: E402
+from mtp_engine.speculative.ablations import ablation_decoder  # noqa: E402
+from mtp_engine.speculative.config import DraftParams  # noqa: E402
+from mtp_engine.speculative.scheduler import DraftLengthScheduler  # noqa: E402
+
+
+def _ms(fn, repeats: int = 5) -> float:
+    """Median ms of fn() evaluated, after one warm-up call."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def parts(model, rows_list=(512, 2048, 4096)) -> list[dict]:
+    cfg = model.cfg
+    lin = getattr(model.layers[0].mlp, "down", None)  # [ffn -> hidden]: the 4096 x 12288 product
+    gdn_at = next(i for i, layer in enumerate(model.layers) if not hasattr(layer.mixer, "q_norm"))
+    attn_at = next(i for i, layer in enumerate(model.layers) if hasattr(layer.mixer, "q_norm"))
+    gdn_layer, attn_layer = model.layers[gdn_at], model.layers[attn_at]
+    out = []
+    for rows in rows_list:
+        x = mx.random.normal((1, rows, cfg.hidden_size))
+        row: dict = {"rows": rows}
+        if lin is not None and lin.quantized:
+            w = lin
+            xf = mx.random.normal((1, rows, cfg.ffn_size[0]))
+
+            def qmm():
+                return mx.quantized_matmul(xf, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size,
+                                           bits=w.bits)
+
+            def deq(dtype):
+                def f():
+                    wd = mx.dequantize(w.weight, w.scales, w.biases, group_size=w.group_size, bits=w.bits).astype(dtype)
+                    return (xf.astype(dtype) @ wd.T).astype(mx.float32)
+                return f
+
+            flop = 2 * rows * cfg.ffn_size[0] * cfg.hidden_size
+            for name, fn in (("qmm_f32", qmm), ("deq_f32", deq(mx.float32)), ("deq_bf16", deq(mx.bfloat16))):
+                ms = _ms(fn)
+                row[name + "_ms"] = round(ms, 3)
+                row[name + "_tflops"] = round(flop / ms / 1e9, 1)
+        row["gdn_mixer_ms"] = round(_ms(lambda: gdn_layer.mixer(x, model.make_cache().layers[gdn_at])), 2)
+        for offset in (0, 8192):
+            def attn(offset=offset):
+                c = model.make_cache().layers[attn_at]
+                if offset:
+                    c.reserve(offset + rows)
+                    c.offset = offset
+                return attn_layer.mixer(x, c)
+            row[f"attn_mixer_at{offset}_ms"] = round(_ms(attn), 2)
+        row["mlp_ms"] = round(_ms(lambda: attn_layer.mlp(x)), 2)
+        ids = mx.array([[(7 * i) % 8000 + 5 for i in range(rows)]])
+        row["forward_ms"] = round(_ms(lambda: model.forward(ids, model.make_cache(), one_off=True), repeats=3), 1)
+        row["forward_tok_s"] = round(rows / row["forward_ms"] * 1e3)
+        out.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return out
+
+
+def attn(model, lengths, per_split=(128, 256, 512, 1024)) -> list[dict]:
+    """Decode-step attention at the model's head shape over `lengths` keys."""
+    cfg = model.cfg
+    nh, nkv, d = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    out = []
+    for length in lengths:
+        for s in (1, 4, 9):
+            cap = length + s + 7
+            keys = mx.random.normal((1, nkv, cap, d))
+            values = mx.random.normal((1, nkv, cap, d))
+            y = mx.random.normal((1, s, (2 * nh + 2 * nkv) * d))
+            qn = mx.ones((d,))
+            pos = mx.array([length], mx.int32)
+            row: dict = {"keys": length, "rows": s}
+            kept = attn_kernel.KEYS_PER_SPLIT
+            for n in per_split if kernels.cuda() else ():
+                attn_kernel.KEYS_PER_SPLIT = n
+                row[f"split{n}_ms"] = round(_ms(lambda: attn_kernel.attend(
+                    y, qn, keys, values, pos, nh, nkv, d, cfg.n_rot, cfg.eps, cfg.rope_base), repeats=20), 4)
+            attn_kernel.KEYS_PER_SPLIT = kept
+            q = mx.random.normal((1, nh, s, d))
+            kk, vv = keys[:, :, :length + s], values[:, :, :length + s]
+            mx.eval(kk, vv)
+            row["sdpa_ms"] = round(_ms(lambda: mx.fast.scaled_dot_product_attention(
+                q, kk, vv, scale=d ** -0.5, mask="causal" if s > 1 else None), repeats=20), 4)
+            best = min([v for k, v in row.items() if k.startswith("split")] or [row["sdpa_ms"]])
+            row["kv_gb_s_best"] = round(2 * nkv * length * d * 4 / best / 1e6, 0)
+            out.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return out
+
+
+def _ours(model, prompt, tokens, spec, n_max=None, oracle=None) -> dict:
+    sampler = Sampler(SamplerConfig(seed=0))
+    if spec == "none":
+        dec = PlainDecoder(model, sampler)
+    else:
+        sched = DraftLengthScheduler.for_model(model, None) if n_max == "auto" else None
+        dec = ablation_decoder(model, sampler, DraftParams(None if n_max == "auto" else n_max), scheduler=sched,
+                               oracle_acceptance=oracle)
+    last = None
+    for last in run(dec, _Tok(), prompt, tokens, ignore_eos=True):
+        pass
+    st = last.stats
+    return {"ttft_s": st["time_to_first_token_seconds"], "prefill_tok_s": len(prompt) / st["prefill_seconds"],
+            "decode_tok_s": st["decode_tokens_per_second"]}
+
+
+def _peer(peer, prompt, tokens) -> dict:
+    from mlx_lm.generate import generate_step
+
+    t0 = time.perf_counter()
+    t_first, n = None, 0
+    for _tok, _ in generate_step(mx.array(prompt), peer, max_tokens=tokens):
+        if t_first is None:
+            t_first = time.perf_counter()
+        else:
+            n += 1
+    end = time.perf_counter()
+    return {"ttft_s": t_first - t0, "prefill_tok_s": len(prompt) / (t_first - t0),
+            "decode_tok_s": n / (end - t_first) if n else 0.0}
+
+
+def context(model, peer, lengths, tokens, repeats, oracle, peer_max) -> list[dict]:
+    runs = {"plain": dict(spec="none"), f"mtp_auto_a{oracle}": dict(spec="draft-mtp", n_max="auto", oracle=oracle),
+            f"mtp_3_a{oracle}": dict(spec="draft-mtp", n_max=3, oracle=oracle)}
+    out = []
+    for length in lengths:
+        prompt = [(31 * i) % (model.cfg.vocab_size - 10) + 5 for i in range(length)]
+        got: dict[str, list[dict]] = {}
+        for r in range(repeats):
+            for name, kw in runs.items():
+                got.setdefault(name, []).append(_ours(model, prompt, tokens, **kw))
+            if peer is not None and length <= peer_max:
+                got.setdefault("mlx_lm", []).append(_peer(peer, prompt, tokens))
+        row: dict = {"prompt_tokens": length}
+        for name, rs in got.items():
+            for key in ("ttft_s", "prefill_tok_s", "decode_tok_s"):
+                row[f"{name}.{key}"] = round(statistics.median(x[key] for x in rs), 3)
+        plain = row["plain.decode_tok_s"]
+        for name in runs:
+            if name != "plain":
+                row[f"{name}.speedup"] = round(row[f"{name}.decode_tok_s"] / plain, 3) if plain else None
+        out.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    xs = [r["prompt_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in sorted({k for r in rows for k in r if k.endswith("decode_tok_s")}):
+        pts = [(x, r[key]) for x, r in zip(xs, rows) if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key.split(".")[0])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (prompt tokens)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"9B shape, {mx.default_device()}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="parts,attn,context")
+    ap.add_argument("--lengths", default="512,2048,8192,32768")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--oracle", type=float, default=0.8)
+    ap.add_argument("--peer-max", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=32, help="trunk layers (8: a quick check)")
+    ap.add_argument("--rows", default="512,2048,4096", help="the parts section's chunk sizes")
+    ap.add_argument("--out", default="out/context")
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    sections = a.sections.split(",")
+    cfg = dataclasses.replace(config_9b(a.layers < 32), vocab_size=8192, context_length=max(lengths) + 4096)
+    if a.layers not in (8, 32):
+        raise SystemExit("--layers: 8 or 32")
+    t = time.perf_counter()
+    model = random_model(cfg)
+    print(f"9B-shape model ({cfg.n_layer} layers) built in {time.perf_counter() - t:.0f} s on {mx.default_device()}",
+          file=sys.stderr, flush=True)
+    result: dict = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "layers": cfg.n_layer,
+                    "keys_per_split": attn_kernel.KEYS_PER_SPLIT}
+    if "parts" in sections:
+        result["parts"] = parts(model, [int(x) for x in a.rows.split(",")])
+    if "attn" in sections:
+        result["attn"] = attn(model, lengths)
+    if "context" in sections:
+        peer = mlx_lm_ref.build(cfg) if a.peer_max > 0 else None
+        result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "context.json").write_text(json.dumps(result, indent=1))
+    if result.get("context"):
+        plot(result["context"], out / "context.png")
+    for name in ("parts", "attn", "context"):
+        for row in result.get(name, []):
+            print(name, json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
