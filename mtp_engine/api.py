@@ -1,6 +1,7 @@
 """Python API: `load`, `generate`, `stream_generate`."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -150,7 +151,8 @@ def _load(path, exact, load_mtp, max_context, quantize, distributed, group, dist
                              file=str(p), field="quantize")
     # refuse before any weight is read: a model that cannot fit would otherwise end in the OOM killer;
     # 262k-context models would be refused on small machines if the check assumed their full context
-    ctx = min(estimate(p, exact, load_mtp=load_mtp)["context"], max_context or DEFAULT_MAX_CONTEXT)
+    # a -c beyond the trained length is allowed (with a warning, `_cap_context`) and checked as asked
+    ctx = max_context or min(estimate(p, exact, load_mtp=load_mtp)["context"], DEFAULT_MAX_CONTEXT)
     check_fits(p, exact=exact, context=ctx, load_mtp=load_mtp, options=opts)
     model, gf, info = load_gguf(p, exact=exact, load_mtp=load_mtp, progress=progress, options=opts)
     _cap_context(model.cfg, max_context)
@@ -162,8 +164,17 @@ def _load(path, exact, load_mtp, max_context, quantize, distributed, group, dist
 
 
 def _cap_context(cfg, max_context: int | None) -> None:
-    """The context a generation may use: the model's, capped by `max_context` (-c) or by
-    DEFAULT_MAX_CONTEXT; `cfg.context_source` says which, for the errors that cite it."""
+    """The context a generation may use: `max_context` (-c) when given, else the model's capped by
+    DEFAULT_MAX_CONTEXT; `cfg.context_source` says which, for the errors that cite it. A
+    `max_context` beyond the trained length is allowed with one warning, as llama.cpp does (rope
+    goes on; quality past the trained length is the model's business)."""
+    if max_context and max_context > cfg.context_length:
+        logging.getLogger("mtp_engine").warning(
+            "mtp-engine: warning: a context of %d positions (-c / max_context) is beyond the model's trained "
+            "length of %d: text past it may degrade", max_context, cfg.context_length)
+        cfg.context_length = max_context
+        cfg.context_source = "the max_context / -c setting (beyond the model's trained length)"
+        return
     cap = max_context or DEFAULT_MAX_CONTEXT
     if cap < cfg.context_length:
         cfg.context_length = cap

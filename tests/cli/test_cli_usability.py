@@ -75,6 +75,31 @@ def test_ctx_size_caps_the_context(capsys):
     assert main(["generate", "-m", path, "-c", "512", "-p", "one two three " * 10, "-n", "1", "--json"]) == 0
 
 
+def test_ctx_size_beyond_the_trained_length_warns_once_and_is_used(caplog, capsys):
+    """-c past the model's trained length: allowed with one warning (llama.cpp's rule), a prompt
+    longer than the trained length then generates; the memory check still applies to what was
+    asked (a context that cannot fit is refused with the numbers, before any weight is read)."""
+    import logging
+
+    import mtp_engine as me
+    path = need(TINY_Q4)
+    trained = me.load(path).model.cfg.context_length
+    with caplog.at_level(logging.WARNING, logger="mtp_engine"):
+        m = me.load(path, max_context=trained + 64)
+    warned = [r for r in caplog.records if "beyond the model's trained length" in r.getMessage()]
+    assert len(warned) == 1 and str(trained) in warned[0].getMessage()
+    assert m.model.cfg.context_length == trained + 64
+    r = me.generate([(7 * i) % 500 + 5 for i in range(trained + 8)], m, max_tokens=4, ignore_eos=True)
+    assert len(r.token_ids) == 4
+    with pytest.raises(me.MTPEngineError, match="memory"):
+        me.load(path, max_context=10 ** 9)
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "mtp_engine.cli", "generate", "-m", str(path), "-c", str(trained * 2),
+                        "-p", "x", "-n", "1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stderr.count("beyond the model's trained length") == 1, p.stderr
+
+
 class _Stream(io.StringIO):
     def __init__(self, tty: bool):
         super().__init__()
