@@ -10,6 +10,7 @@ takes its default from the environment (read here and nowhere else), then from t
 | `compile_steps` | `MTP_ENGINE_COMPILE` (`0`/`1`) | on a GPU, off on the CPU |
 | `kernels` | `MTP_ENGINE_QMV` (`custom`/`mlx`/a list) | `custom` (used only on a CUDA GPU) |
 | `row_pad` | `MTP_ENGINE_PAD_ROWS` (an integer) | 8 on a GPU, 0 on the CPU |
+| `dequant_rows` | `MTP_ENGINE_DEQUANT_ROWS` (an integer) | 256 on a GPU, 0 on the CPU |
 | `cache_dir` | `MTP_ENGINE_CACHE_DIR` | `~/.cache/mtp-engine` |
 | `memory_limit` | `MTP_ENGINE_MEMORY_LIMIT` (bytes) | what the machine has |
 """
@@ -24,11 +25,13 @@ from .errors import MTPEngineError
 
 ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
 ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
-       "cache_dir": "MTP_ENGINE_CACHE_DIR", "memory_limit": "MTP_ENGINE_MEMORY_LIMIT"}
+       "dequant_rows": "MTP_ENGINE_DEQUANT_ROWS", "cache_dir": "MTP_ENGINE_CACHE_DIR",
+       "memory_limit": "MTP_ENGINE_MEMORY_LIMIT"}
 
 # the custom CUDA kernels, by name: few-row quantized products, the fused gated-delta-net layer,
 # the fused residual add + RMSNorm
 KERNELS = ("qmv", "gdn", "norm", "attn")
+DEQUANT_ROWS_GPU = 256  # `dequant_rows` on a GPU
 
 
 def parse_kernels(value: str, what: str = "kernels") -> frozenset[str]:
@@ -69,6 +72,9 @@ class EngineOptions:
       kernels run only on a CUDA GPU and only after they pass their self-test in this process.
     - `row_pad`: quantized products of 2..row_pad-1 rows (those the custom kernel does not take)
       are padded to row_pad rows (MLX's GPU path for 2..7 rows costs more than for 8); 0: never.
+    - `dequant_rows`: quantized products of at least this many rows (prefill chunks) dequantize the
+      weight to bf16 and run a dense product (on a GPU several times the 4-bit product's rate; the
+      prompt's rows then carry bf16 rounding); 0: never.
     - `cache_dir`: where round costs measured by earlier runs are kept (and, on CUDA, MLX's
       compiled kernels unless `MLX_PTX_CACHE_DIR` is set).
     - `memory_limit`: bytes a load may use; None: what the machine reports.
@@ -77,6 +83,7 @@ class EngineOptions:
     compile_steps: bool | None = None
     kernels: str | None = None
     row_pad: int | None = None
+    dequant_rows: int | None = None
     cache_dir: str | os.PathLike | None = None
     memory_limit: int | None = None
     # where each resolved value came from ("MTP_ENGINE_MEMORY_LIMIT", "argument", "device"): errors name it
@@ -85,9 +92,10 @@ class EngineOptions:
     def __post_init__(self):
         if self.kernels is not None:
             parse_kernels(self.kernels)
-        if self.row_pad is not None and (not isinstance(self.row_pad, int) or isinstance(self.row_pad, bool)
-                                         or self.row_pad < 0):
-            raise MTPEngineError(f"expected an integer >= 0, found {self.row_pad!r}", field="row_pad")
+        for name in ("row_pad", "dequant_rows"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise MTPEngineError(f"expected an integer >= 0, found {v!r}", field=name)
         if self.memory_limit is not None and (not isinstance(self.memory_limit, int)
                                               or isinstance(self.memory_limit, bool) or self.memory_limit < 0):
             raise MTPEngineError(f"expected a number of bytes >= 0, found {self.memory_limit!r}",
@@ -108,11 +116,12 @@ class EngineOptions:
         if raw:
             parse_kernels(raw, ENV["kernels"])
             values["kernels"] = raw
-        raw = env.get(ENV["row_pad"])
-        if raw is not None and raw != "":
-            if not (raw.isascii() and raw.isdigit()):  # "-3" was once ignored without a word
-                raise MTPEngineError(f"expected an integer >= 0, found {raw!r}", field=ENV["row_pad"])
-            values["row_pad"] = int(raw)
+        for name in ("row_pad", "dequant_rows"):
+            raw = env.get(ENV[name])
+            if raw is not None and raw != "":
+                if not (raw.isascii() and raw.isdigit()):  # "-3" was once ignored without a word
+                    raise MTPEngineError(f"expected an integer >= 0, found {raw!r}", field=ENV[name])
+                values[name] = int(raw)
         raw = env.get(ENV["cache_dir"])
         if raw:
             values["cache_dir"] = raw
@@ -149,6 +158,9 @@ class EngineOptions:
         if "row_pad" not in values:
             gpu = _on_gpu() if gpu is None else gpu
             values["row_pad"], sources["row_pad"] = (8 if gpu else 0), "device"
+        if "dequant_rows" not in values:
+            gpu = _on_gpu() if gpu is None else gpu
+            values["dequant_rows"], sources["dequant_rows"] = (DEQUANT_ROWS_GPU if gpu else 0), "device"
         values.setdefault("kernels", "custom")
         if "cache_dir" not in values:
             values["cache_dir"] = os.path.join(os.path.expanduser("~"), ".cache", "mtp-engine")

@@ -41,10 +41,12 @@ def test_device_defaults_without_environment(clean_env):
     opts = EngineOptions().resolve()
     gpu = mx.default_device() == mx.gpu
     assert opts.compile_steps == gpu and opts.row_pad == (8 if gpu else 0) and opts.kernels == "custom"
+    assert opts.dequant_rows == (256 if gpu else 0)
     assert opts.memory_limit is None and opts.cache_dir
 
 
-@pytest.mark.parametrize("kw", [dict(kernels="fast"), dict(row_pad=-1), dict(memory_limit="lots")])
+@pytest.mark.parametrize("kw", [dict(kernels="fast"), dict(row_pad=-1), dict(memory_limit="lots"),
+                                dict(dequant_rows=-2), dict(dequant_rows=True)])
 def test_bad_options_are_refused(kw):
     with pytest.raises(MTPEngineError) as info:
         EngineOptions(**kw)
@@ -52,7 +54,7 @@ def test_bad_options_are_refused(kw):
 
 
 @pytest.mark.parametrize("name,value", [("kernels", "fastest"), ("compile_steps", "true"), ("row_pad", "-3"),
-                                        ("row_pad", "eight"), ("memory_limit", "lots")])
+                                        ("row_pad", "eight"), ("memory_limit", "lots"), ("dequant_rows", "x")])
 def test_bad_environment_names_the_variable(clean_env, name, value):
     # each was once ignored without a word (the engine ran on its defaults)
     clean_env.setenv(ENV[name], value)
@@ -129,3 +131,33 @@ def test_load_refuses_options_of_another_type():
     with pytest.raises(MTPEngineError) as info:
         load(need(TINY_Q4), options={"row_pad": 8})
     assert info.value.field == "options"
+
+
+def test_dequantized_products_of_many_rows(clean_env):
+    """`dequant_rows`: products of that many rows or more run on the weight dequantized to bf16
+    (prefill chunks on a GPU), fewer rows on the quantized product unchanged; a model run so
+    prefills to nearly the same logits and draft-mtp's greedy output stays plain's."""
+    import numpy as np
+
+    from mtp_engine.model.layers import Linear
+    w = mx.random.normal((64, 256), key=mx.random.key(1))
+    q = mx.quantize(w, group_size=32, bits=4)
+    lin = Linear(*q, bits=4, group_size=32, dequant_rows=8)
+    for rows in (1, 7, 8, 40):
+        x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+        want = mx.quantized_matmul(x, *q, transpose=True, group_size=32, bits=4)
+        got = lin(x)
+        assert got.dtype == mx.float32 and got.shape == want.shape
+        err = float(mx.abs(got - want).max() / mx.abs(want).max())
+        assert (err == 0.0) if rows < 8 else (0 < err < 2e-2), (rows, err)
+    path = need(TINY_Q4)
+    a = load(path, options=EngineOptions(dequant_rows=0))
+    b = load(path, options=EngineOptions(dequant_rows=4))
+    assert {lin.dequant_rows for lin in _linears(b)} == {4}
+    ids = mx.array([[(5 * i) % 400 + 7 for i in range(40)]])
+    la, lb = (np.array(m.model.logits(m.model.forward(ids, m.model.make_cache())[0, -1])) for m in (a, b))
+    assert np.abs(la - lb).max() < 0.05 * np.abs(la).max()
+    prompt = [(5 * i) % 400 + 7 for i in range(40)]
+    plain = generate(prompt, b, max_tokens=10, ignore_eos=True)
+    spec = generate(prompt, b, max_tokens=10, ignore_eos=True, spec="draft-mtp", n_max=3)
+    assert plain.token_ids == spec.token_ids

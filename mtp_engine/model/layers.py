@@ -8,6 +8,8 @@ import mlx.core as mx
 
 from . import kernels
 
+DEQUANT_DTYPE = mx.bfloat16  # a dequantized product's operands (its output keeps the input's dtype)
+
 
 @dataclass
 class Linear:
@@ -23,6 +25,9 @@ class Linear:
     # (MLX's GPU path for 2..7 rows costs more than its 8-row one; on the CPU every row costs the same)
     custom_kernel: bool = False
     row_pad: int = 0
+    # products of at least this many tokens per sequence (a prefill chunk) dequantize W to bf16 for a dense
+    # product: on a GPU MLX's bf16 matmul runs several times a 4-bit one's rate; 0: never
+    dequant_rows: int = 0
 
     @property
     def quantized(self) -> bool:
@@ -43,6 +48,12 @@ class Linear:
             return self(x[None])[0]
         if self.quantized:
             rows = x.size // x.shape[-1]
+            # decided by the tokens per sequence (x [..., S, in]), not by the batch's rows: a prompt
+            # prefilled beside others takes the path it takes alone
+            if self.dequant_rows and x.ndim >= 2 and x.shape[-2] >= self.dequant_rows:
+                w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
+                                  bits=self.bits).astype(DEQUANT_DTYPE)
+                return (x.astype(DEQUANT_DTYPE) @ w.T).astype(x.dtype)
             if self.custom_kernel and kernels.supports(self.weight, self.scales, self.bits, self.group_size, rows):
                 y = kernels.quantized_rows(x.reshape(rows, x.shape[-1]), self.weight, self.scales, self.biases,
                                            self.bits, self.group_size)
@@ -90,7 +101,7 @@ def concat_outputs(parts: list[Linear]) -> Linear | None:
     cat = lambda name: mx.concatenate([getattr(p, name) for p in parts], axis=0)  # noqa: E731
     if first.quantized:
         return Linear(cat("weight"), cat("scales"), cat("biases"), first.bits, first.group_size,
-                      first.custom_kernel, first.row_pad)
+                      first.custom_kernel, first.row_pad, first.dequant_rows)
     return Linear(cat("weight"), custom_kernel=first.custom_kernel, row_pad=first.row_pad)
 
 

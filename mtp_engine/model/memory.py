@@ -89,6 +89,8 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     q6k_mode = "f32" if exact else "q8"
     weights = 0
     fused: dict[tuple[str, int], int] = {}  # (block, group) -> bytes of the products joined at load
+    fused_elems: dict[tuple[str, int], int] = {}
+    dense = 0  # elements of the largest trunk product (joined), dequantized to bf16 for a prefill chunk
     for t in tensors:
         size = mlx_nbytes(t.qtype, t.n_elements, q6k_mode=q6k_mode)
         size = t.n_bytes if size is None else size  # unsupported types are refused at load
@@ -97,6 +99,9 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
         if group is not None:
             key = (t.name.split(".")[1], group)
             fused[key] = fused.get(key, 0) + size
+            fused_elems[key] = fused_elems.get(key, 0) + t.n_elements
+        elif t.name.startswith("blk.") and len(t.shape) == 2:
+            dense = max(dense, t.n_elements)
     # joining a block's input products (model/layers.concat_outputs) briefly holds both copies
     load_transient = max(fused.values(), default=0)
 
@@ -149,7 +154,11 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     # The chunked delta rule creates one state per delta-rule chunk of a prefill chunk before the
     # prefill chunk is evaluated, plus the input and output states.
     states_alive = -(-chunk // _DELTA_CHUNK) + 2
-    activations = (chunk * width + n_head * chunk * capacity + vocab + states_alive * state_max) * _F32
+    # a prefill chunk's products on a GPU (EngineOptions.dequant_rows): the weight dequantized to
+    # bf16 and its transposed copy, one product at a time
+    dense = max(dense, *fused_elems.values()) if fused_elems else dense
+    activations = (chunk * width + n_head * chunk * capacity + vocab + states_alive * state_max) * _F32 \
+        + 2 * dense * 2
     total = weights + kv_cache + recurrent_state + activations + load_transient
     return {"weights": int(weights), "kv_cache": int(kv_cache), "recurrent_state": int(recurrent_state),
             "activations": int(activations), "load_transient": int(load_transient), "total": int(total), "context": int(ctx)}

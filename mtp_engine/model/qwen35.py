@@ -336,7 +336,7 @@ class Qwen35Model:
         qmv, fused_gdn, fused_attn, self.fused_norm = ok["qmv"], ok["gdn"], ok["attn"], ok["norm"]
         for obj in self._parts():
             if isinstance(obj, Linear):
-                obj.custom_kernel, obj.row_pad = qmv, opts.row_pad
+                obj.custom_kernel, obj.row_pad, obj.dequant_rows = qmv, opts.row_pad, opts.dequant_rows
             elif isinstance(obj, GatedDeltaNet):
                 obj.fused_kernel = fused_gdn
             elif isinstance(obj, GatedAttention):
