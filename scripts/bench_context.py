@@ -165,9 +165,10 @@ def _peer(peer, prompt, tokens) -> dict:
             "decode_tok_s": n / (end - t_first) if n else 0.0}
 
 
-def context(model, peer, lengths, tokens, repeats, oracle, peer_max) -> list[dict]:
-    runs = {"plain": dict(spec="none"), f"mtp_auto_a{oracle}": dict(spec="draft-mtp", n_max="auto", oracle=oracle),
-            f"mtp_3_a{oracle}": dict(spec="draft-mtp", n_max=3, oracle=oracle)}
+def context(model, peer, lengths, tokens, repeats, oracle, peer_max, n_maxes=("auto", 3)) -> list[dict]:
+    runs = {"plain": dict(spec="none")}
+    for n in n_maxes:
+        runs[f"mtp_{n}_a{oracle}"] = dict(spec="draft-mtp", n_max=n, oracle=oracle)
     out = []
     for length in lengths:
         prompt = [(31 * i) % (model.cfg.vocab_size - 10) + 5 for i in range(length)]
@@ -218,6 +219,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--oracle", type=float, default=0.8)
+    ap.add_argument("--n-max", default="auto,3", help="draft-mtp runs beside plain (empty: none)")
     ap.add_argument("--peer-max", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=32, help="trunk layers (8: a quick check)")
     ap.add_argument("--rows", default="512,2048,4096", help="the parts section's chunk sizes")
@@ -240,7 +242,8 @@ def main() -> int:
         result["attn"] = attn(model, lengths)
     if "context" in sections:
         peer = mlx_lm_ref.build(cfg) if a.peer_max > 0 else None
-        result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max)
+        n_maxes = [x if x == "auto" else int(x) for x in a.n_max.split(",") if x]
+        result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max, n_maxes)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "context.json").write_text(json.dumps(result, indent=1))
