@@ -38,7 +38,7 @@ from bench_9b_oracle import _Tok, config_9b, random_model  # noqa: E402
 from mtp_engine.generation.decode import PlainDecoder  # noqa: E402
 from mtp_engine.generation.loop import run  # noqa: E402
 from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
-from mtp_engine.model import attn_kernel, kernels  # noqa: E402
+from mtp_engine.model import attn_kernel, delta_rule, kernels  # noqa: E402
 from mtp_engine.speculative.ablations import ablation_decoder  # noqa: E402
 from mtp_engine.speculative.config import DraftParams  # noqa: E402
 from mtp_engine.speculative.scheduler import DraftLengthScheduler  # noqa: E402
@@ -84,6 +84,14 @@ def parts(model, rows_list=(512, 2048, 4096)) -> list[dict]:
                 ms = _ms(fn)
                 row[name + "_ms"] = round(ms, 3)
                 row[name + "_tflops"] = round(flop / ms / 1e9, 1)
+        vh, kd, vd = cfg.ssm_value_heads, cfg.ssm_key_dim, cfg.ssm_value_dim
+        ks = mx.random.split(mx.random.key(rows), 5)
+        kk = mx.random.normal((1, rows, vh, kd), key=ks[1])
+        dr_in = (mx.random.normal((1, rows, vh, kd), key=ks[0]), kk / mx.linalg.norm(kk, axis=-1, keepdims=True),
+                 mx.random.normal((1, rows, vh, vd), key=ks[2]), -mx.random.uniform(0, 1, (1, rows, vh), key=ks[3]),
+                 mx.random.uniform(0, 1, (1, rows, vh), key=ks[4]), mx.zeros((1, vh, kd, vd)))
+        mx.eval(*dr_in)
+        row["delta_rule_ms"] = round(_ms(lambda: delta_rule.delta_rule_chunked(*dr_in)), 2)
         row["gdn_mixer_ms"] = round(_ms(lambda: gdn_layer.mixer(x, model.make_cache().layers[gdn_at])), 2)
         for offset in (0, 8192):
             def attn(offset=offset):
