@@ -3,6 +3,7 @@ generations): the official `openai` client (chat and completions, streaming and 
 equal to `generate()`'s, 16 concurrent streams, a disconnect mid-stream, 400 and 503 answers."""
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import threading
@@ -487,3 +488,42 @@ def test_chat_template_flag_replaces_the_models(tmp_path, capsys):
     rc = main(["serve", "-m", str(need(MODEL)), "--port", "0", "--chat-template", "{% for %}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "invalid chat template" in err[0]
+
+
+def test_a_thousand_idle_connections_do_not_shut_another_peer_out():
+    """1000 connections from one peer that never send their headers (the default 10 s header
+    deadline has not passed): another peer's completions are answered within 1 s, 10 times of 10.
+    They once filled uvicorn's connection limit, and 26 of 28 requests got 503s; now the oldest
+    waiting connections are closed past a bound."""
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    s = LiveServer(need(MODEL), "--spec-type", "none")
+    idle = []
+    try:
+        for i in range(1000):
+            c = socket.socket()
+            c.bind(("127.0.0.1", 0))
+            c.connect((s.host, s.port))
+            if i % 3 == 0:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers that never end
+            idle.append(c)
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            c = http.client.HTTPConnection(s.host, s.port, timeout=10, source_address=("127.0.0.2", 0))
+            c.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 2}),
+                      headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            assert r.status == 200, r.read()
+            r.read()
+            c.close()
+            times.append(time.perf_counter() - t)
+        assert max(times) < 1.0, times
+    finally:
+        for c in idle:
+            c.close()
+        s.stop()
