@@ -139,17 +139,16 @@ def run_serve(args) -> int:
         defaults.spec = "none"
     name = args.alias or Path(model.path).name
     app = create_app(worker, defaults, name, api_key=api_key)
-    from ..server.protocol import MAX_WAITING, DeadlineH11Protocol, WaitingConnections
+    from ..server.protocol import DeadlineH11Protocol, WaitingConnections
 
     # every resource a client can hold is bounded: a request's headers have a deadline and the
-    # connections waiting for theirs a number (the protocol), its body a deadline (app), open
-    # connections beyond this many get 503s (connections waiting for headers can fill at most
-    # MAX_WAITING of them: idle ones cannot shut requests out)
+    # connections waiting for theirs a number (the protocol), its body a deadline and the requests
+    # open at once a number (app.LimitRequests, a 503 with Retry-After past it); idle connections
+    # between requests close at the header deadline
     protocol = type("Protocol", (DeadlineH11Protocol,), {"header_timeout_s": args.header_timeout,
                                                          "waiting": WaitingConnections()})
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=2, http=protocol,
-                            limit_concurrency=MAX_WAITING + max(64, 4 * args.queue_size))
+                            lifespan="off", timeout_graceful_shutdown=2, http=protocol)
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             # before uvicorn waits for open connections: the running generation ends at its next

@@ -54,12 +54,13 @@ def rss_bytes() -> int:
 
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _engine_error(e: BaseException) -> APIError:
     if isinstance(e, ShuttingDown):
-        return APIError(503, str(e), code="shutting_down")
+        return APIError(503, str(e), code="shutting_down", retry_after=5)
     if isinstance(e, MTPEngineError):
         return engine_error(e)
     return APIError(500, f"generation failed: {type(e).__name__}: {e}")
@@ -288,8 +289,8 @@ async def _generate(request: Request, parse) -> Response:
     except ShuttingDown as e:
         return _error(_engine_error(e))
     except QueueFull:
-        return _error(APIError(503, f"the server is busy: {state.worker.queue_size} requests are already waiting; "
-                                    "retry later", code="queue_full"))
+        return _error(APIError(503, f"the server is busy: its queue of {state.worker.queue_size} waiting requests "
+                                    "(--queue-size) is full; retry later", code="queue_full"))
     gen = Generation(state, req, job)
     try:
         first = await _next_event(job, request)
@@ -326,6 +327,9 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Liveness for everyone; the server's figures only for a caller with the key (when one is set)."""
+    if not getattr(request.state, "authorized", True):
+        return JSONResponse({"status": "ok"})
     s: ServerState = request.app.state.mtp
     w = s.worker
     return JSONResponse({"status": "ok", "busy": w.busy, "running": w.running, "parallel": w.parallel,
@@ -357,30 +361,73 @@ async def _method(request: Request, exc) -> Response:
                         status_code=405)
 
 
+OPEN_PATHS = ("/", "/health")  # the page (it asks for the key) and a bare liveness answer
+
+
 class RequireKey:
-    """ASGI middleware: every /v1/ request must carry `Authorization: Bearer <key>` (compared in
-    constant time); others get OpenAI's 401. The page and /health stay open (the page asks for the
-    key and sends it)."""
+    """ASGI middleware: every request but the page and /health must carry `Authorization: Bearer
+    <key>` (the scheme in any case, the key compared in constant time); others get OpenAI's 401,
+    and a request with two Authorization headers a 400 (which one counts would be a guess). /health
+    answers everyone, but only a caller with the key sees more than that the server is up
+    (`scope["state"]["authorized"]`)."""
 
     def __init__(self, app, key: str):
-        self.app, self.key = app, f"Bearer {key}".encode()
+        self.app, self.key = app, key.encode()
+
+    def _authorized(self, headers) -> bool | None:
+        """True / False, or None when the header is given more than once."""
+        given = [v for k, v in headers if k.lower() == b"authorization"]
+        if len(given) > 1:
+            return None
+        scheme, _, token = (given[0] if given else b"").strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.key):
-                e = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-                await JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
-                    scope, receive, send)
-                return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ok = self._authorized(scope.get("headers") or [])
+        if ok is None:
+            e = APIError(400, "the Authorization header was sent more than once", code="invalid_api_key")
+            await JSONResponse(e.body(), status_code=400)(scope, receive, send)
+            return
+        scope.setdefault("state", {})["authorized"] = ok
+        if not ok and scope["path"] not in OPEN_PATHS:
+            e = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                         code="invalid_api_key")
+            await JSONResponse(e.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
+class LimitRequests:
+    """ASGI middleware: at most `limit` requests open at once (streams included); past it a 503 that
+    names the limit, with `Retry-After`. Generation has its own bounded queue; this bounds the
+    handlers themselves (uvicorn's own limit counted idle connections too)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.open = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.open >= self.limit:
+            await _error(APIError(503, f"the server has {self.limit} requests open at once, its limit; retry later",
+                                  code="too_many_requests"))(scope, receive, send)
+            return
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
+
+
 def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: str,
-               api_key: str | None = None) -> Starlette:
-    """The application around a started worker whose model is loaded; with `api_key`, /v1/ routes
-    require it (`RequireKey`)."""
+               api_key: str | None = None, max_open: int | None = None) -> Starlette:
+    """The application around a started worker whose model is loaded; with `api_key`, every route
+    but the page and a bare /health requires it (`RequireKey`)."""
     app = Starlette(routes=[
         Route("/", page),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -392,4 +439,5 @@ def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: s
     app.state.mtp = ServerState(worker, defaults, model_name, R.now())
     if api_key:
         app.add_middleware(RequireKey, key=api_key)
+    app.add_middleware(LimitRequests, limit=max_open or max(64, 4 * worker.queue_size))
     return app

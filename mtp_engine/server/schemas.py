@@ -31,9 +31,11 @@ class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
+                 type_: str | None = None, retry_after: int | None = None):
+        """`retry_after`: seconds a client should wait before it retries (a 503's `Retry-After`)."""
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after if retry_after is not None else (1 if status == 503 else None)
         self.type = type_ or {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                               405: "invalid_request_error", 408: "invalid_request_error",
                               503: "server_overloaded"}.get(status, "server_error")

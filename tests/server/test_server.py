@@ -226,8 +226,13 @@ def test_full_queue_answers_503():
         while s.health()["waiting"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        status, body = s.request("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
-        assert status == 503 and body["error"]["code"] == "queue_full"
+        c = http.client.HTTPConnection(s.host, s.port, timeout=30)
+        c.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 2}))
+        r = c.getresponse()
+        body = json.loads(r.read())
+        c.close()
+        assert r.status == 503 and body["error"]["code"] == "queue_full" and "--queue-size" in body["error"]["message"]
+        assert int(r.getheader("Retry-After")) >= 1
         running.sock.close()
         running.close()
         waiting.join(20)  # the queued one runs once the first is cancelled
@@ -419,9 +424,11 @@ def test_response_format_json(client):
     assert e.value.body["param"] == "response_format"
 
 
-def test_api_key_guards_every_v1_route(tmp_path):
-    """`serve --api-key-file`: /v1/ routes need `Authorization: Bearer KEY` (401 in OpenAI's shape
-    otherwise, the key never echoed); /health and the page stay open; the openai client works with it."""
+def test_api_key_guards_every_private_route(tmp_path):
+    """`serve --api-key-file`: every route but the page and a bare /health needs `Authorization:
+    Bearer KEY` (401 in OpenAI's shape otherwise, the key never echoed; the scheme in any case);
+    /health without the key says only that the server is up; the Authorization header twice is a
+    400; the openai client works with it."""
     key = "mtp-test-key-3f9a"
     f = tmp_path / "key"
     f.write_text(key + "\n")
@@ -432,9 +439,22 @@ def test_api_key_guards_every_v1_route(tmp_path):
             status, err = s.request("POST", "/v1/completions", body, headers=headers)
             assert status == 401 and err["error"]["code"] == "invalid_api_key", err
             assert err["error"]["type"] == "invalid_request_error" and key not in json.dumps(err)
-        assert s.request("GET", "/v1/models")[0] == 401
-        assert s.request("GET", "/health")[0] == 200 and s.request("GET", "/")[0] == 200
+        for path in ("/v1/models", "/slots", "/metrics", "/no/such/route"):
+            assert s.request("GET", path)[0] == 401, path
+        assert s.request("GET", "/health") == (200, {"status": "ok"}) and s.request("GET", "/")[0] == 200
+        full = s.request("GET", "/health", headers={"Authorization": f"bearer {key}"})[1]
+        assert full["status"] == "ok" and "rss_bytes" in full and "completed" in full
+        assert s.request("GET", "/slots", headers={"Authorization": f"BEARER {key}"})[0] == 200
         assert s.request("POST", "/v1/completions", body, headers={"Authorization": f"Bearer {key}"})[0] == 200
+        assert s.request("POST", "/v1/completions", body, headers={"Authorization": f"bearer {key}"})[0] == 200
+        c = http.client.HTTPConnection(s.host, s.port, timeout=30)
+        c.putrequest("GET", "/v1/models")
+        c.putheader("Authorization", "Bearer wrong")
+        c.putheader("Authorization", f"Bearer {key}")
+        c.endheaders()
+        r = c.getresponse()
+        assert r.status == 400 and json.loads(r.read())["error"]["code"] == "invalid_api_key"
+        c.close()
         client = openai.OpenAI(base_url=f"http://{s.host}:{s.port}/v1", api_key=key)
         assert client.completions.create(model="m", prompt="Hi", max_tokens=2).choices[0].text is not None
         assert key not in "".join(s.stderr)
@@ -527,3 +547,39 @@ def test_a_thousand_idle_connections_do_not_shut_another_peer_out():
         for c in idle:
             c.close()
         s.stop()
+
+
+def test_requests_open_at_once_are_bounded_with_retry_after():
+    """`app.LimitRequests`: past its limit of open requests a 503 naming the limit, with
+    Retry-After; the others are served, and a request after them is again."""
+    import asyncio
+
+    from mtp_engine.server.app import LimitRequests
+
+    gate = asyncio.Event()
+
+    async def slow(scope, receive, send):
+        await gate.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def call(app):
+        sent = []
+
+        async def send(m):
+            sent.append(m)
+        await app({"type": "http", "path": "/v1/x", "method": "GET", "headers": []}, None, send)
+        return sent[0]["status"], dict(sent[0]["headers"]), sent[-1]["body"]
+
+    async def main():
+        app = LimitRequests(slow, limit=2)
+        first = [asyncio.create_task(call(app)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        status, headers, body = await call(app)
+        assert status == 503 and headers[b"retry-after"] == b"1" and b"too_many_requests" in body
+        assert b"2 requests" in body
+        gate.set()
+        assert [(await t)[0] for t in first] == [200, 200]
+        assert (await call(app))[0] == 200 and app.open == 0
+
+    asyncio.run(main())
