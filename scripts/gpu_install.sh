@@ -16,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
     "$wheel" mlx-*.whl gguf-*.whl
 for w in "$here"/pytest_xdist-*.whl "$here"/execnet-*.whl "$here"/uvicorn-*.whl "$here"/h11-*.whl \
          "$here"/click-*.whl "$here"/starlette-*.whl "$here"/anyio-*.whl "$here"/idna-*.whl \
-         "$here"/mlx_lm-*.whl; do  # optional: the suite over workers, the server, the peer (mlx-lm)
+         "$here"/prometheus_client-*.whl "$here"/mlx_lm-*.whl; do  # optional: the suite over workers, the server, the peer (mlx-lm)
     [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$w"
 done
 PYTHONPATH=/tmp/site python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'

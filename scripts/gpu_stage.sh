@@ -36,7 +36,7 @@ python3 -m pip download -q --no-deps -d ".gpu/$n" pytest-xdist==3.8.0 execnet==2
     echo "gpu_stage: pytest-xdist not staged (no package index): the GPU tests run in one process" >&2
 # the server's own dependencies (pure Python; the device has none of them): `gpu_check.sh server`
 python3 -m pip download -q --no-deps -d ".gpu/$n" uvicorn==0.55.0 h11==0.16.0 click==8.5.1 starlette==1.10.0 \
-    anyio==4.16.0 idna==3.10 >/dev/null 2>&1 ||
+    anyio==4.16.0 idna==3.10 prometheus-client==0.26.0 >/dev/null 2>&1 ||
     echo "gpu_stage: the server's wheels not staged (no package index): gpu_check.sh server cannot start it" >&2
 # the peer benchmarks' mlx-lm (its transformers/huggingface_hub imports get the stand-ins of
 # scripts/peer_shims: those wheels with theirs are ~34 MB, more than a call carries)

@@ -82,15 +82,20 @@ def add_serve_parser(sub, n_max_type) -> None:
                         "turn prefills only what is new); several interleaved conversations each keep theirs")
     s.add_argument("--cache-ram", type=positive_int, default=4096, metavar="MIB",
                    help="memory the kept prompt states may hold, in MiB (the least recently used go first)")
-    s.add_argument("--idle-release", type=float, default=0.0,
-                   help="seconds without requests after which MLX's cached buffers are freed (0: never)")
+    s.add_argument("--idle-release", type=float, default=5.0,
+                   help="seconds without requests after which MLX's cached buffers and the heap's free pages "
+                        "are handed back, so memory returns after a burst (0: never)")
+    s.add_argument("--metrics", action="store_true",
+                   help="GET /metrics: Prometheus text (requests, tokens, latency histograms, queue depth, busy "
+                        "slots, drafted and accepted tokens per position; behind --api-key when one is set)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
     _value_or_file(s, "--chat-template", "JINJA", "the chat template for /v1/chat/completions, replacing the "
                    "model's (llama-server's flag)", "read from FILE (UTF-8)")
     s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="close a connection whose request headers are not in within S seconds")
-    _value_or_file(s, "--api-key", "KEY", "require 'Authorization: Bearer KEY' on every /v1/ route (401 otherwise)",
+    _value_or_file(s, "--api-key", "KEY", "require 'Authorization: Bearer KEY' on every route but the page and a "
+                   "bare /health (401 otherwise)",
                    "the key read from the first line of FILE (not shown in ps)")
 
 

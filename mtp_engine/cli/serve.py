@@ -138,7 +138,7 @@ def run_serve(args) -> int:
         logging.getLogger("mtp_engine.server").warning("%s has no MTP head: serving with spec-type none", model.path)
         defaults.spec = "none"
     name = args.alias or Path(model.path).name
-    app = create_app(worker, defaults, name, api_key=api_key)
+    app = create_app(worker, defaults, name, api_key=api_key, with_metrics=args.metrics)
     from ..server.protocol import DeadlineH11Protocol, WaitingConnections
 
     # every resource a client can hold is bounded: a request's headers have a deadline and the

@@ -25,6 +25,7 @@ from ..request.prepare import Prepared, prepare
 from . import responses as R
 from .schemas import (MAX_BODY_BYTES, APIError, GenRequest, ServerDefaults, engine_error, generation_request,
                       parse_chat, parse_completion, parse_json)
+from .metrics import CONTENT_TYPE, ServerMetrics
 from .worker import Event, GenerationWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("mtp_engine.server")
@@ -38,6 +39,7 @@ class ServerState:
     defaults: ServerDefaults
     model_name: str
     started: int
+    metrics: ServerMetrics | None = None  # serve --metrics
 
 
 class ClientGone(Exception):
@@ -153,7 +155,10 @@ class Generation:
         return out
 
     def final_usage(self, ev: Event, last) -> dict:
-        return R.usage(last.stats, ev.prompt_tokens, last.stats.get("generated_tokens", 0))
+        completion = last.stats.get("generated_tokens", 0)
+        if self.state.metrics is not None:
+            self.state.metrics.generation(last.stats, ev.prompt_tokens, completion)
+        return R.usage(last.stats, ev.prompt_tokens, completion)
 
     async def collect(self, first: Event, request: Request) -> dict:
         text, lps, ev, last = [], [], first, None
@@ -270,6 +275,14 @@ def _prepare(raw: bytes, parse, state: ServerState) -> tuple[GenRequest, Prepare
 
 
 async def _generate(request: Request, parse) -> Response:
+    resp = await _answer(request, parse)
+    metrics = request.app.state.mtp.metrics
+    if metrics is not None:
+        metrics.request(request.url.path, resp.status_code)
+    return resp
+
+
+async def _answer(request: Request, parse) -> Response:
     state: ServerState = request.app.state.mtp
     try:
         raw = await _read_body(request)
@@ -341,6 +354,11 @@ async def slots(request: Request) -> Response:
     """llama-server's /slots: what each slot is doing."""
     w = request.app.state.mtp.worker
     return JSONResponse(w.slots())
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text (serve --metrics)."""
+    return Response(request.app.state.mtp.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def page(request: Request) -> Response:
@@ -425,10 +443,11 @@ class LimitRequests:
 
 
 def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: str,
-               api_key: str | None = None, max_open: int | None = None) -> Starlette:
+               api_key: str | None = None, max_open: int | None = None, with_metrics: bool = False) -> Starlette:
     """The application around a started worker whose model is loaded; with `api_key`, every route
-    but the page and a bare /health requires it (`RequireKey`)."""
-    app = Starlette(routes=[
+    but the page and a bare /health requires it (`RequireKey`); `with_metrics`: GET /metrics."""
+    extra = [Route("/metrics", metrics)] if with_metrics else []
+    app = Starlette(routes=[*extra,
         Route("/", page),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -436,7 +455,8 @@ def create_app(worker: GenerationWorker, defaults: ServerDefaults, model_name: s
         Route("/health", health),
         Route("/slots", slots),
     ], exception_handlers={404: _not_found, 405: _method, Exception: _internal})
-    app.state.mtp = ServerState(worker, defaults, model_name, R.now())
+    app.state.mtp = ServerState(worker, defaults, model_name, R.now(),
+                                ServerMetrics(lambda: worker.waiting, lambda: worker.running) if with_metrics else None)
     if api_key:
         app.add_middleware(RequireKey, key=api_key)
     app.add_middleware(LimitRequests, limit=max_open or max(64, 4 * worker.queue_size))

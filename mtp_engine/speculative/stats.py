@@ -50,5 +50,7 @@ class RoundCounts:
             "mean_accepted_length": self.accepted / r,
             "tokens_per_round": (self.accepted + self.rounds) / r,
             "acceptance_per_position": [a / d if d else None for a, d in zip(accepted, drafted)],
+            "drafted_per_position": drafted,
+            "accepted_per_position": accepted,
             "accepted_length_histogram": {str(i): self.histogram.get(i, 0) for i in range(positions + 1)},
         }

@@ -583,3 +583,57 @@ def test_requests_open_at_once_are_bounded_with_retry_after():
         assert (await call(app))[0] == 200 and app.open == 0
 
     asyncio.run(main())
+
+
+def test_metrics_count_what_the_answers_say():
+    """`serve --metrics -np 4`: /metrics is Prometheus text (parsed by prometheus_client's own
+    parser), scraped while 16 streams run and after them: its token and draft counters equal the
+    sums of the answers' usage, requests are counted by status, queue depth and busy slots are
+    there; behind the key when one is set."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = LiveServer(need(MODEL), "--metrics", "-np", "4", "--api-key", "k3y")
+    auth = {"Authorization": "Bearer k3y"}
+    try:
+        assert s.request("GET", "/metrics")[0] == 401
+
+        def scrape() -> dict:
+            status, text = s.request("GET", "/metrics", headers=auth)
+            assert status == 200
+            return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+                    for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+        def one(i: int) -> dict:
+            c = http.client.HTTPConnection(s.host, s.port, timeout=60)
+            c.request("POST", "/v1/completions", headers={"Content-Type": "application/json", **auth},
+                      body=json.dumps({"prompt": f"def f{i}(x):", "max_tokens": 12 + i, "ignore_eos": True,
+                                       "stream": True, "stream_options": {"include_usage": True}}))
+            r = c.getresponse()
+            usage = None
+            for line in r:
+                if line.startswith(b"data: {"):
+                    usage = json.loads(line[6:]).get("usage") or usage
+            c.close()
+            return usage
+
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(one, i) for i in range(16)]
+            during = scrape()
+            usages = [f.result() for f in futures]
+        assert ("mtp_queue_depth", ()) in during and ("mtp_busy_slots", ()) in during
+        assert during.get(("mtp_generated_tokens_total", ()), 0) <= sum(u["completion_tokens"] for u in usages)
+        after = scrape()
+        assert after[("mtp_generated_tokens_total", ())] == sum(u["completion_tokens"] for u in usages)
+        assert after[("mtp_prompt_tokens_total", ())] == sum(u["prompt_tokens"] for u in usages)
+        assert after[("mtp_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 16
+        sd = [u["spec_decode"] for u in usages if "spec_decode" in u]
+        assert sd, usages[0]
+        assert after[("mtp_spec_decode_draft_tokens_total", ())] == sum(x["num_draft_tokens"] for x in sd)
+        assert after[("mtp_spec_decode_accepted_tokens_total", ())] == sum(x["num_accepted_tokens"] for x in sd)
+        per_pos = sum(v for (name, _), v in after.items() if name == "mtp_spec_decode_draft_tokens_per_pos_total")
+        assert per_pos == after[("mtp_spec_decode_draft_tokens_total", ())]
+        assert after[("mtp_time_to_first_token_seconds_count", ())] == 16
+        assert s.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": -1}, headers=auth)[0] == 400
+        assert scrape()[("mtp_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
+    finally:
+        s.stop()
