@@ -55,7 +55,7 @@ def test_a_stream_writes_what_has_arrived_together_and_every_event_once():
             job.put(Event("chunk", Chunk(f"t{i} ", [i], drafted=[False], pieces=[f"t{i} "]), [f"t{i} "]))
         job.put(Event("chunk", Chunk("", [], "length", {"decode_seconds": 1.0})))
         job.put(Event("done", prompt_tokens=1))
-        state = SimpleNamespace(worker=SimpleNamespace(model=SimpleNamespace(tokenizer=None)), model_name="m")
+        state = SimpleNamespace(worker=SimpleNamespace(model=SimpleNamespace(tokenizer=None)), model_name="m", metrics=None)
         req = SimpleNamespace(kind="completion", tools=None, logprobs=None, mtp_trace=True, include_usage=False)
         gen = Generation(state, req, job)
         first = await _next_event(job, _Request())
