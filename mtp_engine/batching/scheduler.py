@@ -100,7 +100,8 @@ class BatchScheduler:
     stopped (a thread that ran MLX work must outlive the interpreter's exit: `threads`); without,
     the caller runs the loop with `drive` (batch_generate, on the engine thread)."""
 
-    prefill_chunk = 512  # the plain decoder's, so a prompt's prefill is the one it has alone
+    prefill_chunk: int | None = None  # None: the model's options' (the decoder's alone, so a prompt's
+    # prefill is the one it has alone)
 
     def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
@@ -291,7 +292,8 @@ class BatchScheduler:
     def _next_chunks(self, ends: list[int]) -> tuple[mx.array, list[int]]:
         """The next chunk of each joining prompt, up to ends[b] (exclusive), as one padded batch
         [J, width] and each row's valid length (at most half the slots padding: `_padded_width`)."""
-        rest = [min(e - s.prefilled, self.prefill_chunk) for s, e in zip(self._joining, ends)]
+        chunk = self.prefill_chunk or self.model.model.options.prefill_chunk
+        rest = [min(e - s.prefilled, chunk) for s, e in zip(self._joining, ends)]
         width = _padded_width(rest)
         chunks = [s.prompt_ids[s.prefilled:s.prefilled + min(r, width)] for s, r in zip(self._joining, rest)]
         return mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32), [len(c) for c in chunks]

@@ -81,7 +81,7 @@ class DecoderBase:
     profiling) expert counts. A decoder turns a prompt into a stream of token lists: `prefill`,
     then `step` per round, then `finish`; `stats` at the end."""
 
-    prefill_chunk = 512
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward; None: the model's options'
     pipeline: bool | None = None  # queue the next round before reading the current one; None: off,
     # but the generation loop turns it on (False keeps it off there too)
     budget: int | None = None  # tokens the caller still wants: no round is queued past them
@@ -141,14 +141,15 @@ class DecoderBase:
         if not ids:
             return mx.zeros((1, 0, self.model.cfg.hidden_size))
         hiddens = []
-        for s in range(0, len(ids), self.prefill_chunk):
-            post, pre = self.model.forward(mx.array([ids[s:s + self.prefill_chunk]]), self.cache,
+        chunk = self.prefill_chunk or self.model.options.prefill_chunk
+        for s in range(0, len(ids), chunk):
+            post, pre = self.model.forward(mx.array([ids[s:s + chunk]]), self.cache,
                                            return_prenorm=True, one_off=True)
             h = pick(post, pre) if pick else post
             mx.eval(h, *self.cache.arrays())
             hiddens.append(h)
             if self.progress is not None:
-                self.progress(min(s + self.prefill_chunk, len(ids)), len(ids))
+                self.progress(min(s + chunk, len(ids)), len(ids))
         return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
 
     def _reuse_prefix(self, prefix: list[int], drafter: str | None = None):

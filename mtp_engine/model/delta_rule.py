@@ -57,17 +57,32 @@ def _unit_lower_inverse(a: mx.array) -> mx.array:
 def delta_rule_chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                        state: mx.array, chunk: int = CHUNK) -> tuple[mx.array, mx.array, mx.array]:
     """S tokens at once. q, k [b, s, h, kd]; v [b, s, h, vd]; g, beta [b, s, h]; state [b, h, kd, vd].
-    Returns (outputs [b, s, h, vd], end state, delta vectors U [b, s, h, vd])."""
+    Returns (outputs [b, s, h, vd], end state, delta vectors U [b, s, h, vd]).
+
+    The chunks' count is padded to a power of two (padded tokens have decay 1 and write strength
+    0: they leave the state unchanged) and the whole computation is one compiled graph per such
+    count on a GPU (`fused`): its chunk-to-chunk recurrence is a few small products per chunk,
+    and dispatched one by one they were most of a long prefill (5.3 ms a layer for 512 tokens on
+    an H100, 80% of the forward)."""
     b, s, h, kd = k.shape
     c = min(chunk, s)
-    n = -(-s // c)
+    n = 1 << (-(-s // c) - 1).bit_length()
     pad = n * c - s
+    if pad:  # padded tokens have decay 1 and beta 0: they leave the state unchanged
+        q, k, v = (mx.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (q, k, v))
+        g, beta = (mx.pad(x, [(0, 0), (0, pad), (0, 0)]) for x in (g, beta))
+    o, state, u = _chunked(q, k, v, g, beta, state, c)
+    return o[:, :s], state, u[:, :s]
+
+
+def _chunked_ops(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
+                 c: int) -> tuple[mx.array, mx.array, mx.array]:
+    """`delta_rule_chunked` on a length that is a whole number of chunks of c tokens."""
+    b, s, h, kd = k.shape
+    n = s // c
     # heads first: [b, h, s, d]
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
-    if pad:  # padded tokens have decay 1 and beta 0: they leave the state unchanged
-        q, k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (q, k, v))
-        g, beta = (mx.pad(x, [(0, 0), (0, 0), (0, pad)]) for x in (g, beta))
     q, k, v = (x.reshape(b, h, n, c, -1) for x in (q, k, v))
     g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
 
@@ -94,9 +109,10 @@ def delta_rule_chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta:
         us.append(u)
     o = mx.concatenate(outs, axis=2) if n > 1 else outs[0]
     u = mx.concatenate(us, axis=2) if n > 1 else us[0]
-    o = o[:, :, :s].transpose(0, 2, 1, 3)
-    u = u[:, :, :s].transpose(0, 2, 1, 3)
-    return o, state, u
+    return o.transpose(0, 2, 1, 3), state, u.transpose(0, 2, 1, 3)
+
+
+_chunked = fused(_chunked_ops, static_argnums=(6,))
 
 
 def state_after(state0: mx.array, k: mx.array, u: mx.array, g: mx.array, n: int) -> mx.array:

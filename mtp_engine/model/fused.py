@@ -23,12 +23,32 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def fused(fn: Callable) -> Callable:
-    """`fn` compiled (`mx.compile`) where operations run on a GPU, `fn` itself on the CPU."""
-    compiled = mx.compile(fn)
+def fused(fn: Callable, static_argnums: tuple[int, ...] = ()) -> Callable:
+    """`fn` compiled (`mx.compile`) where operations run on a GPU, `fn` itself on the CPU;
+    `static_argnums`: arguments that are Python values (one graph per value)."""
+    compiled = mx.compile(fn) if not static_argnums else _compile_static(fn, static_argnums)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         return compiled(*args, **kwargs) if on_gpu() else fn(*args, **kwargs)
+
+    return call
+
+
+def _compile_static(fn: Callable, static_argnums: tuple[int, ...]) -> Callable:
+    """mx.compile of `fn` with the arguments at `static_argnums` bound as constants: one compiled
+    function per combination of their values."""
+    graphs: dict = {}
+
+    def call(*args):
+        key = tuple(args[i] for i in static_argnums)
+        if key not in graphs:
+            def bound(*arrays, _key=key):
+                it, full = iter(arrays), []
+                for i in range(len(arrays) + len(_key)):
+                    full.append(_key[static_argnums.index(i)] if i in static_argnums else next(it))
+                return fn(*full)
+            graphs[key] = mx.compile(bound)
+        return graphs[key](*(a for i, a in enumerate(args) if i not in static_argnums))
 
     return call

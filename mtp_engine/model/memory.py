@@ -36,7 +36,7 @@ ENV_LIMIT = ENV["memory_limit"]
 _F32 = 4
 _KV_STEP = 256  # KVCache.step
 _KV_MAX_STEP = 8192  # KVCache.max_growth: reserve grows by min(capacity, this)
-_PREFILL_CHUNK = 512  # PlainDecoder.prefill_chunk
+_PREFILL_CHUNK = 512  # EngineOptions' prefill_chunk on the CPU (check_fits passes the options')
 _DELTA_CHUNK = 32  # delta_rule.CHUNK
 # A captured verify keeps the state before it (rollback rebuilds any later one from small per-token
 # vectors), so one extra state per recurrent layer.
@@ -74,7 +74,7 @@ def _loaded_tensors(h: Header, load_mtp: bool) -> list[TensorHeader]:
 
 def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = False,
              context: int | None = None, *, load_mtp: bool = True,
-             capture_positions: int = DEFAULT_CAPTURE_POSITIONS) -> dict[str, Any]:
+             capture_positions: int = DEFAULT_CAPTURE_POSITIONS, prefill_chunk: int = _PREFILL_CHUNK) -> dict[str, Any]:
     """Bytes the model of `gguf_file` will take once loaded with `exact` (Q6_K as float32) and run
     with up to `context` positions (default: the model's context_length).
 
@@ -90,7 +90,7 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     weights = 0
     fused: dict[tuple[str, int], int] = {}  # (block, group) -> bytes of the products joined at load
     fused_elems: dict[tuple[str, int], int] = {}
-    dense = 0  # elements of the largest trunk product (joined), dequantized to bf16 for a prefill chunk
+    dense = 0  # elements of the largest trunk product (joined), dequantized for a prefill chunk
     for t in tensors:
         size = mlx_nbytes(t.qtype, t.n_elements, q6k_mode=q6k_mode)
         size = t.n_bytes if size is None else size  # unsupported types are refused at load
@@ -146,7 +146,7 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     for t in by_suffix.get("ffn_up_exps.weight", []):
         if len(t.shape) == 3:
             ffn = max(ffn, min(_count(h, p + "expert_used_count", 8), t.shape[0]) * t.shape[1])
-    chunk = min(_PREFILL_CHUNK, max(ctx, 1))
+    chunk = min(prefill_chunk, max(ctx, 1))
     # on the CPU the gated-delta-net's input preparation runs unfused (fused.py): its conv taps and
     # norms hold about two more rows of channels per token (+1.9 MB of peak for a 512-token chunk of
     # the tiny model, measured)
@@ -155,10 +155,10 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     # prefill chunk is evaluated, plus the input and output states.
     states_alive = -(-chunk // _DELTA_CHUNK) + 2
     # a prefill chunk's products on a GPU (EngineOptions.dequant_rows): the weight dequantized to
-    # bf16 and its transposed copy, one product at a time
+    # float32 and its transposed copy, one product at a time
     dense = max(dense, *fused_elems.values()) if fused_elems else dense
     activations = (chunk * width + n_head * chunk * capacity + vocab + states_alive * state_max) * _F32 \
-        + 2 * dense * 2
+        + 2 * dense * _F32
     total = weights + kv_cache + recurrent_state + activations + load_transient
     return {"weights": int(weights), "kv_cache": int(kv_cache), "recurrent_state": int(recurrent_state),
             "activations": int(activations), "load_transient": int(load_transient), "total": int(total), "context": int(ctx)}
@@ -208,7 +208,8 @@ def check_fits(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = F
     the available memory (`available_memory(options)`; unknown available memory is not a reason to
     refuse)."""
     h = _header(gguf_file)
-    est = estimate(h, exact, context, load_mtp=load_mtp)
+    chunk = options.prefill_chunk if options is not None and options.prefill_chunk else _PREFILL_CHUNK
+    est = estimate(h, exact, context, load_mtp=load_mtp, prefill_chunk=chunk)
     limit, source = available_memory(options)
     if source != "unknown" and est["total"] > limit:
         gib = 1 << 30

@@ -56,7 +56,7 @@ class MTPDrafter(Drafter):
     """Drafts with the model's MTP head; owns the head's KV cache and the rows it is owed."""
 
     name = "draft-mtp"
-    prefill_chunk = 512
+    prefill_chunk: int | None = None  # prompt rows per head forward; None: the model's options'
     # owed rows kept across plain rounds (see _trim_owed): with the last token's row a block is at
     # most 8 rows, what the few-row product kernels take
     catch_up_window = 7
@@ -107,8 +107,9 @@ class MTPDrafter(Drafter):
         self.last_token = prompt[-1]
         self.h_last = hidden[:, -1:] if head else h_before
         h_prev = mx.concatenate([h_before, hidden[:, :-1]], axis=1)
-        for s in range(0, len(head), self.prefill_chunk):
-            e = slice(s, s + self.prefill_chunk)
+        chunk = self.prefill_chunk or self.model.options.prefill_chunk
+        for s in range(0, len(head), chunk):
+            e = slice(s, s + chunk)
             m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache, one_off=True)
             mx.eval(m, *self.cache.state())
 

@@ -72,11 +72,9 @@ def test_prompts_longer_than_a_chunk_batch_at_the_real_chunk_size(models, spec):
     """A prompt of more than one real prefill chunk (512 tokens) beside short ones, through
     `batch_generate` and through threads on a `load(parallel=2)` model: every answer as alone
     (the MTP batch used to fail every sequence when no joining prompt finished in a chunk)."""
-    from mtp_engine.batching.scheduler import BatchScheduler
-
     tiny = models(need(TINY_Q4))
     long = "".join(f"x{i} = {i} * {i}\n" for i in range(130))
-    assert len(tiny.tokenizer.encode(long)) > 2 * BatchScheduler.prefill_chunk
+    assert len(tiny.tokenizer.encode(long)) > 2 * tiny.options.prefill_chunk
     prompts = [PROMPTS[1], long, PROMPTS[2]]
     want = _alone(tiny, prompts, max_tokens=6, ignore_eos=True, spec=spec)
     got = batch_generate(prompts, tiny, max_tokens=6, ignore_eos=True, parallel=3, spec=spec)

@@ -145,4 +145,5 @@ def test_estimate_constants_follow_the_engine():
     assert memory._KV_STEP == KVCache(1, 1).step
     assert memory._KV_MAX_STEP == KVCache.max_growth
     assert memory._DELTA_CHUNK == delta_rule.CHUNK
-    assert memory._PREFILL_CHUNK == PlainDecoder.prefill_chunk
+    from mtp_engine.options import PREFILL_CHUNK
+    assert memory._PREFILL_CHUNK == PREFILL_CHUNK["cpu"] and PlainDecoder.prefill_chunk is None
