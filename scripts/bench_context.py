@@ -7,6 +7,8 @@ first token / prefill / decode tok/s against the prompt's length, ours beside ml
         [--tokens 48] [--repeats 2] [--oracle 0.8] [--peer-max 8192] [--out DIR]
 
 Sections:
+  step     one plain decode step at each context length (cache filled by fiat): as the model runs,
+           without the attention kernel, uncompiled;
   parts    one prefill chunk's pieces timed apart (rows 512 / 2048 / 4096): a 4096x12288 product as
            MLX's quantized matmul on float32 rows, dequantized to float32, to bf16; a gated-delta-net
            mixer; an attention mixer at offsets 0 and 8192; a whole chunk's forward;
@@ -142,6 +144,41 @@ def attn(model, lengths, per_split=(128, 256, 512, 1024)) -> list[dict]:
     return out
 
 
+def step(model, lengths, steps: int = 30) -> list[dict]:
+    """One plain decode step (forward, argmax, host read) at each context length, the cache filled
+    by fiat (its contents do not change the time): as the model runs, without the attention kernel
+    (MLX's sdpa over the capacity under a mask), and uncompiled; what grows with the context."""
+    from mtp_engine.model.cache import KVCache
+
+    before = model.options
+    variants = {"default": before, "no_attn_kernel": before.updated(kernels="qmv,gdn,norm"),
+                "uncompiled": before.updated(compile_steps=False)}
+    out = []
+    for length in lengths:
+        row: dict = {"context": length}
+        for name, opts in variants.items():
+            model.use(opts)
+            cache = model.make_cache()
+            for c in cache.layers:
+                if isinstance(c, KVCache):
+                    c.reserve(length + steps + 8)
+                    c.offset = length
+            cache.offset = length
+            tok = mx.array([[5]])
+            times = []
+            for i in range(steps + 3):
+                t = time.perf_counter()
+                h = model.forward(tok, cache)
+                tok = mx.argmax(model.logits(h[0, -1]), axis=-1).reshape(1, 1).astype(mx.int32)
+                tok.item()
+                times.append((time.perf_counter() - t) * 1e3)
+            row[f"{name}_ms"] = round(statistics.median(times[3:]), 3)
+        model.use(before)
+        out.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return out
+
+
 def _ours(model, prompt, tokens, spec, n_max=None, oracle=None) -> dict:
     sampler = Sampler(SamplerConfig(seed=0))
     if spec == "none":
@@ -178,6 +215,11 @@ def context(model, peer, lengths, tokens, repeats, oracle, peer_max, n_maxes=("a
     for n in n_maxes:
         runs[f"mtp_{n}_a{oracle}"] = dict(spec="draft-mtp", n_max=n, oracle=oracle)
     out = []
+    warm = [(31 * i) % (model.cfg.vocab_size - 10) + 5 for i in range(300)]
+    for kw in runs.values():  # first uses trace and compile: not timed
+        _ours(model, warm, 8, **kw)
+    if peer is not None:
+        _peer(peer, warm, 8)
     for length in lengths:
         prompt = [(31 * i) % (model.cfg.vocab_size - 10) + 5 for i in range(length)]
         got: dict[str, list[dict]] = {}
@@ -244,6 +286,8 @@ def main() -> int:
           file=sys.stderr, flush=True)
     result: dict = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "layers": cfg.n_layer,
                     "keys_per_split": attn_kernel.KEYS_PER_SPLIT}
+    if "step" in sections:
+        result["step"] = step(model, lengths)
     if "parts" in sections:
         result["parts"] = parts(model, [int(x) for x in a.rows.split(",")])
     if "attn" in sections:
@@ -257,7 +301,7 @@ def main() -> int:
     (out / "context.json").write_text(json.dumps(result, indent=1))
     if result.get("context"):
         plot(result["context"], out / "context.png")
-    for name in ("parts", "attn", "context"):
+    for name in ("step", "parts", "attn", "context"):
         for row in result.get(name, []):
             print(name, json.dumps(row))
     return 0
