@@ -73,7 +73,8 @@ def test_prompts_longer_than_a_chunk_batch_at_the_real_chunk_size(models, spec):
     `batch_generate` and through threads on a `load(parallel=2)` model: every answer as alone
     (the MTP batch used to fail every sequence when no joining prompt finished in a chunk)."""
     tiny = models(need(TINY_Q4))
-    long = "".join(f"x{i} = {i} * {i}\n" for i in range(130))
+    lines = 130 * tiny.options.prefill_chunk // 512  # 2-3 chunks at this device's chunk size
+    long = "".join(f"x{i} = {i} * {i}\n" for i in range(lines))
     assert len(tiny.tokenizer.encode(long)) > 2 * tiny.options.prefill_chunk
     prompts = [PROMPTS[1], long, PROMPTS[2]]
     want = _alone(tiny, prompts, max_tokens=6, ignore_eos=True, spec=spec)

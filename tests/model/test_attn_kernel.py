@@ -133,9 +133,41 @@ def test_long_contexts_split_over_blocks_equal_the_mlx_layer(pos, s):
     (one of them short enough for a single key range)."""
     assert attn_kernel.splits(pos + s + 7) == min(-(-(pos + s + 7) // attn_kernel.KEYS_PER_SPLIT),
                                                    attn_kernel.MAX_SPLITS)
-    assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s) < 2e-3, (pos, s)
+    # float32 rope angles resolve a position of p to about p * 1.2e-7 rad (both the kernel's and
+    # MLX's, rounded differently): the new keys and the scores differ by that much at 32k
+    tol = 2e-3 + 2e-7 * pos
+    assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s) < tol, (pos, s)
     if pos >= 4096:
-        assert attn_kernel.max_error(16, 4, 256, 64, s, [pos, 3, pos // 2], seed=s + 1) < 2e-3, (pos, s)
+        assert attn_kernel.max_error(16, 4, 256, 64, s, [pos, 3, pos // 2], seed=s + 1) < tol, (pos, s)
+
+
+@gpu_only
+@pytest.mark.parametrize("pos", [255, 4096, 32768])
+def test_key_ranges_merge_exactly(pos):
+    """The split and merge alone, free of rope: zero keys (every score 0, so each query averages
+    the values it sees) and values that change with every key range; the output is then each
+    value column's mean over 0..pos+s, known exactly. A lost, doubled or misweighted range moves
+    it by far more than float32 rounding."""
+    import numpy as np
+    nh, nkv, d, nrot, s = 16, 4, 256, 64, 3
+    cap = pos + s + 7
+    e = (2 * nh + 2 * nkv) * d
+    y = np.zeros((s, e), np.float32)
+    y[:, :2 * nh * d] = np.random.default_rng(pos).normal(size=(s, 2 * nh * d))  # queries and gates
+    keys = np.zeros((1, nkv, cap, d), np.float32)
+    t = np.arange(cap, dtype=np.float64)
+    col = (np.sin(t[:, None] * 0.001 * (1 + np.arange(d))[None, :]) + t[:, None] / cap).astype(np.float32)
+    values = np.broadcast_to(col, (1, nkv, cap, d)).copy()
+    for i in range(s):  # the new tokens' values: the same pattern at their positions
+        y[i, 2 * nh * d + nkv * d:] = np.tile(col[pos + i], nkv)
+    p = mx.array([pos], dtype=mx.int32)
+    out = np.array(attn_kernel.attend(mx.array(y), mx.ones((d,)), mx.array(keys), mx.array(values), p, nh, nkv, d,
+                                      nrot, 1e-6, 1e7))
+    for i in range(s):
+        mean = col[:pos + i + 1].astype(np.float64).mean(axis=0)
+        gate = 1 / (1 + np.exp(-y[i, :2 * nh * d].reshape(nh, 2, d)[:, 1].astype(np.float64)))
+        want = (gate * mean[None, :]).reshape(-1)
+        assert np.abs(out[i] - want).max() < 1e-4, (pos, i, np.abs(out[i] - want).max())
 
 
 def test_key_ranges_follow_the_capacity():
