@@ -37,7 +37,7 @@ _F32 = 4
 _KV_STEP = 256  # KVCache.step
 _KV_MAX_STEP = 8192  # KVCache.max_growth: reserve grows by min(capacity, this)
 _PREFILL_CHUNK = 512  # EngineOptions' prefill_chunk on the CPU (check_fits passes the options')
-_DELTA_CHUNK = 32  # delta_rule.CHUNK
+_DELTA_CHUNK = 64  # delta_rule.CHUNK
 # A captured verify keeps the state before it (rollback rebuilds any later one from small per-token
 # vectors), so one extra state per recurrent layer.
 DEFAULT_CAPTURE_POSITIONS = 1
