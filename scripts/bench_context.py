@@ -252,7 +252,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in sorted({k for r in rows for k in r if k.endswith("decode_tok_s")}):
         pts = [(x, r[key]) for x, r in zip(xs, rows) if key in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key.split(".")[0])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key.rsplit(".", 1)[0])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (prompt tokens)")
     ax.set_ylabel("decode tok/s")
