@@ -637,3 +637,32 @@ def test_metrics_count_what_the_answers_say():
         assert scrape()[("mtp_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
     finally:
         s.stop()
+
+
+def test_memory_returns_after_a_burst_by_itself():
+    """A burst of long prompts and long drafts: the server's resident memory returns to within 15%
+    of its idle level once it has been idle for the default --idle-release (it stayed ~2x up)."""
+    s = LiveServer(need(MODEL))
+    try:
+        time.sleep(1)
+        idle = s.health()["rss_bytes"]
+        long = "".join(f"value_{i} = compute({i}, {i * 3})\n" for i in range(30))
+
+        def one(i):
+            return s.request("POST", "/v1/completions", {"prompt": long + f"# {i}\n", "max_tokens": 12,
+                                                         "ignore_eos": True, "cache_prompt": False,
+                                                         "spec_draft_n_max": 8 if i % 2 else "auto"})[0]
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(4))) == [200] * 4
+        grown = s.health()["rss_bytes"]
+        assert grown > 1.2 * idle, (idle, grown)  # the burst did leave memory behind
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(1)
+            now = s.health()["rss_bytes"]
+            if now <= 1.15 * idle:
+                break
+        assert now <= 1.15 * idle, (idle, grown, now)
+    finally:
+        s.stop()
