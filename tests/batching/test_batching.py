@@ -72,18 +72,24 @@ def test_prompts_longer_than_a_chunk_batch_at_the_real_chunk_size(models, spec):
     """A prompt of more than one real prefill chunk (512 tokens) beside short ones, through
     `batch_generate` and through threads on a `load(parallel=2)` model: every answer as alone
     (the MTP batch used to fail every sequence when no joining prompt finished in a chunk)."""
-    tiny = models(need(TINY_Q4))
-    lines = 130 * tiny.options.prefill_chunk // 512  # 2-3 chunks at this device's chunk size
-    long = "".join(f"x{i} = {i} * {i}\n" for i in range(lines))
+    from mtp_engine import EngineOptions, load
+
+    # chunks of 512 on every device (the CPU's default; a GPU's 4096 exceeds the tiny model's context)
+    opts = EngineOptions(prefill_chunk=512)
+    tiny = load(need(TINY_Q4), options=opts)
+    long = "".join(f"x{i} = {i} * {i}\n" for i in range(130))
     assert len(tiny.tokenizer.encode(long)) > 2 * tiny.options.prefill_chunk
     prompts = [PROMPTS[1], long, PROMPTS[2]]
     want = _alone(tiny, prompts, max_tokens=6, ignore_eos=True, spec=spec)
     got = batch_generate(prompts, tiny, max_tokens=6, ignore_eos=True, parallel=3, spec=spec)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    par = models(need(TINY_Q4), parallel=2)
+    par = load(need(TINY_Q4), options=opts, parallel=2)
     out: dict[int, list[int]] = {}
-    _in_threads(lambda i: out.__setitem__(i, generate(prompts[i], par, max_tokens=6, ignore_eos=True,
-                                                       spec=spec).token_ids), range(3))
+    try:
+        _in_threads(lambda i: out.__setitem__(i, generate(prompts[i], par, max_tokens=6, ignore_eos=True,
+                                                           spec=spec).token_ids), range(3))
+    finally:
+        par.scheduler.stop()
     assert [out[i] for i in range(3)] == [w.token_ids for w in want]
 
 

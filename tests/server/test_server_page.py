@@ -95,3 +95,34 @@ def test_page_streams_and_colours_tokens(browser, tmp_path):
         page.close()
     finally:
         server.stop()
+
+
+@pytest.mark.needs_tool  # Chromium, outside Python: .ci/run installs it where it may
+def test_page_asks_for_the_key_and_keeps_working(browser):
+    """A server with --api-key: the page asks for the key once (a prompt dialog), then shows the
+    model, answers a message and fills in the slots, which need the key too."""
+    key = "page-k3y"
+    server = LiveServer(need(TINY / "qwen35-mtp-tiny-Q8_0.gguf"), "--api-key", key)
+    try:
+        page = browser.new_page(viewport={"width": 1000, "height": 640})
+        asked: list[str] = []
+
+        def answer(dialog):
+            asked.append(dialog.message)
+            dialog.accept(key)
+
+        page.on("dialog", answer)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(server.url, wait_until="load")
+        page.wait_for_function("document.getElementById('model').textContent.endsWith('.gguf')", timeout=10_000)
+        page.fill("#maxtok", "6")
+        page.fill("#input", "Hello")
+        page.press("#input", "Enter")
+        page.wait_for_selector(".assistant[data-done='1']", timeout=60_000)
+        page.wait_for_function("document.getElementById('slots').textContent.includes('·')", timeout=10_000)
+        assert len(asked) == 1 and "key" in asked[0] and not errors, (asked, errors)
+        assert page.text_content(".assistant .meta")
+        page.close()
+    finally:
+        server.stop()
