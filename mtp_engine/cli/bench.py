@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import api
+from ..errors import MTPEngineError
 from ..output_files import atomic_open, write_text
 from ..speculative.costmodel import Costs, expected_tokens, predict_speedup
 from ..speculative.scheduler import AUTO_MAX
@@ -45,6 +46,7 @@ class BenchConfig:
     exact: bool = False
     max_context: int | None = None  # -c/--ctx-size: the API's max_context
     profile_prompts: int = 1  # prompts in each config's profiled (and warm-up) pass
+    prompt_tokens: int | None = None  # one synthetic prompt of this many tokens instead of `prompts`
 
 
 class Progress:
@@ -102,13 +104,26 @@ def _merge_acceptance(stats: list[dict], k: int) -> list[float | None]:
     return out if rounds else [None] * k
 
 
+def synthetic_prompt(tokenizer, n: int) -> list[int]:
+    """A prompt of exactly `n` token ids: the default prompts' text repeated (real text, so a
+    model's acceptance there is its acceptance on code), cut to n tokens."""
+    ids: list[int] = []
+    text = "\n".join(DEFAULT_PROMPTS)
+    unit = tokenizer.encode(text)
+    if not unit:
+        raise MTPEngineError("the tokenizer encodes the default prompts to nothing", field="prompt-tokens")
+    while len(ids) < n:
+        ids += unit
+    return ids[:n]
+
+
 def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
     """Runs the sweep; returns {"rows": [...], "costs": {...}, "device": str} and writes files to cfg.out."""
     import mlx.core as mx
 
     t_start = time.perf_counter()
     m = api.load(cfg.model, exact=cfg.exact, max_context=cfg.max_context, progress=load_progress)
-    prompts = cfg.prompts or DEFAULT_PROMPTS
+    prompts = [synthetic_prompt(m.tokenizer, cfg.prompt_tokens)] if cfg.prompt_tokens else cfg.prompts or DEFAULT_PROMPTS
     configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
     bar = Progress(len(configs) + cfg.repeats * len(prompts))
     # the profiled pass first: it is the warm-up too (first use of each shape compiles there)
@@ -192,7 +207,7 @@ def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
                 row["explanation"] = _explain(row, c, prof_stats, k)
         rows.append(row)
     result = {"device": str(mx.default_device()), "model": m.path, "tokens": cfg.tokens, "repeats": cfg.repeats,
-              "prompts": len(prompts), "costs": costs.to_json(), "rows": rows,
+              "prompts": len(prompts), "prompt_tokens": cfg.prompt_tokens, "costs": costs.to_json(), "rows": rows,
               "date": time.strftime("%Y-%m-%d"), "load_seconds": m.load_seconds,
               "bench_seconds": time.perf_counter() - t_start}
     if cfg.out:
@@ -275,7 +290,9 @@ def write_outputs(result: dict, out: Path) -> None:
 def format_markdown(result: dict) -> str:
     c = result["costs"]
     lines = [f"# mtp-engine bench ({result['date']})", "",
-             f"model `{Path(result['model']).name}`, device {result['device']}, {result['prompts']} prompts x "
+             f"model `{Path(result['model']).name}`, device {result['device']}, "
+             + (f"a {result['prompt_tokens']}-token prompt x " if result.get("prompt_tokens")
+                else f"{result['prompts']} prompts x ") +
              f"{result['tokens']} tokens, temperature 0, median of {result['repeats']}; model load "
              f"{result.get('load_seconds', 0.0):.2f} s, whole bench {result.get('bench_seconds', 0.0):.0f} s", "",
              f"cost model (from the profiled passes): decode step {c['step_ms']:.2f} ms; V(S) = "

@@ -112,6 +112,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (the median is reported)")
     b.add_argument("--prompts", help="a text file (prompts separated by blank-line-free '---' lines) or a JSON "
                                      "list of strings / {'prompts': [{'prompt': ...}]}")
+    b.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="N",
+                   help="one synthetic prompt of N tokens (code text repeated) instead of the prompts: your model's "
+                        "speeds and acceptance at a context of N (with -c when N passes the model's context)")
     b.add_argument("--out", default="bench-out", help="folder for bench.md/.csv/.json/.png")
     b.add_argument("--exact", action="store_true", help="keep Q6_K tensors in float32 (bit-exact weights)")
     add_debug_flag(b)
@@ -283,6 +286,8 @@ def _bench(args) -> int:
 
     if args.tokens < 2 or args.repeats < 1:
         raise MTPEngineError("expected -n >= 2 and --repeats >= 1", field="bench")
+    if args.prompt_tokens and args.prompts:
+        raise MTPEngineError("give --prompts or --prompt-tokens, not both", field="prompt-tokens")
     from ..speculative.config import DraftParams
 
     for k in args.n_max:  # every configuration's knobs, before the model loads
@@ -294,7 +299,7 @@ def _bench(args) -> int:
         check_output_dir(args.out, "--out")
     cfg = BenchConfig(model=args.model, n_max=args.n_max, p_min=args.p_min, tokens=args.tokens,
                       repeats=args.repeats, prompts=_load_prompts(args.prompts) if args.prompts else None,
-                      out=args.out, exact=args.exact, max_context=args.max_context)
+                      out=args.out, exact=args.exact, max_context=args.max_context, prompt_tokens=args.prompt_tokens)
     result = run_bench(cfg, load_progress=load_progress(model_label(args.model)))
     from .bench import format_markdown
     print(format_markdown(result))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import TINY, need
+from tests.conftest import TINY, TINY_Q4, need
 from mtp_engine import generate
 from mtp_engine.cli.bench import BenchConfig, run_bench
 from mtp_engine.cli.main import main
@@ -94,3 +94,22 @@ def test_moe_bench_reports_distinct_experts(tmp_path):
     assert plain["moe_experts_per_step"] > 0
     assert spec["moe_experts_per_verify"] > plain["moe_experts_per_step"]
     assert "MoE experts/layer" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_at_a_chosen_prompt_length(tmp_path, capsys):
+    """`bench --prompt-tokens N`: one synthetic prompt of exactly N tokens (TTFT then measures a
+    prefill of N), said in the table; refused beside --prompts, before the model loads."""
+    from mtp_engine.cli.bench import synthetic_prompt
+    from mtp_engine.cli.main import main
+    from mtp_engine import load
+
+    path = str(need(TINY_Q4))
+    tok = load(path).tokenizer
+    assert len(synthetic_prompt(tok, 700)) == 700 and synthetic_prompt(tok, 5) == synthetic_prompt(tok, 700)[:5]
+    res = run_bench(BenchConfig(model=path, n_max=(2,), tokens=4, repeats=1, prompt_tokens=300, out=str(tmp_path)))
+    assert res["prompt_tokens"] == 300 and res["prompts"] == 1
+    assert "a 300-token prompt x 4 tokens" in (tmp_path / "bench.md").read_text()
+    f = tmp_path / "p.txt"
+    f.write_text("x")
+    assert main(["bench", "-m", path, "--prompt-tokens", "10", "--prompts", str(f)]) == 2
+    assert "--prompts or --prompt-tokens" in capsys.readouterr().err
