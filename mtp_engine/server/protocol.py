@@ -106,15 +106,10 @@ class DeadlineH11Protocol(H11Protocol):
             self.waiting.remove(self)
 
     def _expire(self) -> None:
-        self._header_timer = None
         self.close_waiting()
 
     def close_waiting(self) -> None:
         """Closes the connection unless a request is under way on it."""
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-        if self.waiting is not None:
-            self.waiting.remove(self)
+        self._disarm()
         if not self._in_request() and not self.transport.is_closing():
             self.transport.close()
