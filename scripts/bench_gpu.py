@@ -11,14 +11,17 @@ comparison measured side by side in one process with repeats interleaved:
            head's memory (its weights + its KV cache at 8192 positions)
   loop     our pipelined decode loop vs our unpipelined one vs mlx-lm's generate_step, interleaved
   auto     fixed n-max and n-max auto at oracle acceptance 0.5..0.9, 9B shape (and with --shapes
-           9b,moe the 35B-A3B MoE shape): issue 13's target table (scripts/bench_loop_auto.py)
+           9b,moe the 35B-A3B MoE shape), at each --prompt-tokens length (a context axis: 512,8192,32768)
+           (scripts/bench_loop_auto.py)
 
 Usage (GPU): python3 scripts/bench_gpu.py [--sections plain,verify,oracle,prefill,floor,loop,auto] [--layers 32]
-             [--shapes 9b,moe] [--quick] [--out DIR] [--smoke] (a tiny shape, to check the script on a CPU)
+             [--shapes 9b,moe] [--prompt-tokens 64] [--quick] [--out DIR] [--smoke] (a tiny shape, to check the
+             script on a CPU)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -160,6 +163,9 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
     ap.add_argument("--no-peer", action="store_true", help="skip mlx-lm (e.g. when sweeping MLX settings)")
     ap.add_argument("--shapes", default="9b", help="auto section: 9b and/or moe")
+    ap.add_argument("--prompt-tokens", default="64",
+                    help="auto section: prompt lengths (comma-separated), each a row group of the table: "
+                         "draft-mtp against plain at that context")
     ap.add_argument("--quick", action="store_true", help="loop+auto in a few minutes: 64 tokens, 1 repeat, "
                                                          "a in 0.5,0.7,0.9, n-max 1..3")
     ap.add_argument("--out", default=None, help="write result.json and result.md here")
@@ -172,6 +178,8 @@ def main() -> int:
         log({"kernel_max_rel_err": check_kernel()})
         log({"kernel_ms": kernel_times()})
     cfg = smoke_config() if a.smoke else config_9b(a.layers != 32)
+    lengths = [int(x) for x in a.prompt_tokens.split(",")]
+    cfg = dataclasses.replace(cfg, context_length=max(cfg.context_length, max(lengths) + a.tokens + 1024))
     t0 = time.perf_counter()
     model = random_model(cfg)
     nb = model.nbytes()
@@ -260,11 +268,16 @@ def main() -> int:
                 del model
                 mx.clear_cache()
                 t0 = time.perf_counter()
-                model = random_model(smoke_config() if a.smoke else config_a3b(40 if a.layers == 32 else a.layers))
+                moe = smoke_config() if a.smoke else config_a3b(40 if a.layers == 32 else a.layers)
+                model = random_model(dataclasses.replace(moe, context_length=cfg.context_length))
                 log({"built": shape, "s": round(time.perf_counter() - t0, 1)})
             use(model, BEST)
-            out["auto"].append(bench_loop_auto.auto_section(model, prompt, a.tokens, a.repeats, accs, ks, log, shape))
-            _save(out, a.out)
+            for n in lengths:  # one prompt of n tokens: the verify then attends over n keys
+                ids = prompt if n == len(prompt) else [(7 * i) % (model.cfg.vocab_size - 200) + 100 for i in range(n)]
+                label = shape if len(lengths) == 1 else f"{shape}, {n}-token prompt"
+                out["auto"].append(bench_loop_auto.auto_section(model, ids, a.tokens, a.repeats, accs, ks, log,
+                                                                label))
+                _save(out, a.out)
     _save(out, a.out)
     print(json.dumps(out, indent=1, default=str))
     print(bench_loop_auto.markdown(out))

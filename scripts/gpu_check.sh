@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|batch|batch9b|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|context|batch|batch9b|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -69,6 +69,14 @@ if [ "$what" = bench ]; then  # not in `all`: with the suite it would not fit on
     echo "plain/verify rc=$?"
     timeout 200 python3 scripts/bench_gpu.py --sections loop --quick > "$out/loop.json" 2> "$out/loop.log"
     echo "loop rc=$?"
+fi
+if [ "$what" = context ]; then  # long prompts and contexts: prefill, decode and draft-mtp against the prompt's length
+    timeout 300 python3 scripts/bench_context.py --sections step,parts,context --lengths 512,8192,32768 \
+        --rows 512,4096 --tokens 48 --repeats 1 --n-max auto --peer-max 2048 --out "$out/context" > "$out/context.log" 2>&1
+    echo "context rc=$?"; tail -4 "$out/context.log"
+    timeout 260 python3 scripts/bench_gpu.py --sections auto --tokens 128 --repeats 1 --shapes 9b --accs 0.8 \
+        --prompt-tokens 512,8192,32768 --out "$out/auto-context" > "$out/auto-context.log" 2>&1
+    echo "auto-context rc=$?"; tail -16 "$out/auto-context.log"
 fi
 if [ "$what" = batch ]; then  # continuous batching (issue 27): the shipped model, then pass -m for the 9B shape
     timeout 500 python3 scripts/bench_batch.py -t 64 --concurrency 1,2,4,8,16 --repeats 3 --out "$out/batch.json" \
