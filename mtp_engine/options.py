@@ -38,6 +38,7 @@ DEQUANT_ROWS_GPU = 256  # `dequant_rows` on a GPU
 # against 4.8k for 512 (per-operation costs spread over more rows); on the CPU rows cost what they
 # compute, and a small chunk keeps the peak memory low
 PREFILL_CHUNK = {"gpu": 4096, "cpu": 512}
+_COUNTS = {"row_pad": 0, "dequant_rows": 0, "prefill_chunk": 1}  # integer options and their least value
 
 
 def parse_kernels(value: str, what: str = "kernels") -> frozenset[str]:
@@ -100,9 +101,8 @@ class EngineOptions:
     def __post_init__(self):
         if self.kernels is not None:
             parse_kernels(self.kernels)
-        for name in ("row_pad", "dequant_rows", "prefill_chunk"):
+        for name, low in _COUNTS.items():
             v = getattr(self, name)
-            low = 1 if name == "prefill_chunk" else 0
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise MTPEngineError(f"expected an integer >= {low}, found {v!r}", field=name)
         if self.memory_limit is not None and (not isinstance(self.memory_limit, int)
@@ -125,10 +125,9 @@ class EngineOptions:
         if raw:
             parse_kernels(raw, ENV["kernels"])
             values["kernels"] = raw
-        for name in ("row_pad", "dequant_rows", "prefill_chunk"):
+        for name, low in _COUNTS.items():
             raw = env.get(ENV[name])
             if raw is not None and raw != "":
-                low = 1 if name == "prefill_chunk" else 0
                 if not (raw.isascii() and raw.isdigit()) or int(raw) < low:  # "-3" was once ignored
                     raise MTPEngineError(f"expected an integer >= {low}, found {raw!r}", field=ENV[name])
                 values[name] = int(raw)

@@ -156,7 +156,7 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     states_alive = -(-chunk // _DELTA_CHUNK) + 2
     # a prefill chunk's products on a GPU (EngineOptions.dequant_rows): the weight dequantized to
     # float32 and its transposed copy, one product at a time
-    dense = max(dense, *fused_elems.values()) if fused_elems else dense
+    dense = max([dense, *fused_elems.values()])
     activations = (chunk * width + n_head * chunk * capacity + vocab + states_alive * state_max) * _F32 \
         + 2 * dense * _F32
     total = weights + kv_cache + recurrent_state + activations + load_transient
