@@ -12,6 +12,7 @@ takes its default from the environment (read here and nowhere else), then from t
 | `row_pad` | `MTP_ENGINE_PAD_ROWS` (an integer) | 8 on a GPU, 0 on the CPU |
 | `dequant_rows` | `MTP_ENGINE_DEQUANT_ROWS` (an integer) | 256 on a GPU, 0 on the CPU |
 | `prefill_chunk` | `MTP_ENGINE_PREFILL_CHUNK` (an integer) | 4096 on a GPU, 512 on the CPU |
+| `kv_dtype` | `MTP_ENGINE_KV_DTYPE` (`float32`/`float16`/`bfloat16`) | float16 on a GPU, float32 on the CPU |
 | `cache_dir` | `MTP_ENGINE_CACHE_DIR` | `~/.cache/mtp-engine` |
 | `memory_limit` | `MTP_ENGINE_MEMORY_LIMIT` (bytes) | what the machine has |
 """
@@ -27,6 +28,7 @@ from .errors import MTPEngineError
 ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
 ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
        "dequant_rows": "MTP_ENGINE_DEQUANT_ROWS", "prefill_chunk": "MTP_ENGINE_PREFILL_CHUNK",
+       "kv_dtype": "MTP_ENGINE_KV_DTYPE",
        "cache_dir": "MTP_ENGINE_CACHE_DIR",
        "memory_limit": "MTP_ENGINE_MEMORY_LIMIT"}
 
@@ -38,6 +40,12 @@ DEQUANT_ROWS_GPU = 256  # `dequant_rows` on a GPU
 # against 4.8k for 512 (per-operation costs spread over more rows); on the CPU rows cost what they
 # compute, and a small chunk keeps the peak memory low
 PREFILL_CHUNK = {"gpu": 4096, "cpu": 512}
+# the attention caches' element type: decoding reads the whole cache every step, so at long context
+# its bytes are the step's largest read after the weights (a 32k context at the 9B shape: 2.1 GB
+# in float32); 16 bits halve that, as llama.cpp's default f16 cache and mlx-lm's bf16 one do.
+# float16 keeps 3 more mantissa bits than bfloat16; normalised keys and the values stay in its range
+KV_DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPE = {"gpu": "float16", "cpu": "float32"}
 _COUNTS = {"row_pad": 0, "dequant_rows": 0, "prefill_chunk": 1}  # integer options and their least value
 
 
@@ -83,6 +91,8 @@ class EngineOptions:
       dequantize the weight and run a dense product (on a GPU several times the 4-bit product's
       rate, on the tensor cores' float32 mode); 0: never.
     - `prefill_chunk`: prompt tokens per prefill forward (a long prompt's peak memory grows with it).
+    - `kv_dtype`: the attention KV caches' element type ("float32", "float16" or "bfloat16");
+      attention itself computes in float32 either way.
     - `cache_dir`: where round costs measured by earlier runs are kept (and, on CUDA, MLX's
       compiled kernels unless `MLX_PTX_CACHE_DIR` is set).
     - `memory_limit`: bytes a load may use; None: what the machine reports.
@@ -93,6 +103,7 @@ class EngineOptions:
     row_pad: int | None = None
     dequant_rows: int | None = None
     prefill_chunk: int | None = None
+    kv_dtype: str | None = None
     cache_dir: str | os.PathLike | None = None
     memory_limit: int | None = None
     # where each resolved value came from ("MTP_ENGINE_MEMORY_LIMIT", "argument", "device"): errors name it
@@ -105,6 +116,8 @@ class EngineOptions:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 raise MTPEngineError(f"expected an integer >= {low}, found {v!r}", field=name)
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise MTPEngineError(f"expected one of {', '.join(KV_DTYPES)}, found {self.kv_dtype!r}", field="kv_dtype")
         if self.memory_limit is not None and (not isinstance(self.memory_limit, int)
                                               or isinstance(self.memory_limit, bool) or self.memory_limit < 0):
             raise MTPEngineError(f"expected a number of bytes >= 0, found {self.memory_limit!r}",
@@ -131,6 +144,11 @@ class EngineOptions:
                 if not (raw.isascii() and raw.isdigit()) or int(raw) < low:  # "-3" was once ignored
                     raise MTPEngineError(f"expected an integer >= {low}, found {raw!r}", field=ENV[name])
                 values[name] = int(raw)
+        raw = env.get(ENV["kv_dtype"])
+        if raw:
+            if raw not in KV_DTYPES:
+                raise MTPEngineError(f"expected one of {', '.join(KV_DTYPES)}, found {raw!r}", field=ENV["kv_dtype"])
+            values["kv_dtype"] = raw
         raw = env.get(ENV["cache_dir"])
         if raw:
             values["cache_dir"] = raw
@@ -173,6 +191,9 @@ class EngineOptions:
         if "prefill_chunk" not in values:
             gpu = _on_gpu() if gpu is None else gpu
             values["prefill_chunk"], sources["prefill_chunk"] = PREFILL_CHUNK["gpu" if gpu else "cpu"], "device"
+        if "kv_dtype" not in values:
+            gpu = _on_gpu() if gpu is None else gpu
+            values["kv_dtype"], sources["kv_dtype"] = KV_DTYPE["gpu" if gpu else "cpu"], "device"
         values.setdefault("kernels", "custom")
         if "cache_dir" not in values:
             values["cache_dir"] = os.path.join(os.path.expanduser("~"), ".cache", "mtp-engine")

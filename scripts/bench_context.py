@@ -7,13 +7,14 @@ first token / prefill / decode tok/s against the prompt's length, ours beside ml
         [--tokens 48] [--repeats 2] [--oracle 0.8] [--peer-max 8192] [--out DIR]
 
 Sections:
-  step     one plain decode step at each context length (cache filled by fiat): as the model runs,
-           without the attention kernel, uncompiled;
+  step     a plain decode step at each context length, pipelined (cache filled by fiat): ms and
+           memory allocated beyond the cache, as the model runs, with a float32 cache, without
+           the attention kernel, uncompiled;
   parts    one prefill chunk's pieces timed apart (rows 512 / 2048 / 4096): a 4096x12288 product as
            MLX's quantized matmul on float32 rows, dequantized to float32, to bf16; a gated-delta-net
            mixer; an attention mixer at offsets 0 and 8192; a whole chunk's forward;
-  attn     one decode step's attention over L keys (1, 4 and 9 query rows): our split kernel at
-           several key ranges per block, MLX's sdpa on the same cache;
+  attn     one decode step's attention over L keys (1, 4 and 9 query rows), launches queued: our
+           split kernel per cache type (float32, float16) and keys per block, MLX's sdpa;
   context  per prompt length: ours plain and draft-mtp (oracle acceptance `--oracle`, n-max auto
            and 3), mlx-lm (up to `--peer-max` tokens: its 32k prefill takes over a minute);
            repeats interleaved, medians; a plot of decode tok/s against context.
@@ -112,46 +113,66 @@ def parts(model, rows_list=(512, 2048, 4096)) -> list[dict]:
     return out
 
 
-def attn(model, lengths, per_split=(128, 256, 512, 1024)) -> list[dict]:
-    """Decode-step attention at the model's head shape over `lengths` keys."""
+def _ms_queued(fn, n: int = 20) -> float:
+    """ms per call of fn() with `n` calls queued before one evaluation (the GPU's time, not the
+    launch-and-wait latency a synchronous call adds), median of 3, after a warm-up."""
+    mx.eval(fn())
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        mx.eval([fn() for _ in range(n)])
+        times.append((time.perf_counter() - t) * 1e3 / n)
+    return statistics.median(times)
+
+
+def attn(model, lengths, per_split=(128, 256, 512), dtypes=("float32", "float16")) -> list[dict]:
+    """Decode-step attention at the model's head shape over `lengths` keys, 20 launches queued:
+    our split kernel per cache type and keys per block, MLX's sdpa on the same cache (float32)."""
     cfg = model.cfg
     nh, nkv, d = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     out = []
     for length in lengths:
         for s in (1, 4, 9):
             cap = length + s + 7
-            keys = mx.random.normal((1, nkv, cap, d))
-            values = mx.random.normal((1, nkv, cap, d))
+            keys32 = mx.random.normal((1, nkv, cap, d))
+            values32 = mx.random.normal((1, nkv, cap, d))
             y = mx.random.normal((1, s, (2 * nh + 2 * nkv) * d))
             qn = mx.ones((d,))
             pos = mx.array([length], mx.int32)
             row: dict = {"keys": length, "rows": s}
             kept = attn_kernel.KEYS_PER_SPLIT
-            for n in per_split if kernels.cuda() else ():
-                attn_kernel.KEYS_PER_SPLIT = n
-                row[f"split{n}_ms"] = round(_ms(lambda: attn_kernel.attend(
-                    y, qn, keys, values, pos, nh, nkv, d, cfg.n_rot, cfg.eps, cfg.rope_base), repeats=20), 4)
+            for dt in dtypes if kernels.cuda() else ():
+                keys, values = keys32.astype(getattr(mx, dt)), values32.astype(getattr(mx, dt))
+                mx.eval(keys, values)
+                for n in per_split:
+                    attn_kernel.KEYS_PER_SPLIT = n
+                    ms = _ms_queued(lambda: attn_kernel.attend(y, qn, keys, values, pos, nh, nkv, d, cfg.n_rot, cfg.eps,
+                                                               cfg.rope_base))
+                    row[f"{dt}_split{n}_ms"] = round(ms, 4)
+                    row[f"{dt}_split{n}_gb_s"] = round(s * keys.nbytes * 2 * (length + s) / cap / ms / 1e6)
             attn_kernel.KEYS_PER_SPLIT = kept
             q = mx.random.normal((1, nh, s, d))
-            kk, vv = keys[:, :, :length + s], values[:, :, :length + s]
+            kk, vv = keys32[:, :, :length + s], values32[:, :, :length + s]
             mx.eval(kk, vv)
-            row["sdpa_ms"] = round(_ms(lambda: mx.fast.scaled_dot_product_attention(
-                q, kk, vv, scale=d ** -0.5, mask="causal" if s > 1 else None), repeats=20), 4)
-            best = min([v for k, v in row.items() if k.startswith("split")] or [row["sdpa_ms"]])
-            row["kv_gb_s_best"] = round(2 * nkv * length * d * 4 / best / 1e6, 0)
+            row["sdpa_f32_ms"] = round(_ms_queued(lambda: mx.fast.scaled_dot_product_attention(
+                q, kk, vv, scale=d ** -0.5, mask="causal" if s > 1 else None)), 4)
             out.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     return out
 
 
-def step(model, lengths, steps: int = 30) -> list[dict]:
-    """One plain decode step (forward, argmax, host read) at each context length, the cache filled
-    by fiat (its contents do not change the time): as the model runs, without the attention kernel
-    (MLX's sdpa over the capacity under a mask), and uncompiled; what grows with the context."""
+def step(model, lengths, steps: int = 40) -> list[dict]:
+    """A plain decode step at each context length, pipelined as the decode loop runs (step r+1
+    queued before step r's token is read), the cache filled by fiat (its contents do not change
+    the time): ms a step, and the memory the steps allocated beyond what they started with (a KV
+    buffer copied instead of written in place shows as its size). Variants: the defaults (a
+    16-bit cache on a GPU), a float32 cache, without the attention kernel (MLX's sdpa over the
+    capacity under a mask), uncompiled."""
     from mtp_engine.model.cache import KVCache
 
     before = model.options
-    variants = {"default": before, "no_attn_kernel": before.updated(kernels="qmv,gdn,norm"),
+    variants = {"default": before, "kv_f32": before.updated(kv_dtype="float32"),
+                "no_attn_kernel": before.updated(kernels="qmv,gdn,norm"),
                 "uncompiled": before.updated(compile_steps=False)}
     out = []
     for length in lengths:
@@ -161,18 +182,34 @@ def step(model, lengths, steps: int = 30) -> list[dict]:
             cache = model.make_cache()
             for c in cache.layers:
                 if isinstance(c, KVCache):
-                    c.reserve(length + steps + 8)
+                    c.reserve(length + 2 * steps + 16)
                     c.offset = length
             cache.offset = length
-            tok = mx.array([[5]])
-            times = []
-            for i in range(steps + 3):
-                t = time.perf_counter()
+            mx.eval([c.keys for c in cache.layers if isinstance(c, KVCache)])
+
+            def one(tok):
                 h = model.forward(tok, cache)
-                tok = mx.argmax(model.logits(h[0, -1]), axis=-1).reshape(1, 1).astype(mx.int32)
-                tok.item()
-                times.append((time.perf_counter() - t) * 1e3)
-            row[f"{name}_ms"] = round(statistics.median(times[3:]), 3)
+                return mx.argmax(model.logits(h[0, -1]), axis=-1).reshape(1, 1).astype(mx.int32)
+
+            tok = one(mx.array([[5]]))
+            for _ in range(4):  # warm-up: traces and compiles
+                tok = one(tok)
+            tok.item()
+            mx.reset_peak_memory()
+            start = mx.get_active_memory()
+            t = time.perf_counter()
+            nxt = one(tok)
+            mx.async_eval(nxt)
+            for _ in range(steps - 1):
+                after = one(nxt)
+                mx.async_eval(after)
+                nxt.item()
+                nxt = after
+            nxt.item()
+            row[f"{name}_ms"] = round((time.perf_counter() - t) * 1e3 / steps, 3)
+            row[f"{name}_extra_mb"] = round((mx.get_peak_memory() - start) / 2 ** 20, 1)
+            row[f"{name}_kv_mb"] = round(sum(c.nbytes() for c in cache.layers if isinstance(c, KVCache)) / 2 ** 20)
+            del cache
         model.use(before)
         out.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)

@@ -52,7 +52,7 @@ class PPModel(Qwen35Model):
         caches: list = []
         for rec in c.recurrent[self.first_layer:self.first_layer + len(self.layers)]:
             caches.append(RecurrentCache(c.conv_kernel, c.conv_channels, c.ssm_value_heads, c.ssm_key_dim,
-                                         c.ssm_value_dim) if rec else KVCache(c.n_head_kv, c.head_dim))
+                                         c.ssm_value_dim) if rec else KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype))
         return TrunkCache(caches)
 
     def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False,

@@ -31,6 +31,45 @@ MAX_TOKENS = 16
 MAX_BATCH = 256  # sequences of a batched step: one block row each (grid y)
 WARPS = 8
 
+# the cache's element type (EngineOptions.kv_dtype) read and written in float32 arithmetic; a lane's
+# slice of a row in 16-byte loads where its width allows (8 halves or 4 floats)
+_HEADER = """
+__device__ __forceinline__ void kv_store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void kv_store(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void kv_store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ float kv_float(float x) { return x; }
+__device__ __forceinline__ float kv_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float kv_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <int N>
+__device__ __forceinline__ void kv_row(const float* p, float* o) {
+    if (N % 4 == 0) {
+        #pragma unroll
+        for (int i = 0; i < N; i += 4) {
+            const float4 a = *reinterpret_cast<const float4*>(p + i);
+            o[i] = a.x; o[i + 1] = a.y; o[i + 2] = a.z; o[i + 3] = a.w;
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = p[i];
+    }
+}
+template <int N, typename H>
+__device__ __forceinline__ void kv_row(const H* p, float* o) {
+    if (N % 8 == 0) {
+        #pragma unroll
+        for (int i = 0; i < N; i += 8) {
+            const uint4 u = *reinterpret_cast<const uint4*>(p + i);
+            const H* h = reinterpret_cast<const H*>(&u);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) o[i + j] = kv_float(h[j]);
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) o[i] = kv_float(p[i]);
+    }
+}
+"""
+
 _KV_SOURCE = """
     const int S = y_shape[1];
     const int E = y_shape[2];
@@ -64,8 +103,8 @@ _KV_SOURCE = """
         out = d < HALF ? kn * c - kb[d + HALF] * sn : kb[d - HALF] * sn + kn * c;
     }
     const size_t o = (((size_t)r * HKV + hk) * S + s) * D + d;
-    k_new[o] = out;
-    v_new[o] = vx;
+    kv_store(k_new + o, out);
+    kv_store(v_new + o, vx);
 """
 
 _ATTEND_SOURCE = """
@@ -126,21 +165,12 @@ _ATTEND_SOURCE = """
     const int per = (T + NSPLIT - 1) / NSPLIT;
     const int t0 = split * per;
     const int t1 = min(T, t0 + per);
-    const float* kb = keys + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
-    const float* vb = values + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
+    const auto* kb = keys + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
+    const auto* vb = values + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
     for (int t = t0 + warp; t < t1; t += NW) {
-        const float* kr = kb + (size_t)t * D;
-        const float* vr = vb + (size_t)t * D;
         float kv[DL], vv[DL];
-        #pragma unroll
-        for (int i = 0; i + 3 < DL; i += 4) {   // 16-byte loads where a lane's slice allows
-            const float4 a = *reinterpret_cast<const float4*>(kr + i);
-            const float4 c = *reinterpret_cast<const float4*>(vr + i);
-            kv[i] = a.x; kv[i + 1] = a.y; kv[i + 2] = a.z; kv[i + 3] = a.w;
-            vv[i] = c.x; vv[i + 1] = c.y; vv[i + 2] = c.z; vv[i + 3] = c.w;
-        }
-        #pragma unroll
-        for (int i = DL - DL % 4; i < DL; ++i) { kv[i] = kr[i]; vv[i] = vr[i]; }
+        kv_row<DL>(kb + (size_t)t * D, kv);
+        kv_row<DL>(vb + (size_t)t * D, vv);
         float dot[G];
         #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -224,18 +254,21 @@ def splits(capacity: int) -> int:
     return max(1, min(-(-capacity // KEYS_PER_SPLIT), MAX_SPLITS))
 
 
+CACHE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _kv_kernel = None
 _attend_kernel = None
 _merge_kernel = None
 _tested: bool | None = None
+tested_for: tuple | None = None  # the (shape, cache type) `_tested` is the verdict for (the model's `use`)
 
 
 def supports(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, batch: int, tokens: int,
              dtype=mx.float32) -> bool:
     """Head sizes a multiple of 32 up to 256 (a block of 256 threads holds one head), whole GQA
-    groups, an even rope width, 1..MAX_BATCH sequences of 1..16 tokens each, a float32 cache."""
+    groups, an even rope width, 1..MAX_BATCH sequences of 1..16 tokens each, a cache of float32,
+    float16 or bfloat16."""
     return (1 <= batch <= MAX_BATCH and 1 <= tokens <= MAX_TOKENS and head_dim % 32 == 0 and 32 <= head_dim <= 256
-            and n_head % n_head_kv == 0 and n_rot % 2 == 0 and 0 < n_rot <= head_dim and dtype == mx.float32)
+            and n_head % n_head_kv == 0 and n_rot % 2 == 0 and 0 < n_rot <= head_dim and dtype in CACHE_DTYPES)
 
 
 def _params(eps: float, rope_base: float, scale: float) -> mx.array:
@@ -244,21 +277,21 @@ def _params(eps: float, rope_base: float, scale: float) -> mx.array:
 
 
 def new_kv(y: mx.array, k_norm: mx.array, pos: mx.array, n_head: int, n_head_kv: int, head_dim: int,
-           n_rot: int, eps: float, rope_base: float) -> tuple[mx.array, mx.array]:
+           n_rot: int, eps: float, rope_base: float, dtype: mx.Dtype = mx.float32) -> tuple[mx.array, mx.array]:
     """y [S, E] (one sequence) or [B, S, E] the joined q(+gate)/k/v product rows, pos [B] int32
-    each sequence's first new position: (keys, values) [B, n_head_kv, S, head_dim], keys
-    normalised and roped."""
+    each sequence's first new position: (keys, values) [B, n_head_kv, S, head_dim] in the cache's
+    `dtype`, keys normalised and roped."""
     global _kv_kernel
     if _kv_kernel is None:
         _kv_kernel = CudaKernel(name="mtp_attn_kv", input_names=["y", "kw", "pos", "params"],
-                                         output_names=["k_new", "v_new"], source=compact(_KV_SOURCE))
+                                output_names=["k_new", "v_new"], source=compact(_KV_SOURCE), header=_HEADER)
     y = y[None] if y.ndim == 2 else y
     b, s = int(y.shape[0]), int(y.shape[1])
     shape = (b, n_head_kv, s, head_dim)
     return tuple(_kv_kernel(inputs=[y, k_norm.astype(mx.float32), pos, _params(eps, rope_base, 1.0)],
                             template=[("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv), ("NROT", n_rot)],
                             grid=(n_head_kv * s * head_dim, b, 1), threadgroup=(head_dim, 1, 1),
-                            output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32]))
+                            output_shapes=[shape, shape], output_dtypes=[dtype, dtype]))
 
 
 def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos: mx.array, n_head: int,
@@ -272,7 +305,7 @@ def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos:
     if _attend_kernel is None:
         _attend_kernel = CudaKernel(
             name="mtp_attn_split", input_names=["y", "qw", "keys", "values", "pos", "params"],
-            output_names=["part_o", "lse"], source=compact(_ATTEND_SOURCE))
+            output_names=["part_o", "lse"], source=compact(_ATTEND_SOURCE), header=_HEADER)
         _merge_kernel = CudaKernel(name="mtp_attn_merge", input_names=["y", "part_o", "lse"], output_names=["o"],
                                    source=compact(_MERGE_SOURCE))
     one = y.ndim == 2
@@ -295,7 +328,9 @@ def reference(y: mx.array, q_norm: mx.array, k_norm: mx.array, keys: mx.array, v
               n_head: int, n_head_kv: int, head_dim: int, n_rot: int, eps: float, rope_base: float):
     """The same computation in MLX operations (what `GatedAttention` does), for the tests:
     (gated output [S, n_head * head_dim], new keys, new values). `keys`/`values` hold the cache
-    before the new tokens (their first `pos` positions are used)."""
+    before the new tokens (their first `pos` positions are used); a 16-bit cache holds the new
+    keys and values rounded to its type, and attention reads them from there, in float32."""
+    cache_dtype = keys.dtype
     s, d = int(y.shape[0]), head_dim
     e1 = 2 * n_head * d
     qg = y[:, :e1].reshape(1, s, n_head, 2 * d)
@@ -306,8 +341,9 @@ def reference(y: mx.array, q_norm: mx.array, k_norm: mx.array, keys: mx.array, v
     k = mx.fast.rms_norm(k, k_norm, eps).transpose(0, 2, 1, 3)
     q = mx.fast.rope(q, n_rot, traditional=False, base=rope_base, scale=1.0, offset=pos)
     k = mx.fast.rope(k, n_rot, traditional=False, base=rope_base, scale=1.0, offset=pos)
-    all_k = mx.concatenate([keys[:, :, :pos], k], axis=2)
-    all_v = mx.concatenate([values[:, :, :pos], v], axis=2)
+    k, v = k.astype(cache_dtype), v.astype(cache_dtype)
+    all_k = mx.concatenate([keys[:, :, :pos], k], axis=2).astype(mx.float32)
+    all_v = mx.concatenate([values[:, :, :pos], v], axis=2).astype(mx.float32)
     out = mx.fast.scaled_dot_product_attention(q, all_k, all_v, scale=d ** -0.5,
                                                mask="causal" if s > 1 else None)
     out = out.transpose(0, 2, 1, 3).reshape(s, n_head * d)
@@ -315,11 +351,14 @@ def reference(y: mx.array, q_norm: mx.array, k_norm: mx.array, keys: mx.array, v
 
 
 def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, pos: int | list[int],
-              seed: int = 0) -> float:
+              seed: int = 0, dtype: mx.Dtype = mx.float32) -> float:
     """Largest absolute difference between the kernels and `reference` on random inputs (output,
-    new keys, new values), with `pos` positions already in a cache of capacity pos + s + 7; `pos`
-    a list: a batch of that many sequences in one launch, each at its own position, each compared
-    with `reference` run alone (the batch's cache written per row, as `BatchKVCache` does)."""
+    new keys, new values), with `pos` positions already in a cache of `dtype` and capacity
+    pos + s + 7; `pos` a list: a batch of that many sequences in one launch, each at its own
+    position, each compared with `reference` run alone (the batch's cache written per row, as
+    `BatchKVCache` does). New keys and values of a 16-bit cache may differ from the reference's
+    by one rounding of that type (their float32 values differ in the last bits): the part of a
+    difference beyond one unit in the last place counts."""
     one = isinstance(pos, int)
     positions = [pos] if one else list(pos)
     b = len(positions)
@@ -333,14 +372,14 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
         qn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[1])
         kn = 1.0 + 0.1 * mx.random.normal((head_dim,), key=ks[2])
         cap = max(positions) + s + 7
-        keys = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[3])
-        values = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[4])
+        keys = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[3]).astype(dtype)
+        values = mx.random.normal((b, n_head_kv, cap, head_dim), key=ks[4]).astype(dtype)
         p = mx.array(positions, dtype=mx.int32)
         y_in = y[0] if one else y  # one sequence: the [S, E] form the layer passes
         refs = [reference(y[r], qn, kn, keys[r:r + 1], values[r:r + 1], at, n_head, n_head_kv, head_dim, n_rot,
                           eps, base) for r, at in enumerate(positions)]
         mx.eval(y_in, qn, kn, keys, values, p, refs)
-    k_new, v_new = new_kv(y_in, kn, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
+    k_new, v_new = new_kv(y_in, kn, p, n_head, n_head_kv, head_dim, n_rot, eps, base, dtype=dtype)
     mx.eval(k_new, v_new)
     with mx.stream(mx.cpu):
         idx = mx.broadcast_to(p[:, None, None, None] + mx.arange(s)[None, None, :, None], k_new.shape)
@@ -349,22 +388,26 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
     got = attend(y_in, qn, keys_in, values_in, p, n_head, n_head_kv, head_dim, n_rot, eps, base)
     mx.eval(got)
     got = got[None] if one else got
+    ulp = {mx.float32: 0.0, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}[dtype]  # relative, at most
     err = 0.0
     with mx.stream(mx.cpu):
         for r, (ref_o, ref_k, ref_v) in enumerate(refs):
-            for a, g in ((ref_o, got[r]), (ref_k, k_new[r:r + 1]), (ref_v, v_new[r:r + 1])):
-                err = max(err, float(mx.abs(a - g).max().item()))
+            err = max(err, float(mx.abs(ref_o - got[r]).max().item()))
+            for a, g in ((ref_k, k_new[r:r + 1]), (ref_v, v_new[r:r + 1])):
+                a, g = a.astype(mx.float32), g.astype(mx.float32)
+                err = max(err, float(mx.maximum(mx.abs(a - g) - ulp * mx.abs(a), 0).max().item()))
     return err
 
 
-def available(shape: tuple[int, int, int, int] | None = None) -> bool:
+def available(shape: tuple[int, int, int, int] | None = None, dtype: mx.Dtype = mx.float32) -> bool:
     """Whether the kernels can be used in this process: on a CUDA GPU, after they matched the MLX
     operations on random inputs (1 and 5 tokens, GQA, partial rope; a batch of 3 sequences at
     different positions; 700 keys over several blocks); a compile error or a mismatch
     warns and answers False from then on, so the engine falls back to the MLX path.
 
-    `shape` (n_head, n_head_kv, head_dim, n_rot): test at the model's own shape, whose compiled
-    kernels (one NVRTC compile per shape) the model then reuses."""
+    `shape` (n_head, n_head_kv, head_dim, n_rot) and `dtype` (the KV cache's): test at the
+    model's own shape and cache type, whose compiled kernels (one NVRTC compile per shape and
+    type) the model then reuses."""
     global _tested
     if _tested is not None:
         return _tested
@@ -377,7 +420,8 @@ def available(shape: tuple[int, int, int, int] | None = None) -> bool:
     try:
         # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
         # (2, 700): a cache long enough to split its keys over several blocks
-        ok = all(max_error(*shape, s, pos, seed=s) < 2e-3 for s, pos in ((1, 9), (5, 3), (2, [4, 0, 11]), (2, 700)))
+        ok = all(max_error(*shape, s, pos, seed=s, dtype=dtype) < 2e-3
+                 for s, pos in ((1, 9), (5, 3), (2, [4, 0, 11]), (2, 700)))
     except Exception as e:  # NVRTC missing or a toolchain that rejects the source
         import warnings
         warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")

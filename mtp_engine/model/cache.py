@@ -61,8 +61,8 @@ class KVCache:
         s = int(k.shape[2])
         end = self.offset + s
         self.reserve(end)
-        self.keys[:, :, self.offset:end] = k
-        self.values[:, :, self.offset:end] = v
+        self.keys[:, :, self.offset:end] = k.astype(self.dtype)
+        self.values[:, :, self.offset:end] = v.astype(self.dtype)
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end], "causal" if s > 1 else None
 

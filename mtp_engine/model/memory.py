@@ -5,7 +5,7 @@ The estimate is read from the checked GGUF header alone (no tensor data is touch
 
 * weights: per tensor, the bytes of its MLX form (`gguf.quants.mlx_nbytes`: float32 for float
   tensors and exact-mode Q6_K, else b-bit codes plus float32 scale and bias per 32 weights);
-* KV cache: keys and values in float32 for every attention layer (trunk and MTP head), for the
+* KV cache: keys and values (`EngineOptions.kv_dtype`: 4 or 2 bytes each) for every attention layer (trunk and MTP head), for the
   whole context (the cache grows in steps of 256 positions up to it), plus one layer's buffers
   again for the copy a growth step makes;
 * gated-delta-net state: conv window and recurrent state per layer, plus the per-position states
@@ -74,9 +74,11 @@ def _loaded_tensors(h: Header, load_mtp: bool) -> list[TensorHeader]:
 
 def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = False,
              context: int | None = None, *, load_mtp: bool = True,
-             capture_positions: int = DEFAULT_CAPTURE_POSITIONS, prefill_chunk: int = _PREFILL_CHUNK) -> dict[str, Any]:
+             capture_positions: int = DEFAULT_CAPTURE_POSITIONS, prefill_chunk: int = _PREFILL_CHUNK,
+             kv_bytes: int = _F32) -> dict[str, Any]:
     """Bytes the model of `gguf_file` will take once loaded with `exact` (Q6_K as float32) and run
-    with up to `context` positions (default: the model's context_length).
+    with up to `context` positions (default: the model's context_length), `kv_bytes` per cached
+    key or value element.
 
     Sizes come from the tensors' own shapes (which the file cannot misstate without failing the
     load) rather than from metadata counts such as block_count; only the context length and the
@@ -120,7 +122,8 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     # keys and values of n_kv * head_dim floats per position per attention layer; one layer again
     # for the moment a growth step holds the old and the new buffers
     kv_rows = rows("attn_k.weight")
-    kv_cache = sum(2 * r * capacity * _F32 for r in kv_rows) + (2 * max(kv_rows) * capacity * _F32 if kv_rows else 0)
+    kv_cache = sum(2 * r * capacity * kv_bytes for r in kv_rows) + (2 * max(kv_rows) * capacity * kv_bytes
+                                                                     if kv_rows else 0)
 
     # per gated-delta-net layer: conv window (kernel-1) x channels, state Vh x Kd x Vd
     recurrent_state = 0
@@ -209,7 +212,9 @@ def check_fits(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = F
     refuse)."""
     h = _header(gguf_file)
     chunk = options.prefill_chunk if options is not None and options.prefill_chunk else _PREFILL_CHUNK
-    est = estimate(h, exact, context, load_mtp=load_mtp, prefill_chunk=chunk)
+    kv = options.kv_dtype if options is not None else None
+    kv_bytes = 2 if kv in ("float16", "bfloat16") else _F32
+    est = estimate(h, exact, context, load_mtp=load_mtp, prefill_chunk=chunk, kv_bytes=kv_bytes)
     limit, source = available_memory(options)
     if source != "unknown" and est["total"] > limit:
         gib = 1 << 30

@@ -99,6 +99,8 @@ class GatedAttention:
         q = mx.fast.rope(q, c.n_rot, traditional=False, base=c.rope_base, scale=1.0, offset=pos)
         k = mx.fast.rope(k, c.n_rot, traditional=False, base=c.rope_base, scale=1.0, offset=pos)
         keys, values, mask = cache.update(k, v)
+        if keys.dtype != q.dtype:  # a 16-bit cache (EngineOptions.kv_dtype): attention in float32
+            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d ** -0.5, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(b, s, c.n_head * d)
         return self.o(_sigmoid_gate(out, gate))
@@ -112,7 +114,7 @@ class GatedAttention:
         start = cache.offset
         pos = (start.reshape(-1) if isinstance(start, mx.array) else mx.array([start])).astype(mx.int32)
         dims = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.eps, c.rope_base)
-        k, v = attn_kernel.new_kv(y, self.k_norm, pos, *dims)
+        k, v = attn_kernel.new_kv(y, self.k_norm, pos, *dims, dtype=cache.dtype)
         cache.update(k, v)
         # the whole buffers: the kernel reads positions < pos + S itself (a slice would be copied)
         return self.o(attn_kernel.attend(y, self.q_norm, cache.keys, cache.values, pos, *dims))
@@ -225,9 +227,10 @@ class MTPHead:
     compile_steps: bool = True  # run forwards of <= step.MAX_TOKENS rows as one compiled graph
     fused_norm: bool = False  # the fused add + RMSNorm kernel, from the model's options
     expert_use: ExpertUse | None = None  # the model's MoE routing observer (None: a dense head)
+    kv_dtype: mx.Dtype = mx.float32  # its KV cache's element type, from the model's options
 
     def make_cache(self) -> KVCache:
-        return KVCache(self.cfg.n_head_kv, self.cfg.head_dim)
+        return KVCache(self.cfg.n_head_kv, self.cfg.head_dim, dtype=self.kv_dtype)
 
     def __call__(self, embeds: mx.array, h_prev: mx.array, cache: KVCache, resident: bool = False,
                  one_off: bool = False) -> mx.array:
@@ -321,10 +324,14 @@ class Qwen35Model:
         gdn_dims = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel,
                             c.eps) if any(c.recurrent) else None
         attn_shape = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot)
+        kv_dtype = getattr(mx, opts.kv_dtype)
+        if attn_kernel.tested_for != (attn_shape, opts.kv_dtype):  # another cache type is another kernel
+            attn_kernel._tested, attn_kernel.tested_for = None, (attn_shape, opts.kv_dtype)
         checks = {"qmv": (kernels, kernels._SOURCE + mma_kernel.SOURCE, None, kernels.available),
                   "gdn": (gdn_kernel, gdn_kernel._SOURCE, gdn_dims, lambda: gdn_kernel.available(gdn_dims)),
-                  "attn": (attn_kernel, attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE + attn_kernel._MERGE_SOURCE, attn_shape,
-                           lambda: attn_kernel.available(attn_shape)),
+                  "attn": (attn_kernel, attn_kernel._HEADER + attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE
+                           + attn_kernel._MERGE_SOURCE, attn_shape + (opts.kv_dtype,),
+                           lambda: attn_kernel.available(attn_shape, kv_dtype)),
                   "norm": (norm_kernel, norm_kernel._SOURCE, None, norm_kernel.available)}
         if kernels.cuda():  # a first run on this GPU compiles every kernel it will launch at once
             pending = [(module, run) for name, (module, source, shape, run) in checks.items()
@@ -341,8 +348,9 @@ class Qwen35Model:
                 obj.fused_kernel = fused_gdn
             elif isinstance(obj, GatedAttention):
                 obj.fused_kernel = fused_attn
+        self.kv_dtype = kv_dtype
         if self.mtp is not None:
-            self.mtp.fused_norm = self.fused_norm
+            self.mtp.fused_norm, self.mtp.kv_dtype = self.fused_norm, self.kv_dtype
         for owner in (self, self.mtp):
             if owner is not None:
                 owner.__dict__.pop("_compiled_steps", None)  # traced under other kernel choices
@@ -390,7 +398,7 @@ class Qwen35Model:
                 caches.append(RecurrentCache(c.conv_kernel, c.conv_channels, c.ssm_value_heads, c.ssm_key_dim,
                                              c.ssm_value_dim))
             else:
-                caches.append(KVCache(c.n_head_kv, c.head_dim))
+                caches.append(KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype))
         return TrunkCache(caches)
 
     def embed_tokens(self, ids: mx.array) -> mx.array:

@@ -23,7 +23,9 @@ def test_supports_rejects_shapes_the_kernels_cannot_hold():
     assert not attn_kernel.supports(16, 4, 512, 64, 1, 1)      # a head wider than a block
     assert not attn_kernel.supports(16, 4, 80, 64, 1, 1)       # not whole warps
     assert not attn_kernel.supports(16, 3, 256, 64, 1, 1)      # not whole GQA groups
-    assert not attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.float16)
+    assert attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.float16)   # 16-bit caches (EngineOptions.kv_dtype)
+    assert attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.bfloat16)
+    assert not attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.float64)
 
 
 def _inputs(nh, nkv, d, s, pos, seed=0):
@@ -108,26 +110,48 @@ def test_kernels_equal_float64_attention_for_every_token_count(shape, pos):
             assert err < 2e-4, (shape, pos, s, name, err)
 
 
+CACHE_TYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
 @gpu_only
+@pytest.mark.parametrize("dtype", CACHE_TYPES, ids=str)
 @pytest.mark.parametrize("pos", [0, 37])
-def test_kernels_near_the_mlx_layer(pos):
+def test_kernels_near_the_mlx_layer(pos, dtype):
     # the self-test's comparison: MLX's own operations (reduced-precision products on a GPU)
     for s in (1, 2, 5, 16):
-        assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s) < 2e-3
+        assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s, dtype=dtype) < 2e-3
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", CACHE_TYPES, ids=str)
 @pytest.mark.parametrize("s", [1, 4, 16])
-def test_batched_kernels_equal_the_mlx_layer_row_by_row(s):
+def test_batched_kernels_equal_the_mlx_layer_row_by_row(s, dtype):
     # 4 sequences in one launch, each at its own position, each compared with the layer run alone
     for shape in ((16, 4, 256, 64), (4, 2, 64, 16)):
-        assert attn_kernel.max_error(*shape, s, [0, 37, 5, 300], seed=s) < 2e-3, shape
+        assert attn_kernel.max_error(*shape, s, [0, 37, 5, 300], seed=s, dtype=dtype) < 2e-3, shape
+
+
+def test_a_16_bit_cache_reference_reads_rounded_keys():
+    """The reference with a 16-bit cache attends over the new keys and values as the cache holds
+    them (rounded), as the layer reads them back: its output moves by about that rounding, and its
+    new keys are the float32 ones rounded."""
+    import numpy as np
+    nh, nkv, d, nrot, s, pos = 4, 2, 32, 8, 3, 5
+    y, qn, kn, keys, values = _inputs(nh, nkv, d, s, pos)
+    out32, k32, v32 = attn_kernel.reference(y, qn, kn, keys, values, pos, nh, nkv, d, nrot, 1e-6, 10000.0)
+    out16, k16, v16 = attn_kernel.reference(y, qn, kn, keys.astype(mx.float16), values.astype(mx.float16), pos,
+                                            nh, nkv, d, nrot, 1e-6, 10000.0)
+    assert k16.dtype == mx.float16 and v16.dtype == mx.float16
+    np.testing.assert_array_equal(np.array(k16.astype(mx.float32)), np.array(k32.astype(mx.float16).astype(mx.float32)))
+    err = float(mx.abs(out16 - out32).max())
+    assert 0 < err < 1e-2
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", CACHE_TYPES, ids=str)
 @pytest.mark.parametrize("pos", [1, 255, 4096, 32768])
 @pytest.mark.parametrize("s", [1, 4, 9])
-def test_long_contexts_split_over_blocks_equal_the_mlx_layer(pos, s):
+def test_long_contexts_split_over_blocks_equal_the_mlx_layer(pos, s, dtype):
     """Flash-decoding: contexts of up to 32k keys, split over many blocks and merged, at the 9B
     head shape, for a decode step, a verify's rows and a batch whose rows sit at different lengths
     (one of them short enough for a single key range)."""
@@ -136,9 +160,9 @@ def test_long_contexts_split_over_blocks_equal_the_mlx_layer(pos, s):
     # float32 rope angles resolve a position of p to about p * 1.2e-7 rad (both the kernel's and
     # MLX's, rounded differently): the new keys and the scores differ by that much at 32k
     tol = 2e-3 + 2e-7 * pos
-    assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s) < tol, (pos, s)
+    assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s, dtype=dtype) < tol, (pos, s)
     if pos >= 4096:
-        assert attn_kernel.max_error(16, 4, 256, 64, s, [pos, 3, pos // 2], seed=s + 1) < tol, (pos, s)
+        assert attn_kernel.max_error(16, 4, 256, 64, s, [pos, 3, pos // 2], seed=s + 1, dtype=dtype) < tol, (pos, s)
 
 
 @gpu_only
@@ -224,13 +248,13 @@ def _models():
     return [TINY / "qwen35-mtp-tiny-Q4_K_M.gguf", FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf"]
 
 
-def _logits_after(model, ids, chunks, fused: bool, compiled: bool):
+def _logits_after(model, ids, chunks, fused: bool, compiled: bool, kv_dtype: str = "float16"):
     """Forwards `ids` in chunks of the given sizes (a prompt, then decode/verify-sized pieces, each
     longer than two rolled back by two positions, as a verify would) and returns every chunk's
     last logits."""
     import numpy as np
     before = model.options
-    model.use(before.updated(kernels="custom" if fused else "qmv,gdn,norm", compile_steps=compiled))
+    model.use(before.updated(kernels="custom" if fused else "qmv,gdn,norm", compile_steps=compiled, kv_dtype=kv_dtype))
     try:
         assert all(layer.mixer.fused_kernel == fused for layer in model.layers
                    if hasattr(layer.mixer, "q_norm"))
@@ -248,17 +272,18 @@ def _logits_after(model, ids, chunks, fused: bool, compiled: bool):
 
 
 @gpu_only
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "moe"])
-def test_model_with_kernels_equals_model_without(which, compiled):
+def test_model_with_kernels_equals_model_without(which, compiled, kv_dtype):
     import numpy as np
     from tests.conftest import need
     from mtp_engine import load
     m = load(need(_models()[which])).model
     ids = [(13 * i + 7) % 200 + 10 for i in range(80)]
     chunks = [20, 1, 1, 4, 1, 16, 3, 1, 8, 2, 1]
-    got = _logits_after(m, ids, chunks, fused=True, compiled=compiled)
-    want = _logits_after(m, ids, chunks, fused=False, compiled=compiled)
+    got = _logits_after(m, ids, chunks, fused=True, compiled=compiled, kv_dtype=kv_dtype)
+    want = _logits_after(m, ids, chunks, fused=False, compiled=compiled, kv_dtype=kv_dtype)
     for j, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(a, b, atol=2e-3, rtol=0, err_msg=f"chunk {j} ({chunks[j]} tokens)")
 
