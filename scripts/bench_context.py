@@ -216,7 +216,8 @@ def step(model, lengths, steps: int = 40) -> list[dict]:
     return out
 
 
-def _ours(model, prompt, tokens, spec, n_max=None, oracle=None) -> dict:
+def _ours(model, prompt, tokens, spec, n_max=None, oracle=None, on=None) -> dict:
+    model = on if on is not None else model
     sampler = Sampler(SamplerConfig(seed=0))
     if spec == "none":
         dec = PlainDecoder(model, sampler)
@@ -247,10 +248,14 @@ def _peer(peer, prompt, tokens) -> dict:
             "decode_tok_s": n / (end - t_first) if n else 0.0}
 
 
-def context(model, peer, lengths, tokens, repeats, oracle, peer_max, n_maxes=("auto", 3)) -> list[dict]:
+def context(model, peer, lengths, tokens, repeats, oracle, peer_max, n_maxes=("auto", 3),
+            others: dict | None = None) -> list[dict]:
+    """`others`: name -> a second model of the same shape run plain beside (another cache type)."""
     runs = {"plain": dict(spec="none")}
     for n in n_maxes:
         runs[f"mtp_{n}_a{oracle}"] = dict(spec="draft-mtp", n_max=n, oracle=oracle)
+    for name, other in (others or {}).items():
+        runs[f"plain_{name}"] = dict(spec="none", on=other)
     out = []
     warm = [(31 * i) % (model.cfg.vocab_size - 10) + 5 for i in range(300)]
     for kw in runs.values():  # first uses trace and compile: not timed
@@ -310,6 +315,7 @@ def main() -> int:
     ap.add_argument("--peer-max", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=32, help="trunk layers (8: a quick check)")
     ap.add_argument("--rows", default="512,2048,4096", help="the parts section's chunk sizes")
+    ap.add_argument("--kv-dtypes", default="", help="cache types run plain beside the default (e.g. float32)")
     ap.add_argument("--out", default="out/context")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -332,7 +338,12 @@ def main() -> int:
     if "context" in sections:
         peer = mlx_lm_ref.build(cfg) if a.peer_max > 0 else None
         n_maxes = [x if x == "auto" else int(x) for x in a.n_max.split(",") if x]
-        result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max, n_maxes)
+        others = {}
+        for dt in [x for x in a.kv_dtypes.split(",") if x and x != model.options.kv_dtype]:
+            others[f"kv_{dt}"] = random_model(cfg)
+            others[f"kv_{dt}"].use(model.options.updated(kv_dtype=dt))
+        result["kv_dtype"] = model.options.kv_dtype
+        result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max, n_maxes, others)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "context.json").write_text(json.dumps(result, indent=1))

@@ -165,12 +165,22 @@ _ATTEND_SOURCE = """
     const int per = (T + NSPLIT - 1) / NSPLIT;
     const int t0 = split * per;
     const int t1 = min(T, t0 + per);
+    // positions from B0 on sit in the tail buffers (a cache's tail, else B0 is past every position)
+    const int B0 = base[0];
+    const int TCAP = tail_k_shape[2];
     const auto* kb = keys + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
     const auto* vb = values + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
+    const auto* tkb = tail_k + (size_t)hk * TCAP * D + lane * DL;
+    const auto* tvb = tail_v + (size_t)hk * TCAP * D + lane * DL;
     for (int t = t0 + warp; t < t1; t += NW) {
         float kv[DL], vv[DL];
-        kv_row<DL>(kb + (size_t)t * D, kv);
-        kv_row<DL>(vb + (size_t)t * D, vv);
+        if (t < B0) {
+            kv_row<DL>(kb + (size_t)t * D, kv);
+            kv_row<DL>(vb + (size_t)t * D, vv);
+        } else {
+            kv_row<DL>(tkb + (size_t)(t - B0) * D, kv);
+            kv_row<DL>(tvb + (size_t)(t - B0) * D, vv);
+        }
         float dot[G];
         #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -213,7 +223,8 @@ _ATTEND_SOURCE = """
                 O += f * red[w][tid];
             }
             const size_t at = (((size_t)r * S + s) * HQ + hk * G + g) * NSPLIT + split;
-            part_o[at * D + tid] = L > 0.0f ? O / L : 0.0f;
+            const bool lost = B0 != 0x7fffffff && pos[r] < B0;  // a query before its tail: a broken contract
+            part_o[at * D + tid] = lost ? NAN : (L > 0.0f ? O / L : 0.0f);
             if (tid == 0) lse[at] = L > 0.0f ? M + logf(L) : -INFINITY;
         }
         __syncthreads();
@@ -295,26 +306,35 @@ def new_kv(y: mx.array, k_norm: mx.array, pos: mx.array, n_head: int, n_head_kv:
 
 
 def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos: mx.array, n_head: int,
-           n_head_kv: int, head_dim: int, n_rot: int, eps: float, rope_base: float) -> mx.array:
+           n_head_kv: int, head_dim: int, n_rot: int, eps: float, rope_base: float,
+           tail: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
     """Queries from y [S, E] (or [B, S, E]) against the cache buffers [B, n_head_kv, capacity,
     head_dim] (row b already holding its new keys at pos[b] .. pos[b] + S - 1), gated:
     [S, n_head * head_dim] (or [B, S, n_head * head_dim]). Two launches: each block attends one
     kv head's query heads (read once for the group) over one range of the keys (`splits`), then
-    the ranges' partial softmaxes are merged and gated."""
+    the ranges' partial softmaxes are merged and gated. `tail` (one sequence): (tail keys, tail
+    values, base [1]) of a cache whose positions from base on sit in the tail (`KVCache.rebase`);
+    a query before base (a contract broken upstream) gets NaN, which the round's check reports."""
     global _attend_kernel, _merge_kernel
     if _attend_kernel is None:
         _attend_kernel = CudaKernel(
-            name="mtp_attn_split", input_names=["y", "qw", "keys", "values", "pos", "params"],
+            name="mtp_attn_split", input_names=["y", "qw", "keys", "values", "pos", "params", "tail_k", "tail_v",
+                                                "base"],
             output_names=["part_o", "lse"], source=compact(_ATTEND_SOURCE), header=_HEADER)
         _merge_kernel = CudaKernel(name="mtp_attn_merge", input_names=["y", "part_o", "lse"], output_names=["o"],
                                    source=compact(_MERGE_SOURCE))
     one = y.ndim == 2
     y = y[None] if one else y
     b, s = int(y.shape[0]), int(y.shape[1])
-    n = splits(int(keys.shape[2]))
+    if tail is None:  # every position in the main buffers
+        tail = (keys, values, mx.array([2 ** 31 - 1], dtype=mx.int32))
+    elif b != 1:
+        raise ValueError("a cache tail is one sequence's")
+    n = splits(int(keys.shape[2]) + int(tail[0].shape[2]))
     dims = [("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv)]
     part_o, lse = _attend_kernel(
-        inputs=[y, q_norm.astype(mx.float32), keys, values, pos, _params(eps, rope_base, head_dim ** -0.5)],
+        inputs=[y, q_norm.astype(mx.float32), keys, values, pos, _params(eps, rope_base, head_dim ** -0.5),
+                tail[0], tail[1], tail[2]],
         template=dims + [("NROT", n_rot), ("WARPS", WARPS)],
         grid=(n_head_kv * s * n * 32 * WARPS, b, 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(b, s, n_head, n, head_dim), (b, s, n_head, n)], output_dtypes=[mx.float32, mx.float32])

@@ -55,6 +55,10 @@ class BatchKVCache:
             v[:, :, :cap] = self.values
         self.keys, self.values = k, v
 
+    def attention_buffers(self):
+        """(keys, values, tail) a fused attention reads: a batch's cache has no tail (`KVCache`)."""
+        return self.keys, self.values, None
+
     def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Writes k, v [B, n_kv, S, D] at each row's length; returns the keys and values up to the
         longest row's new end and the boolean mask [B, 1, S, L] of what each query may see."""
@@ -72,6 +76,7 @@ class BatchKVCache:
 
     def add(self, row: KVCache) -> None:
         """Appends a batch-1 cache as the last row."""
+        row.settle()
         n = int(row.offset)
         cap = max(self.capacity, -(-max(n, 1) // self.step) * self.step)
         if self.keys is not None:

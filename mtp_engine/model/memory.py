@@ -5,7 +5,8 @@ The estimate is read from the checked GGUF header alone (no tensor data is touch
 
 * weights: per tensor, the bytes of its MLX form (`gguf.quants.mlx_nbytes`: float32 for float
   tensors and exact-mode Q6_K, else b-bit codes plus float32 scale and bias per 32 weights);
-* KV cache: keys and values (`EngineOptions.kv_dtype`: 4 or 2 bytes each) for every attention layer (trunk and MTP head), for the
+* KV cache: keys and values (`EngineOptions.kv_dtype`: 4 or 2 bytes each, a compiled step's tail
+  of 256 positions included) for every attention layer (trunk and MTP head), for the
   whole context (the cache grows in steps of 256 positions up to it), plus one layer's buffers
   again for the copy a growth step makes;
 * gated-delta-net state: conv window and recurrent state per layer, plus the per-position states
@@ -36,6 +37,7 @@ ENV_LIMIT = ENV["memory_limit"]
 _F32 = 4
 _KV_STEP = 256  # KVCache.step
 _KV_MAX_STEP = 8192  # KVCache.max_growth: reserve grows by min(capacity, this)
+_KV_TAIL = 256  # cache.KV_TAIL: a compiled step's tail buffers per attention layer
 _PREFILL_CHUNK = 512  # EngineOptions' prefill_chunk on the CPU (check_fits passes the options')
 _DELTA_CHUNK = 64  # delta_rule.CHUNK
 # A captured verify keeps the state before it (rollback rebuilds any later one from small per-token
@@ -122,8 +124,8 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     # keys and values of n_kv * head_dim floats per position per attention layer; one layer again
     # for the moment a growth step holds the old and the new buffers
     kv_rows = rows("attn_k.weight")
-    kv_cache = sum(2 * r * capacity * kv_bytes for r in kv_rows) + (2 * max(kv_rows) * capacity * kv_bytes
-                                                                     if kv_rows else 0)
+    kv_cache = sum(2 * r * (capacity + _KV_TAIL) * kv_bytes for r in kv_rows) + \
+        (2 * max(kv_rows) * capacity * kv_bytes if kv_rows else 0)
 
     # per gated-delta-net layer: conv window (kernel-1) x channels, state Vh x Kd x Vd
     recurrent_state = 0

@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..options import EngineOptions
 from . import attn_kernel, gdn, gdn_kernel, kernel_warmup, kernels, mma_kernel, norm_kernel, selftest_cache
 from . import step as compiled
-from .cache import KVCache, RecurrentCache, TrunkCache, pick_state
+from .cache import KV_TAIL, KVCache, RecurrentCache, TrunkCache, pick_state
 from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .fused import fused
@@ -117,7 +117,8 @@ class GatedAttention:
         k, v = attn_kernel.new_kv(y, self.k_norm, pos, *dims, dtype=cache.dtype)
         cache.update(k, v)
         # the whole buffers: the kernel reads positions < pos + S itself (a slice would be copied)
-        return self.o(attn_kernel.attend(y, self.q_norm, cache.keys, cache.values, pos, *dims))
+        keys, values, tail = cache.attention_buffers()
+        return self.o(attn_kernel.attend(y, self.q_norm, keys, values, pos, *dims, tail=tail))
 
 
 @dataclass
@@ -398,7 +399,8 @@ class Qwen35Model:
                 caches.append(RecurrentCache(c.conv_kernel, c.conv_channels, c.ssm_value_heads, c.ssm_key_dim,
                                              c.ssm_value_dim))
             else:
-                caches.append(KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype))
+                caches.append(KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype,
+                                      tail=KV_TAIL if self._compile_steps else 0))
         return TrunkCache(caches)
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
@@ -423,8 +425,10 @@ class Qwen35Model:
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \
                 else (None, None)
+            # no rollback returns below the trunk's host count (committed tokens): KV tails may move there
             post, x = compiled.run(self, self._body, [ids], cache.layers, s, capture=capture,
-                                   side=side, set_side=set_side, compiled=self._compile_steps and fits)
+                                   side=side, set_side=set_side, compiled=self._compile_steps and fits,
+                                   floor=int(cache.offset))
         else:
             post, x = self._body(ids, cache.layers)
         if not resident:

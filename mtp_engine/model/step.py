@@ -54,6 +54,37 @@ class _KVView:
         return self.keys, self.values, mask
 
 
+    def attention_buffers(self):
+        """(keys, values, tail) a fused attention reads: tail (keys, values, base [1]) or None."""
+        return self.keys, self.values, None
+
+
+class _TailKVView(_KVView):
+    """A KV cache with a tail (`KVCache.rebase`) inside a trace: the new keys go into the tail at
+    offset - base; the main buffers are read, never written (a pipelined step's write there would
+    copy them whole)."""
+
+    def __init__(self, big_keys, big_values, keys, values, offset, base, reach=None):
+        super().__init__(keys, values, offset, reach)
+        self.big_keys, self.big_values, self.base = big_keys, big_values, base
+
+    def update(self, k: mx.array, v: mx.array):
+        start = mx.reshape(self.offset - self.base, (1,))
+        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), start, axes=(2,))
+        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), start, axes=(2,))
+        # the MLX path: both buffers end to end, the main one's positions past `base` masked
+        s, cap, tail = k.shape[2], self.big_keys.shape[2], self.keys.shape[2]
+        i = mx.arange(cap + tail)
+        pos = mx.where(i < cap, i, self.base + i - cap)
+        q_pos = self.offset + mx.arange(s)
+        mask = (pos[None, :] <= q_pos[:, None]) & ((i < self.base) | (i >= cap))[None, :]
+        return (mx.concatenate([self.big_keys, self.keys], axis=2),
+                mx.concatenate([self.big_values, self.values], axis=2), mask)
+
+    def attention_buffers(self):
+        return self.big_keys, self.big_values, (self.keys, self.values, mx.reshape(self.base, (1,)))
+
+
 class _BatchKVView(_KVView):
     """A batch's KV cache inside a trace: row b writes at its own length `lengths[b]`, and its
     queries see the whole buffer under a per-row mask (no slice to the longest row, whose length
@@ -87,12 +118,16 @@ class _RecurrentView:
 
 
 def _layout(caches) -> tuple[tuple[str, ...], list[mx.array]]:
-    """The caches' parts in a graph's key and their input arrays: attention (`kv`: keys, values),
-    a recurrent layer in its plain form (`rec`: conv, state) or picking its state from a
-    rolled-back pass (`pick`: window, states, kept)."""
+    """The caches' parts in a graph's key and their input arrays: attention (`kv`: keys, values;
+    `kvt` with a tail: keys, values, tail keys, tail values), a recurrent layer in its plain form
+    (`rec`: conv, state) or picking its state from a rolled-back pass (`pick`: window, states,
+    kept)."""
     kinds, arrays = [], []
     for c in caches:
-        if isinstance(c, (KVCache, BatchKVCache)):
+        if isinstance(c, KVCache) and c.base is not None:
+            kinds.append("kvt")
+            arrays += [c.keys, c.values, c.tail_keys, c.tail_values]
+        elif isinstance(c, (KVCache, BatchKVCache)):
             kinds.append("kv")
             arrays += [c.keys, c.values]
         else:
@@ -118,34 +153,43 @@ def traced(owner, caches: Sequence[KVCache | RecurrentCache], n_tokens: int, cap
 
 def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
         n_tokens: int, capture: bool = False, side: Callable[[], list] | None = None,
-        set_side: Callable[[list], None] | None = None, compiled: bool = True) -> list[mx.array]:
+        set_side: Callable[[list], None] | None = None, compiled: bool = True,
+        floor: int | None = None) -> list[mx.array]:
     """Runs `body(*args, views)` (which returns a list of arrays) as one compiled graph over
     `caches`, then writes the new cache contents back. `owner` keeps the traced graphs (one per
     shape key). `side()` lists extra per-forward values the body leaves on objects (MoE routing),
     returned through the graph and handed to `set_side`. Returns the body's outputs.
     `compiled=False` runs the same graph uncompiled (device-resident rounds where steps are not
-    compiled: the cache offsets are device values only this form takes)."""
+    compiled: the cache offsets are device values only this form takes). `floor`: a position no
+    later rollback of these caches returns below (the trunk's committed length); given, KV caches
+    with a tail write their new keys there (`KVCache.rebase`)."""
     for c in caches:
         if isinstance(c, KVCache):
-            c.reserve(c.limit + n_tokens)
+            if not (floor is not None and c.rebase(floor, n_tokens)):
+                c.settle()
+                c.reserve(c.limit + n_tokens)
     key, arrays = _key(caches, n_tokens, capture)
     kinds, width = key[1], key[3]
     fns = owner.__dict__.setdefault("_compiled_steps" if compiled else "_graph_steps", {})
     if key not in fns:
         layout: dict[str, int] = {}  # filled when the graph is traced: how many outputs are the body's
         reach: list = []  # uncompiled: per KV cache, a host bound of its offset after this step
-        fn = _traced(body, kinds, capture, side, layout,
-                     lambda keys, values, offsets, i: _KVView(keys, values, offsets[i], reach[i] if reach else None),
-                     width)
+        def view(arrays, offsets, bases, i):
+            if len(arrays) == 4:
+                return _TailKVView(*arrays, offsets[i], bases[i], reach[i] if reach else None)
+            return _KVView(*arrays, offsets[i], reach[i] if reach else None)
+
+        fn = _traced(body, kinds, capture, side, layout, view, width)
         fns[key] = (mx.compile(fn) if compiled else fn, layout, reach)
     fn, layout, reach = fns[key]
     kv = [c for c in caches if isinstance(c, KVCache)]
     if not compiled:
         reach[:] = [c.limit + n_tokens for c in kv]
     offsets = _offsets(kv)
+    bases = mx.array([0 if c.base is None else c.base for c in kv] or [0], dtype=mx.int32)
     saved = _release_kv(caches, KVCache)
     try:
-        outs = fn(offsets, *args, *arrays)
+        outs = fn(offsets, bases, *args, *arrays)
     except Exception:
         _restore(saved)
         raise
@@ -165,6 +209,9 @@ def _write_back(caches, rest: list, kv_type: type, grown: int = 0, tokens: int |
     for c in caches:
         if isinstance(c, kv_type):
             c.keys, c.values = rest[0], rest[1]
+            if getattr(c, "base", None) is not None:
+                c.tail_keys, c.tail_values = rest[2], rest[3]
+                rest = rest[2:]
             if getattr(c, "bound", None) is not None:
                 c.bound += grown
         else:
@@ -190,13 +237,13 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
     fns = owner.__dict__.setdefault("_compiled_steps", {})
     if key not in fns:
         layout: dict[str, int] = {}
-        fn = _traced(body, kinds, capture, None, layout, lambda keys, values, lengths, i: _BatchKVView(keys, values, lengths),
-                     width)
+        fn = _traced(body, kinds, capture, None, layout,
+                     lambda arrays, lengths, bases, i: _BatchKVView(*arrays, lengths), width)
         fns[key] = (mx.compile(fn), layout)
     fn, layout = fns[key]
     saved = _release_kv(layers, BatchKVCache)
     try:
-        outs = fn(batch.lengths, *args, *arrays)
+        outs = fn(batch.lengths, batch.lengths, *args, *arrays)
     except Exception:
         _restore(saved)
         raise
@@ -225,34 +272,45 @@ def _release_kv(caches, kv_type: type) -> list:
     saved = []
     for c in caches:
         if isinstance(c, kv_type):
-            saved.append((c, c.keys, c.values))
+            saved.append((c, c.keys, c.values, getattr(c, "tail_keys", None), getattr(c, "tail_values", None)))
             c.keys = c.values = None
+            if saved[-1][3] is not None:
+                c.tail_keys = c.tail_values = None
     return saved
 
 
 def _restore(saved: list) -> None:
-    for c, keys, values in saved:
+    for c, keys, values, tail_keys, tail_values in saved:
         c.keys, c.values = keys, values
+        if tail_keys is not None:
+            c.tail_keys, c.tail_values = tail_keys, tail_values
 
 
 def _traced(body: Callable, kinds: tuple[str, ...], capture: bool, side, layout: dict[str, int], kv_view: Callable,
             capture_width: int | None = None):
-    def fn(offsets, *flat):
-        n_cache = sum(3 if k == "pick" else 2 for k in kinds)
+    width_of = {"kv": 2, "kvt": 4, "rec": 2, "pick": 3}
+
+    def fn(offsets, bases, *flat):
+        n_cache = sum(width_of[k] for k in kinds)
         args, arrays = flat[:len(flat) - n_cache], flat[len(flat) - n_cache:]
         views, j, i_kv = [], 0, 0
         for kind in kinds:
-            if kind == "kv":
-                views.append(kv_view(arrays[j], arrays[j + 1], offsets, i_kv))
+            if kind in ("kv", "kvt"):
+                views.append(kv_view(arrays[j:j + width_of[kind]], offsets, bases, i_kv))
                 i_kv += 1
             else:
                 kept = arrays[j + 2] if kind == "pick" else None
                 views.append(_RecurrentView(arrays[j], arrays[j + 1], kept, capture, capture_width))
-            j += 3 if kind == "pick" else 2
+            j += width_of[kind]
         outs = list(body(*args, views))
         layout["body"] = len(outs)
         for v in views:
-            outs += [v.keys, v.values] if isinstance(v, _KVView) else [v.conv, v.state]
+            if isinstance(v, _TailKVView):
+                outs += [v.big_keys, v.big_values, v.keys, v.values]
+            elif isinstance(v, _KVView):
+                outs += [v.keys, v.values]
+            else:
+                outs += [v.conv, v.state]
         if side:
             outs += side()
         return outs

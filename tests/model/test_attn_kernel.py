@@ -300,3 +300,32 @@ def test_draft_mtp_greedy_equals_plain_with_kernels():
     for n_max in (1, 3, 6):
         spec = generate("def f(x):", model=mdl, max_tokens=40, spec="draft-mtp", n_max=n_max)
         assert spec.token_ids == plain.token_ids
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=str)
+def test_a_tail_reads_as_the_main_buffer(dtype):
+    """A cache whose positions from `base` on sit in a tail (`KVCache.rebase`, what compiled steps
+    write): the same output as one buffer holding every position (the main buffer's positions
+    past base hold garbage, which must not be read); a query before its tail's start gets NaN."""
+    import numpy as np
+    nh, nkv, d, nrot, width = 16, 4, 256, 64, 256
+    for pos, s, base in ((300, 1, 290), (300, 4, 300), (4096, 9, 3900), (5, 2, 0)):
+        cap = pos + s + 7
+        y, qn, _, keys, values = _inputs(nh, nkv, d, s, pos, seed=pos + s)
+        y = y[None]
+        keys, values = keys.astype(dtype), values.astype(dtype)
+        p = mx.array([pos], dtype=mx.int32)
+        one = attn_kernel.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0)
+        n = pos + s - base
+        pad = mx.zeros((1, nkv, width - n, d), dtype)
+        tail = (mx.concatenate([keys[:, :, base:pos + s], pad], axis=2),
+                mx.concatenate([values[:, :, base:pos + s], pad], axis=2), mx.array([base], dtype=mx.int32))
+        junk = mx.arange(cap)[None, None, :, None] >= base
+        big_k = mx.where(junk, 1e4, keys).astype(dtype)
+        big_v = mx.where(junk, -1e4, values).astype(dtype)
+        two = attn_kernel.attend(y, qn, big_k, big_v, p, nh, nkv, d, nrot, 1e-6, 10000.0, tail=tail)
+        assert float(mx.abs(one - two).max()) < 1e-4, (pos, s, base)
+    late = (tail[0], tail[1], mx.array([pos + 1], dtype=mx.int32))
+    bad = attn_kernel.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0, tail=late)
+    assert np.isnan(np.array(bad)).all()

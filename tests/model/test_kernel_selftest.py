@@ -16,7 +16,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(gdn_kernel, "_tested", None)
     monkeypatch.setattr(attn_kernel, "_tested", None)
     monkeypatch.setattr(gdn_kernel, "max_error", lambda d, s, seed=0, **kw: calls["gdn"].append((d, s, kw.get("batch", 1))) or 0.0)
-    monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0: calls["attn"].append(a) or 0.0)
+    monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0, dtype=None: calls["attn"].append(a) or 0.0)
     return calls
 
 
@@ -70,14 +70,15 @@ def test_a_passed_self_test_is_remembered_for_the_next_process(recorded, tiny_q4
         assert len(recorded["gdn"]) == 2 * n_gdn and len(recorded["attn"]) == n_attn
 
         gdn_kernel._tested = attn_kernel._tested = None  # a failing check is never remembered
-        monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0: 1.0)
+        monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0, dtype=None: 1.0)
         monkeypatch.setattr(attn_kernel, "_ATTEND_SOURCE", attn_kernel._ATTEND_SOURCE + "\n// changed")
         tiny_q4.model.use(opts)
         assert not any(getattr(layer.mixer, "fused_kernel", False) for layer in tiny_q4.model.layers
                        if hasattr(layer.mixer, "q_norm"))
-        k = selftest_cache.key("attn", attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE + attn_kernel._MERGE_SOURCE,
+        k = selftest_cache.key("attn", attn_kernel._HEADER + attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE
+                               + attn_kernel._MERGE_SOURCE,
                                (tiny_q4.model.cfg.n_head, tiny_q4.model.cfg.n_head_kv, tiny_q4.model.cfg.head_dim,
-                                tiny_q4.model.cfg.n_rot))
+                                tiny_q4.model.cfg.n_rot, opts.resolve().kv_dtype))
         assert not selftest_cache.passed(tmp_path, k)
     finally:
         monkeypatch.undo()

@@ -38,10 +38,18 @@ def test_estimate_without_mtp_drops_its_tensors_and_cache():
     assert without["weights"] == sum(load(path, load_mtp=False).model.nbytes().values())
 
 
+def _kv_rows(path) -> list[int]:
+    from mtp_engine.gguf.reader import open_header
+    return [t.shape[0] for t in open_header(path).tensors if t.name.endswith("attn_k.weight")]
+
+
 def test_kv_cache_scales_with_context():
     path = need(TINY_Q8)
     small, big = estimate(path, context=1024), estimate(path, context=8192)
-    assert big["kv_cache"] == 8 * small["kv_cache"] > 0
+    from mtp_engine.model import memory
+    tail = estimate(path, context=0)["kv_cache"]  # a compiled step's tails: the same at any context
+    assert tail > 0 and tail == sum(2 * memory._KV_TAIL * 4 * r for r in _kv_rows(path))
+    assert big["kv_cache"] - tail == 8 * (small["kv_cache"] - tail) > 0
     assert estimate(path)["context"] == 4096  # the model's context_length
 
 
@@ -144,6 +152,8 @@ def test_estimate_constants_follow_the_engine():
 
     assert memory._KV_STEP == KVCache(1, 1).step
     assert memory._KV_MAX_STEP == KVCache.max_growth
+    from mtp_engine.model.cache import KV_TAIL
+    assert memory._KV_TAIL == KV_TAIL
     assert memory._DELTA_CHUNK == delta_rule.CHUNK
     from mtp_engine.options import PREFILL_CHUNK
     assert memory._PREFILL_CHUNK == PREFILL_CHUNK["cpu"] and PlainDecoder.prefill_chunk is None
