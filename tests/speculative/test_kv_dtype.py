@@ -1,5 +1,4 @@
-"""A 16-bit attention cache (`EngineOptions.kv_dtype`): the GPU's default, where decoding at long
-context reads the whole cache every step. On any device: the caches take the type, drafting stays
+"""A 16-bit attention cache (`EngineOptions.kv_dtype`, half the cache's memory). On any device: the caches take the type, drafting stays
 lossless over it (greedy draft-mtp equals plain under the same cache), the model's answers move
 only by the rounding, and the memory check counts 2 bytes an element."""
 from __future__ import annotations
