@@ -12,6 +12,7 @@ takes its default from the environment (read here and nowhere else), then from t
 | `row_pad` | `MTP_ENGINE_PAD_ROWS` (an integer) | 8 on a GPU, 0 on the CPU |
 | `dequant_rows` | `MTP_ENGINE_DEQUANT_ROWS` (an integer) | 256 on a GPU, 0 on the CPU |
 | `prefill_chunk` | `MTP_ENGINE_PREFILL_CHUNK` (an integer) | 4096 on a GPU, 512 on the CPU |
+| `draft_vocab` | `MTP_ENGINE_DRAFT_VOCAB` (an integer) | 0 (the whole vocabulary) |
 | `kv_dtype` | `MTP_ENGINE_KV_DTYPE` (`float32`/`float16`/`bfloat16`) | float32 |
 | `cache_dir` | `MTP_ENGINE_CACHE_DIR` | `~/.cache/mtp-engine` |
 | `memory_limit` | `MTP_ENGINE_MEMORY_LIMIT` (bytes) | what the machine has |
@@ -28,7 +29,7 @@ from .errors import MTPEngineError
 ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
 ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
        "dequant_rows": "MTP_ENGINE_DEQUANT_ROWS", "prefill_chunk": "MTP_ENGINE_PREFILL_CHUNK",
-       "kv_dtype": "MTP_ENGINE_KV_DTYPE",
+       "kv_dtype": "MTP_ENGINE_KV_DTYPE", "draft_vocab": "MTP_ENGINE_DRAFT_VOCAB",
        "cache_dir": "MTP_ENGINE_CACHE_DIR",
        "memory_limit": "MTP_ENGINE_MEMORY_LIMIT"}
 
@@ -47,7 +48,7 @@ PREFILL_CHUNK = {"gpu": 4096, "cpu": 512}
 # logits by ~1e-3, so float32 stays the default everywhere; 16 bits halve the cache's memory
 KV_DTYPES = ("float32", "float16", "bfloat16")
 KV_DTYPE = {"gpu": "float32", "cpu": "float32"}
-_COUNTS = {"row_pad": 0, "dequant_rows": 0, "prefill_chunk": 1}  # integer options and their least value
+_COUNTS = {"row_pad": 0, "dequant_rows": 0, "prefill_chunk": 1, "draft_vocab": 0}  # integer options, least values
 
 
 def parse_kernels(value: str, what: str = "kernels") -> frozenset[str]:
@@ -92,6 +93,10 @@ class EngineOptions:
       dequantize the weight and run a dense product (on a GPU several times the 4-bit product's
       rate, on the tensor cores' float32 mode); 0: never.
     - `prefill_chunk`: prompt tokens per prefill forward (a long prompt's peak memory grows with it).
+    - `draft_vocab`: the MTP head drafts over the first N token ids only (a BPE vocabulary's
+      earliest merges, the most frequent tokens): its output product reads N rows instead of the
+      whole vocabulary at every draft step. Lossless: the verify decides every token, and a
+      sampled draft's distribution is zero outside those ids. 0: the whole vocabulary.
     - `kv_dtype`: the attention KV caches' element type ("float32", "float16" or "bfloat16");
       attention itself computes in float32 either way.
     - `cache_dir`: where round costs measured by earlier runs are kept (and, on CUDA, MLX's
@@ -104,6 +109,7 @@ class EngineOptions:
     row_pad: int | None = None
     dequant_rows: int | None = None
     prefill_chunk: int | None = None
+    draft_vocab: int | None = None
     kv_dtype: str | None = None
     cache_dir: str | os.PathLike | None = None
     memory_limit: int | None = None
@@ -192,6 +198,7 @@ class EngineOptions:
         if "prefill_chunk" not in values:
             gpu = _on_gpu() if gpu is None else gpu
             values["prefill_chunk"], sources["prefill_chunk"] = PREFILL_CHUNK["gpu" if gpu else "cpu"], "device"
+        values.setdefault("draft_vocab", 0)
         if "kv_dtype" not in values:
             gpu = _on_gpu() if gpu is None else gpu
             values["kv_dtype"], sources["kv_dtype"] = KV_DTYPE["gpu" if gpu else "cpu"], "device"

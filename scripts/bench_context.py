@@ -321,6 +321,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="trunk layers (8: a quick check)")
     ap.add_argument("--rows", default="512,2048,4096", help="the parts section's chunk sizes")
     ap.add_argument("--kv-dtypes", default="", help="cache types run plain beside the default (e.g. float32)")
+    ap.add_argument("--no-tail", action="store_true", help="also run plain without the KV tails (KVCache.rebase)")
     ap.add_argument("--out", default="out/context")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -347,6 +348,9 @@ def main() -> int:
         for dt in [x for x in a.kv_dtypes.split(",") if x and x != model.options.kv_dtype]:
             others[f"kv_{dt}"] = random_model(cfg)
             others[f"kv_{dt}"].use(model.options.updated(kv_dtype=dt))
+        if a.no_tail:  # the same model without compiled steps' KV tails (what the tail costs or saves)
+            others["no_tail"] = random_model(cfg)
+            others["no_tail"].kv_tail = 0
         result["kv_dtype"] = model.options.kv_dtype
         result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max, n_maxes, others)
     out = Path(a.out)

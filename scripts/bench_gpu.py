@@ -166,6 +166,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", default="64",
                     help="auto section: prompt lengths (comma-separated), each a row group of the table: "
                          "draft-mtp against plain at that context")
+    ap.add_argument("--draft-vocab", default="0",
+                    help="auto section: draft vocabularies, comma-separated (0: all ids; e.g. 0,32768)")
     ap.add_argument("--quick", action="store_true", help="loop+auto in a few minutes: 64 tokens, 1 repeat, "
                                                          "a in 0.5,0.7,0.9, n-max 1..3")
     ap.add_argument("--out", default=None, help="write result.json and result.md here")
@@ -271,13 +273,18 @@ def main() -> int:
                 moe = smoke_config() if a.smoke else config_a3b(40 if a.layers == 32 else a.layers)
                 model = random_model(dataclasses.replace(moe, context_length=cfg.context_length))
                 log({"built": shape, "s": round(time.perf_counter() - t0, 1)})
-            use(model, BEST)
-            for n in lengths:  # one prompt of n tokens: the verify then attends over n keys
-                ids = prompt if n == len(prompt) else [(7 * i) % (model.cfg.vocab_size - 200) + 100 for i in range(n)]
-                label = shape if len(lengths) == 1 else f"{shape}, {n}-token prompt"
-                out["auto"].append(bench_loop_auto.auto_section(model, ids, a.tokens, a.repeats, accs, ks, log,
-                                                                label))
-                _save(out, a.out)
+            for vocab in [int(x) for x in a.draft_vocab.split(",")]:
+                use(model, BEST)
+                if vocab:  # drafts over the first `vocab` ids (EngineOptions.draft_vocab)
+                    model.use(model.options.updated(draft_vocab=vocab))
+                for n in lengths:  # one prompt of n tokens: the verify then attends over n keys
+                    ids = prompt if n == len(prompt) else [(7 * i) % (model.cfg.vocab_size - 200) + 100
+                                                           for i in range(n)]
+                    label = shape if len(lengths) == 1 else f"{shape}, {n}-token prompt"
+                    label += f", drafts over {vocab} ids" if vocab else ""
+                    out["auto"].append(bench_loop_auto.auto_section(model, ids, a.tokens, a.repeats, accs, ks, log,
+                                                                    label))
+                    _save(out, a.out)
     _save(out, a.out)
     print(json.dumps(out, indent=1, default=str))
     print(bench_loop_auto.markdown(out))

@@ -267,7 +267,7 @@ class MTPBatchScheduler(BatchScheduler):
         for i in range(max(k, 1)):  # step 1 also when k = 0: the head's row for the last token
             h = mtp.forward_batch(m.embed_tokens(tok), h, self._head)
             if i < k:
-                d = mx.argmax(m.logits(h[:, -1]), axis=-1).astype(mx.int32)
+                d = mx.argmax(m.draft_logits(h[:, -1]), axis=-1).astype(mx.int32)
                 drafts.append(d)
                 tok = d[:, None]
         ids = mx.concatenate([last, mx.stack(drafts, axis=1)], axis=1) if k else last  # [B, k+1]

@@ -169,6 +169,7 @@ def build_tp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> TP
         head = Linear(*(a[v0:v1] if a is not None else None for a in (head.weight, head.scales, head.biases)),
                       bits=head.bits, group_size=head.group_size)
     model.lm_head = VocabShardHead(head, cfg.vocab_size, comm)
+    model.draft_head = None  # the first N rows are rank 0's: drafts score the whole vocabulary here
     model.cfg = local
     model.global_cfg = cfg
     # zero-width shares and null caches are not traced shapes the compiled steps were written for

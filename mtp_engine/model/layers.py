@@ -78,6 +78,13 @@ class Linear:
         # a bf16 table (HF checkpoints keep bf16) must not turn the float32 hidden stream into bf16
         return rows if rows.dtype == mx.float32 else rows.astype(mx.float32)
 
+    def first_outputs(self, n: int) -> "Linear":
+        """The product's first `n` output rows alone (the same arrays, sliced: no copy), run the
+        way this one runs."""
+        sub = lambda a: None if a is None else a[:n]  # noqa: E731
+        return Linear(self.weight[:n], sub(self.scales), sub(self.biases), self.bits, self.group_size,
+                      self.custom_kernel, self.row_pad, self.dequant_rows)
+
     def nbytes(self) -> int:
         n = self.weight.nbytes
         if self.quantized:

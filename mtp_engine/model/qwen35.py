@@ -300,6 +300,7 @@ class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
     resident_rounds = True  # `forward(resident=True)` takes device KV offsets (speculative/resident.py)
+    kv_tail: int | None = None  # positions of a compiled step's KV tail (None: `cache.KV_TAIL`; 0: none)
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
                  lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None,
@@ -350,6 +351,9 @@ class Qwen35Model:
             elif isinstance(obj, GatedAttention):
                 obj.fused_kernel = fused_attn
         self.kv_dtype = kv_dtype
+        n = opts.draft_vocab  # a sharded head (tensor parallel) holds other rows: it drafts over all of them
+        self.draft_head = self.lm_head.first_outputs(n) if (isinstance(self.lm_head, Linear)
+                                                            and 0 < n < self.lm_head.out_features) else None
         if self.mtp is not None:
             self.mtp.fused_norm, self.mtp.kv_dtype = self.fused_norm, self.kv_dtype
         for owner in (self, self.mtp):
@@ -399,8 +403,9 @@ class Qwen35Model:
                 caches.append(RecurrentCache(c.conv_kernel, c.conv_channels, c.ssm_value_heads, c.ssm_key_dim,
                                              c.ssm_value_dim))
             else:
+                tail = KV_TAIL if self.kv_tail is None else self.kv_tail
                 caches.append(KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype,
-                                      tail=KV_TAIL if self._compile_steps else 0))
+                                      tail=tail if self._compile_steps else 0))
         return TrunkCache(caches)
 
     def embed_tokens(self, ids: mx.array) -> mx.array:
@@ -460,6 +465,16 @@ class Qwen35Model:
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.lm_head(hidden)
+
+    def draft_logits(self, hidden: mx.array) -> mx.array:
+        """The MTP head's scores for a draft: `logits`, or with `EngineOptions.draft_vocab` N the
+        first N tokens' scored and the rest -inf (same shape, so penalties, sampling and the
+        acceptance rule read them as they read full logits)."""
+        if self.draft_head is None:
+            return self.logits(hidden)
+        head = self.draft_head(hidden)
+        rest = mx.full((*head.shape[:-1], self.lm_head.out_features - head.shape[-1]), -mx.inf, head.dtype)
+        return mx.concatenate([head, rest], axis=-1)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of weights held by the trunk and by the MTP head's own tensors."""

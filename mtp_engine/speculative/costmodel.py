@@ -95,7 +95,7 @@ def measure(model: Qwen35Model, max_verify: int, context: int = 64, repeats: int
 
         def draft():
             hm = model.mtp(model.embed_tokens(tok), h, mcache)
-            d = mx.argmax(model.logits(hm[0, 0]), axis=-1)
+            d = mx.argmax(model.draft_logits(hm[0, 0]), axis=-1)
             mx.eval(d, *mcache.state())
             mcache.truncate(mcache.offset - 1)
 

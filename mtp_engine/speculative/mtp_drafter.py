@@ -135,7 +135,7 @@ class MTPDrafter(Drafter):
             with prof.stage("draft") as out:
                 h_mtp = mtp(model.embed_tokens(tok), h_prev, self.cache)[:, -1:]
                 # the drafter sees the penalties its chain would meet (history + earlier drafts)
-                logits = sampler.penalize(model.logits(h_mtp[0, 0]),
+                logits = sampler.penalize(model.draft_logits(h_mtp[0, 0]),
                                           mx.stack(drafts).reshape(-1) if drafts else None, len(drafts))
                 allowed = grammar.allowed_after(host) if grammar is not None else None
                 if grammar is not None and allowed is None:  # the text ended (an end-of-sequence draft)
@@ -257,7 +257,8 @@ class MTPDrafter(Drafter):
             kept, bound = cache.offset, cache.bound
             drafts, qs, confident = [], [], []
             for i in range(k):
-                logits = sampler.penalize(model.logits(h[0, 0]), mx.stack(drafts) if drafts else None, len(drafts))
+                logits = sampler.penalize(model.draft_logits(h[0, 0]), mx.stack(drafts) if drafts else None,
+                                          len(drafts))
                 d = self._pick(logits, qs)
                 if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
                     confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) >= p_min)

@@ -695,8 +695,10 @@ def test_padded_prefill_of_several_lengths_equals_each_alone(models, path):
                 # bounded by the values' scale
                 if hasattr(x, "keys"):
                     assert x.offset == y.offset
-                    assert_close_at_scale(x.keys[:, :, :x.offset], y.keys[:, :, :y.offset], (split, b))
-                    assert_close_at_scale(x.values[:, :, :x.offset], y.values[:, :, :y.offset], (split, b))
+                    # `state`: a compiled step's keys may sit in the cache's tail (`KVCache.rebase`)
+                    (xk, xv), (yk, yv) = x.state(), y.state()
+                    assert_close_at_scale(xk, yk, (split, b))
+                    assert_close_at_scale(xv, yv, (split, b))
                 else:
                     assert mx.allclose(x.state, y.state, atol=1e-5)
                     assert_close_at_scale(x.conv, y.conv, (split, b))

@@ -36,6 +36,19 @@ def small_tail(monkeypatch):
     return moves
 
 
+def test_a_model_may_run_without_tails(models):
+    model = models(TINY_F32, exact=True).model
+    before = model.compile_steps
+    model.compile_steps = True
+    try:
+        assert all(c.tail for c in model.make_cache().layers if isinstance(c, KVCache))
+        model.kv_tail = 0
+        assert not any(c.tail for c in model.make_cache().layers if isinstance(c, KVCache))
+    finally:
+        model.kv_tail = None
+        model.compile_steps = before
+
+
 def _decode(model, compiled: bool, ids: list[int], n: int):
     before = model.compile_steps
     model.compile_steps = compiled
