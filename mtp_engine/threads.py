@@ -277,7 +277,7 @@ class _AheadStream:
 
     Waiting for the caller before each step put two thread wake-ups (~100 us each, the engine idle
     meanwhile) into every token: a server's worker decoded at 0.86x of the same stream on the main
-    thread (scripts/thread_decode_probe.py, H100). Each step now queues the next itself, at the back
+    thread (measured on an H100). Each step now queues the next itself, at the back
     of the engine's queue (other threads' streams still take turns), until RUN_AHEAD items wait
     unread; the caller's read then queues it again."""
 

@@ -51,8 +51,13 @@ def call_format(template: str | None) -> str:
     with tools."""
     fmt = template_format(template)
     if fmt is None:
-        raise MTPEngineError("the chat template does not render tools in a format this engine parses "
-                             "(Qwen's <function=...> XML or <tool_call>{json})", field="tools")
+        what = "the chat template (ChatML when the model has none) does not render tools" \
+            if not template or "tools" not in template else \
+            "the chat template does not render tools in a format this engine parses " \
+            "(Qwen's <function=...> XML or <tool_call>{json})"
+        raise MTPEngineError(f"{what}; give it one that does: --chat-template-file FILE (command line and "
+                             "server) or model.tokenizer.chat_template = ... (Python), e.g. Qwen3.5's own",
+                             field="tools")
     return fmt
 
 

@@ -304,7 +304,7 @@ def format_markdown(result: dict) -> str:
         name = "plain" if r["spec"] == "none" else f"draft-mtp n-max {r['n_max']} p-min {r['p_min']:g}"
         stages = r.get("stage_ms_per_token_timed") or r["stage_ms_per_token"]
         st = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]) if v >= 0.005)
-        if r.get("profile_overhead") and not 0.8 <= r["profile_overhead"] <= 1.25:
+        if _noisy(r):
             st += f" (noisy: the profiled pass ran at {r['profiled_tok_s']:.1f} tok/s)"
         acc = f"{r['acceptance']:.1%}" if r.get("acceptance") is not None else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
@@ -320,6 +320,18 @@ def format_markdown(result: dict) -> str:
     if notes:
         lines += ["", "Prediction vs measurement:"] + notes
     return "\n".join(lines) + "\n"
+
+
+def _noisy(row: dict) -> bool:
+    """Whether a row's profiled pass ran far from its timed speed (its stage shares are then a
+    poor guide): the table says so beside the stages, the plot beside the bar."""
+    return bool(row.get("profile_overhead")) and not 0.8 <= row["profile_overhead"] <= 1.25
+
+
+def bar_labels(rows: list[dict]) -> list[str]:
+    """The plot's bar names: plain or n-max/p-min, with the table's noisy mark."""
+    return [("plain" if r["spec"] == "none" else f"{r['n_max']}/{r['p_min']:g}") + (" (noisy)" if _noisy(r) else "")
+            for r in rows]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -345,7 +357,7 @@ def plot(result: dict, path: Path) -> None:
     a1.set_ylabel("decode tok/s")
     a1.set_title("throughput")
     a1.legend(fontsize=8)
-    labels = ["plain" if r["spec"] == "none" else f"{r['n_max']}/{r['p_min']:g}" for r in rows]
+    labels = bar_labels(rows)
     bottom = [0.0] * len(rows)
     for stage in ("decode",) + ROUND_STAGES:
         vals = [r["stage_ms_per_token"].get(stage, 0.0) for r in rows]

@@ -147,7 +147,7 @@ def _key(caches, n_tokens: int, capture: bool) -> tuple[tuple, list[mx.array]]:
 def traced(owner, caches: Sequence[KVCache | RecurrentCache], n_tokens: int, capture: bool = False) -> bool:
     """Whether `run` has a compiled graph for this forward already: a forward of a shape that may
     not recur (a prompt's prefill) runs uncompiled unless it has, since a trace costs more than
-    dispatching the operations once (`scripts/trace_cost.py`: 70-100 ms of host at the 9B shape)."""
+    dispatching the operations once (70-100 ms of host at the 9B shape, measured)."""
     return _key(caches, n_tokens, capture)[0] in owner.__dict__.get("_compiled_steps", {})
 
 

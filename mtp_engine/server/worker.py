@@ -50,8 +50,8 @@ class Job:
     Events cross from the worker to the loop through a deque, with at most one wake-up of the loop
     in flight: a token every ~2 ms on a GPU made one `call_soon_threadsafe` (a self-pipe write and
     a loop turn) and one `asyncio.Queue` get under `wait_for` (a task) per token, ~100-160 us of
-    the loop's time per token that the generation thread waited for under the GIL
-    (scripts/server_hops.py); the handler now takes whatever has arrived at each turn."""
+    the loop's time per token that the generation thread waited for under the GIL (measured,
+    docs/benchmarks.md "Server hand-over"); the handler now takes whatever has arrived at each turn."""
 
     def __init__(self, prepared: Prepared, trace: bool, loop: asyncio.AbstractEventLoop):
         self.prepared = prepared  # the request made concrete for the model (request.prepare)

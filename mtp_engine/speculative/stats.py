@@ -46,7 +46,8 @@ class RoundCounts:
             "drafting_rounds": self.drafting_rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            # nothing drafted: no rate (0.0 read as "every draft rejected")
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "mean_accepted_length": self.accepted / r,
             "tokens_per_round": (self.accepted + self.rounds) / r,
             "acceptance_per_position": [a / d if d else None for a, d in zip(accepted, drafted)],

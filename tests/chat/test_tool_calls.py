@@ -283,6 +283,7 @@ def test_generate_refuses_tools_it_cannot_use(tiny_q4, qwen35_tiny):
     with pytest.raises(MTPEngineError, match="does not render tools") as e:
         generate(messages=[{"role": "user", "content": "x"}], model=qwen35_tiny, tools=TOOLS, max_tokens=1)
     assert e.value.field == "tools"
+    assert "--chat-template-file" in str(e.value) and "chat_template" in str(e.value)  # the fix, named
 
 
 PING = {"type": "function", "function": {"name": "ping", "description": "no arguments"}}

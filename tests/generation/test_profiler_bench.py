@@ -113,3 +113,11 @@ def test_bench_at_a_chosen_prompt_length(tmp_path, capsys):
     f.write_text("x")
     assert main(["bench", "-m", path, "--prompt-tokens", "10", "--prompts", str(f)]) == 2
     assert "--prompts or --prompt-tokens" in capsys.readouterr().err
+
+
+def test_the_plot_marks_noisy_rows_as_the_table_does():
+    from mtp_engine.cli.bench import bar_labels
+    rows = [{"spec": "none", "n_max": 0, "p_min": 0.0, "profile_overhead": 1.02},
+            {"spec": "draft-mtp", "n_max": 3, "p_min": 0.0, "profile_overhead": 3.1, "profiled_tok_s": 9.0},
+            {"spec": "draft-mtp", "n_max": 2, "p_min": 0.5}]
+    assert bar_labels(rows) == ["plain", "3/0 (noisy)", "2/0.5"]

@@ -358,6 +358,12 @@ def test_spec_max_tokens_respected(code, code_greedy, n):
     assert r.finish_reason == "length" and r.stats["generated_tokens"] == n
 
 
+def test_acceptance_rate_is_null_when_nothing_was_drafted(tiny):
+    # 0.0 read as "every draft was rejected"; the JSON output says null
+    r = generate(PROMPT, tiny, max_tokens=8, spec="draft-mtp", n_max=0)
+    assert r.stats["drafted"] == 0 and r.stats["acceptance_rate"] is None
+
+
 @pytest.mark.parametrize("n_max", [1, 3])
 def test_spec_stats(tiny, n_max):
     r = generate(PROMPT, tiny, max_tokens=24, spec="draft-mtp", n_max=n_max)
