@@ -1,4 +1,4 @@
-"""Where a batched decode step's time goes (issue 27): the 9B shape with random 4-bit weights, one
+"""Where a batched decode step's time goes: the 9B shape with random 4-bit weights, one
 step of B sequences split into its parts, each part timed alone (synchronised, median of n):
   - a gated-delta-net mixer, an attention mixer, an FFN, the output head over B rows;
   - the whole trunk step, uncompiled and compiled (`forward_batch`), compiled without the fused GDN

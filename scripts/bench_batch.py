@@ -1,4 +1,4 @@
-"""Continuous batching against one stream at a time, in one process (issue 27's benchmark).
+"""Continuous batching against one stream at a time, in one process.
 
 For each concurrency C (default 1, 2, 4, 8, 16): C threads each stream one greedy completion of
 T tokens (a different prompt each, EOS ignored) from a model loaded with `parallel=C`
@@ -22,7 +22,7 @@ tokenizer, so its vocabulary is the tokenizer's 8192 rows instead of 248320 (the
 16 MB instead of 0.5 GB, ~10% of a step's weights); every other matrix is the 9B one. Random
 weights draft nothing useful: `--oracle A` makes the batched draft-mtp rounds accept each draft
 with probability A (`batching.ablations.OracleBatchScheduler`; their outputs are not compared),
-the figure of issue 27's "draft-mtp at 4 streams >= 1.2x plain batching at acceptance 0.8".
+the figure of "draft-mtp at 4 streams against plain batching at acceptance 0.8".
 """
 from __future__ import annotations
 

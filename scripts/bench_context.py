@@ -168,7 +168,7 @@ def step(model, lengths, steps: int = 40) -> list[dict]:
     buffer copied instead of written in place shows as its size). Variants: the defaults (a
     16-bit cache on a GPU), a float32 cache, without the attention kernel (MLX's sdpa over the
     capacity under a mask), uncompiled."""
-    from mtp_engine.model.cache import KVCache
+    from mtp_engine.model.kv_cache import KVCache
 
     before = model.options
     variants = {"default": before, "kv_f32": before.updated(kv_dtype="float32"),

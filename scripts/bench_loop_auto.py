@@ -1,4 +1,4 @@
-"""GPU sections of `scripts/bench_gpu.py` for the decode loop and n-max auto (issues 12.4, 13):
+"""GPU sections of `scripts/bench_gpu.py` for the decode loop and n-max auto:
 
   loop  plain decode tok/s of our pipelined loop, our unpipelined loop, and mlx-lm's own
         `generate_step` (its pipelined path) on the same shape and weight format, one process,

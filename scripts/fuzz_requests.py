@@ -1,4 +1,4 @@
-"""Hostile traffic against a live `mtp-engine serve` (issue 28): random and mutated OpenAI bodies,
+"""Hostile traffic against a live `mtp-engine serve`: random and mutated OpenAI bodies,
 raw bytes, clients that disconnect at a random point, clients that trickle or never finish their
 headers, several at once. Counts answers by status and checks the server afterwards: no 5xx, still
 alive, file descriptors and memory back near where they started.

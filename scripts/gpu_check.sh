@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
-# decode benchmarks, the server's overhead (issue 16), each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
+# decode benchmarks, the server's overhead, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
 # Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|context|batch|batch9b|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
@@ -23,9 +23,10 @@ left() {  # left MAX MIN: seconds this section may take, or nothing when fewer t
 # (gpu_stage.sh stages it) both groups fit one call; in one process each needs its own (tests1, tests2).
 group1="tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py tests/model/test_kernel_selftest.py
     tests/model/test_qmv_kernels.py tests/model/test_compiled_step.py tests/model/test_model_llamacpp.py
-    tests/model/test_kernel_cache.py tests/model/test_kernel_warmup.py"
+    tests/model/test_kernel_cache.py tests/model/test_kernel_warmup.py tests/model/test_kv_tail.py"
 group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.py tests/generation/test_constraint.py
-    tests/batching/test_batching.py tests/speculative/test_capture_width.py tests/speculative/test_long_context.py"
+    tests/batching/test_batching.py tests/speculative/test_capture_width.py tests/speculative/test_long_context.py
+    tests/speculative/test_kv_dtype.py tests/speculative/test_draft_vocab.py"
 gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU
     t=$(left 580 120 "$1") || return 0
     timeout "$t" python3 -m pytest -q -p no:cacheprovider --tb=short --durations=12 $workers -k "not serve_parallel" \
@@ -46,7 +47,7 @@ if [ "$what" = kernels ]; then  # the custom kernels alone against the MLX path 
         tests/model/test_kernel_source.py > "$out/kernels.log" 2>&1
     echo "kernels rc=$?"; grep -E "passed|failed" "$out/kernels.log" | tail -1
 fi
-if [ "$what" = spec ]; then  # issue 23: a round's parts, then auto's speedups, at the 9B shape
+if [ "$what" = spec ]; then  # a round's parts, then auto's speedups, at the 9B shape
     timeout 200 python3 scripts/round_burst.py --ks 0,3,4 --repeats 3 > "$out/round_burst.txt" 2>&1
     echo "round_burst rc=$?"; tail -3 "$out/round_burst.txt"
     timeout 330 python3 scripts/bench_gpu.py --sections auto --tokens 128 --repeats 2 --shapes 9b \
@@ -71,19 +72,21 @@ if [ "$what" = bench ]; then  # not in `all`: with the suite it would not fit on
     echo "loop rc=$?"
 fi
 if [ "$what" = context ]; then  # long prompts and contexts: prefill, decode and draft-mtp against the prompt's length
-    timeout 300 python3 scripts/bench_context.py --sections step,parts,context --lengths 512,8192,32768 \
-        --rows 512,4096 --tokens 48 --repeats 1 --n-max auto --peer-max 2048 --out "$out/context" > "$out/context.log" 2>&1
+    # step: what a pipelined step allocates beyond the cache; context: each length warmed first, plain
+    # beside the same model without KV tails
+    timeout 330 python3 scripts/bench_context.py --sections step,context --lengths 512,8192,32768 \
+        --tokens 128 --repeats 1 --n-max 3,auto --no-tail --peer-max 2048 --out "$out/context" > "$out/context.log" 2>&1
     echo "context rc=$?"; tail -4 "$out/context.log"
     timeout 260 python3 scripts/bench_gpu.py --sections auto --tokens 128 --repeats 1 --shapes 9b --accs 0.8 \
         --prompt-tokens 512,8192,32768 --out "$out/auto-context" > "$out/auto-context.log" 2>&1
     echo "auto-context rc=$?"; tail -16 "$out/auto-context.log"
 fi
-if [ "$what" = batch ]; then  # continuous batching (issue 27): the shipped model, then pass -m for the 9B shape
+if [ "$what" = batch ]; then  # continuous batching: the shipped model, then pass -m for the 9B shape
     timeout 500 python3 scripts/bench_batch.py -t 64 --concurrency 1,2,4,8,16 --repeats 3 --out "$out/batch.json" \
         --plot "$out/batch.png" > "$out/batch.log" 2>&1
     echo "batch rc=$?"; tail -5 "$out/batch.log"
 fi
-if [ "$what" = batch9b ]; then  # issue 27's targets: the 9B shape, a batched step's parts, then streams at 1, 4, 8
+if [ "$what" = batch9b ]; then  # batching at the 9B shape, a batched step's parts, then streams at 1, 4, 8
     timeout 150 python3 scripts/batch_step_probe.py --batches 1,4,8 --n 10 > "$out/batch_step.txt" 2>&1
     echo "batch_step rc=$?"; tail -3 "$out/batch_step.txt"
     timeout 400 python3 scripts/bench_batch.py --random-9b -t 64 --concurrency 1,4,8 --repeats 2 \

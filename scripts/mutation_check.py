@@ -1,4 +1,4 @@
-"""Deliberate bugs against the test suite (issue 25 point 6): each mutation is applied to a copy of
+"""Deliberate bugs against the test suite: each mutation is applied to a copy of
 the repository, the tests that should catch it run there as a bare clone would run them
 (`MTP_FIXTURES` = the vendored set), and the mutation is reported caught (a test failed) or missed.
 

@@ -28,7 +28,7 @@ def main() -> int:
                                                      ("stored", "+0.3", "-0.3", "prior")) + " |")
     print("|---|---|---|---|---|---|---|")
     worst = []
-    for name, dev in (("CPU-like", CPU), ("GPU-like", GPU), ("H200 9B curve", H200_9B), ("H200 9B, session 11", H200_9B_S11), ("H200 MoE curve", MOE)):
+    for name, dev in (("CPU-like", CPU), ("GPU-like", GPU), ("H200 9B curve", H200_9B), ("H200 9B, an earlier curve", H200_9B_S11), ("H200 MoE curve", MOE)):
         for acc in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9):
             fixed = [simulate(dev, lambda i: acc, a.rounds, fixed_k=k).rate for k in range(9)]
             best = max(range(9), key=lambda k: fixed[k])

@@ -91,14 +91,14 @@ CPU = SimDevice(verify={s: 0.95 * s + 0.05 for s in range(1, 10)}, draft=0.3, ro
 GPU = SimDevice(verify={s: 1.0 + 0.12 * (s - 1) for s in range(1, 10)}, draft=0.1)  # few rows ~ one
 H200_9B = SimDevice(verify={1: 1.0, 2: 1.84, 3: 2.2, 4: 2.7, 5: 3.14, 6: 3.6, 7: 4.0, 8: 2.79, 9: 3.0},
                     draft=0.12)  # the 9B shape's measured curve (docs/benchmarks.md)
-# session 11's H200 9B rounds (bench_gpu.py --sections auto): t(k) / t(0) ~ 1.6, 1.75, 2.2, 2.25 for
+# an earlier H200 9B curve (bench_gpu.py --sections auto): t(k) / t(0) ~ 1.6, 1.75, 2.2, 2.25 for
 # k = 1..4: a 4-draft round costs about a 3-draft one, which a linear prior does not foresee
 H200_9B_S11 = SimDevice(verify={2: 1.45, 3: 1.5, 4: 1.85, 5: 1.8, 6: 2.3, 7: 2.5, 8: 2.7, 9: 2.9}, draft=0.1)
 H100_9B = SimDevice(verify={2: 1.2, 3: 1.2, 4: 1.2, 5: 1.2, 6: 1.6, 7: 1.8, 8: 2.0, 9: 2.2},
-                    draft=0.1)  # session 15's 9B rounds on an H100: t(k)/t(0) ~ 1.35-1.65 for k = 1..4
+                    draft=0.1)  # 9B rounds on an H100: t(k)/t(0) ~ 1.35-1.65 for k = 1..4
 MOE = SimDevice(verify={1: 1.0, 2: 1.37, 3: 1.66, 4: 1.96, 5: 2.81, 6: 2.90, 7: 3.2, 8: 3.5, 9: 3.8},
                 draft=0.10)  # 35B-A3B shape, measured
-# session 16's 9B rounds on an H100 (docs/benchmarks.md, auto_trace): t(k)/t(0) ~ 1.29, 1.30, 1.44,
+# later 9B rounds on an H100 (docs/benchmarks.md, auto_trace): t(k)/t(0) ~ 1.29, 1.30, 1.44,
 # 1.53 for k = 1..4 (auto's steady rounds at a = 0.5 and 0.8); a round after one of another k cost
 # ~0.4 step more (auto's rounds of each k against fixed n-max's, 25 changes of k in 67 rounds)
 H100_9B_S16 = SimDevice(verify={2: 1.15, 3: 1.07, 4: 1.12, 5: 1.12, 6: 1.6, 7: 1.8, 8: 2.0, 9: 2.2}, draft=0.09,

@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..model.build import _layer
-from ..model.cache import KVCache, RecurrentCache, TrunkCache
+from ..model.cache import RecurrentCache, TrunkCache
+from ..model.kv_cache import KVCache
 from ..model.config import Qwen35Config
 from ..model.expert_use import ExpertUse
 from ..model.layers import Linear

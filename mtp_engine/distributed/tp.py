@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import MTPEngineError
 from ..model.build import build_model
-from ..model.cache import KVCache, RecurrentCache, TrunkCache
+from ..model.cache import RecurrentCache, TrunkCache
+from ..model.kv_cache import KVCache
 from ..model.config import Qwen35Config
 from ..model.layers import Linear
 from ..model.qwen35 import DecoderLayer, Qwen35Model

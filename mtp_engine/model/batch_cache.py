@@ -18,7 +18,8 @@ import contextlib
 
 import mlx.core as mx
 
-from .cache import KVCache, RecurrentCache, TrunkCache, roll_back_recurrent
+from .cache import RecurrentCache, TrunkCache, roll_back_recurrent
+from .kv_cache import KVCache
 
 
 class BatchKVCache:

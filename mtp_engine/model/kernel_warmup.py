@@ -2,7 +2,7 @@
 
 Why: each kernel variant is one NVRTC compile (~2 s, CPU-bound, one thread) the first time a GPU
 and an MLX version meet it. Compiled one by one at their first launches, a fresh H100 paid 23.4 s
-for a model's eleven before its first token (session 16). Listed ahead instead (the self-tests and
+for a model's eleven before its first token. Listed ahead instead (the self-tests and
 every row count the model's products may take, called under `kernel_cache.recording`, which
 launches nothing), they compile at once on the machine's cores, so a first run pays for its slowest
 kernel, and a later process finds them all stored (`kernel_cache.store`) and compiles nothing.

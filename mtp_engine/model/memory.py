@@ -37,7 +37,7 @@ ENV_LIMIT = ENV["memory_limit"]
 _F32 = 4
 _KV_STEP = 256  # KVCache.step
 _KV_MAX_STEP = 8192  # KVCache.max_growth: reserve grows by min(capacity, this)
-_KV_TAIL = 256  # cache.KV_TAIL: a compiled step's tail buffers per attention layer
+_KV_TAIL = 256  # kv_cache.KV_TAIL: a compiled step's tail buffers per attention layer
 _PREFILL_CHUNK = 512  # EngineOptions' prefill_chunk on the CPU (check_fits passes the options')
 _DELTA_CHUNK = 64  # delta_rule.CHUNK
 # A captured verify keeps the state before it (rollback rebuilds any later one from small per-token

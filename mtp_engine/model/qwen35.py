@@ -16,7 +16,8 @@ import mlx.core as mx
 from ..options import EngineOptions
 from . import attn_kernel, gdn, gdn_kernel, kernel_warmup, kernels, mma_kernel, norm_kernel, selftest_cache
 from . import step as compiled
-from .cache import KV_TAIL, KVCache, RecurrentCache, TrunkCache, pick_state
+from .cache import RecurrentCache, TrunkCache, pick_state
+from .kv_cache import KV_TAIL, KVCache
 from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .fused import fused
@@ -300,7 +301,7 @@ class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
     resident_rounds = True  # `forward(resident=True)` takes device KV offsets (speculative/resident.py)
-    kv_tail: int | None = None  # positions of a compiled step's KV tail (None: `cache.KV_TAIL`; 0: none)
+    kv_tail: int | None = None  # positions of a compiled step's KV tail (None: `kv_cache.KV_TAIL`; 0: none)
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
                  lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None,

@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from .batch_cache import BatchCache, BatchKVCache
-from .cache import KVCache, RecurrentCache, shift_offsets
+from .cache import RecurrentCache
+from .kv_cache import KVCache, shift_offsets
 
 MAX_TOKENS = 16
 

@@ -43,8 +43,8 @@ def _read_all(folder: Path) -> dict:
 
 def default_seed(gpu: bool | None = None, moe: bool = False) -> dict[int, float]:
     """Round costs in plain steps before anything was measured on this model and device. On a GPU a
-    dense model's device-resident round costs ~1.2 + 0.12 k steps (the 9B shape on an H100, session
-    15: t(k)/t(0) 1.29-1.42, 1.39-1.53, 1.45-1.64, 1.5-1.75 for k = 1..4); an MoE model's verify rows
+    dense model's device-resident round costs ~1.2 + 0.12 k steps (the 9B shape on an H100:
+    t(k)/t(0) 1.29-1.42, 1.39-1.53, 1.45-1.64, 1.5-1.75 for k = 1..4); an MoE model's verify rows
     reach other experts, so its rounds grow faster (~1.05 + 0.35 k: the 35B-A3B shape's verify curve
     V = 1.37, 1.66, 1.96 for 2-4 rows). MLX's CPU backend costs ~S steps for S rows and ~0.3 per draft
     step (docs/benchmarks.md), where no draft length can pay."""

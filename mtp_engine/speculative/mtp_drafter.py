@@ -19,7 +19,7 @@ from ..constraint import masked
 from ..errors import MTPEngineError
 from ..generation.decode import kv_capacity
 from ..generation.sampling import distribution
-from ..model.cache import KVCache
+from ..model.kv_cache import KVCache
 from ..model.qwen35 import Qwen35Model
 from .drafter import Draft, DraftContext, Drafter
 

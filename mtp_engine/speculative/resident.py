@@ -1,7 +1,7 @@
 """Device-resident speculative rounds: the host queues round r+1 before it reads round r.
 
 A host-driven round waits for the verify, reads the accepted count, rolls back and only then
-drafts, so the device idles through every host decision (issue 23: 0.75x of plain at 9B on an
+drafts, so the device idles through every host decision (0.75x of plain at 9B on an
 H200 with acceptance 0.8). Here the round is `round.draft_round` (draft, verify, accept, commit:
 every decision a lazy MLX value) and this module is the pipelining layer around it:
 

@@ -1,4 +1,4 @@
-"""The pipelined decode loop (issue 12.4): the next step queued before the host read gives the same
+"""The pipelined decode loop: the next step queued before the host read gives the same
 tokens, queues nothing past max_tokens, and the stats report time to first token, load and
 compile time; n-max auto says once why it did not draft."""
 from __future__ import annotations

@@ -202,7 +202,7 @@ def test_a_forked_kv_cache_never_sees_the_other_ones_writes():
     cache's later writes stay its own, whichever writes first (`update` writes in place)."""
     import mlx.core as mx
 
-    from mtp_engine.model.cache import KVCache
+    from mtp_engine.model.kv_cache import KVCache
 
     def row(value):
         return mx.full((1, 1, 1, 2), float(value))

@@ -1,4 +1,4 @@
-"""Independent oracles for sampling and acceptance (issue 25 point 2): a float64 NumPy statement of
+"""Independent oracles for sampling and acceptance: a float64 NumPy statement of
 llama.cpp's filter chain that `sampling.distribution` must match, the rejection samplers (host and
 device) checked against the exact target distribution rather than against plain sampling, and
 acceptance counted on hand-built rounds (all k accepted, the first rejected, one in the middle)."""
@@ -160,7 +160,7 @@ def test_greedy_acceptance_on_hand_built_rounds(drafts, target, n, emitted):
     assert int(cut_n) == min(n, 1) and np.array(cut).tolist()[min(n, 1)] == target[min(n, 1)]
 
 
-# ---- the prompt cache's reuse rule at every boundary (issue 25 point 3) ---------------------------
+# ---- the prompt cache's reuse rule at every boundary ---------------------------
 class _Trunk:
     def snapshot(self) -> list:
         return []

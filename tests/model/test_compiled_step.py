@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import MOE_Q4, TINY_F32
 from mtp_engine.generation.decode import PlainDecoder
-from mtp_engine.model.cache import KVCache
+from mtp_engine.model.kv_cache import KVCache
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 

@@ -95,7 +95,7 @@ def test_an_unreadable_verdict_file_means_checking_again(tmp_path):
 
 
 def test_a_first_run_says_which_kernels_it_compiles_and_tests(recorded, tiny_q4, monkeypatch, tmp_path):
-    """On a GPU a first run compiles and tests its custom kernels (seconds each, issue 24): the
+    """On a GPU a first run compiles and tests its custom kernels (seconds each): the
     command line says so as each starts, and how it ended; a run that finds the verdicts kept
     says nothing."""
     import io

@@ -1,4 +1,4 @@
-"""KV caches with a tail (`model/cache.py`, `KVCache.rebase`): a compiled step writes its new keys
+"""KV caches with a tail (`model/kv_cache.py`, `KVCache.rebase`): a compiled step writes its new keys
 into a small tail buffer instead of the whole-context one (which a pipelined GPU step would copy
 whole). Against the uncompiled model (one buffer): decode and draft-mtp with a tail small enough
 to move many times, rollbacks before the tail, and every path that reads the cache outside a step."""
@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import MOE_Q4, TINY_F32
 from mtp_engine import generate
 from mtp_engine.model import qwen35
-from mtp_engine.model.cache import KVCache
+from mtp_engine.model.kv_cache import KVCache
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ def test_kv_cache_scales_with_context():
 def test_estimate_bounds_measured_peak():
     """A 600-token prefill and a few speculative rounds stay within the prediction for that context.
     The full set's Q8_0 file only: on the vendored Q4_K_M the prediction holds by 0.2% alone and
-    failed by 0.17% after other tests in the same worker (issue 25: to be understood, not loosened)."""
+    failed by 0.17% after other tests in the same worker (to be understood, not loosened)."""
     path = need(TINY / "qwen35-mtp-tiny-Q8_0.gguf")
     # MLX's peak is process-wide: arrays of earlier tests still waiting in garbage cycles would count
     gc.collect()
@@ -148,11 +148,11 @@ def test_estimate_constants_follow_the_engine():
     from mtp_engine.model import memory
     from mtp_engine.generation.decode import PlainDecoder
     from mtp_engine.model import delta_rule
-    from mtp_engine.model.cache import KVCache
+    from mtp_engine.model.kv_cache import KVCache
 
     assert memory._KV_STEP == KVCache(1, 1).step
     assert memory._KV_MAX_STEP == KVCache.max_growth
-    from mtp_engine.model.cache import KV_TAIL
+    from mtp_engine.model.kv_cache import KV_TAIL
     assert memory._KV_TAIL == KV_TAIL
     assert memory._DELTA_CHUNK == delta_rule.CHUNK
     from mtp_engine.options import PREFILL_CHUNK

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from mtp_engine.model.build import build_model
-from mtp_engine.model.cache import KVCache, RecurrentCache
+from mtp_engine.model.cache import RecurrentCache
+from mtp_engine.model.kv_cache import KVCache
 from mtp_engine.model.config import Qwen35Config
 from mtp_engine.model.layers import Linear
 

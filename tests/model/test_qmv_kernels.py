@@ -1,4 +1,4 @@
-"""The custom few-row quantized products on a CUDA GPU (issue 25 point 4): the CUDA-core kernel
+"""The custom few-row quantized products on a CUDA GPU: the CUDA-core kernel
 (one row) and the tensor-core kernel (2..8 rows) against MLX's `quantized_matmul`, through the
 `Linear` the model uses, for 1..16 rows (9..16 take MLX's own path), 4- and 8-bit, groups
 32/64/128, shapes that do and do not fill a block. Skipped where MLX has no CUDA device."""

@@ -1,4 +1,4 @@
-"""Options as objects (issue 14.3): `SpecConfig` and `SamplerConfig` given to generate /
+"""Options as objects: `SpecConfig` and `SamplerConfig` given to generate /
 stream_generate are the same request as the flat keywords; "auto" is None inside the engine."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile inputs to the Python API and the command line (issue 28): each gets the right result or
+"""Hostile inputs to the Python API and the command line: each gets the right result or
 one clear error (the engine's own exception, naming what and where) in bounded time, and nothing a
 user owns is overwritten."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Property tests for the server's request parsing (issue 28): whatever JSON a client sends, and
+"""Property tests for the server's request parsing: whatever JSON a client sends, and
 whatever bytes, the answer is a parsed request or a 4xx `APIError` naming the problem, in bounded
 time; never another exception (a 500) and never a hang. Bodies are random JSON, and valid
 requests with one field replaced by random JSON (the mutations a fuzzer would make)."""

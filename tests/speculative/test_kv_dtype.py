@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from tests.conftest import SHIPPED, TINY_Q4, need
 from mtp_engine import EngineOptions, generate, load
-from mtp_engine.model.cache import KVCache
+from mtp_engine.model.kv_cache import KVCache
 from mtp_engine.model.memory import estimate
 
 

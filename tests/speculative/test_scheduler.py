@@ -273,7 +273,7 @@ def test_the_first_runs_prior_fits_the_model_kind_in_a_128_token_run():
 def test_a_change_of_draft_length_is_charged_what_it_was_measured_to_cost():
     """On an H100 a pipelined round next to a change of k cost ~0.4 plain step more than its k's
     steady rounds, and auto at acceptance 0.5 (k = 2..4 near-equal) changed k 25 times in 67 rounds
-    (docs/benchmarks.md, session 16). The scheduler measures that cost from the rounds beside a
+    (docs/benchmarks.md). The scheduler measures that cost from the rounds beside a
     change and charges it to leaving the current length. Over 12 seeds of a 128-token run on the
     simulated H100 (switch 0.4 step): ~7.6 changes instead of 12.4, 0.91 of the best fixed n-max
     instead of 0.89; synchronous rounds (all steady) measure no cost and change nothing."""

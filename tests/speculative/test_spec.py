@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import TINY, TINY_TOKENIZER, TRAINED, TRAINED_GGUF, need
 from mtp_engine import MTPEngineError, load
 from mtp_engine import generate
-from mtp_engine.model.cache import KVCache
+from mtp_engine.model.kv_cache import KVCache
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
