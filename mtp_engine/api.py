@@ -22,7 +22,7 @@ from .model.loaded import Model
 from .model.loader import load_gguf
 from .model.memory import check_fits, estimate
 from .options import EngineOptions, model_path_from_env
-from .request.keywords import request_from_keywords
+from .request.keywords import keyword_signature, request_from_keywords
 from .request.prepare import Prepared, chat_template_note, make_decoder, prepare
 from .request.request import GenerationRequest
 from .speculative.config import SPEC_METHODS, SpecConfig
@@ -222,17 +222,8 @@ def _resolve(model) -> Model:
     raise MTPEngineError(f"expected a path or a loaded Model, found {type(model).__name__}", field="model")
 
 
-def stream_generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
-                    messages: list[dict] | None = None, max_tokens: int = 256, spec: str | SpecConfig | None = None,
-                    n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0,
-                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                    stop: list[str] | str | None = None, ignore_eos: bool = False,
-                    profile: str | None = None, _prompt_ids_out: list | None = None,
-                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-                    repeat_last_n: int = 64, logprobs: int | None = None,
-                    sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
-                    prompt_cache: PromptCache | None = None, constraint: Constraint | None = None,
-                    tool_choice: str | dict = "auto") -> Iterator[Chunk]:
+def stream_generate(prompt: str | list[int] | None = None, model: Model | str | None = None,
+                    **keywords) -> Iterator[Chunk]:
     """Streams text chunks; the last chunk carries `finish_reason` and `stats`.
 
     `prompt` is text (or token ids); `messages` renders the model's chat template instead.
@@ -269,21 +260,20 @@ def stream_generate(prompt: str | list[int] | None = None, model: Model | str | 
     refused (MTPEngineError naming the argument and the index), never replaced; a prompt longer
     than the context is refused after tokenizing about one context of it. The chat template renders
     under the budget of `mtp_engine.chat.template.RenderLimits`."""
-    req = request_from_keywords(prompt, messages=messages, max_tokens=max_tokens, spec=spec, n_max=n_max,
-                                n_min=n_min, p_min=p_min, temperature=temperature, top_k=top_k, top_p=top_p,
-                                min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, logprobs=logprobs,
-                                sampler=sampler, tools=tools, prompt_cache=prompt_cache, constraint=constraint,
-                                tool_choice=tool_choice)
+    prepared, m = _prepared(prompt, model, "stream_generate", keywords)
+    yield from stream_request(prepared, m)
+
+
+def _prepared(prompt, model, caller: str, keywords: dict) -> tuple[Prepared, Model]:
+    """The request of the API's keywords (`request.keywords.KEYWORDS`, checked before a model is
+    loaded), prepared for the model; and the model."""
+    req = request_from_keywords(prompt, caller=caller, **keywords)
     m = _resolve(model)
     prepared = prepare(m, req)
-    note = chat_template_note(m) if messages is not None else None
+    note = chat_template_note(m) if req.messages is not None else None
     if note:  # the command line and the server say it once, at load
         warnings.warn(note, stacklevel=3)
-    if _prompt_ids_out is not None:
-        _prompt_ids_out.extend(prepared.prompt_ids)
-    yield from stream_request(prepared, m)
+    return prepared, m
 
 
 def stream_request(request: GenerationRequest | Prepared, model: Model | str | None = None) -> Iterator[Chunk]:
@@ -355,7 +345,8 @@ def batch_generate(prompts: list[str | list[int]], model: Model | str | None = N
     prepared = []
     for i, p in enumerate(prompts):
         try:
-            prepared.append(prepare(m, request_from_keywords(p, max_tokens=max_tokens, **kwargs)))
+            prepared.append(prepare(m, request_from_keywords(p, caller="batch_generate", max_tokens=max_tokens,
+                                                             **kwargs)))
         except MTPEngineError as e:
             raise MTPEngineError(f"prompts[{i}]: {e}", field=e.field) from None
     n = parallel if parallel is not None else min(len(prompts), DEFAULT_PARALLEL)
@@ -380,27 +371,17 @@ def _drive(scheduler: BatchScheduler, until) -> None:
     scheduler.drive(until)
 
 
-def generate(prompt: str | list[int] | None = None, model: Model | str | None = None, *,
-             messages: list[dict] | None = None, max_tokens: int = 256, spec: str | SpecConfig | None = None,
-             n_max: int | str = "auto", n_min: int = 0, p_min: float = 0.0, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-             stop: list[str] | str | None = None, ignore_eos: bool = False,
-             profile: str | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             repeat_penalty: float = 1.0, repeat_last_n: int = 64, logprobs: int | None = None,
-             sampler: SamplerConfig | None = None, tools: list[dict] | None = None,
-             prompt_cache: PromptCache | None = None, constraint: Constraint | None = None,
-             tool_choice: str | dict = "auto") -> GenerationResult:
+def generate(prompt: str | list[int] | None = None, model: Model | str | None = None,
+             **keywords) -> GenerationResult:
     """Generates up to `max_tokens` tokens; returns text, token ids and statistics.
 
     Example: `generate("def fib(n):", spec="draft-mtp", n_max=3)`, or with the options as objects
     `generate("def fib(n):", spec=SpecConfig(n_max=3), sampler=SamplerConfig(temperature=0.7))`."""
-    ids: list[int] = []
-    chunks = stream_generate(prompt, model, messages=messages, max_tokens=max_tokens, spec=spec, n_max=n_max,
-                             n_min=n_min, p_min=p_min, temperature=temperature, top_k=top_k, top_p=top_p,
-                             min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos, profile=profile,
-                             _prompt_ids_out=ids, presence_penalty=presence_penalty,
-                             frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
-                             repeat_last_n=repeat_last_n, logprobs=logprobs, sampler=sampler, tools=tools,
-                             prompt_cache=prompt_cache, constraint=constraint, tool_choice=tool_choice)
-    want_lp = logprobs is not None or (sampler is not None and getattr(sampler, "logprobs", None) is not None)
-    return GenerationResult.collect(chunks, ids, want_lp)
+    prepared, m = _prepared(prompt, model, "generate", keywords)
+    want_lp = prepared.request.sampler.logprobs is not None
+    return GenerationResult.collect(stream_request(prepared, m), prepared.prompt_ids, want_lp)
+
+
+_FIRST = [("prompt", None, "str | list[int] | None"), ("model", None, "Model | str | None")]
+stream_generate.__signature__ = keyword_signature("Iterator[Chunk]", _FIRST)
+generate.__signature__ = keyword_signature("GenerationResult", _FIRST)

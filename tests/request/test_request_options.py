@@ -79,3 +79,27 @@ def test_an_option_given_twice_or_of_the_wrong_type_is_refused(tiny, kwargs, fie
     assert ei.value.field == field
     with pytest.raises(MTPEngineError):
         list(stream_generate(IDS, tiny, max_tokens=2, **kwargs))
+
+
+def test_the_keywords_are_declared_once():
+    """`generate`/`stream_generate` show the table's keywords and defaults (their signatures are
+    built from it), a misspelt keyword is refused as Python refuses one, and the command line's
+    sampling and draft flags default to the same values."""
+    import argparse
+    import inspect
+
+    from mtp_engine import api
+    from mtp_engine.cli.flags import add_sampling_flags, add_spec_flags, sampling_kwargs
+    from mtp_engine.request.keywords import KEYWORDS
+
+    for fn in (api.generate, api.stream_generate):
+        params = inspect.signature(fn).parameters
+        assert list(params)[:2] == ["prompt", "model"]
+        assert {k: p.default for k, p in params.items() if k in KEYWORDS} == {k: d for k, (d, _) in KEYWORDS.items()}
+    with pytest.raises(TypeError, match="generate\\(\\) got an unexpected keyword argument 'temprature'"):
+        api.generate("x", model=object(), temprature=0.5)
+    p = argparse.ArgumentParser()
+    add_sampling_flags(p)
+    add_spec_flags(p, str, "draft-mtp")
+    flags = sampling_kwargs(p.parse_args([]))
+    assert {k: v for k, v in flags.items() if k != "spec"} == {k: KEYWORDS[k][0] for k in flags if k != "spec"}
