@@ -165,10 +165,10 @@ class Constraint:
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's view of the vocabulary, built once per tokenizer (the token trie)."""
-    cache = tokenizer.__dict__.setdefault("_llguidance", {})
+    cache = tokenizer.grammar_views
     if vocab_size not in cache:
         eos = sorted(tokenizer.eos_token_ids)
-        llg, source = _llg(), tokenizer._backend.to_str()
+        llg, source = _llg(), tokenizer.backend.to_str()
         try:
             cache[vocab_size] = llg.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos or None)
         except TypeError:  # llguidance < 1.7 takes one end-of-text token: the first ends grammars

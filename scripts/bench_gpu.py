@@ -60,13 +60,16 @@ def log(obj) -> None:
     print(json.dumps(obj), file=sys.stderr, flush=True)
 
 
+_GRAPHS: dict = {}  # (id of a network, configuration) -> its traced forwards under that configuration
+
+
 def use(model, name: str) -> None:
     model.use(CONFIGS[name])
     # `use` drops traced graphs; keep each configuration's own so that interleaved repeats do not
     # retrace (and time the tracing) every time they switch
     for owner in (model, model.mtp):
         if owner is not None:
-            owner.__dict__["_compiled_steps"] = owner.__dict__.setdefault("_steps_by_config", {}).setdefault(name, {})
+            owner.graphs = _GRAPHS.setdefault((id(owner), name), owner.graphs)
 
 
 def check_kernel() -> dict:

@@ -18,6 +18,7 @@ import time
 import mlx.core as mx
 
 from mtp_engine.model import kernels, mma_kernel
+from mtp_engine.model.step import StepGraphs
 
 
 def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024) -> float:
@@ -101,6 +102,7 @@ def in_model(a) -> None:
     model.compile_steps = True
     original, supports = mma_kernel.quantized_rows, mma_kernel.supports
     variants = ["simt"] + a.variants.split(",")
+    graphs: dict = {}
 
     def select(v: str) -> None:
         if v == "simt":
@@ -110,7 +112,7 @@ def in_model(a) -> None:
             mma_kernel.supports = supports
             mma_kernel.quantized_rows = lambda *args: original(*args, warps=wv, tiles=tm, stages=st)
         for owner in (model, model.mtp):  # each variant keeps its own traced graphs
-            owner.__dict__["_compiled_steps"] = owner.__dict__.setdefault("_by_variant", {}).setdefault(v, {})
+            owner.graphs = graphs.setdefault((id(owner), v), StepGraphs())
 
     def forwards(s: int, n: int) -> float:
         cache = model.make_cache()

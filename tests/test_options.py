@@ -77,7 +77,7 @@ def test_two_models_in_one_process_keep_their_options(clean_env):
     rb = generate("def fib(n):", b, max_tokens=12, spec="draft-mtp", n_max=3)
     assert ra.token_ids == rb.token_ids  # greedy: the options change how, never what
     # only b traced compiled graphs; a loading b changed nothing in a
-    assert "_compiled_steps" in vars(b.model) and "_compiled_steps" not in vars(a.model)
+    assert b.model.graphs.compiled and not a.model.graphs.compiled
     assert a.options.row_pad == 0 and {lin.row_pad for lin in _linears(a)} == {0}
 
 
@@ -125,10 +125,10 @@ def test_no_module_global_switches():
 def test_use_applies_new_options_to_a_loaded_model():
     m = load(need(TINY_Q4), options=EngineOptions(row_pad=0, compile_steps=True))
     generate("x", m, max_tokens=3)
-    assert "_compiled_steps" in vars(m.model)  # traced under row_pad 0
+    assert m.model.graphs.compiled  # traced under row_pad 0
     m.model.use(m.options.updated(row_pad=4))
     assert m.options.row_pad == 4 and {lin.row_pad for lin in _linears(m)} == {4}
-    assert "_compiled_steps" not in vars(m.model)  # graphs of the old options are not reused
+    assert not m.model.graphs.compiled  # graphs of the old options are not reused
 
 
 def test_load_refuses_options_of_another_type():

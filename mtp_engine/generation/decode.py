@@ -31,7 +31,7 @@ class RoundClock:
     sample of the round's cost. The shapes seen are kept on the model, for the whole process."""
 
     def __init__(self, model: Qwen35Model):
-        self.seen: set = model.__dict__.setdefault("_shapes_seen", set())
+        self.seen: set = model.graphs.seen
         # the MLX CPU backend compiles nothing unless steps are compiled: no first use to exclude
         self.costly = bool(getattr(model, "compile_steps", False)) or mx.default_device() == mx.gpu
         self._t: float | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -230,6 +230,7 @@ class MTPHead:
     fused_norm: bool = False  # the fused add + RMSNorm kernel, from the model's options
     expert_use: ExpertUse | None = None  # the model's MoE routing observer (None: a dense head)
     kv_dtype: mx.Dtype = mx.float32  # its KV cache's element type, from the model's options
+    graphs: compiled.StepGraphs = field(default_factory=compiled.StepGraphs)  # its traced forwards
 
     def make_cache(self) -> KVCache:
         return KVCache(self.cfg.n_head_kv, self.cfg.head_dim, dtype=self.kv_dtype)
@@ -242,11 +243,11 @@ class MTPHead:
         `one_off`: a shape that may not recur (the prompt's rows): compiled only if already traced."""
         s = int(embeds.shape[1])
         fits = s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp) and \
-            (not one_off or compiled.traced(self, [cache], s))
+            (not one_off or compiled.traced(self.graphs, [cache], s))
         if (self.compile_steps and fits) or resident:
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("mtp")) if self.expert_use \
                 else (None, None)
-            return compiled.run(self, self._body, [embeds, h_prev], [cache], s, side=side, set_side=set_side,
+            return compiled.run(self.graphs, self._body, [embeds, h_prev], [cache], s, side=side, set_side=set_side,
                                 compiled=self.compile_steps and fits)[0]
         return self._body(embeds, h_prev, [cache])[0]
 
@@ -258,7 +259,7 @@ class MTPHead:
             with batch.padded(valid):
                 return self._body(embeds, h_prev, batch.layers)[0]
         if self.compile_steps and s <= compiled.MAX_TOKENS and _compilable_ffn(self.layer.mlp):
-            h = compiled.run_batch(self, self._body, [embeds, h_prev], batch, s)[0]
+            h = compiled.run_batch(self.graphs, self._body, [embeds, h_prev], batch, s)[0]
         else:
             h = self._body(embeds, h_prev, batch.layers)[0]
         batch.advance(s)
@@ -314,6 +315,7 @@ class Qwen35Model:
         self.lm_head = lm_head
         self.mtp = mtp
         self.fused_norm = False
+        self.graphs = compiled.StepGraphs()  # the trunk's traced forwards (the head keeps its own)
         self.use(options if options is not None else EngineOptions())
 
     def use(self, options: EngineOptions) -> None:
@@ -359,7 +361,7 @@ class Qwen35Model:
             self.mtp.fused_norm, self.mtp.kv_dtype = self.fused_norm, self.kv_dtype
         for owner in (self, self.mtp):
             if owner is not None:
-                owner.__dict__.pop("_compiled_steps", None)  # traced under other kernel choices
+                owner.graphs = compiled.StepGraphs()  # traced under other kernel choices
         self.options = opts
         self.compile_steps = opts.compile_steps
 
@@ -426,13 +428,13 @@ class Qwen35Model:
         if capture:
             cache.begin_capture(s)
         fits = s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers) and \
-            (not one_off or compiled.traced(self, cache.layers, s, capture))
+            (not one_off or compiled.traced(self.graphs, cache.layers, s, capture))
         if (self._compile_steps and fits) or resident:
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \
                 else (None, None)
             # no rollback returns below the trunk's host count (committed tokens): KV tails may move there
-            post, x = compiled.run(self, self._body, [ids], cache.layers, s, capture=capture,
+            post, x = compiled.run(self.graphs, self._body, [ids], cache.layers, s, capture=capture,
                                    side=side, set_side=set_side, compiled=self._compile_steps and fits,
                                    floor=int(cache.offset))
         else:
@@ -453,7 +455,7 @@ class Qwen35Model:
                 post, _ = self._body(ids, batch.layers)
             return post
         if self._compile_steps and s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers):
-            post, _ = compiled.run_batch(self, self._body, [ids], batch, s)
+            post, _ = compiled.run_batch(self.graphs, self._body, [ids], batch, s)
         else:
             post, _ = self._body(ids, batch.layers)
         batch.advance(s)

@@ -28,6 +28,18 @@ from .kv_cache import KVCache, shift_offsets
 MAX_TOKENS = 16
 
 
+class StepGraphs:
+    """The forwards one network (the trunk, or the MTP head) has traced, by shape key: compiled
+    graphs, their uncompiled forms (device-resident rounds without compiled steps), and the step
+    shapes its decoders have run (a first use is a trace and JIT compiles, not a sample of a
+    round's cost). Graphs traced under other options are dropped with the object (`Qwen35Model.use`)."""
+
+    def __init__(self):
+        self.compiled: dict = {}
+        self.uncompiled: dict = {}
+        self.seen: set = set()
+
+
 class _KVView:
     """A KV cache inside a trace: buffers and offset are graph values, not Python state."""
 
@@ -145,19 +157,20 @@ def _key(caches, n_tokens: int, capture: bool) -> tuple[tuple, list[mx.array]]:
     return (n_tokens, kinds, capture, width), arrays
 
 
-def traced(owner, caches: Sequence[KVCache | RecurrentCache], n_tokens: int, capture: bool = False) -> bool:
+def traced(graphs: StepGraphs, caches: Sequence[KVCache | RecurrentCache], n_tokens: int,
+           capture: bool = False) -> bool:
     """Whether `run` has a compiled graph for this forward already: a forward of a shape that may
     not recur (a prompt's prefill) runs uncompiled unless it has, since a trace costs more than
     dispatching the operations once (70-100 ms of host at the 9B shape, measured)."""
-    return _key(caches, n_tokens, capture)[0] in owner.__dict__.get("_compiled_steps", {})
+    return _key(caches, n_tokens, capture)[0] in graphs.compiled
 
 
-def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
+def run(graphs: StepGraphs, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
         n_tokens: int, capture: bool = False, side: Callable[[], list] | None = None,
         set_side: Callable[[list], None] | None = None, compiled: bool = True,
         floor: int | None = None) -> list[mx.array]:
     """Runs `body(*args, views)` (which returns a list of arrays) as one compiled graph over
-    `caches`, then writes the new cache contents back. `owner` keeps the traced graphs (one per
+    `caches`, then writes the new cache contents back. `graphs` keeps the traced graphs (one per
     shape key). `side()` lists extra per-forward values the body leaves on objects (MoE routing),
     returned through the graph and handed to `set_side`. Returns the body's outputs.
     `compiled=False` runs the same graph uncompiled (device-resident rounds where steps are not
@@ -171,7 +184,7 @@ def run(owner, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCach
                 c.reserve(c.limit + n_tokens)
     key, arrays = _key(caches, n_tokens, capture)
     kinds, width = key[1], key[3]
-    fns = owner.__dict__.setdefault("_compiled_steps" if compiled else "_graph_steps", {})
+    fns = graphs.compiled if compiled else graphs.uncompiled
     if key not in fns:
         layout: dict[str, int] = {}  # filled when the graph is traced: how many outputs are the body's
         reach: list = []  # uncompiled: per KV cache, a host bound of its offset after this step
@@ -221,7 +234,8 @@ def _write_back(caches, rest: list, kv_type: type, grown: int = 0, tokens: int |
     return rest
 
 
-def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache, n_tokens: int) -> list[mx.array]:
+def run_batch(graphs: StepGraphs, body: Callable, args: Sequence[mx.array], batch: BatchCache,
+              n_tokens: int) -> list[mx.array]:
     """`run` for a batch: `body(*args, views)` over the batch's layers as one compiled graph, with
     each row's length (`batch.lengths`) an input, so a step of any lengths reuses the graph (one
     per batch size, tokens per row, capture and capacity). Recurrent layers that `begin_capture`d
@@ -235,7 +249,7 @@ def run_batch(owner, body: Callable, args: Sequence[mx.array], batch: BatchCache
     key, arrays = _key(layers, n_tokens, capture)
     kinds, width = key[1], key[3]
     key = ("batch",) + key
-    fns = owner.__dict__.setdefault("_compiled_steps", {})
+    fns = graphs.compiled
     if key not in fns:
         layout: dict[str, int] = {}
         fn = _traced(body, kinds, capture, None, layout,

@@ -62,7 +62,7 @@ def encode_prompt(tokenizer: Any, text: str, limit: int, field: str = "prompt",
     from ..text_input import check_text
 
     check_text(text, field)
-    backend = tokenizer._backend
+    backend = tokenizer.backend
     bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
     ids: list[int] = list(bos)
     max_bytes = max(1, tokenizer.max_token_bytes)

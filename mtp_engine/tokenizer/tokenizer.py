@@ -85,6 +85,7 @@ class Tokenizer:
     ) -> None:
         """Low-level constructor; use :meth:`from_gguf` or :meth:`from_hf_file`."""
         self._backend = backend
+        self.grammar_views: dict = {}  # vocabulary size -> a grammar engine's view of it (`constraint`)
         self._token_bytes = token_bytes
         self._token_texts = token_texts
         self._special_ids = frozenset(special_ids)
@@ -180,6 +181,11 @@ class Tokenizer:
         return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
     # ---------------------------------------------------------------------------- chat template
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` tokenizer underneath (its JSON is what grammar engines read)."""
+        return self._backend
 
     @property
     def chat_template(self) -> str | None:

@@ -262,11 +262,11 @@ def test_compiled_batched_steps_equal_each_alone(models, spec):
     kw = dict(spec="draft-mtp", n_max=2) if spec == "draft-mtp" else {}
     got = batch_generate(PROMPTS[:3], m, max_tokens=14, ignore_eos=True, parallel=3, **kw)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    traced = [k for k in m.model.__dict__["_compiled_steps"] if k[0] == "batch"]
+    traced = [k for k in m.model.graphs.compiled if k[0] == "batch"]
     assert traced and len(traced) <= 3 * 4, traced  # B in 1..3, tokens per row 1..3 (+ capture)
     again = batch_generate(PROMPTS[:3], m, max_tokens=20, ignore_eos=True, parallel=3, **kw)
     assert [g.token_ids[:14] for g in again] == [w.token_ids for w in want]
-    assert [k for k in m.model.__dict__["_compiled_steps"] if k[0] == "batch"] == traced
+    assert [k for k in m.model.graphs.compiled if k[0] == "batch"] == traced
 
 
 @pytest.mark.parametrize("path,n_max", [(SHIPPED, 3), (TINY_Q4, "auto"), (TINY_Q4, 1), (MOE_Q4, 2)],

@@ -174,7 +174,8 @@ def test_llguidance_before_1_7_gets_one_end_token(monkeypatch):
             seen.append(eos_token)
 
     monkeypatch.setattr(constraint, "_llg", lambda: types.SimpleNamespace(LLTokenizer=OldTokenizer))
-    tok = types.SimpleNamespace(eos_token_ids={7, 3}, _backend=types.SimpleNamespace(to_str=lambda: "{}"))
+    tok = types.SimpleNamespace(eos_token_ids={7, 3}, backend=types.SimpleNamespace(to_str=lambda: "{}"),
+                                grammar_views={})
     constraint._ll_tokenizer(tok, 16)
     assert seen == [3]
 

@@ -283,9 +283,9 @@ def test_encode_in_pieces_keeps_spaced_special_tokens(tokenizers_, parts, piece)
     import tokenizers
 
     base = tokenizers_[0]
-    backend = tokenizers.Tokenizer.from_str(base._backend.to_str())
+    backend = tokenizers.Tokenizer.from_str(base.backend.to_str())
     backend.add_special_tokens([tokenizers.AddedToken("o w", special=True, normalized=False)])
-    tok = SimpleNamespace(_backend=backend, bos_token_id=None, add_bos_token=False,
+    tok = SimpleNamespace(backend=backend, bos_token_id=None, add_bos_token=False,
                           max_token_bytes=base.max_token_bytes, spaced_special_texts=["o w"])
     text = "".join(parts)
     assert encode_prompt(tok, text, 10**9, piece_chars=piece) == backend.encode(text, add_special_tokens=False).ids

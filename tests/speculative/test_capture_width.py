@@ -36,7 +36,7 @@ class _Traces:
             return body(ids, caches)
 
         monkeypatch.setattr(model.model, "_body", counting)
-        monkeypatch.setattr(model.model, "_compiled_steps", {}, raising=False)  # traced afresh here
+        monkeypatch.setattr(model.model, "graphs", step.StepGraphs())  # traced afresh here
         monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_choose_k",
                             lambda d: self.ks.pop(0) if self.ks else 2)
 

@@ -261,7 +261,7 @@ def _decode_stream(tok, ids):
     from tokenizers.decoders import DecodeStream
 
     ds = DecodeStream(skip_special_tokens=False)
-    return [ds.step(tok._backend, i) or "" for i in ids]
+    return [ds.step(tok.backend, i) or "" for i in ids]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -440,8 +440,8 @@ def test_qwen2_pre_supported(tmp_path, tiny):
     for p in json.load(open(TINY_REF))["prompts"]:
         assert tok.encode(p["prompt"]) == p["prompt_ids"]
     # qwen35 keeps combining marks with their letters; qwen2 splits them off as punctuation
-    split35 = [w for w, _ in tiny._backend.pre_tokenizer.pre_tokenize_str("x\u0301y!")]
-    split2 = [w for w, _ in tok._backend.pre_tokenizer.pre_tokenize_str("x\u0301y!")]
+    split35 = [w for w, _ in tiny.backend.pre_tokenizer.pre_tokenize_str("x\u0301y!")]
+    split2 = [w for w, _ in tok.backend.pre_tokenizer.pre_tokenize_str("x\u0301y!")]
     assert len(split35) == 2 and len(split2) == 3
 
 
