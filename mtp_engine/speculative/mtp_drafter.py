@@ -76,7 +76,9 @@ class MTPDrafter(Drafter):
         self.owed_hidden: list[mx.array] = []
         self.catch_up_dropped = 0  # owed rows skipped after long plain stretches (see _trim_owed)
         self.steps = 0  # head forwards run by the last draft (rows written), until accept
-        self.block: HeadBlock | None = None  # device-resident rounds' rows to run (to_device)
+        self._block: HeadBlock | None = None  # device-resident rounds' rows to run (to_device), see `block`
+        self._skip = 0  # leading rows of a host-counted `_block` dropped from the catch-up window
+        self._plain_rows: list[tuple[mx.array, mx.array]] = []  # plain rounds' rows, joined on demand
 
     def bind(self, ctx: DraftContext) -> None:
         super().bind(ctx)
@@ -219,9 +221,35 @@ class MTPDrafter(Drafter):
         """After `begin`: the owed rows and the last token become a `HeadBlock`."""
         self.cache.to_device()
         tokens = self.owed_tokens + [self.last_token]
-        self.block = HeadBlock(mx.array(tokens, dtype=mx.int32),
-                               mx.concatenate(self.owed_hidden + [self.h_last], axis=1), len(tokens))
+        self._block = HeadBlock(mx.array(tokens, dtype=mx.int32),
+                                mx.concatenate(self.owed_hidden + [self.h_last], axis=1), len(tokens))
+        self._skip, self._plain_rows = 0, []
         self.owed_tokens, self.owed_hidden = [], []
+
+    @property
+    def block(self) -> HeadBlock | None:
+        """The rows the head runs before its next draft: owed catch-up rows, then the last
+        token's. Plain rounds only append their rows to a list (`accept_plain`); they are joined
+        here, when a draft (or a reader) needs them: a join per plain round was MLX operations
+        (slices, concatenations) in every draft-less round of a plain stretch."""
+        if self._plain_rows:
+            b, rows = self._block, self._plain_rows
+            tokens = [b.tokens[self._skip:]] if b is not None and b.valid > self._skip else []
+            hidden = [b.hidden[:, self._skip:]] if tokens else []
+            tokens += [t.astype(mx.int32).reshape(1) for t, _ in rows]
+            hidden += [h for _, h in rows]
+            valid = len(rows) + ((b.valid - self._skip) if b is not None else 0)
+            self._block = HeadBlock(mx.concatenate(tokens) if len(tokens) > 1 else tokens[0],
+                                    mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0], valid)
+            self._skip, self._plain_rows = 0, []
+        return self._block
+
+    def pending_arrays(self) -> list[mx.array]:
+        """What a queued round leaves for the head that must be evaluated with it: a drafting
+        round's block (a plain round's row is an output of its own forward)."""
+        if self._plain_rows or self._block is None:
+            return []
+        return [self._block.tokens, self._block.hidden]
 
     def block_width(self) -> int:
         """Rows the head runs for the current block: a drafting round's k+1, or the host-counted
@@ -274,29 +302,35 @@ class MTPDrafter(Drafter):
     def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
         """A drafting round emitted `emitted[:n+1]` (accepted drafts, then the trunk's token):
         they, with the verify's hidden states, are the head's next block."""
-        self.block = HeadBlock(emitted, hidden, n + 1)
+        self._block, self._skip, self._plain_rows = HeadBlock(emitted, hidden, n + 1), 0, []
         self.steps = 0
 
     def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
         """A plain round emitted `token` (device [1]) from trunk state `hidden` [1, 1, H]. A block
         left by a drafting round (device count) is run now, once; host-counted rows are kept
         (the newest `catch_up_window`) and run with the next draft."""
-        b = self.block
-        if not isinstance(b.valid, int):
+        b = self._block
+        if b is not None and not self._plain_rows and not isinstance(b.valid, int):
             self._run_block()
-            self.block = HeadBlock(token.astype(mx.int32).reshape(1), hidden, 1)
+            self._block, self._skip, self._plain_rows = None, 0, [(token, hidden)]
             return
-        drop = max(b.valid + 1 - (self.catch_up_window + 1), 0)  # owed rows beyond the window
-        self.catch_up_dropped += drop
-        self.block = HeadBlock(mx.concatenate([b.tokens[drop:], token.astype(mx.int32).reshape(1)]),
-                               mx.concatenate([b.hidden[:, drop:], hidden], axis=1), b.valid + 1 - drop)
+        self._plain_rows.append((token, hidden))
+        kept = (b.valid - self._skip) if b is not None else 0
+        over = kept + len(self._plain_rows) - (self.catch_up_window + 1)  # owed rows beyond the window
+        if over > 0:
+            self.catch_up_dropped += over
+            from_block = min(over, kept)
+            self._skip += from_block
+            del self._plain_rows[:over - from_block]
 
     def owed_rows(self) -> int:
         """Catch-up rows the head is owed (host-counted; a drafting round's block counts its width)."""
-        b = self.block
-        if b is None:
+        b = self._block
+        if b is None and not self._plain_rows:
             return len(self.owed_tokens)
-        return b.valid - 1 if isinstance(b.valid, int) else int(b.tokens.shape[0]) - 1
+        if self._plain_rows or isinstance(b.valid, int):
+            return (b.valid - self._skip if b is not None else 0) + len(self._plain_rows) - 1
+        return int(b.tokens.shape[0]) - 1
 
     def stats(self) -> dict:
         return {"catch_up_rows_dropped": self.catch_up_dropped}

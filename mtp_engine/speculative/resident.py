@@ -143,8 +143,7 @@ class ResidentRounds:
 
     def _queue(self, r: Queued) -> Queued:
         if self._pipelined_rounds():
-            b = self.drafter.block  # evaluated each round: plain rounds would chain its concatenations
-            mx.async_eval(*r.read(), b.tokens, b.hidden)
+            mx.async_eval(*r.read(), *self.drafter.pending_arrays())
         return r
 
     def _accept_device(self, drafts: mx.array, scored: mx.array, q: mx.array | None,
@@ -166,7 +165,7 @@ class ResidentRounds:
         with self.prof.stage("sync"):
             # this round's block is evaluated with it; once a later round is queued the block is
             # that round's (its `_queue` evaluates it): waiting for it here would serialise them
-            block = [] if self._queued else [self.drafter.block.tokens, self.drafter.block.hidden]
+            block = [] if self._queued else self.drafter.pending_arrays()
             mx.eval(*r.read(), *block)
             d = r.round
             check_finite(d.finite)
