@@ -66,7 +66,6 @@ class _KVView:
             return self.keys[:, :, :r], self.values[:, :, :r], mask
         return self.keys, self.values, mask
 
-
     def attention_buffers(self):
         """(keys, values, tail) a fused attention reads: tail (keys, values, base [1]) or None."""
         return self.keys, self.values, None
