@@ -13,6 +13,7 @@ takes its default from the environment (read here and nowhere else), then from t
 | `dequant_rows` | `MTP_ENGINE_DEQUANT_ROWS` (an integer) | 256 on a GPU, 0 on the CPU |
 | `prefill_chunk` | `MTP_ENGINE_PREFILL_CHUNK` (an integer) | 4096 on a GPU, 512 on the CPU |
 | `draft_vocab` | `MTP_ENGINE_DRAFT_VOCAB` (an integer) | 0 (the whole vocabulary) |
+| `kv_tail` | `MTP_ENGINE_KV_TAIL` (an integer) | 256 |
 | `kv_dtype` | `MTP_ENGINE_KV_DTYPE` (`float32`/`float16`/`bfloat16`) | float32 |
 | `cache_dir` | `MTP_ENGINE_CACHE_DIR` | `~/.cache/mtp-engine` |
 | `memory_limit` | `MTP_ENGINE_MEMORY_LIMIT` (bytes) | what the machine has |
@@ -29,7 +30,7 @@ from .errors import MTPEngineError
 ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
 ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
        "dequant_rows": "MTP_ENGINE_DEQUANT_ROWS", "prefill_chunk": "MTP_ENGINE_PREFILL_CHUNK",
-       "kv_dtype": "MTP_ENGINE_KV_DTYPE", "draft_vocab": "MTP_ENGINE_DRAFT_VOCAB",
+       "kv_dtype": "MTP_ENGINE_KV_DTYPE", "draft_vocab": "MTP_ENGINE_DRAFT_VOCAB", "kv_tail": "MTP_ENGINE_KV_TAIL",
        "cache_dir": "MTP_ENGINE_CACHE_DIR",
        "memory_limit": "MTP_ENGINE_MEMORY_LIMIT"}
 
@@ -48,7 +49,12 @@ PREFILL_CHUNK = {"gpu": 4096, "cpu": 512}
 # logits by ~1e-3, so float32 stays the default everywhere; 16 bits halve the cache's memory
 KV_DTYPES = ("float32", "float16", "bfloat16")
 KV_DTYPE = {"gpu": "float32", "cpu": "float32"}
-_COUNTS = {"row_pad": 0, "dequant_rows": 0, "prefill_chunk": 1, "draft_vocab": 0}  # integer options, least values
+# positions a compiled step's KV tail holds (`model/kv_cache.py`): a pipelined step copies the
+# tail it writes (the step in flight reads it), 256 positions at the 9B shape are 16 MB a step
+# over 8 layers in float32; the main buffer is written once per ~256 steps. On an H100 at 8192
+# tokens of context decoding ran 1.42x faster with it, at 512 0.97x (noise)
+KV_TAIL = 256
+_COUNTS = {"row_pad": 0, "dequant_rows": 0, "prefill_chunk": 1, "draft_vocab": 0, "kv_tail": 0}  # least values
 
 
 def parse_kernels(value: str, what: str = "kernels") -> frozenset[str]:
@@ -97,6 +103,9 @@ class EngineOptions:
       earliest merges, the most frequent tokens): its output product reads N rows instead of the
       whole vocabulary at every draft step. Lossless: the verify decides every token, and a
       sampled draft's distribution is zero outside those ids. 0: the whole vocabulary.
+    - `kv_tail`: positions of the tail compiled steps write new keys into (`model/kv_cache.py`:
+      the whole-context buffer is then written once per ~kv_tail steps instead of copied every
+      pipelined step); 0: none.
     - `kv_dtype`: the attention KV caches' element type ("float32", "float16" or "bfloat16");
       attention itself computes in float32 either way.
     - `cache_dir`: where round costs measured by earlier runs are kept (and, on CUDA, MLX's
@@ -110,6 +119,7 @@ class EngineOptions:
     dequant_rows: int | None = None
     prefill_chunk: int | None = None
     draft_vocab: int | None = None
+    kv_tail: int | None = None
     kv_dtype: str | None = None
     cache_dir: str | os.PathLike | None = None
     memory_limit: int | None = None
@@ -199,6 +209,7 @@ class EngineOptions:
             gpu = _on_gpu() if gpu is None else gpu
             values["prefill_chunk"], sources["prefill_chunk"] = PREFILL_CHUNK["gpu" if gpu else "cpu"], "device"
         values.setdefault("draft_vocab", 0)
+        values.setdefault("kv_tail", KV_TAIL)
         if "kv_dtype" not in values:
             gpu = _on_gpu() if gpu is None else gpu
             values["kv_dtype"], sources["kv_dtype"] = KV_DTYPE["gpu" if gpu else "cpu"], "device"

@@ -350,7 +350,7 @@ def main() -> int:
             others[f"kv_{dt}"].use(model.options.updated(kv_dtype=dt))
         if a.no_tail:  # the same model without compiled steps' KV tails (what the tail costs or saves)
             others["no_tail"] = random_model(cfg)
-            others["no_tail"].kv_tail = 0
+            others["no_tail"].use(model.options.updated(kv_tail=0))
         result["kv_dtype"] = model.options.kv_dtype
         result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max, n_maxes, others)
     out = Path(a.out)

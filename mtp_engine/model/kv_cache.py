@@ -9,12 +9,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-# positions a compiled step's KV tail holds (`KVCache`): a pipelined step copies the tail it writes
-# (the step in flight reads it): 256 positions at the 9B shape are 16 MB a step over 8 layers in
-# float32; the main buffer is written once per ~256 steps
-KV_TAIL = 256
-
-
 class KVCache:
     """Keys/values [1, n_kv, capacity, head_dim], valid up to `offset`. Capacity grows in large
     steps (at least `step` positions, doubling up to +`max_growth`), so a compiled step, whose graph

@@ -29,7 +29,7 @@ from ..errors import MTPEngineError
 from ..gguf.quants import mlx_nbytes
 from ..gguf.reader import GGUFFile, open_header
 from ..gguf.validate import Header, TensorHeader
-from ..options import ENV, EngineOptions
+from ..options import ENV, KV_TAIL, EngineOptions
 
 __all__ = ["estimate", "check_fits", "available_memory", "ENV_LIMIT"]
 
@@ -37,7 +37,6 @@ ENV_LIMIT = ENV["memory_limit"]
 _F32 = 4
 _KV_STEP = 256  # KVCache.step
 _KV_MAX_STEP = 8192  # KVCache.max_growth: reserve grows by min(capacity, this)
-_KV_TAIL = 256  # kv_cache.KV_TAIL: a compiled step's tail buffers per attention layer
 _PREFILL_CHUNK = 512  # EngineOptions' prefill_chunk on the CPU (check_fits passes the options')
 _DELTA_CHUNK = 64  # delta_rule.CHUNK
 # A captured verify keeps the state before it (rollback rebuilds any later one from small per-token
@@ -77,10 +76,10 @@ def _loaded_tensors(h: Header, load_mtp: bool) -> list[TensorHeader]:
 def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = False,
              context: int | None = None, *, load_mtp: bool = True,
              capture_positions: int = DEFAULT_CAPTURE_POSITIONS, prefill_chunk: int = _PREFILL_CHUNK,
-             kv_bytes: int = _F32) -> dict[str, Any]:
+             kv_bytes: int = _F32, kv_tail: int = KV_TAIL) -> dict[str, Any]:
     """Bytes the model of `gguf_file` will take once loaded with `exact` (Q6_K as float32) and run
     with up to `context` positions (default: the model's context_length), `kv_bytes` per cached
-    key or value element.
+    key or value element, compiled steps' KV tails of `kv_tail` positions.
 
     Sizes come from the tensors' own shapes (which the file cannot misstate without failing the
     load) rather than from metadata counts such as block_count; only the context length and the
@@ -124,7 +123,7 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     # keys and values of n_kv * head_dim floats per position per attention layer; one layer again
     # for the moment a growth step holds the old and the new buffers
     kv_rows = rows("attn_k.weight")
-    kv_cache = sum(2 * r * (capacity + _KV_TAIL) * kv_bytes for r in kv_rows) + \
+    kv_cache = sum(2 * r * (capacity + kv_tail) * kv_bytes for r in kv_rows) + \
         (2 * max(kv_rows) * capacity * kv_bytes if kv_rows else 0)
 
     # per gated-delta-net layer: conv window (kernel-1) x channels, state Vh x Kd x Vd
@@ -216,7 +215,8 @@ def check_fits(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = F
     chunk = options.prefill_chunk if options is not None and options.prefill_chunk else _PREFILL_CHUNK
     kv = options.kv_dtype if options is not None else None
     kv_bytes = 2 if kv in ("float16", "bfloat16") else _F32
-    est = estimate(h, exact, context, load_mtp=load_mtp, prefill_chunk=chunk, kv_bytes=kv_bytes)
+    tail = options.kv_tail if options is not None and options.kv_tail is not None else KV_TAIL
+    est = estimate(h, exact, context, load_mtp=load_mtp, prefill_chunk=chunk, kv_bytes=kv_bytes, kv_tail=tail)
     limit, source = available_memory(options)
     if source != "unknown" and est["total"] > limit:
         gib = 1 << 30

@@ -17,7 +17,7 @@ from ..options import EngineOptions
 from . import attn_kernel, gdn, gdn_kernel, kernel_warmup, kernels, mma_kernel, norm_kernel, selftest_cache
 from . import step as compiled
 from .cache import RecurrentCache, TrunkCache, pick_state
-from .kv_cache import KV_TAIL, KVCache
+from .kv_cache import KVCache
 from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .fused import fused
@@ -302,7 +302,6 @@ class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
     resident_rounds = True  # `forward(resident=True)` takes device KV offsets (speculative/resident.py)
-    kv_tail: int | None = None  # positions of a compiled step's KV tail (None: `kv_cache.KV_TAIL`; 0: none)
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
                  lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None,
@@ -406,9 +405,8 @@ class Qwen35Model:
                 caches.append(RecurrentCache(c.conv_kernel, c.conv_channels, c.ssm_value_heads, c.ssm_key_dim,
                                              c.ssm_value_dim))
             else:
-                tail = KV_TAIL if self.kv_tail is None else self.kv_tail
                 caches.append(KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype,
-                                      tail=tail if self._compile_steps else 0))
+                                      tail=self.options.kv_tail if self._compile_steps else 0))
         return TrunkCache(caches)
 
     def embed_tokens(self, ids: mx.array) -> mx.array:

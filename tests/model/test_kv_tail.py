@@ -17,7 +17,16 @@ from mtp_engine.model.kv_cache import KVCache
 @pytest.fixture
 def small_tail(monkeypatch):
     """Tails of 12 positions, and a count of the moves (positions into the main buffer)."""
-    monkeypatch.setattr(qwen35, "KV_TAIL", 12)
+    make = qwen35.Qwen35Model.make_cache
+
+    def small(self):
+        cache = make(self)
+        for c in cache.layers:
+            if isinstance(c, KVCache) and c.tail:
+                c.tail = 12
+        return cache
+
+    monkeypatch.setattr(qwen35.Qwen35Model, "make_cache", small)
     moves = {"rebase": 0, "settle": 0}
     rebase, settle = KVCache.rebase, KVCache.settle
 
@@ -36,17 +45,18 @@ def small_tail(monkeypatch):
     return moves
 
 
-def test_a_model_may_run_without_tails(models):
+def test_the_tail_is_an_option(models):
     model = models(TINY_F32, exact=True).model
-    before = model.compile_steps
-    model.compile_steps = True
+    before = model.options
     try:
-        assert all(c.tail for c in model.make_cache().layers if isinstance(c, KVCache))
-        model.kv_tail = 0
+        model.use(before.updated(compile_steps=True))
+        assert {c.tail for c in model.make_cache().layers if isinstance(c, KVCache)} == {256}
+        model.use(before.updated(compile_steps=True, kv_tail=0))  # EngineOptions.kv_tail: none
+        assert not any(c.tail for c in model.make_cache().layers if isinstance(c, KVCache))
+        model.use(before.updated(compile_steps=False))  # uncompiled forwards write one buffer
         assert not any(c.tail for c in model.make_cache().layers if isinstance(c, KVCache))
     finally:
-        model.kv_tail = None
-        model.compile_steps = before
+        model.use(before)
 
 
 def _decode(model, compiled: bool, ids: list[int], n: int):

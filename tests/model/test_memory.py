@@ -46,9 +46,10 @@ def _kv_rows(path) -> list[int]:
 def test_kv_cache_scales_with_context():
     path = need(TINY_Q8)
     small, big = estimate(path, context=1024), estimate(path, context=8192)
-    from mtp_engine.model import memory
+    from mtp_engine.options import KV_TAIL
     tail = estimate(path, context=0)["kv_cache"]  # a compiled step's tails: the same at any context
-    assert tail > 0 and tail == sum(2 * memory._KV_TAIL * 4 * r for r in _kv_rows(path))
+    assert tail > 0 and tail == sum(2 * KV_TAIL * 4 * r for r in _kv_rows(path))
+    assert estimate(path, context=0, kv_tail=0)["kv_cache"] == 0
     assert big["kv_cache"] - tail == 8 * (small["kv_cache"] - tail) > 0
     assert estimate(path)["context"] == 4096  # the model's context_length
 
@@ -152,8 +153,6 @@ def test_estimate_constants_follow_the_engine():
 
     assert memory._KV_STEP == KVCache(1, 1).step
     assert memory._KV_MAX_STEP == KVCache.max_growth
-    from mtp_engine.model.kv_cache import KV_TAIL
-    assert memory._KV_TAIL == KV_TAIL
     assert memory._DELTA_CHUNK == delta_rule.CHUNK
     from mtp_engine.options import PREFILL_CHUNK
     assert memory._PREFILL_CHUNK == PREFILL_CHUNK["cpu"] and PlainDecoder.prefill_chunk is None
