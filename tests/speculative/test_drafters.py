@@ -165,14 +165,5 @@ def test_ablation_names_are_checked(tiny):
         ablation_decoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3), feed="mid_norm")
 
 
-def test_old_package_name_still_imports():
-    """`mtp_engine.spec` (the package's name before `speculative`) aliases the same modules."""
-    from mtp_engine.spec import calibration as old_calibration
-    from mtp_engine.spec.draft_mtp import DraftMTPDecoder as Old, DraftParams as OldParams
-    from mtp_engine.speculative import calibration
-
-    assert Old is DraftMTPDecoder and OldParams is DraftParams and old_calibration is calibration
-
-
 def test_a_dense_model_has_no_expert_observer(tiny):
     assert tiny.model.expert_use is None
