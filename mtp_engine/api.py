@@ -21,7 +21,7 @@ from .generation.sampling import SamplerConfig
 from .model.loaded import Model
 from .model.loader import load_gguf
 from .model.memory import check_fits, estimate
-from .options import EngineOptions, model_path_from_env
+from .options import EngineOptions, keep_mlx_kernels_in, mlx_kernel_cache_dir, model_path_from_env
 from .request.keywords import keyword_signature, request_from_keywords
 from .request.prepare import Prepared, chat_template_note, make_decoder, prepare
 from .request.request import GenerationRequest
@@ -205,13 +205,13 @@ def _persist_kernel_cache(cache_dir: Path) -> None:
     under the temp folder, which a reboot or a fresh container empties: the first run then spends
     most of its time compiling. Keep them in the engine's cache folder instead, unless the user
     chose a place. Must run before the first kernel is compiled (MLX reads the variable once)."""
-    if "MLX_PTX_CACHE_DIR" in os.environ:
+    if mlx_kernel_cache_dir() is not None:
         return
     import mlx.core as mx
 
     from .model import kernels
     if kernels.cuda():
-        os.environ["MLX_PTX_CACHE_DIR"] = str(cache_dir / "mlx-ptx" / mx.__version__)
+        keep_mlx_kernels_in(cache_dir / "mlx-ptx" / mx.__version__)
 
 
 def _resolve(model) -> Model:

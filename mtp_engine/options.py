@@ -79,6 +79,25 @@ def model_path_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     return env.get(ENV_MODEL) or None
 
 
+def mlx_kernel_cache_dir() -> str | None:
+    """$MLX_PTX_CACHE_DIR: where MLX's CUDA backend keeps the kernels it compiles (None: unset,
+    MLX's default under the temp folder)."""
+    return os.environ.get("MLX_PTX_CACHE_DIR") or None
+
+
+def keep_mlx_kernels_in(folder: str | os.PathLike) -> None:
+    """Points MLX's kernel cache (`$MLX_PTX_CACHE_DIR`) at `folder` unless the user chose one: MLX
+    reads the variable itself, once, at its first compile, so the engine's only way to tell it is
+    the environment (written here, the one module that touches it)."""
+    if mlx_kernel_cache_dir() is None:
+        os.environ["MLX_PTX_CACHE_DIR"] = str(folder)
+
+
+def cuda_home() -> str:
+    """The CUDA toolkit folder for headers: $CUDA_HOME, else $CUDA_PATH, else /usr/local/cuda."""
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+
+
 def _on_gpu() -> bool:
     import mlx.core as mx
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..options import cuda_home, mlx_kernel_cache_dir
 from . import nvrtc
 
 log = logging.getLogger("mtp_engine.kernels")
@@ -126,7 +127,7 @@ def mlx_cache_dirs() -> list[Path]:
     `load()` (any MLX work on the GPU, a test before it) leaves MLX on the default folder whatever
     the variable says afterwards, and a process cannot ask MLX which it took."""
     default = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
-    env = os.environ.get("MLX_PTX_CACHE_DIR")
+    env = mlx_kernel_cache_dir()
     return [Path(env), default] if env and Path(env) != default else [default]
 
 
@@ -169,7 +170,7 @@ def _include_dirs(nvrtc_major: int) -> list[Path]:
     pip = root.parent / "nvidia" / ("cu13" if nvrtc_major >= 13 else "cuda_runtime") / "include"
     if pip.is_dir():
         return dirs + [pip]
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    home = cuda_home()
     if not (Path(home) / "include").is_dir():
         raise RuntimeError("no CUDA headers found (set CUDA_HOME)")
     return dirs + [Path(home) / "include"]
