@@ -48,7 +48,7 @@ PREFILL_CHUNK = {"gpu": 4096, "cpu": 512}
 # (6.64 ms float16, 6.51 float32, once compiled steps stopped copying the cache) while moving
 # logits by ~1e-3, so float32 stays the default everywhere; 16 bits halve the cache's memory
 KV_DTYPES = ("float32", "float16", "bfloat16")
-KV_DTYPE = {"gpu": "float32", "cpu": "float32"}
+KV_DTYPE = "float32"
 # positions a compiled step's KV tail holds (`model/kv_cache.py`): a pipelined step copies the
 # tail it writes (the step in flight reads it), 256 positions at the 9B shape are 16 MB a step
 # over 8 layers in float32; the main buffer is written once per ~256 steps. On an H100 at 8192
@@ -229,9 +229,7 @@ class EngineOptions:
             values["prefill_chunk"], sources["prefill_chunk"] = PREFILL_CHUNK["gpu" if gpu else "cpu"], "device"
         values.setdefault("draft_vocab", 0)
         values.setdefault("kv_tail", KV_TAIL)
-        if "kv_dtype" not in values:
-            gpu = _on_gpu() if gpu is None else gpu
-            values["kv_dtype"], sources["kv_dtype"] = KV_DTYPE["gpu" if gpu else "cpu"], "device"
+        values.setdefault("kv_dtype", KV_DTYPE)
         values.setdefault("kernels", "custom")
         if "cache_dir" not in values:
             values["cache_dir"] = os.path.join(os.path.expanduser("~"), ".cache", "mtp-engine")

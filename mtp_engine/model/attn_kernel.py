@@ -270,7 +270,7 @@ _kv_kernel = None
 _attend_kernel = None
 _merge_kernel = None
 _tested: bool | None = None
-tested_for: tuple | None = None  # the (shape, cache type) `_tested` is the verdict for (the model's `use`)
+tested_for: tuple | None = None  # the (shape, cache type) `_tested` is the verdict for (`expect`)
 
 
 def supports(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, batch: int, tokens: int,
@@ -417,6 +417,14 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
                 a, g = a.astype(mx.float32), g.astype(mx.float32)
                 err = max(err, float(mx.maximum(mx.abs(a - g) - ulp * mx.abs(a), 0).max().item()))
     return err
+
+
+def expect(shape: tuple[int, int, int, int], dtype_name: str) -> None:
+    """The next verdict is for this head shape and cache type: another cache type is another
+    kernel, so a verdict for a different one is dropped (a model's `use`)."""
+    global _tested, tested_for
+    if tested_for != (shape, dtype_name):
+        _tested, tested_for = None, (shape, dtype_name)
 
 
 def available(shape: tuple[int, int, int, int] | None = None, dtype: mx.Dtype = mx.float32) -> bool:

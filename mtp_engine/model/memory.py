@@ -213,8 +213,7 @@ def check_fits(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = F
     refuse)."""
     h = _header(gguf_file)
     chunk = options.prefill_chunk if options is not None and options.prefill_chunk else _PREFILL_CHUNK
-    kv = options.kv_dtype if options is not None else None
-    kv_bytes = 2 if kv in ("float16", "bfloat16") else _F32
+    kv_bytes = 2 if options is not None and options.kv_dtype in ("float16", "bfloat16") else _F32
     tail = options.kv_tail if options is not None and options.kv_tail is not None else KV_TAIL
     est = estimate(h, exact, context, load_mtp=load_mtp, prefill_chunk=chunk, kv_bytes=kv_bytes, kv_tail=tail)
     limit, source = available_memory(options)

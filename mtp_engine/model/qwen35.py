@@ -329,8 +329,7 @@ class Qwen35Model:
                             c.eps) if any(c.recurrent) else None
         attn_shape = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot)
         kv_dtype = getattr(mx, opts.kv_dtype)
-        if attn_kernel.tested_for != (attn_shape, opts.kv_dtype):  # another cache type is another kernel
-            attn_kernel._tested, attn_kernel.tested_for = None, (attn_shape, opts.kv_dtype)
+        attn_kernel.expect(attn_shape, opts.kv_dtype)
         checks = {"qmv": (kernels, kernels._SOURCE + mma_kernel.SOURCE, None, kernels.available),
                   "gdn": (gdn_kernel, gdn_kernel._SOURCE, gdn_dims, lambda: gdn_kernel.available(gdn_dims)),
                   "attn": (attn_kernel, attn_kernel._HEADER + attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE
