@@ -9,7 +9,7 @@ Output is then not the model's: benchmark-only.
 """
 from __future__ import annotations
 
-import random
+import mlx.core as mx
 
 from ..errors import MTPEngineError
 from ..model.loaded import Model
@@ -25,10 +25,13 @@ class OracleBatchScheduler(MTPBatchScheduler):
             raise MTPEngineError(f"expected an acceptance in [0, 1], found {oracle}", field="oracle")
         super().__init__(model, max_batch, own_thread)
         self.oracle = oracle
-        self._rng = random.Random(seed)
+        self._key = mx.random.key(seed)
 
-    def _accepted(self, drafts: list[int], target: list[int]) -> int:
-        n = 0
-        while n < len(target) and self._rng.random() < self.oracle:
-            n += 1
-        return n
+    def _accept(self, drafts, logits, q, live):
+        """Row b keeps its first n_b drafts, each right with probability `oracle`, and the
+        target's token after them (what the trunk scored at row n_b)."""
+        target = mx.argmax(logits, axis=-1).astype(mx.int32)
+        self._key, sub = mx.random.split(self._key)
+        right = (mx.random.uniform(shape=drafts.shape, key=sub) < self.oracle) & live
+        n = mx.sum(mx.cumprod(right.astype(mx.int32), axis=1), axis=1)
+        return n, mx.where(mx.arange(target.shape[1])[None, :] <= n[:, None], target, 0)

@@ -1,23 +1,22 @@
-"""Continuous batching with MTP: the head drafts for every sequence in one batched call, one
-batched verify checks every sequence's k+1 rows, and each sequence accepts and rolls back alone.
+"""Continuous batching with MTP: `round.draft_round` over the batch's rows. The head drafts for
+every sequence in one batched call (`speculative.mtp_rows`), one batched verify checks every
+sequence's k+1 rows, each row accepts and rolls back by its own count, all on the device, and the
+next round is queued before the host reads this one, as for a sequence alone.
 
-A batched round (`MTPBatchScheduler._decode`), for B running sequences and a draft length k
-chosen for the batch (`draft_length`):
-  draft     k head steps over [B, 1] rows: step 1 reads (last token, trunk hidden before it) and
-            writes the head's exact row for that position; step i > 1 reads (draft i-1, the head's
-            own output), its rows are guesses, dropped after the round;
+A round, for B running sequences and a draft length k chosen for the batch (`draft_length`):
+  draft     the head runs each row's block (the rows it is owed: the last round's emitted tokens)
+            and k chained steps over [B, 1] rows;
   verify    one trunk forward over [B, k+1] rows (last token, d1..dk), recurrent states captured;
   accept    per row: greedy prefix match for a drafting sequence (n_b accepted + the bonus token);
-            a sequence that does not draft (plain, sampled, penalised, constrained) takes row 0's
-            token from its own sampler, as a plain step would;
+            a sequence that does not draft (sampled, penalised, constrained) keeps none of its
+            drafts and takes row 0's token from its own sampler on the host, as a plain step would;
   rollback  per row: attention lengths move to n_b + 1 tokens, recurrent layers keep the captured
-            state after them (`BatchCache.rollback_rows`: a kept count per row, no kernel);
-  catch_up  the head's rows for the accepted drafts (each with the verify's trunk hidden before
-            it) in one head forward; the next round starts from (bonus, trunk hidden at n_b).
-k = 0 is a plain batched step (plus the head's one exact row). Every sequence here prefills its
-prompt but the last token and runs it through the head (llama.cpp's draft-mtp scheme), so the
-first round emits its first token; sequences that join together prefill together (trunk, then
-head, each one padded forward per chunk, as `BatchScheduler` does).
+            state after them (`BatchCache.rollback_lazy`: a kept count per row, no kernel);
+  commit    each row's emitted tokens, with the verify's hidden states, are its next head block.
+k = 0 is a plain batched round (with the head kept in step where a row drafts). Every sequence
+here prefills its prompt but the last token and runs it through the head (llama.cpp's draft-mtp
+scheme), so the first round emits its first token; sequences that join together prefill together
+(trunk, then head, each one padded forward per chunk, as `BatchScheduler` does).
 """
 from __future__ import annotations
 
@@ -32,8 +31,10 @@ from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache, capture_at_width
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
+from ..speculative.mtp_rows import MTPRowsDrafter
+from ..speculative.round import Round, accept_greedy_device, draft_round, plain_round
 from ..speculative.scheduler import AUTO_MAX, MARGIN
-from .scheduler import BatchScheduler, Sequence, _Step
+from .scheduler import BatchScheduler, Launched, Sequence, _argmax, _post_norm
 
 class DraftLengthChooser:
     """n-max auto for a batch: the k that maximises the batch's expected tokens per second, from
@@ -124,22 +125,20 @@ class MTPBatchScheduler(BatchScheduler):
             raise MTPEngineError("draft-mtp batches need a model with an MTP head", field="spec")
         super().__init__(model, max_batch, own_thread)
         self.max_draft = max_draft
-        self._head = BatchCache(model.model)
+        self.drafter = MTPRowsDrafter(model.model)
         self._head_group = BatchCache(model.model)  # the joining sequences' head rows
-        self._h_last: mx.array | None = None  # [B, 1, H]: the trunk hidden each row's head step reads
         self.rounds_by_k: dict[int, int] = {}
         self.chooser = DraftLengthChooser()
-        self._k0_done: tuple[list[Sequence], float] | None = None  # the last k = 0 step read: (rows, when)
+        self._last_read: tuple[list[Sequence], int, float] | None = None  # the last round read: (rows, k, when)
 
     def _end_all(self, error: BaseException) -> None:
         super()._end_all(error)
-        self._head, self._h_last = BatchCache(self.model.model), None
+        self.drafter = MTPRowsDrafter(self.model.model)
         self._head_group = BatchCache(self.model.model)
 
     def _keep_rows(self, keep: list[int]) -> None:
         super()._keep_rows(keep)
-        self._head.keep(keep)
-        self._h_last = self._h_last[mx.array(keep, mx.int32)] if keep else None
+        self.drafter.keep(keep)
 
     # ---- prefill: the joining sequences together -------------------------------------------------
     def _keep_joining_rows(self, keep: list[int]) -> None:
@@ -196,125 +195,55 @@ class MTPBatchScheduler(BatchScheduler):
                     s.prompt_cache.release(trunk)
         if not ready:  # every joining prompt has chunks left: the running rows step meanwhile
             return
-        self._batch.extend(self._group, ready)
-        self._head.extend(self._head_group, ready)
         joined = [self._joining[b] for b in ready]
-        h = mx.concatenate([s.h_prev for s in joined], axis=0)
-        self._h_last = h if self._h_last is None else mx.concatenate([self._h_last, h], axis=0)
-        for s in joined:
+        for b, s in zip(ready, joined):
+            s.length = self._group.host_lengths[b]
             s.last_token = s.prompt_ids[-1]
+        self._batch.extend(self._group, ready)
+        self.drafter.join(self._head_group, ready, [s.last_token for s in joined],
+                          mx.concatenate([s.h_prev for s in joined], axis=0))
+        for s in joined:
             s.h_prev = None
         self._rows += joined
         self._drop_joining(ready)
 
-    # ---- k = 0: the plain batched step, pipelined, keeping the head in step ------------------------
-    def _may_queue(self, rows: list[Sequence]) -> bool:
-        return draft_length(rows, self.chooser, self.max_draft) == 0
+    # ---- a round ---------------------------------------------------------------------------------
+    def _accept(self, drafts: mx.array, logits: mx.array, q: mx.array | None,
+                live: mx.array) -> tuple[mx.array, mx.array]:
+        """The acceptance rule over rows: the greedy prefix match (a benchmark's oracle replaces
+        it, `batching.ablations`)."""
+        return accept_greedy_device(drafts, logits, live)
 
-    def _forward(self, rows: list[Sequence], ids: mx.array) -> tuple[mx.array, list[mx.array]]:
-        """The plain batched step's forward; where a row drafts, the head's row for each row's last
-        token (read with the trunk hidden state before it) runs in the same queued work, so the head
-        is current when a later round drafts. Rows that never draft skip the head (`_h_last` may go
-        stale: it is never read for them)."""
-        if not any(s.draft for s in rows):
-            return super()._forward(rows, ids)
+    def _round(self, rows: list[Sequence], last: mx.array) -> Round:
         m = self.model.model
-        m.mtp.forward_batch(m.embed_tokens(ids), self._h_last, self._head)
-        post = self._h_last = m.forward_batch(ids, self._batch)  # [B, 1, H]
-        return post, [post, *self._head.arrays()]
-
-    def _complete(self, step: _Step) -> None:
-        if not step.head:
-            super()._complete(step)
-            return
-        for s in step.rows:
-            if s.draft and not s.done:
-                s.counts.record(0, 0)
-        self.rounds_by_k[0] = self.rounds_by_k.get(0, 0) + 1
-        super()._complete(step)
-        # a pipelined step's time is the interval between two reads of steps of the same rows
-        now = time.perf_counter()
-        if self._k0_done is not None and self._k0_done[0] == step.rows and _auto(step.rows):
-            self.chooser.observe(len(step.rows), 0, now - self._k0_done[1], 0, 0)
-        self._k0_done = (step.rows, now)
-
-    # ---- a batched round ------------------------------------------------------------------------
-    def _accepted(self, drafts: list[int], target: list[int]) -> int:
-        """How many drafts the target agrees with: the greedy prefix match (a benchmark's oracle
-        replaces it, `batching.ablations`)."""
-        n = 0
-        while n < len(drafts) and drafts[n] == target[n]:
-            n += 1
-        return n
-
-    def _decode(self) -> None:
-        rows = list(self._rows)
-        if not rows:
-            return
         k = draft_length(rows, self.chooser, self.max_draft)
-        if self._queued is not None or k == 0:
-            # k = 0 rounds are the plain batched step, pipelined (`BatchScheduler._decode`), with the
-            # head's row for each token queued with it where a row drafts (`_launch`): auto picks
-            # k = 0 for large batches, where a synchronous round cost 0.74-0.78x of plain batching
-            # on this CPU. A step still queued when a round must draft is read first.
-            super()._decode()
-            return
-        self._k0_done = None
-        m, mtp = self.model.model, self.model.model.mtp
-        t0 = time.perf_counter()
-        last = mx.array([[s.last_token] for s in rows], dtype=mx.int32)
-        tok, h, drafts = last, self._h_last, []
-        for i in range(max(k, 1)):  # step 1 also when k = 0: the head's row for the last token
-            h = mtp.forward_batch(m.embed_tokens(tok), h, self._head)
-            if i < k:
-                d = mx.argmax(m.draft_logits(h[:, -1]), axis=-1).astype(mx.int32)
-                drafts.append(d)
-                tok = d[:, None]
-        ids = mx.concatenate([last, mx.stack(drafts, axis=1)], axis=1) if k else last  # [B, k+1]
-        if k:
-            if m.compile_steps:  # one verify graph per width, whatever the round before drafted
-                capture_at_width(self._batch.layers, max(k, self.chooser.k_max) + 1)
-            self._batch.begin_capture()
-        post = m.forward_batch(ids, self._batch)  # [B, k+1, H]
-        logits = m.logits(post)
-        target = mx.argmax(logits, axis=-1)
-        finite = mx.all(mx.isfinite(logits), axis=(1, 2))
-        mx.eval(target, finite, ids)
-        self.steps += 1
         self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + 1
-        host_ids, host_target, ok = ids.tolist(), target.tolist(), finite.tolist()
-        keep, emitted = [], []
-        for b, s in enumerate(rows):
-            n = self._accepted(host_ids[b][1:], host_target[b][:k]) if s.draft and k else 0
-            try:
-                check_finite(ok[b])
-                token = host_target[b][n] if s.sampler.argmax_on_device else s.sampler.sample(logits[b, 0])
-            except MTPEngineError as e:
-                s.fail(e)
-                token = host_target[b][0]
-            keep.append(n + 1)
-            emitted.append((host_ids[b][1:n + 1] + [token], n))
-        if k:
-            self._batch.rollback_rows(keep, k + 1)
-            self._head.set_lengths([x - (k - 1) for x in self._head.host_lengths])  # steps 2..k were guesses
-        most = max(keep) - 1
-        if most:  # the head's rows for the accepted drafts, with the trunk hidden before each
-            before = self._head.host_lengths
-            mtp.forward_batch(m.embed_tokens(ids[:, 1:most + 1]), post[:, :most], self._head)
-            self._head.set_lengths([x + n - 1 for x, n in zip(before, keep)])
-        pick = mx.array([n - 1 for n in keep], mx.int32)[:, None, None]
-        self._h_last = mx.take_along_axis(post, mx.broadcast_to(pick, (len(rows), 1, post.shape[2])), axis=1)
-        mx.eval(self._h_last, *self._batch.arrays(), *self._head.arrays())
-        drafting = [b for b, s in enumerate(rows) if s.draft]
-        if _auto(rows):
-            self.chooser.observe(len(rows), k, time.perf_counter() - t0, k * len(drafting),
-                                 sum(keep[b] - 1 for b in drafting))
-        for b, s in enumerate(rows):
-            if s.done:
-                continue
-            tokens, n = emitted[b]
-            s.batch_sizes.append(len(rows))
-            if s.draft:
-                s.counts.record(k, n)
-            lps = s.sampler.token_logprobs(logits[b, :len(tokens)], tokens)
-            s.deliver(tokens, lps, n, k if s.draft else 0)
+        if k == 0:  # rows that never draft leave the head alone (its rows for them go stale, unread)
+            drafter = self.drafter if any(s.draft for s in rows) else None
+            return plain_round(m, self._batch, drafter, last, _argmax, _post_norm)
+        if m.compile_steps:  # one verify graph per width, whatever the round before drafted
+            capture_at_width(self._batch.layers, max(k, self.chooser.k_max) + 1)
+        return draft_round(m, self._batch, self.drafter, last, k, self._accept, _post_norm,
+                           drafting=mx.array([s.draft for s in rows]))
+
+    def _round_arrays(self, rows: list[Sequence]) -> list[mx.array]:
+        return self.drafter.arrays() if any(s.draft for s in rows) else []
+
+    def _complete(self, cur: Launched) -> None:
+        super()._complete(cur)
+        # a pipelined round's time is the interval between two reads of rounds of the same rows and k
+        now, rows, k = time.perf_counter(), cur.rows, cur.round.k
+        last = self._last_read
+        if last is not None and last[0] == rows and last[1] == k and _auto(rows):
+            drafting = [b for b, s in enumerate(rows) if s.draft]
+            n = cur.round.n.tolist()
+            self.chooser.observe(len(rows), k, now - last[2], k * len(drafting), sum(n[b] for b in drafting))
+        self._last_read = (rows, k, now)
+
+    def _record(self, s: Sequence, k: int, n: int) -> None:
+        if s.draft:
+            s.counts.record(k, n)
+
+    def _bound(self, bounds: list[int]) -> None:
+        super()._bound(bounds)
+        self.drafter.bound(bounds)

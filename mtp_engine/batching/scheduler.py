@@ -9,8 +9,11 @@ One thread (the scheduler's) does all of the batch's device work, in a loop:
             arrive together wait for one prefill, not for each other's; after its last chunk a
             sequence samples its first token and joins the batch (`BatchCache.extend`: rows
             appended);
-  decode    one forward of every running sequence's last token, each row at its own length;
-            each row sampled by its own sampler (temperature, penalties, grammar, seed);
+  decode    one round of every running sequence (`speculative.round`: a plain round here, one
+            forward of each row's last token, each row at its own length; an MTP batch's rounds
+            draft, `batching.mtp`); each row sampled by its own sampler (temperature, penalties,
+            grammar, seed). Where every row's token is its argmax the next round is queued from
+            this one's device values before the host reads it, as a sequence alone is decoded;
   leave     sequences that are done (max_tokens reached) or cancelled (their reader stopped:
             EOS, a stop string, a closed stream) drop their rows before the next step.
 Each sequence's tokens go to its reader through a queue; the reader (`SlotDecoder`, driven by the
@@ -23,7 +26,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -32,6 +35,7 @@ from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler, check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
+from ..speculative.round import Round, plain_round
 from ..speculative.stats import RoundCounts
 from ..threads import quiesce_at_exit
 
@@ -58,6 +62,7 @@ class Sequence:
         self.n_max = n_max  # None: the batch's draft length
         self.counts = RoundCounts()  # its rounds' statistics
         self.h_prev = None  # the trunk hidden state its next head row reads (MTP batches, while it prefills)
+        self.length = 0  # tokens in its trunk cache rows, as of the last round the host read
 
     def cancel(self) -> None:
         """Its reader is done: the row leaves before the next step."""
@@ -79,15 +84,11 @@ class Sequence:
         self.out.put(error)
 
 
-@dataclass
-class _Step:
-    """A batched decode step queued on the device: the rows it ran and its outputs."""
+class Launched(NamedTuple):
+    """A round queued on the device for these rows (read later by `_complete`)."""
 
     rows: list[Sequence]
-    logits: mx.array  # [B, V]
-    greedy: mx.array  # [B]
-    finite: mx.array  # [B]
-    head: bool = False  # it also ran the MTP head's rows (batching.mtp, k = 0 rounds)
+    round: Round
 
 
 class SchedulerStopped(MTPEngineError):
@@ -116,7 +117,7 @@ class BatchScheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0  # batched decode steps run
-        self._queued: _Step | None = None  # the next step, queued before the host read this one
+        self._queued: Launched | None = None  # the next round, queued before the host read this one
         self.completed = 0
         self._exiting = False  # the interpreter is exiting: finish the current step and park
         self._parked = threading.Event()
@@ -325,61 +326,83 @@ class BatchScheduler:
             s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
             done.append(b)
         if done:
+            for b in done:
+                self._joining[b].length = self._group.host_lengths[b]
             self._batch.extend(self._group, done)
             self._rows += [self._joining[b] for b in done]
             self._drop_joining(done)
 
     def _decode(self) -> None:
-        """One batched step read, with the next one queued first when every row's token is its
-        argmax (then the device runs step t+1 while the host delivers step t, as the plain
-        decoder's pipelined loop does alone). A queued step outlives rows that leave or join
-        before it is read: it delivers to the rows it ran (those still running), and a joined row
-        takes the step after it."""
+        """One round read, with the next one queued first when every row's token is its argmax
+        (then the device runs round r+1 while the host delivers round r, as a sequence alone is
+        decoded). A queued round outlives rows that leave or join before it is read: it delivers
+        to the rows it ran (those still running), and a joined row takes the round after it."""
         rows = list(self._rows)
         if not rows:
             self._queued = None
             return
         cur = self._queued or self._launch(rows)
         self._queued = None
-        if cur.rows == rows and all(s.sampler.argmax_on_device for s in rows) and self._may_queue(rows):
-            self._queued = self._launch(rows, cur.greedy)
+        if cur.rows == rows and all(s.sampler.argmax_on_device for s in rows):
+            self._queued = self._launch(rows, cur.round)
         self._complete(cur)
 
-    def _may_queue(self, rows: list["Sequence"]) -> bool:
-        """Whether the step after this one is another plain step (a subclass may want otherwise)."""
-        return True
+    def _launch(self, rows: list[Sequence], prev: Round | None = None) -> Launched:
+        """Queues one round over `rows`, from each row's last token (the host's, or `prev`'s still
+        on the device)."""
+        last = prev.next_tokens() if prev is not None else mx.array([s.last_token for s in rows], mx.int32)
+        r = self._round(rows, last)
+        mx.async_eval(*r.read(), *self._batch.arrays(), *self._round_arrays(rows))
+        return Launched(rows, r)
 
-    def _launch(self, rows: list["Sequence"], prev: mx.array | None = None) -> _Step:
-        """Queues one batched step: each row's last token (from the host, or `prev` [B], the
-        step before's argmax still on the device)."""
-        ids = prev[:, None].astype(mx.int32) if prev is not None else \
-            mx.array([[s.last_token] for s in rows], dtype=mx.int32)
-        post, head = self._forward(rows, ids)
-        logits = self.model.model.logits(post[:, -1])  # [B, V]
-        step = _Step(rows, logits, mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits), axis=-1), head=bool(head))
-        mx.async_eval(step.greedy, step.finite, *self._batch.arrays(), *head)
-        return step
+    def _round(self, rows: list[Sequence], last: mx.array) -> Round:
+        """The round itself: a plain one here (`batching.mtp` drafts)."""
+        return plain_round(self.model.model, self._batch, None, last, _argmax, _post_norm)
 
-    def _forward(self, rows: list["Sequence"], ids: mx.array) -> tuple[mx.array, list[mx.array]]:
-        """A plain step's batched forward of `ids` [B, 1]: the trunk's hidden states [B, 1, H], and
-        the arrays of the MTP head's rows when the step also ran them (none here; batching.mtp)."""
-        return self.model.model.forward_batch(ids, self._batch), []
+    def _round_arrays(self, rows: list[Sequence]) -> list[mx.array]:
+        """What else a queued round leaves on the device (an MTP batch: the head's)."""
+        return []
 
-    def _complete(self, step: _Step) -> None:
+    def _complete(self, cur: Launched) -> None:
+        """The host reads a round: each row's accepted drafts and token (a row whose token is not
+        its argmax is sampled here from the round's logits), delivered to its reader."""
+        r, rows = cur.round, cur.rows
+        emitted, accepted, ok = r.emitted.tolist(), r.n.tolist(), r.finite.tolist()
         self.steps += 1
-        fast = [int(t) for t in step.greedy.tolist()]
-        ok = step.finite.tolist()
-        for b, s in enumerate(step.rows):
+        for b, s in enumerate(rows):
+            n = accepted[b]
+            s.length += n + 1
             if s.done:
                 continue
-            s.batch_sizes.append(len(step.rows))
+            s.batch_sizes.append(len(rows))
             try:
                 check_finite(ok[b])
-                row = step.logits[b]
-                token = fast[b] if s.sampler.argmax_on_device else s.sampler.sample(row)
-                s.deliver([token], s.sampler.token_logprobs(row[None], [token]))
+                tokens = emitted[b][:n + 1]
+                if not s.sampler.argmax_on_device:
+                    tokens = [s.sampler.sample(r.logits[b, 0])]
+                self._record(s, r.k, n)
+                s.deliver(tokens, s.sampler.token_logprobs(r.logits[b, :len(tokens)], tokens), n,
+                          r.k if s.draft else 0)
             except MTPEngineError as e:
                 s.fail(e)
+        queued = self._queued.round.k + 1 if self._queued is not None else 0
+        self._bound([s.length + queued for s in self._rows])
+
+    def _record(self, s: Sequence, k: int, n: int) -> None:
+        """A row's round statistics (an MTP batch counts its drafting rows' rounds)."""
+
+    def _bound(self, bounds: list[int]) -> None:
+        """The host's bounds of the running rows' cache lengths, from what it read."""
+        self._batch.bound_lengths(bounds)
+
+
+def _argmax(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+def _post_norm(post: mx.array, pre: mx.array) -> mx.array:
+    """The trunk state a drafter reads: the post-norm hidden state (what the output head reads)."""
+    return post
 
 
 def _engine_error(e: Exception) -> MTPEngineError:

@@ -136,13 +136,16 @@ class BatchRecurrentCache(RecurrentCache):
 
 
 class BatchCache:
-    """The trunk's caches for a batch of sequences, each with its own length."""
+    """The trunk's caches for a batch of sequences, each with its own length: `lengths` [B] on the
+    device (exact), `host_lengths` the host's upper bound of each (exact while no round whose
+    accepted length the host has not read is queued: `bound_lengths`)."""
 
     def __init__(self, model) -> None:
         self.model = model
         self.layers: list[BatchKVCache | BatchRecurrentCache] = []
         self.host_lengths: list[int] = []
-        self.lengths = mx.zeros((0,), mx.int32)
+        self.lengths = mx.array([], mx.int32)
+        self._captured = 0
 
     def __len__(self) -> int:
         return len(self.host_lengths)
@@ -151,7 +154,7 @@ class BatchCache:
         """Appends a sequence whose batch-1 caches hold its prompt; returns its row."""
         trunk.to_host()
         self.host_lengths.append(int(trunk.offset))
-        self.lengths = mx.array(self.host_lengths, mx.int32)
+        self.lengths = mx.concatenate([self.lengths, mx.array([int(trunk.offset)], mx.int32)])
         if not self.layers:
             c = self.model.cfg
             for layer in trunk.layers:
@@ -168,11 +171,11 @@ class BatchCache:
     def keep(self, rows: list[int]) -> None:
         """Keeps only `rows` (in that order): the others' sequences have left."""
         self.host_lengths = [self.host_lengths[r] for r in rows]
-        self.lengths = mx.array(self.host_lengths, mx.int32)
         if not rows:
-            self.layers = []
+            self.layers, self.lengths = [], mx.array([], mx.int32)
             return
         idx = mx.array(rows, mx.int32)
+        self.lengths = self.lengths[idx]
         for layer in self.layers:
             layer.keep(idx)
 
@@ -206,10 +209,12 @@ class BatchCache:
                     mine.set(None, None)
         for mine, theirs in zip(self.layers, other.layers):
             mine.append_rows(theirs, idx, max(self.host_lengths + lengths))
-        self.set_lengths(self.host_lengths + lengths)
+        self.host_lengths = self.host_lengths + lengths
+        self.lengths = mx.concatenate([self.lengths, other.lengths[idx]])
 
     def row(self, r: int) -> TrunkCache:
-        """Row r as a sequence's own (batch-1) caches, copied: e.g. for a prompt cache to keep."""
+        """Row r as a sequence's own (batch-1) caches, copied: e.g. for a prompt cache to keep
+        (its host length must be exact)."""
         layers = []
         n = self.host_lengths[r]
         for c in self.layers:
@@ -237,18 +242,25 @@ class BatchCache:
         self.host_lengths = list(lengths)
         self.lengths = mx.array(self.host_lengths, mx.int32)
 
-    def begin_capture(self) -> None:
-        """Before a forward whose tokens `rollback_rows` may drop, row by row."""
+    def bound_lengths(self, bounds: list[int]) -> None:
+        """The host's bounds of the rows' lengths, tightened from what it has read (the device
+        lengths are not touched)."""
+        self.host_lengths = [min(x, b) for x, b in zip(self.host_lengths, bounds)]
+
+    def begin_capture(self, n_tokens: int = 0) -> None:
+        """Before a forward of `n_tokens` per row whose tokens a rollback may drop, row by row."""
+        self._captured = n_tokens
         for layer in self.layers:
             if isinstance(layer, BatchRecurrentCache):
                 layer.begin_capture()
 
-    def rollback_rows(self, keep: list[int], captured: int) -> None:
-        """After a captured forward of `captured` tokens per row, row b keeps its first keep[b]."""
-        self.host_lengths = [x - captured + n for x, n in zip(self.host_lengths, keep)]
-        self.lengths = mx.array(self.host_lengths, mx.int32)
-        roll_back_recurrent([c for c in self.layers if isinstance(c, BatchRecurrentCache)],
-                            mx.array(keep, mx.int32))
+    def rollback_lazy(self, keep: mx.array) -> None:
+        """After a captured forward, row b keeps its first keep[b] tokens (keep [B] int32, on the
+        device): the device lengths move, the host's stay bounds (`TrunkCache.rollback_lazy` for
+        a batch), and recurrent layers start their next forward from the kept states."""
+        self.lengths = self.lengths - self._captured + keep
+        roll_back_recurrent([c for c in self.layers if isinstance(c, BatchRecurrentCache)], keep)
+        self._captured = 0
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.arrays()] + [self.lengths]

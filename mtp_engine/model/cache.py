@@ -199,7 +199,7 @@ class TrunkCache:
         if not all(c._open for c in recurrent):
             raise RuntimeError("rollback without a captured forward")
         self.kv_to_device()
-        shift_offsets(self.layers, n_keep - self._captured)
+        shift_offsets(self.layers, mx.reshape(n_keep, ()) - self._captured)
         roll_back_recurrent(recurrent, mx.reshape(n_keep, (1,)))
         self._captured = 0
 

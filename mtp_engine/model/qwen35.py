@@ -16,6 +16,7 @@ import mlx.core as mx
 from ..options import EngineOptions
 from . import attn_kernel, gdn, gdn_kernel, kernel_warmup, kernels, mma_kernel, norm_kernel, selftest_cache
 from . import step as compiled
+from .batch_cache import BatchCache
 from .cache import RecurrentCache, TrunkCache, pick_state
 from .kv_cache import KVCache
 from .config import Qwen35Config
@@ -411,16 +412,20 @@ class Qwen35Model:
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.embed.rows(ids)
 
-    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False,
-                resident: bool = False, one_off: bool = False):
-        """Runs ids [1, S] through the trunk, appending to `cache`; returns the hidden state after
-        `output_norm` [1, S, H] (what the output head and the MTP head read). With `capture`, the
-        caches keep what `cache.rollback(n)` needs to keep only the first n of these tokens. With
-        `return_prenorm`, returns (post-norm, pre-norm) hidden states. `resident`: a
+    def forward(self, ids: mx.array, cache: "TrunkCache | BatchCache", capture: bool = False,
+                return_prenorm: bool = False, resident: bool = False, one_off: bool = False):
+        """Runs ids [B, S] through the trunk, appending to `cache` (a sequence's `TrunkCache`, B =
+        1, or a `BatchCache` of B sequences each at its own length: `forward_batch`); returns the
+        hidden state after `output_norm` [B, S, H] (what the output head and the MTP head read).
+        With `capture`, the caches keep what a rollback needs to keep only the first n of these
+        tokens. With `return_prenorm`, returns (post-norm, pre-norm) hidden states. `resident`: a
         device-resident round's forward (KV offsets may be device values; `cache.offset`, the
         host's count, is left to the round). `one_off`: a forward whose shape may not recur (a
         prompt's prefill): compiled only when its graph is traced already (`step.traced`), so a
         new prompt length costs no trace."""
+        if isinstance(cache, BatchCache):
+            post, x = self.forward_batch(ids, cache, capture=capture, return_prenorm=True)
+            return (post, x) if return_prenorm else post
         s = int(ids.shape[1])
         if capture:
             cache.begin_capture(s)
@@ -440,23 +445,27 @@ class Qwen35Model:
             cache.offset += s
         return (post, x) if return_prenorm else post
 
-    def forward_batch(self, ids: mx.array, batch, valid: list[int] | None = None) -> mx.array:
+    def forward_batch(self, ids: mx.array, batch: BatchCache, valid: list[int] | None = None,
+                      capture: bool = False, return_prenorm: bool = False):
         """ids [B, S]: the next S tokens of each of B sequences, each at its own length in `batch`
-        (a `batch_cache.BatchCache`, advanced here); returns the post-norm hidden states [B, S, H].
-        Up to `step.MAX_TOKENS` tokens per row it is one compiled graph, as a single sequence's.
-        `valid`: row b's first valid[b] tokens count, the rest pad it (prompts of several lengths
-        prefilled together); its length grows by valid[b]."""
+        (advanced here); returns the post-norm hidden states [B, S, H] (with `return_prenorm`,
+        also the pre-norm ones). Up to `step.MAX_TOKENS` tokens per row it is one compiled graph,
+        as a single sequence's. `valid`: row b's first valid[b] tokens count, the rest pad it
+        (prompts of several lengths prefilled together); its length grows by valid[b]. `capture`:
+        recurrent layers keep every position's state (`BatchCache.rollback_lazy` picks one)."""
         s = int(ids.shape[1])
         if valid is not None:
             with batch.padded(valid):
-                post, _ = self._body(ids, batch.layers)
-            return post
+                post, x = self._body(ids, batch.layers)
+            return (post, x) if return_prenorm else post
+        if capture:
+            batch.begin_capture(s)
         if self._compile_steps and s <= compiled.MAX_TOKENS and all(_compilable_ffn(l.mlp) for l in self.layers):
-            post, _ = compiled.run_batch(self.graphs, self._body, [ids], batch, s)
+            post, x = compiled.run_batch(self.graphs, self._body, [ids], batch, s)
         else:
-            post, _ = self._body(ids, batch.layers)
+            post, x = self._body(ids, batch.layers)
         batch.advance(s)
-        return post
+        return (post, x) if return_prenorm else post
 
     def _body(self, ids: mx.array, caches: list) -> list[mx.array]:
         post, x = run_layers(self.layers, self.embed_tokens(ids), caches, self.output_norm, self.cfg.eps,

@@ -70,14 +70,14 @@ class OracleAcceptance:
             n += 1
         return n, int(target[n]), [int(t) for t in target[:n]] + d.tolist()[n:]
 
-    def _accept_device(self, drafts, scored, q, live):
+    def _accept_device(self, drafts, logits, q, live):
         if not self.sampler.cfg.greedy:
-            return super()._accept_device(drafts, scored, q, live)
-        target = mx.argmax(scored, axis=-1).astype(mx.int32)
+            return super()._accept_device(drafts, logits, q, live)
+        target = mx.argmax(self.sampler.penalize(logits[0], drafts[0]), axis=-1).astype(mx.int32)[None]
         self._key, sub = mx.random.split(self._key)
         right = (mx.random.uniform(shape=drafts.shape, key=sub) < self.oracle) & live
-        n = mx.sum(mx.cumprod(right.astype(mx.int32)))
-        return n, mx.where(mx.arange(target.shape[0]) <= n, target, 0)
+        n = mx.sum(mx.cumprod(right.astype(mx.int32), axis=1), axis=1)
+        return n, mx.where(mx.arange(target.shape[1])[None, :] <= n[:, None], target, 0)
 
 
 def ablation_decoder(model: Qwen35Model, sampler: Sampler, params: DraftParams, profiler: Profiler | None = None,

@@ -276,9 +276,9 @@ class MTPDrafter(Drafter):
         return mx.take(h, (b.valid - 1).reshape(1), axis=1)
 
     def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """k drafts as device values: (tokens [k] int32, their distributions [k, V] when sampling,
-        whether each passed p-min [k] when p-min is set). Every step runs; p-min only says which
-        drafts count (the round keeps the shape k gives it)."""
+        """k drafts as device values, as a round's one row: (tokens [1, k] int32, their
+        distributions [1, k, V] when sampling, whether each passed p-min [1, k] when p-min is set).
+        Every step runs; p-min only says which drafts count (the round keeps the shape k gives it)."""
         model, sampler, cache = self.model, self.ctx.sampler, self.cache
         with self.ctx.prof.stage("draft") as out:
             h = self._run_block()
@@ -294,15 +294,16 @@ class MTPDrafter(Drafter):
                 if i + 1 < k:
                     h = model.mtp(model.embed_tokens(d.reshape(1, 1)), h, cache, resident=True)
             cache.offset, cache.bound = kept, bound  # rows of steps 2..k were the head's own guesses
-            tokens = mx.stack(drafts)
+            tokens = mx.stack(drafts)[None]
             out.append(tokens)
         self.steps = k
-        return tokens, (mx.stack(qs) if qs else None), (mx.stack(confident) if confident else None)
+        return tokens, (mx.stack(qs)[None] if qs else None), (mx.stack(confident)[None] if confident else None)
 
     def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
-        """A drafting round emitted `emitted[:n+1]` (accepted drafts, then the trunk's token):
-        they, with the verify's hidden states, are the head's next block."""
-        self._block, self._skip, self._plain_rows = HeadBlock(emitted, hidden, n + 1), 0, []
+        """A drafting round emitted `emitted[0, :n+1]` (the round's one row: accepted drafts, then
+        the trunk's token): they, with the verify's hidden states, are the head's next block."""
+        self._block = HeadBlock(emitted[0], hidden, (n + 1).reshape(()))
+        self._skip, self._plain_rows = 0, []
         self.steps = 0
 
     def accept_plain(self, token: mx.array, hidden: mx.array) -> None:

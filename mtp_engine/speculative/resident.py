@@ -45,15 +45,11 @@ class Queued:
 
     @property
     def logits(self) -> mx.array:
-        return self.round.logits
+        """The rows that scored its emitted tokens, [k+1, V] (the sequence is row 0)."""
+        return self.round.logits[0]
 
     def read(self) -> list[mx.array]:
-        """The device values the host reads one round late. Each must be queued with the round:
-        one queued only at the read (it was `drafted`) lands behind the next round on the stream,
-        so the read waits for that round too and the host cannot queue the one after it while the
-        device works (a k = 3 round took 13.0 ms in the loop against 9.6 queued back to back)."""
-        r = self.round
-        return [a for a in (r.emitted, r.finite, r.n, r.drafted, r.drafts) if isinstance(a, mx.array)]
+        return self.round.read()
 
 
 class ResidentRounds:
@@ -122,18 +118,18 @@ class ResidentRounds:
             return self._launch_resident_plain()
         shapes = self._shapes(k)
         r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k,
-                        lambda d, logits, q, live: self._accept_device(d, self.sampler.penalize(logits, d), q, live),
-                        self._fed, self.params.p_min, self.params.n_min, self.prof.stage)
-        self._last_dev = mx.take(r.emitted, r.n.reshape(1))
+                        self._accept_device, self._fed, self.params.p_min, self.params.n_min,
+                        stage=self.prof.stage)
+        self._last_dev = r.next_tokens()
         return self._queue(Queued(r, k + 1, shapes))
 
     def _launch_resident_plain(self) -> Queued:
         r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed, self.prof.stage)
-        self._last_dev = r.emitted
+        self._last_dev = r.emitted[:, 0]
         return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
 
     def _pick(self, logits: mx.array) -> mx.array:
-        """A plain round's token [1] from its logits [1, V], on the device."""
+        """A plain round's token [1] from its logits [1, V] (one row), on the device."""
         cfg = self.sampler.cfg
         scored = self.sampler.penalize(logits)
         if cfg.greedy:
@@ -146,10 +142,12 @@ class ResidentRounds:
             mx.async_eval(*r.read(), *self.drafter.pending_arrays())
         return r
 
-    def _accept_device(self, drafts: mx.array, scored: mx.array, q: mx.array | None,
+    def _accept_device(self, drafts: mx.array, logits: mx.array, q: mx.array | None,
                        live: mx.array) -> tuple[mx.array, mx.array]:
-        """(n accepted, emitted row [k+1]) as device values."""
+        """(n accepted [1], emitted [1, k+1]) as device values, for the one row's drafts [1, k] and
+        logits [1, k+1, V]; row i's penalties count drafts 1..i as generated."""
         cfg = self.sampler.cfg
+        scored = self.sampler.penalize(logits[0], drafts[0])[None]
         if cfg.greedy:
             return accept_greedy_device(drafts, scored, live)
         self._key, sub = mx.random.split(self._key)
@@ -168,10 +166,10 @@ class ResidentRounds:
             block = [] if self._queued else self.drafter.pending_arrays()
             mx.eval(*r.read(), *block)
             d = r.round
-            check_finite(d.finite)
-            n, drafted = int(d.n), int(d.drafted)
-            emitted = d.emitted.tolist()
-            drafts = d.drafts.tolist()[:drafted] if d.drafts is not None else []
+            check_finite(d.finite.item())
+            n, drafted = d.n.item(), d.drafted.item()
+            emitted = d.emitted[0].tolist()
+            drafts = d.drafts[0].tolist()[:drafted] if d.drafts is not None else []
         token = emitted[n]
         self.cache.offset += n + 1
         self.cache.set_bound(self.cache.offset + sum(q.rows for q in self._queued))

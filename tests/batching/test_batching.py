@@ -441,8 +441,8 @@ def test_mtp_batch_reuses_the_prompt_cache_with_the_heads_state(shipped_model):
 
 
 def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shipped_model):
-    """auto's k = 0 rounds (its choice for large batches) are the plain batched step, queued one
-    ahead, with the head's row for each token in the same work: drafting rounds after a k = 0
+    """auto's k = 0 rounds (its choice for large batches) are the plain batched round, queued one
+    ahead like every greedy round, with the head's row for each token in the same work: drafting rounds after a k = 0
     stretch draft from an exact head (their drafts accepted as often as without the stretch) and
     every row gets what it gets alone. A chooser that alternates stretches of 0 and 3 stands in for
     auto's measurements."""
@@ -462,9 +462,9 @@ def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shippe
     sched._launch = lambda rows, prev=None: (queued.append(prev is not None), launch(rows, prev))[1]
     capture = sched._batch.begin_capture
 
-    def drafting_round_starts():  # each row's head and trunk lengths when a round drafts
-        lengths.append((list(sched._head.host_lengths), list(sched._batch.host_lengths)))
-        capture()
+    def drafting_round_starts(n_tokens):  # each row's head and trunk lengths (device values) at a verify
+        lengths.append((sched.drafter.cache.lengths.tolist(), sched._batch.lengths.tolist()))
+        capture(n_tokens)
 
     sched._batch.begin_capture = drafting_round_starts
     got: dict[int, list] = {}
@@ -480,9 +480,10 @@ def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shippe
     assert [[t for c in got[i] for t in c.token_ids] for i in range(3)] == [w.token_ids for w in want]
     assert sched.rounds_by_k.get(0, 0) >= 6 and sched.rounds_by_k.get(3, 0) >= 3, sched.rounds_by_k
     assert sum(queued) >= 3, queued  # k = 0 steps queued behind the one being read
-    # the head keeps a row per trunk position through k = 0 steps: at each drafting round (after its
-    # k = 3 draft steps) every row's head is exactly 3 rows past its trunk
-    assert len(lengths) >= 2 and all(h - t == 3 for hs, ts in lengths for h, t in zip(hs, ts)), lengths
+    # the head keeps a row per trunk position through k = 0 steps: at each drafting round's verify
+    # (its guessed rows of draft steps 2..3 dropped) every row's head holds one row past its trunk:
+    # the last token's, which the verify is about to add to the trunk
+    assert len(lengths) >= 2 and all(h - t == 1 for hs, ts in lengths for h, t in zip(hs, ts)), lengths
     # the trained head after k = 0 stretches: its drafts are often right (an unsynced head's are not)
     stats = [got[i][-1].stats for i in range(3)]
     assert sum(st["accepted"] for st in stats) > 0.3 * sum(st["drafted"] for st in stats), \

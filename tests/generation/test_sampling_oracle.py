@@ -124,12 +124,12 @@ def test_rejection_sampling_emits_the_target_distribution(where):
             n, token = accept_sampling(drafts, P, Q, sampler)
             return n, list(drafts[:n]) + [token]
     else:
-        p, q = mx.array(P, mx.float32), mx.array(Q, mx.float32)
-        live = mx.array([True, True])
+        p, q = mx.array(P, mx.float32)[None], mx.array(Q, mx.float32)[None]  # a round of one row
+        live = mx.array([[True, True]])
 
         def round_(drafts, t):
-            n, emitted = accept_sampling_device(mx.array(drafts, mx.int32), p, q, live, mx.random.key(t))
-            return int(n), np.array(emitted).tolist()
+            n, emitted = accept_sampling_device(mx.array(drafts, mx.int32)[None], p, q, live, mx.random.key(t))
+            return n.item(), np.array(emitted)[0].tolist()
     first, second, accepted = _draws(round_)
     assert _chi2_ok(first, P[0]), first / TRIALS
     assert _chi2_ok(second, P[1]), second / second.sum()
@@ -153,11 +153,33 @@ def test_greedy_acceptance_on_hand_built_rounds(drafts, target, n, emitted):
     v = 16
     scored = mx.array(np.eye(v, dtype=np.float32)[target])  # row i's argmax is target[i]
     k = len(drafts)
-    got_n, got = accept_greedy_device(mx.array(drafts, mx.int32), scored, mx.ones((k,), mx.bool_))
-    assert int(got_n) == n and np.array(got).tolist()[:n + 1] == emitted
+    d = mx.array(drafts, mx.int32)[None]  # a round of one row
+    got_n, got = accept_greedy_device(d, scored[None], mx.ones((1, k), mx.bool_))
+    assert got_n.tolist() == [n] and np.array(got)[0].tolist()[:n + 1] == emitted
     # drafts that do not count (p-min, n-min) are never accepted, even when they match
-    cut_n, cut = accept_greedy_device(mx.array(drafts, mx.int32), scored, mx.arange(k) < min(n, 1))
-    assert int(cut_n) == min(n, 1) and np.array(cut).tolist()[min(n, 1)] == target[min(n, 1)]
+    cut_n, cut = accept_greedy_device(d, scored[None], (mx.arange(k) < min(n, 1))[None])
+    assert cut_n.tolist() == [min(n, 1)] and np.array(cut)[0].tolist()[min(n, 1)] == target[min(n, 1)]
+
+
+def test_acceptance_over_rows_is_each_rows_alone():
+    """A batch's round accepts every row by its own drafts, targets and live drafts: the rows of
+    one call equal each row's round of one (greedy and sampled, same key per row count)."""
+    rows = [r for r in ROUNDS if len(r[0]) == 3]
+    v = 16
+    drafts = mx.array([r[0] for r in rows], mx.int32)
+    scored = mx.array(np.stack([np.eye(v, dtype=np.float32)[r[1]] for r in rows]))
+    live = mx.array([[True, True, True], [True, True, True], [True, False, False], [False, False, False]])
+    n, emitted = accept_greedy_device(drafts, scored, live)
+    for b in range(len(rows)):
+        n1, e1 = accept_greedy_device(drafts[b:b + 1], scored[b:b + 1], live[b:b + 1])
+        assert n[b].item() == n1.item() and emitted[b].tolist() == e1[0].tolist()
+    assert n.tolist() == [3, 0, 1, 0]
+    # sampled: every row lossless on its own, whatever the others hold
+    p = mx.array(np.broadcast_to(P, (2, *P.shape)).copy(), mx.float32)
+    q = mx.array(np.broadcast_to(Q, (2, *Q.shape)).copy(), mx.float32)
+    n, emitted = accept_sampling_device(mx.array([[0, 1], [2, 2]], mx.int32), p, q,
+                                        mx.array([[True, True], [False, False]]), mx.random.key(1))
+    assert emitted.shape == (2, 3) and n[1].item() == 0  # a row whose drafts do not count keeps none
 
 
 # ---- the prompt cache's reuse rule at every boundary ---------------------------

@@ -1,0 +1,114 @@
+"""The MTP head drafting for the rows of a batch: `round.draft_round`'s drafter over B sequences.
+
+The stages are `MTPDrafter`'s device-resident ones, over rows (llama.cpp drafts for all slots in
+one call the same way):
+  block     what the head runs before its next draft, per row: after a drafting round the row's
+            emitted tokens [k+1] with the verify's hidden states, `valid` = accepted + 1 of them (a
+            device count); after a plain round the row's one token; a joining row's last prompt
+            token. Rows run it together, padded to one width (the padding is written past each
+            row's length: masked, and rewritten);
+  draft     step 1 reads each row's last valid block row; steps 2..k read the drafts before them
+            and the head's own output; their rows are guesses, dropped (the lengths return);
+  commit    a drafting round's emitted rows become the next block; a plain round runs the block at
+            once (the head stays one row behind the trunk, so the next draft costs no catch-up).
+Every count stays on the device: the host learns a round's accepted lengths one round late.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..model.batch_cache import BatchCache
+from ..model.qwen35 import Qwen35Model
+
+
+class MTPRowsDrafter:
+    """Drafts with the model's MTP head for B rows at once; owns the head's `BatchCache` (rows in
+    the batch's order) and each row's block."""
+
+    name = "draft-mtp"
+
+    def __init__(self, model: Qwen35Model):
+        self.model = model
+        self.cache = BatchCache(model)
+        self.tokens: mx.array | None = None  # [B, w] int32
+        self.hidden: mx.array | None = None  # [B, w, H]
+        self.valid: mx.array | None = None  # [B] int32: each row's rows of the block that count
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    # ---- rows joining and leaving ---------------------------------------------------------------
+    def join(self, heads: BatchCache, rows: list[int], tokens: list[int], hidden: mx.array) -> None:
+        """Rows `rows` of `heads` (the head's caches after the joining prompts but their last
+        token) join; their blocks are each last prompt token `tokens` with the trunk hidden state
+        before it, `hidden` [J, 1, H]."""
+        self.cache.extend(heads, rows)
+        tok = mx.array(tokens, mx.int32)[:, None]
+        valid = mx.ones((len(tokens),), mx.int32)
+        if self.tokens is None:
+            self.tokens, self.hidden, self.valid = tok, hidden, valid
+            return
+        w = int(self.tokens.shape[1])
+        self.tokens = mx.concatenate([self.tokens, mx.pad(tok, [(0, 0), (0, w - 1)])])
+        self.hidden = mx.concatenate([self.hidden, mx.pad(hidden, [(0, 0), (0, w - 1), (0, 0)])])
+        self.valid = mx.concatenate([self.valid, valid])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keeps only `rows` (in that order)."""
+        self.cache.keep(rows)
+        if not rows or self.tokens is None:
+            self.tokens = self.hidden = self.valid = None
+            return
+        idx = mx.array(rows, mx.int32)
+        self.tokens, self.hidden, self.valid = self.tokens[idx], self.hidden[idx], self.valid[idx]
+
+    def bound(self, trunk_bounds: list[int]) -> None:
+        """The host's bounds of the trunk's lengths: the head holds at most one row past each."""
+        self.cache.bound_lengths([b + 1 for b in trunk_bounds])
+
+    # ---- the stages ------------------------------------------------------------------------------
+    def _run_block(self) -> mx.array:
+        """Every row's block through the head; its valid rows stay. Returns each row's last valid
+        row's output [B, 1, H]."""
+        m, cache = self.model, self.cache
+        before = cache.lengths
+        h = m.mtp.forward_batch(m.embed_tokens(self.tokens), self.hidden, cache)
+        cache.lengths = before + self.valid  # the host bound grew by the width: rows past valid are stale
+        return mx.take_along_axis(h, (self.valid - 1)[:, None, None], axis=1)
+
+    def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, None, mx.array | None]:
+        """k greedy drafts per row as device values: (tokens [B, k] int32, None (no distributions:
+        rows that sample do not draft), whether each passed p-min [B, k] when p-min is set)."""
+        m, cache = self.model, self.cache
+        h = self._run_block()
+        kept, kept_host = cache.lengths, list(cache.host_lengths)
+        drafts, confident = [], []
+        for i in range(k):
+            logits = m.draft_logits(h[:, 0])  # [B, V]
+            d = mx.argmax(logits, axis=-1).astype(mx.int32)
+            if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
+                confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1]), axis=-1), axis=-1),
+                                        axis=-1) >= p_min)
+            drafts.append(d)
+            if i + 1 < k:
+                h = m.mtp.forward_batch(m.embed_tokens(d[:, None]), h, cache)
+        cache.lengths, cache.host_lengths = kept, kept_host  # rows of steps 2..k were the head's guesses
+        self.tokens = self.hidden = self.valid = None  # run: the round's commit sets the next block
+        return mx.stack(drafts, axis=1), None, (mx.stack(confident, axis=1) if confident else None)
+
+    def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
+        """A drafting round emitted `emitted[b, :n[b]+1]` per row (accepted drafts, then the
+        trunk's token): they, with the verify's hidden states [B, k+1, H], are the next block."""
+        self.tokens, self.hidden, self.valid = emitted, hidden, n + 1
+
+    def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
+        """A plain round emitted `token` [B] from trunk states `hidden` [B, 1, H]: the block runs
+        now, and the token's row is the next one."""
+        self._run_block()
+        self.tokens, self.hidden = token[:, None], hidden
+        self.valid = mx.ones(token.shape, mx.int32)
+
+    def arrays(self) -> list[mx.array]:
+        """What a queued round leaves for the head (evaluated with it)."""
+        block = [a for a in (self.tokens, self.hidden, self.valid) if a is not None]
+        return self.cache.arrays() + block
