@@ -30,6 +30,27 @@ def test_products_match_mlx_for_1_to_16_rows(bits, group, n, k):
         assert np.abs(got - ref).max() <= 3e-5 * scale + 1e-6, (rows, np.abs(got - ref).max() / scale)
 
 
+def test_products_of_many_rows_run_in_slabs_of_one_arithmetic():
+    """A batch's products (B rows, or B x (k+1) in a verify) of up to SLAB_ROWS rows take the
+    custom kernel in slabs of its most rows (MLX's product of 12-16 float32 rows cost ~14 ms a row
+    at the 9B shape): equal to MLX's product, and every row of a multi-row product is the same
+    bits whichever rows share it (a last slab of one row is padded, never the one-row kernel)."""
+    from mtp_engine.model.layers import SLAB_ROWS
+
+    w = mx.random.normal((512, 1024), key=mx.random.key(3)) * 1024 ** -0.5
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    lin = Linear(q, s, b, 4, 32, custom_kernel=True)
+    x = mx.random.normal((SLAB_ROWS, 1024), key=mx.random.key(4)) * 2.0
+    pair = np.array(lin(x[:2]))
+    for rows in (9, 16, 17, 33, SLAB_ROWS):
+        ref = np.array(mx.quantized_matmul(x[:rows], q, s, b, transpose=True, group_size=32, bits=4))
+        got = np.array(lin(x[:rows]))
+        assert got.shape == ref.shape and np.abs(got - ref).max() <= 3e-5 * np.abs(ref).max() + 1e-6, rows
+        assert np.array_equal(got[:2], pair), rows
+        last = np.array(lin(x[rows - 2:rows]))
+        assert np.array_equal(got[rows - 2:], last), rows
+
+
 def test_tensor_core_block_shapes_agree():
     """Every block shape scripts/qmv_rows.py times computes the same product (split-K sums are
     added in a fixed order: run twice, bit-identical)."""
