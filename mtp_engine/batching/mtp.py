@@ -33,6 +33,7 @@ from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
 from ..speculative.mtp_rows import MTPRowsDrafter
 from ..speculative.round import Round, accept_greedy_device, draft_round, plain_round
+from ..speculative.calibration import default_seed
 from ..speculative.scheduler import AUTO_MAX, MARGIN
 from .scheduler import BatchScheduler, Launched, Sequence, _argmax, _post_norm
 
@@ -43,10 +44,16 @@ class DraftLengthChooser:
     products), so the best k falls with B, and on a device where rows cost what they compute (a
     CPU) it is 0. Each (B, k) is tried `explore` times after a first, uncounted use (it may compile)."""
 
-    def __init__(self, k_max: int = 4, explore: int = 2, prior_acceptance: float = 0.6):
+    def __init__(self, k_max: int = 4, explore: int = 2, prior_acceptance: float = 0.6,
+                 prior_steps: dict[int, float] | None = None):
+        """`prior_steps`: what a round of k drafts costs in plain steps before anything is measured
+        (`calibration.default_seed`, the prior a sequence alone starts from); where even fully
+        accepted drafts could not pay at those costs (MLX's CPU backend) no round drafts."""
         self.k_max, self.explore, self.prior = k_max, explore, prior_acceptance
         self.seconds: dict[tuple[int, int], list[float]] = {}
         self.drafted = self.accepted = 0
+        self.can_win = prior_steps is None or any((k + 1) / prior_steps[k] > 1.0 + MARGIN[0]
+                                                  for k in range(1, k_max + 1) if k in prior_steps)
 
     def acceptance(self) -> float:
         """Per-draft acceptance (pooled; the prior until 20 drafts were seen)."""
@@ -58,7 +65,16 @@ class DraftLengthChooser:
         and each size measured apart would pay its exploration again."""
         return 1 << (batch - 1).bit_length()
 
+    def gives_up(self, batch: int) -> bool:
+        """Whether no draft pays at this batch size (by the prior, or measured): its plain rounds
+        need not keep the head in step (its rows would only cost)."""
+        b = self.bucket(batch)
+        return not self.can_win or (self._measured(b, 0) and self._measured(b, 1)
+                                    and self._hopeless(b, self.k_max))
+
     def choose(self, batch: int, k_cap: int) -> int:
+        if not self.can_win:
+            return 0
         batch = self.bucket(batch)
         cap = min(self.k_max, k_cap)
         for k in range(cap + 1):  # what is not yet measured is tried first ...
@@ -128,7 +144,7 @@ class MTPBatchScheduler(BatchScheduler):
         self.drafter = MTPRowsDrafter(model.model)
         self._head_group = BatchCache(model.model)  # the joining sequences' head rows
         self.rounds_by_k: dict[int, int] = {}
-        self.chooser = DraftLengthChooser()
+        self.chooser = DraftLengthChooser(prior_steps=default_seed(moe=model.model.is_moe))
         self._last_read: tuple[list[Sequence], int, float] | None = None  # the last round read: (rows, k, when)
 
     def _end_all(self, error: BaseException) -> None:
@@ -218,8 +234,13 @@ class MTPBatchScheduler(BatchScheduler):
         m = self.model.model
         k = draft_length(rows, self.chooser, self.max_draft)
         self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + 1
-        if k == 0:  # rows that never draft leave the head alone (its rows for them go stale, unread)
-            drafter = self.drafter if any(s.draft for s in rows) else None
+        if k == 0:
+            # the head is kept in step only where a later round may draft: rows that never draft,
+            # or auto where no draft pays at this size, leave it (its rows go stale: a later draft
+            # from them is less often right, never wrong)
+            later = any(s.draft and s.n_max != 0 for s in rows) and \
+                not (_auto(rows) and self.chooser.gives_up(len(rows)))
+            drafter = self.drafter if later else None
             return plain_round(m, self._batch, drafter, last, _argmax, _post_norm)
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
             capture_at_width(self._batch.layers, max(k, self.chooser.k_max) + 1)

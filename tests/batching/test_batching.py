@@ -457,6 +457,7 @@ def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shippe
     m.scheduler = sched = batch_scheduler(m, 3)
     choices = iter(([0] * 6 + [3] * 3) * 40)
     sched.chooser.choose = lambda batch, cap: next(choices)
+    sched.chooser.can_win = True  # a device where drafts may pay (this CPU's prior says none does)
     queued, lengths = [], []
     launch = sched._launch
     sched._launch = lambda rows, prev=None: (queued.append(prev is not None), launch(rows, prev))[1]
@@ -488,6 +489,44 @@ def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shippe
     stats = [got[i][-1].stats for i in range(3)]
     assert sum(st["accepted"] for st in stats) > 0.3 * sum(st["drafted"] for st in stats), \
         [(st["accepted"], st["drafted"]) for st in stats]
+
+
+def test_auto_rows_where_no_draft_can_pay_take_plain_rounds_without_the_head(shipped_model):
+    """Where the device's prior round costs say even fully accepted drafts cannot pay (MLX's CPU
+    backend: a verify row costs what it computes), n-max auto rows in a batch never draft and their
+    rounds run no head rows: plain batched rounds, the plain answers. A row with a fixed n-max in
+    the same batch still drafts (and keeps the head in step for every row)."""
+    from dataclasses import replace
+
+    from mtp_engine.batching import batch_scheduler
+    from mtp_engine.batching.mtp import DraftLengthChooser
+    from mtp_engine.speculative.calibration import default_seed
+
+    want = _alone(shipped_model, PROMPTS[:3], max_tokens=12, ignore_eos=True)
+    for n_maxes in (["auto"] * 3, ["auto", "auto", 2]):
+        m = replace(shipped_model, scheduler=None)
+        m.scheduler = sched = batch_scheduler(m, 3)
+        sched.chooser = DraftLengthChooser(prior_steps=default_seed(gpu=False))
+        assert not sched.chooser.can_win
+        decode_head = []
+        forward = m.model.mtp.forward_batch
+        m.model.mtp.forward_batch = lambda *a, **k: (decode_head.append(k.get("valid") is None), forward(*a, **k))[1]
+        got: dict[int, object] = {}
+
+        def one(i):
+            got[i] = generate(PROMPTS[i], m, max_tokens=12, ignore_eos=True, spec="draft-mtp", n_max=n_maxes[i])
+
+        try:
+            _in_threads(one, range(3))
+        finally:
+            del m.model.mtp.forward_batch
+            sched.stop()
+        assert [got[i].token_ids for i in range(3)] == [w.token_ids for w in want]
+        if 2 in n_maxes:
+            assert sched.rounds_by_k.get(2, 0) > 0 and any(decode_head)
+        else:
+            assert set(sched.rounds_by_k) == {0} and not any(decode_head), (sched.rounds_by_k, decode_head)
+            assert all(got[i].stats["drafted"] == 0 for i in range(3))
 
 
 def test_auto_draft_length_is_measured_per_batch_size():
@@ -628,9 +667,10 @@ def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
         assert h["parallel"] == 4 and h["running"] == 0
         assert all(x["state"] == "idle" for x in server.request("GET", "/slots")[1])
         assert 'id="slots"' in server.request("GET", "/")[1]  # the page shows them too
-        # a non-streamed batched draft-mtp answer carries the speculative usage a decoder alone reports
+        # a non-streamed batched draft-mtp answer carries the speculative usage a decoder alone
+        # reports (a fixed draft length: auto drafts nothing in a batch on this CPU)
         status, body = server.request("POST", "/v1/completions", {"prompt": prompts[0], "max_tokens": 12,
-                                                                  "ignore_eos": True})
+                                                                  "ignore_eos": True, "spec_draft_n_max": 2})
         assert status == 200 and body["choices"][0]["text"] == want[0], body
         sd = body["usage"]["spec_decode"]
         assert sd["num_draft_tokens"] > 0 and 0 <= sd["mean_accepted_length"] and sd["acceptance_rate_per_pos"]
