@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_9b_oracle import config_9b, random_model  # noqa: E402
 
 from mtp_engine.model.batch_cache import BatchCache  # noqa: E402
-from mtp_engine.model.qwen35 import GatedAttention  # noqa: E402
+from mtp_engine.model.blocks import GatedAttention  # noqa: E402
 
 
 def timed(fn, n: int) -> float:

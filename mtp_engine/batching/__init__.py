@@ -10,7 +10,8 @@ from ..generation.profiler import Profiler
 from ..model.loaded import Model
 from ..request.prepare import Prepared, make_sampler
 from .mtp import MTPBatchScheduler
-from .scheduler import BatchScheduler, SchedulerStopped, Sequence
+from .scheduler import BatchScheduler, SchedulerStopped
+from .sequence import Sequence
 from .slot import SlotDecoder
 
 __all__ = ["BatchScheduler", "MTPBatchScheduler", "SchedulerStopped", "Sequence", "SlotDecoder", "batch_scheduler",

@@ -26,7 +26,6 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MTPEngineError
-from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache, capture_at_width
 from ..model.loaded import Model
@@ -35,7 +34,8 @@ from ..speculative.mtp_rows import MTPRowsDrafter
 from ..speculative.round import Round, accept_greedy_device, draft_round, plain_round
 from ..speculative.calibration import default_seed
 from ..speculative.scheduler import AUTO_MAX, MARGIN
-from .scheduler import BatchScheduler, Launched, Sequence, _argmax, _post_norm
+from .scheduler import BatchScheduler, Launched, _argmax, _post_norm
+from .sequence import Sequence
 
 class DraftLengthChooser:
     """n-max auto for a batch: the k that maximises the batch's expected tokens per second, from

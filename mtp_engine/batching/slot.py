@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..generation.profiler import Profiler
 from ..model.qwen35 import Qwen35Model
-from .scheduler import BatchScheduler, Sequence
+from .scheduler import BatchScheduler
+from .sequence import Sequence
 
 
 class SlotDecoder:

@@ -17,7 +17,9 @@ from ..model.kv_cache import KVCache
 from ..model.config import Qwen35Config
 from ..model.expert_use import ExpertUse
 from ..model.layers import Linear
-from ..model.qwen35 import MTPHead, Qwen35Model, run_layers
+from ..model.blocks import run_layers
+from ..model.mtp_head import MTPHead
+from ..model.qwen35 import Qwen35Model
 from .runtime import Comm
 from .shard import split
 from .tp import VocabShardHead

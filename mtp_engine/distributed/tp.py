@@ -20,7 +20,8 @@ from ..model.cache import RecurrentCache, TrunkCache
 from ..model.kv_cache import KVCache
 from ..model.config import Qwen35Config
 from ..model.layers import Linear
-from ..model.qwen35 import DecoderLayer, Qwen35Model
+from ..model.blocks import DecoderLayer
+from ..model.qwen35 import Qwen35Model
 from .runtime import Comm
 from .shard import TPPlan
 

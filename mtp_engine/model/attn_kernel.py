@@ -1,5 +1,5 @@
 """Gated full attention of 1..16 new tokens (decode, draft, verify) as CUDA kernels, via
-`mx.fast.cuda_kernel`; `qwen35.GatedAttention` keeps the pure-MLX path as the portable path (CPU,
+`mx.fast.cuda_kernel`; `blocks.GatedAttention` keeps the pure-MLX path as the portable path (CPU,
 Metal, prefill) and as the reference these kernels are tested against.
 
 Why: as MLX operations an attention layer of a decode step is ~25 kernels (slices, two per-head

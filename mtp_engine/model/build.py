@@ -17,7 +17,9 @@ from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .layers import Linear
 from .moe import ExpertLinear, MoE, SwitchGLU
-from .qwen35 import MLP, DecoderLayer, GatedAttention, GatedDeltaNet, MTPHead, Qwen35Model
+from .blocks import MLP, DecoderLayer, GatedAttention, GatedDeltaNet
+from .mtp_head import MTPHead
+from .qwen35 import Qwen35Model
 
 Fetch = Callable[[str, tuple, bool], Union[Linear, mx.array]]
 

@@ -1,5 +1,5 @@
 """One CUDA kernel for a whole gated-delta-net layer's mixing over 1..16 tokens (decode, draft,
-verify), via `mx.fast.cuda_kernel`; `qwen35.GatedDeltaNet` keeps the pure-MLX path as the portable
+verify), via `mx.fast.cuda_kernel`; `blocks.GatedDeltaNet` keeps the pure-MLX path as the portable
 path (CPU, Metal) and as the reference this kernel is tested against.
 
 Why: in the MLX path one layer is a chain of ~20 small kernels per token (conv, SiLU, two L2 norms,

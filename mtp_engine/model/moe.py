@@ -17,7 +17,8 @@ import mlx.core as mx
 
 from .expert_use import ExpertUse, Slot
 from .layers import Linear
-from .qwen35 import MLP, Qwen35Model
+from .blocks import MLP
+from .qwen35 import Qwen35Model
 
 # Below this many (row, expert) pairs, sorting rows by expert costs more than it saves (mlx-lm's
 # SwitchGLU threshold): decode steps and verify batches stay unsorted, prefill chunks get sorted.

@@ -14,7 +14,7 @@ from mtp_engine import load
 from mtp_engine.model import attn_kernel, gdn, gdn_kernel, kernel_cache, kernel_warmup, kernels, norm_kernel
 from mtp_engine.model.batch_cache import BatchCache
 from mtp_engine.model.layers import Linear
-from mtp_engine.model.qwen35 import GatedAttention, GatedDeltaNet
+from mtp_engine.model.blocks import GatedAttention, GatedDeltaNet
 from tests.conftest import SHIPPED, TINY_Q4, need
 
 

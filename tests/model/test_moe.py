@@ -23,7 +23,7 @@ from mtp_engine.model.layers import Linear
 from mtp_engine.model.hf import load_hf
 from mtp_engine.model.expert_use import ExpertUse
 from mtp_engine.model.moe import SORT_THRESHOLD, ExpertLinear, MoE, SwitchGLU, experts_touched
-from mtp_engine.model.qwen35 import MLP
+from mtp_engine.model.blocks import MLP
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 from tests.reference_numpy import RefModel, load_gguf_weights, moe_ffn

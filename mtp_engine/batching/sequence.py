@@ -1,0 +1,55 @@
+"""One request in a batch scheduler: its prompt, sampler and budget, and the queue its tokens
+reach its reader through."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from ..generation.prompt_cache import PromptCache
+from ..generation.sampling import Sampler
+from ..speculative.stats import RoundCounts
+
+
+class Sequence:
+    """One request in the scheduler: its prompt, sampler and budget, and the queue its tokens
+    reach the reader through (items: (tokens, logprobs), an exception, or None for the end)."""
+
+    def __init__(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
+                 prompt_cache: PromptCache | None = None, draft: bool = False, n_max: int | None = None):
+        self.prompt_ids, self.sampler, self.max_tokens = list(prompt_ids), sampler, max_tokens
+        self.prompt_cache = prompt_cache  # reused from and kept in as by a plain decoder alone
+        self.cached = 0  # prompt tokens its prompt cache supplied
+        self.out: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+        self.produced = 0
+        self.last_token: int | None = None
+        self.prefilled = 0
+        self.submitted = time.perf_counter()
+        self.joined: float | None = None  # when its prefill started
+        self.batch_sizes: list[int] = []  # the batch each of its decode steps ran in
+        # draft-mtp in an MTP batch: its drafts are verified (greedy rows; others keep none)
+        self.draft = draft and sampler.argmax_on_device
+        self.n_max = n_max  # None: the batch's draft length
+        self.counts = RoundCounts()  # its rounds' statistics
+        self.h_prev = None  # the trunk hidden state its next head row reads (MTP batches, while it prefills)
+        self.length = 0  # tokens in its trunk cache rows, as of the last round the host read
+
+    def cancel(self) -> None:
+        """Its reader is done: the row leaves before the next step."""
+        self.cancelled.set()
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled.is_set() or self.produced >= self.max_tokens
+
+    def deliver(self, tokens: list[int], logprobs: list[dict] | None, n_accepted: int = 0,
+                n_drafted: int = 0) -> None:
+        self.sampler.accept(tokens)
+        self.produced += len(tokens)
+        self.last_token = tokens[-1]
+        self.out.put((tokens, logprobs, n_accepted, n_drafted))
+
+    def fail(self, error: BaseException) -> None:
+        self.cancelled.set()
+        self.out.put(error)

@@ -1,0 +1,211 @@
+"""Qwen3.5's blocks: the dense FFN, gated full attention, the gated delta net, a decoder layer and
+the loop over layers, shared by the trunk (`qwen35`) and the MTP head (`mtp_head`). Each block's
+portable path is pure MLX; the fused CUDA kernels (`attn_kernel`, `gdn_kernel`) are accelerators
+behind it, chosen from the model's options."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from . import attn_kernel, gdn, gdn_kernel
+from .cache import RecurrentCache, pick_state
+from .config import Qwen35Config
+from .fused import fused
+from .kv_cache import KVCache
+from .layers import Linear, concat_outputs, rms_norm
+from .norm_kernel import add_rms_norm
+
+# x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
+FFN = Callable[[mx.array], mx.array]
+
+
+@dataclass
+class MLP:
+    gate: Linear | None
+    up: Linear | None
+    down: Linear
+    gate_up: Linear | None = None  # gate and up as one product, when `fuse` could join them
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.gate_up is not None:
+            gu = self.gate_up(x)
+            f = gu.shape[-1] // 2
+            return self.down(_swiglu(gu[..., :f], gu[..., f:]))
+        return self.down(_swiglu(self.gate(x), self.up(x)))
+
+    def fuse(self) -> "MLP":
+        """Joins gate and up into one product when they are stored alike (at load)."""
+        if self.gate is not None and (joined := concat_outputs([self.gate, self.up])) is not None:
+            self.gate_up, self.gate, self.up = joined, None, None
+        return self
+
+
+@dataclass
+class GatedAttention:
+    """Full attention with per-head q/k RMSNorm, partial NEOX rope, GQA and a sigmoid output gate."""
+
+    q: Linear | None  # per head: head_dim query rows then head_dim gate rows
+    k: Linear | None
+    v: Linear | None
+    o: Linear
+    q_norm: mx.array
+    k_norm: mx.array
+    cfg: Qwen35Config
+    qkv: Linear | None = None  # q, k and v as one product, when `fuse` could join them
+    fused_kernel: bool = False  # the fused CUDA attention (attn_kernel), from the model's options
+
+    def fuse(self) -> "GatedAttention":
+        """Joins the q, k and v products into one when they are stored alike (at load)."""
+        if self.q is not None and (joined := concat_outputs([self.q, self.k, self.v])) is not None:
+            self.qkv, self.q, self.k, self.v = joined, None, None, None
+        return self
+
+    def _inputs(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if self.qkv is None:
+            return self.q(x), self.k(x), self.v(x)
+        c = self.cfg
+        y = self.qkv(x)
+        e1 = 2 * c.n_head * c.head_dim
+        e2 = e1 + c.n_head_kv * c.head_dim
+        return y[..., :e1], y[..., e1:e2], y[..., e2:]
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        c = self.cfg
+        b, s, _ = x.shape
+        if (self.fused_kernel and self.qkv is not None
+                and attn_kernel.supports(c.n_head, c.n_head_kv, c.head_dim, c.n_rot, b, s, cache.dtype)):
+            return self._fused(x, cache)
+        d = c.head_dim
+        q_x, k_x, v_x = self._inputs(x)
+        qg = q_x.reshape(b, s, c.n_head, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(b, s, c.n_head * d)
+        k = k_x.reshape(b, s, c.n_head_kv, d)
+        v = v_x.reshape(b, s, c.n_head_kv, d)
+        q = rms_norm(q, self.q_norm, c.eps).transpose(0, 2, 1, 3)
+        k = rms_norm(k, self.k_norm, c.eps).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        pos = cache.offset
+        q = mx.fast.rope(q, c.n_rot, traditional=False, base=c.rope_base, scale=1.0, offset=pos)
+        k = mx.fast.rope(k, c.n_rot, traditional=False, base=c.rope_base, scale=1.0, offset=pos)
+        keys, values, mask = cache.update(k, v)
+        if keys.dtype != q.dtype:  # a 16-bit cache (EngineOptions.kv_dtype): attention in float32
+            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d ** -0.5, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(b, s, c.n_head * d)
+        return self.o(_sigmoid_gate(out, gate))
+
+    def _fused(self, x: mx.array, cache: KVCache) -> mx.array:
+        """The same layer as two CUDA kernels around the cache append (`attn_kernel`); x [B, S, H],
+        each row at its own position in a batch's cache."""
+        c = self.cfg
+        y = self.qkv(x)
+        # a Python int, an array inside a compiled step, or a batch's lengths [B]
+        start = cache.offset
+        pos = (start.reshape(-1) if isinstance(start, mx.array) else mx.array([start])).astype(mx.int32)
+        dims = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.eps, c.rope_base)
+        k, v = attn_kernel.new_kv(y, self.k_norm, pos, *dims, dtype=cache.dtype)
+        cache.update(k, v)
+        # the whole buffers: the kernel reads positions < pos + S itself (a slice would be copied)
+        keys, values, tail = cache.attention_buffers()
+        return self.o(attn_kernel.attend(y, self.q_norm, keys, values, pos, *dims, tail=tail))
+
+
+@dataclass
+class GatedDeltaNet:
+    """Linear-attention mixer: causal depthwise conv, then the gated delta rule per value head."""
+
+    qkv: Linear | None
+    z: Linear | None
+    alpha: Linear | None
+    beta: Linear | None
+    conv_w: mx.array  # [channels, kernel]
+    a: mx.array  # -exp(A_log), [Vh]
+    dt_bias: mx.array  # [Vh]
+    norm: mx.array  # [Vd], plain multiplier
+    out: Linear
+    cfg: Qwen35Config
+    in_proj: Linear | None = None  # qkv, z, alpha, beta as one product, when `fuse` could join them
+    fused_kernel: bool = False  # the fused CUDA layer (gdn_kernel), from the model's options
+
+    def fuse(self) -> "GatedDeltaNet":
+        """Joins the four input products into one when they are stored alike (at load)."""
+        parts = [self.qkv, self.z, self.alpha, self.beta]
+        if self.qkv is not None and (joined := concat_outputs(parts)) is not None:
+            self.in_proj, self.qkv, self.z, self.alpha, self.beta = joined, None, None, None, None
+        return self
+
+    def _inputs(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        if self.in_proj is None:
+            return self.qkv(x), self.z(x), self.alpha(x), self.beta(x)
+        c = self.cfg
+        y = self.in_proj(x)
+        e1 = c.conv_channels
+        e2 = e1 + c.ssm_inner
+        e3 = e2 + c.ssm_value_heads
+        return y[..., :e1], y[..., e1:e2], y[..., e2:e3], y[..., e3:]
+
+    def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+        c = self.cfg
+        b, s, _ = x.shape
+        d = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel, c.eps)
+        qkv_x, z_x, alpha_x, beta_x = self._inputs(x)
+        conv0, state0, kept = cache.sources()
+        capture = cache.capturing
+        width = max(s, cache.capture_width or s) if capture else None  # fixed-width captures (RecurrentCache)
+        valid = getattr(cache, "valid", None)  # a batched prefill's rows of several lengths
+        if self.fused_kernel and valid is None and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
+            r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
+                                                  self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps,
+                                                  kept=kept, capture=capture, width=width))
+        else:
+            if kept is not None:
+                conv0, state0 = pick_state(conv0, state0, kept, d.kernel)
+            r = gdn.mix(d, qkv_x, z_x, alpha_x, beta_x, conv0, state0, self.conv_w, self.dt_bias, self.a, self.norm,
+                        capture=capture, valid=valid, width=width)
+        cache.update(r.conv, r.state, tokens=s)
+        return self.out(r.y)
+
+
+@fused
+def _swiglu(g, u):
+    return g * mx.sigmoid(g) * u
+
+
+@fused
+def _sigmoid_gate(x, gate):
+    return x * mx.sigmoid(gate)
+
+
+@dataclass
+class DecoderLayer:
+    attn_norm: mx.array
+    mixer: GatedAttention | GatedDeltaNet
+    post_norm: mx.array
+    mlp: FFN
+    eps: float
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        h = x + self.mixer(rms_norm(x, self.attn_norm, self.eps), cache)
+        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+
+
+def run_layers(layers: list[DecoderLayer], x: mx.array, caches: list, final_norm: mx.array,
+               eps: float, fused_norm: bool = False) -> tuple[mx.array, mx.array]:
+    """The layers over x, returning (rms_norm(out, final_norm), out). Each residual add is joined
+    with the norm that reads its sum (the next sub-block's, or the final one): one kernel on a GPU
+    with `fused_norm`."""
+    xn = rms_norm(x, layers[0].attn_norm, eps)
+    for i, (layer, c) in enumerate(zip(layers, caches)):
+        h, hn = add_rms_norm(x, layer.mixer(xn, c), layer.post_norm, eps, fused_norm)
+        nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else final_norm
+        x, xn = add_rms_norm(h, layer.mlp(hn), nxt, eps, fused_norm)
+    return xn, x
+
+
+
+def compilable_ffn(mlp) -> bool:
+    # a test recording MoE routing wants every forward's values, which a trace cannot hand out
+    return getattr(mlp, "record", None) is None
+
