@@ -1,0 +1,55 @@
+"""How `Linear` hands products to the custom few-row kernel, checked on any device: the kernel is
+stood in for by MLX's own product (the CUDA kernels' arithmetic is `test_qmv_kernels.py`'s, on a
+GPU), so what is tested here is the cutting into slabs, the padding and the reassembly."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtp_engine.model import kernels
+from mtp_engine.model.layers import SLAB_ROWS, Linear
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen: list[int] = []
+
+    def stand_in(x, w, s, b, bits, group):
+        seen.append(int(x.shape[0]))
+        return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group, bits=bits)
+
+    monkeypatch.setattr(kernels, "quantized_rows", stand_in)
+    monkeypatch.setattr(kernels, "supports", lambda w, s, bits, group, rows: 1 <= rows <= kernels.MAX_ROWS)
+    return seen
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (8, 64), (9, 64), (16, 64), (17, 64), (SLAB_ROWS, 64),
+                                   (3, 1, 64), (16, 1, 64), (4, 5, 64), (16, 5, 64), (2, SLAB_ROWS, 64)])
+def test_products_of_many_rows_are_cut_into_slabs_and_put_back(calls, shape):
+    """Up to SLAB_ROWS tokens per sequence (whatever the batch's rows): slabs of at most the
+    kernel's rows, never a slab of one row in a product of several, the rows back in order and
+    shape."""
+    w = mx.random.normal((48, 64), key=mx.random.key(1))
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    lin = Linear(q, s, b, 4, 32, custom_kernel=True)
+    x = mx.random.normal(shape, key=mx.random.key(2))
+    got = lin(x)
+    ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
+    rows = int(np.prod(shape[:-1]))
+    assert calls and all(c <= kernels.MAX_ROWS for c in calls)
+    assert rows == 1 or all(c >= 2 for c in calls), calls
+    assert sum(calls) - rows in (0, 1)  # at most one padding row
+
+
+def test_long_sequences_leave_the_kernel(calls):
+    """More than SLAB_ROWS tokens per sequence (a prompt's chunk) take MLX's product (or the
+    dequantized one), alone or beside other prompts alike."""
+    w = mx.random.normal((48, 64), key=mx.random.key(1))
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    lin = Linear(q, s, b, 4, 32, custom_kernel=True)
+    lin(mx.random.normal((1, SLAB_ROWS + 1, 64)))
+    lin(mx.random.normal((3, SLAB_ROWS + 1, 64)))
+    assert calls == []
