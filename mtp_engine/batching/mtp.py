@@ -3,7 +3,7 @@ every sequence in one batched call (`speculative.mtp_rows`), one batched verify 
 sequence's k+1 rows, each row accepts and rolls back by its own count, all on the device, and the
 next round is queued before the host reads this one, as for a sequence alone.
 
-A round, for B running sequences and a draft length k chosen for the batch (`draft_length`):
+A round, for B running sequences and a draft length k chosen for the batch (`_draft_length`):
   draft     the head runs each row's block (the rows it is owed: the last round's emitted tokens)
             and k chained steps over [B, 1] rows;
   verify    one trunk forward over [B, k+1] rows (last token, d1..dk), recurrent states captured;
@@ -33,110 +33,31 @@ from ..speculative.mtp_drafter import HeadPrefix
 from ..speculative.mtp_rows import MTPRowsDrafter
 from ..speculative.round import Round, accept_greedy_device, draft_round, plain_round
 from ..speculative.calibration import default_seed
-from ..speculative.scheduler import AUTO_MAX, MARGIN
+from ..speculative.scheduler import AUTO_MAX, DraftLengthScheduler, auto_k_max
 from .scheduler import BatchScheduler, Launched, _argmax, _post_norm
 from .sequence import Sequence
 
-class DraftLengthChooser:
-    """n-max auto for a batch: the k that maximises the batch's expected tokens per second, from
-    round times measured here per (batch size, k) and the acceptance seen so far. Verify rows stop
-    being free as the batch grows (each sequence's k+1 rows compete with the others' for the same
-    products), so the best k falls with B, and on a device where rows cost what they compute (a
-    CPU) it is 0. Each (B, k) is tried `explore` times after a first, uncounted use (it may compile)."""
-
-    def __init__(self, k_max: int = 4, explore: int = 2, prior_acceptance: float = 0.6,
-                 prior_steps: dict[int, float] | None = None):
-        """`prior_steps`: what a round of k drafts costs in plain steps before anything is measured
-        (`calibration.default_seed`, the prior a sequence alone starts from); where even fully
-        accepted drafts could not pay at those costs (MLX's CPU backend) no round drafts."""
-        self.k_max, self.explore, self.prior = k_max, explore, prior_acceptance
-        self.seconds: dict[tuple[int, int], list[float]] = {}
-        self.drafted = self.accepted = 0
-        self.can_win = prior_steps is None or any((k + 1) / prior_steps[k] > 1.0 + MARGIN[0]
-                                                  for k in range(1, k_max + 1) if k in prior_steps)
-
-    def acceptance(self) -> float:
-        """Per-draft acceptance (pooled; the prior until 20 drafts were seen)."""
-        return self.accepted / self.drafted if self.drafted >= 20 else self.prior
-
-    @staticmethod
-    def bucket(batch: int) -> int:
-        """Batch sizes measured together (1, 2, 4, 8, ...): B changes as sequences come and go,
-        and each size measured apart would pay its exploration again."""
-        return 1 << (batch - 1).bit_length()
-
-    def gives_up(self, batch: int) -> bool:
-        """Whether no draft pays at this batch size (by the prior, or measured): its plain rounds
-        need not keep the head in step (its rows would only cost)."""
-        b = self.bucket(batch)
-        return not self.can_win or (self._measured(b, 0) and self._measured(b, 1)
-                                    and self._hopeless(b, self.k_max))
-
-    def choose(self, batch: int, k_cap: int) -> int:
-        if not self.can_win:
-            return 0
-        batch = self.bucket(batch)
-        cap = min(self.k_max, k_cap)
-        for k in range(cap + 1):  # what is not yet measured is tried first ...
-            if not self._measured(batch, k):
-                if k >= 2 and self._hopeless(batch, cap):
-                    break  # ... unless no longer draft could pay
-                return k
-        a = self.acceptance()
-
-        def rate(k: int) -> float:
-            per_row = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1  # tokens a row emits per round
-            return per_row / self._median(batch, k)
-
-        return max((k for k in range(cap + 1) if self._measured(batch, k)), key=rate)
-
-    def _measured(self, batch: int, k: int) -> bool:
-        return len(self.seconds.get((batch, k), [])) >= self.explore + 1
-
-    def _median(self, batch: int, k: int) -> float:
-        times = sorted(self.seconds[(batch, k)][1:])
-        return times[len(times) // 2]
-
-    def _hopeless(self, batch: int, cap: int) -> bool:
-        """Whether, with rounds growing by what k = 1 added to a plain step per draft, no k up to
-        the cap beats plain steps even with every draft accepted: on a CPU a verify row costs what
-        it computes, and exploring k = 2..4 at each batch size cost 12 slow rounds of a 38-round
-        run (0.77x of plain batching, docs/benchmarks.md)."""
-        t0, t1 = self._median(batch, 0), self._median(batch, 1)
-        per_draft = max(t1 - t0, 0.0)
-        return all((k + 1) / (t0 + k * per_draft) <= (1.0 + MARGIN[0]) / t0 for k in range(1, cap + 1))
-
-    def observe(self, batch: int, k: int, seconds: float, drafted: int, accepted: int) -> None:
-        times = self.seconds.setdefault((self.bucket(batch), k), [])
-        times.append(seconds)
-        del times[1:-16]  # the first (uncounted) and the 16 latest
-        self.drafted += drafted
-        self.accepted += accepted
+def bucket(batch: int) -> int:
+    """Batch sizes that share one draft-length controller (1, 2, 4, 8, ...): B changes as
+    sequences come and go, and each size measured apart would pay its exploration again."""
+    return 1 << (batch - 1).bit_length()
 
 
 def _auto(rows: list[Sequence]) -> bool:
-    """Whether the batch's draft length is the chooser's: some row drafts, none fixes an n-max
-    (only then are its rounds the chooser's samples)."""
+    """Whether the batch's draft length is n-max auto's: some row drafts, none fixes an n-max
+    (only then are its rounds the controller's samples)."""
     drafting = [s for s in rows if s.draft]
     return bool(drafting) and all(s.n_max is None for s in drafting)
-
-
-def draft_length(rows: list[Sequence], chooser: DraftLengthChooser, cap: int = AUTO_MAX) -> int:
-    """The batch's k: 0 when no sequence drafts, else the smallest n-max the drafting sequences
-    fix, or the chooser's for this batch size (n-max auto); never more than `cap` (a row's own
-    n-max of 64 would otherwise make every row of the batch verify 65 rows a round)."""
-    drafting = [s for s in rows if s.draft]
-    if not drafting:
-        return 0
-    fixed = [s.n_max for s in drafting if s.n_max is not None]
-    return min(min(fixed) if fixed else chooser.choose(len(rows), chooser.k_max), cap)
 
 
 class MTPBatchScheduler(BatchScheduler):
     """`BatchScheduler` whose rounds draft with the model's MTP head (see the module docstring)."""
 
-    def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True, max_draft: int = AUTO_MAX):
-        """`max_draft`: the longest draft any round runs, whatever its rows ask for."""
+    def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True, max_draft: int = AUTO_MAX,
+                 prior: dict[int, float] | None = None):
+        """`max_draft`: the longest draft any round runs, whatever its rows ask for. `prior`: round
+        costs in plain steps before any is measured (`calibration.default_seed`, None: this
+        device's and model kind's, as a sequence alone starts from)."""
         if model.model.mtp is None:
             raise MTPEngineError("draft-mtp batches need a model with an MTP head", field="spec")
         super().__init__(model, max_batch, own_thread)
@@ -144,11 +65,25 @@ class MTPBatchScheduler(BatchScheduler):
         self.drafter = MTPRowsDrafter(model.model)
         self._head_group = BatchCache(model.model)  # the joining sequences' head rows
         self.rounds_by_k: dict[int, int] = {}
-        self.chooser = DraftLengthChooser(prior_steps=default_seed(moe=model.model.is_moe))
+        self.prior = prior or default_seed(moe=model.model.is_moe)
+        self.controllers: dict[int, DraftLengthScheduler] = {}  # n-max auto, per batch-size bucket
         self._last_read: tuple[list[Sequence], int, float] | None = None  # the last round read: (rows, k, when)
+        self._shapes: set[tuple[int, int]] = set()  # (rows, k) of rounds run: a first one may compile
+
+    def controller(self, batch: int) -> DraftLengthScheduler:
+        """n-max auto for a batch of `batch` rows: the draft-length scheduler a sequence alone
+        has (measured round times per k in plain steps, acceptance per draft position, probes),
+        one per size bucket, since a verify's rows cost more the more sequences share it."""
+        b = bucket(batch)
+        if b not in self.controllers:
+            k_max = min(auto_k_max(self.model.model), self.max_draft)
+            self.controllers[b] = DraftLengthScheduler(k_max=k_max, prior=self.prior)
+        return self.controllers[b]
 
     def _end_all(self, error: BaseException) -> None:
         super()._end_all(error)
+        for c in self.controllers.values():
+            c.forget_pending()
         self.drafter = MTPRowsDrafter(self.model.model)
         self._head_group = BatchCache(self.model.model)
 
@@ -232,34 +167,52 @@ class MTPBatchScheduler(BatchScheduler):
 
     def _round(self, rows: list[Sequence], last: mx.array) -> Round:
         m = self.model.model
-        k = draft_length(rows, self.chooser, self.max_draft)
+        k = self._draft_length(rows)
         self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + 1
         if k == 0:
             # the head is kept in step only where a later round may draft: rows that never draft,
             # or auto where no draft pays at this size, leave it (its rows go stale: a later draft
             # from them is less often right, never wrong)
             later = any(s.draft and s.n_max != 0 for s in rows) and \
-                not (_auto(rows) and self.chooser.gives_up(len(rows)))
+                not (_auto(rows) and not self.controller(len(rows)).can_win)
             drafter = self.drafter if later else None
             return plain_round(m, self._batch, drafter, last, _argmax, _post_norm)
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
-            capture_at_width(self._batch.layers, max(k, self.chooser.k_max) + 1)
+            capture_at_width(self._batch.layers, max(k, min(self.max_draft, auto_k_max(m))) + 1)
         return draft_round(m, self._batch, self.drafter, last, k, self._accept, _post_norm,
                            drafting=mx.array([s.draft for s in rows]))
+
+    def _draft_length(self, rows: list[Sequence]) -> int:
+        """The round's k: 0 when no sequence drafts, else the smallest n-max the drafting
+        sequences fix, or n-max auto's for this batch size; never more than `max_draft` (a row's
+        own n-max of 64 would otherwise make every row of the batch verify 65 rows a round)."""
+        drafting = [s for s in rows if s.draft]
+        if not drafting:
+            return 0
+        fixed = [s.n_max for s in drafting if s.n_max is not None]
+        if fixed:
+            return min(min(fixed), self.max_draft)
+        return self.controller(len(rows)).next_k(max(s.length for s in rows))
 
     def _round_arrays(self, rows: list[Sequence]) -> list[mx.array]:
         return self.drafter.arrays() if any(s.draft for s in rows) else []
 
     def _complete(self, cur: Launched) -> None:
         super()._complete(cur)
-        # a pipelined round's time is the interval between two reads of rounds of the same rows and k
-        now, rows, k = time.perf_counter(), cur.rows, cur.round.k
-        last = self._last_read
-        if last is not None and last[0] == rows and last[1] == k and _auto(rows):
-            drafting = [b for b, s in enumerate(rows) if s.draft]
-            n = cur.round.n.tolist()
-            self.chooser.observe(len(rows), k, now - last[2], k * len(drafting), sum(n[b] for b in drafting))
-        self._last_read = (rows, k, now)
+        # a pipelined round's time is the interval between two reads of rounds of the same rows:
+        # a sample of its k's time only between rounds of its own k (`DraftLengthScheduler.observe`)
+        now, rows, r = time.perf_counter(), cur.rows, cur.round
+        last, self._last_read = self._last_read, (rows, r.k, now)
+        if not _auto(rows):
+            return
+        timed = last is not None and last[0] == rows
+        queued = self._queued.round.k if self._queued is not None else r.k
+        first = (len(rows), r.k) not in self._shapes
+        self._shapes.add((len(rows), r.k))
+        n = r.n.tolist()
+        self.controller(len(rows)).observe(r.k, [n[b] for b, s in enumerate(rows) if s.draft] if r.k else 0,
+                                           now - last[2] if timed else None, max(s.length for s in rows),
+                                           first_use=first, steady=timed and last[1] == r.k == queued)
 
     def _record(self, s: Sequence, k: int, n: int) -> None:
         if s.draft:

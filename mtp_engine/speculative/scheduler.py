@@ -327,18 +327,27 @@ class DraftLengthScheduler:
                 else:
                     self.rej[i] += 1.0
 
-    def observe(self, drafted: int, n: int, seconds: float, context: int = 0, first_use: bool = False,
-                steady: bool = True) -> None:
-        """One finished round: `drafted` drafts (after p-min/n-min), n accepted, `seconds` of wall
-        time since the previous round's host read; `first_use` when it ran a shape for the first
+    def forget_pending(self) -> None:
+        """Rounds chosen but never to be observed (a batch dropped them) leave the queue."""
+        self._queue.clear()
+
+    def observe(self, drafted: int, n: int | list[int], seconds: float | None, context: int = 0,
+                first_use: bool = False, steady: bool = True) -> None:
+        """One finished round: `drafted` drafts (after p-min/n-min), n accepted (a batch's round:
+        one count per drafting row, each a sample of acceptance), `seconds` of wall time since the
+        previous round's host read (None: no sample of its time, e.g. a batch whose rows changed
+        since the round before); `first_use` when it ran a shape for the first
         time (its time includes compiling and is not a sample of t(k)); `steady` False when its
         neighbours drafted otherwise: with device-resident rounds the host queues round r+1 before
         it reads round r and `mx.async_eval` waits for the device, so a round's interval carries its
         neighbours' work (a plain round between drafting rounds timed like one, and auto saw
         drafting as free at acceptance 0.5 on the H200)."""
         k, probe = self._queue.popleft() if self._queue else (drafted, False)
-        self.update(drafted, n)
+        for each in (n if isinstance(n, list) else [n]):
+            self.update(drafted, each)
         self._medians.clear()
+        if seconds is None:
+            return
         b = context_bucket(context)
         if not first_use:  # the probe budget is a share of decode time, compiles excluded
             self.decode_seconds += seconds

@@ -444,20 +444,22 @@ def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shippe
     """auto's k = 0 rounds (its choice for large batches) are the plain batched round, queued one
     ahead like every greedy round, with the head's row for each token in the same work: drafting rounds after a k = 0
     stretch draft from an exact head (their drafts accepted as often as without the stretch) and
-    every row gets what it gets alone. A chooser that alternates stretches of 0 and 3 stands in for
+    every row gets what it gets alone. A controller that alternates stretches of 0 and 3 stands in for
     auto's measurements."""
     from dataclasses import replace
 
     from mtp_engine.api import stream_request
-    from mtp_engine.batching import batch_scheduler
     from mtp_engine.request import prepare, request_from_keywords
 
     want = _alone(shipped_model, PROMPTS[:3], max_tokens=30, ignore_eos=True)
+    from mtp_engine.batching import MTPBatchScheduler
+    from mtp_engine.speculative.calibration import default_seed
+
     m = replace(shipped_model, scheduler=None)
-    m.scheduler = sched = batch_scheduler(m, 3)
+    # a device where drafts may pay (this CPU's prior says none does)
+    m.scheduler = sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=True))
     choices = iter(([0] * 6 + [3] * 3) * 40)
-    sched.chooser.choose = lambda batch, cap: next(choices)
-    sched.chooser.can_win = True  # a device where drafts may pay (this CPU's prior says none does)
+    sched.controller(3).next_k = lambda context=0: next(choices)
     queued, lengths = [], []
     launch = sched._launch
     sched._launch = lambda rows, prev=None: (queued.append(prev is not None), launch(rows, prev))[1]
@@ -498,16 +500,14 @@ def test_auto_rows_where_no_draft_can_pay_take_plain_rounds_without_the_head(shi
     the same batch still drafts (and keeps the head in step for every row)."""
     from dataclasses import replace
 
-    from mtp_engine.batching import batch_scheduler
-    from mtp_engine.batching.mtp import DraftLengthChooser
+    from mtp_engine.batching import MTPBatchScheduler
     from mtp_engine.speculative.calibration import default_seed
 
     want = _alone(shipped_model, PROMPTS[:3], max_tokens=12, ignore_eos=True)
     for n_maxes in (["auto"] * 3, ["auto", "auto", 2]):
         m = replace(shipped_model, scheduler=None)
-        m.scheduler = sched = batch_scheduler(m, 3)
-        sched.chooser = DraftLengthChooser(prior_steps=default_seed(gpu=False))
-        assert not sched.chooser.can_win
+        m.scheduler = sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=False))
+        assert not any(sched.controller(b).can_win for b in (1, 2, 3))
         decode_head = []
         forward = m.model.mtp.forward_batch
         m.model.mtp.forward_batch = lambda *a, **k: (decode_head.append(k.get("valid") is None), forward(*a, **k))[1]
@@ -529,29 +529,27 @@ def test_auto_rows_where_no_draft_can_pay_take_plain_rounds_without_the_head(shi
             assert all(got[i].stats["drafted"] == 0 for i in range(3))
 
 
-def test_auto_draft_length_is_measured_per_batch_size():
-    from mtp_engine.batching.mtp import DraftLengthChooser
+def test_auto_in_a_batch_is_the_draft_length_scheduler_per_batch_size(shipped_model):
+    """One draft-length controller serves one row and many: n-max auto in a batch is a
+    `DraftLengthScheduler` (a sequence alone's), one per batch-size bucket (1, 2, 4, 8, ...: a
+    verify's rows cost more the more sequences share it), capped at the batch's `max_draft`; a
+    batch's round gives it one acceptance sample per drafting row, and a round whose rows changed
+    since the round before it gives no time sample."""
+    from mtp_engine.batching import MTPBatchScheduler
+    from mtp_engine.speculative.calibration import default_seed
+    from mtp_engine.speculative.scheduler import DraftLengthScheduler
 
-    def trained(cost_per_row: float, acceptance: float) -> DraftLengthChooser:
-        c = DraftLengthChooser(k_max=3, explore=2)
-        seen = []
-        for _ in range(12):  # every k of this batch size is tried (first use + 2) before any is chosen ...
-            k = c.choose(4, 3)
-            seen.append(k)
-            c.observe(4, k, 0.1 + cost_per_row * k, 0, 0)
-        if cost_per_row < 0.1:
-            assert set(seen) == {0, 1, 2, 3}
-        else:  # ... but where k = 1 shows that a draft costs a plain step, no longer one is tried
-            assert set(seen) == {0, 1} and seen[6:] == [0] * 6, seen
-        c.drafted, c.accepted = 100, int(100 * acceptance)
-        return c
-
-    assert trained(0.01, 0.8).choose(4, 3) == 3  # rows nearly free (a GPU at small B), drafts good
-    assert trained(0.1, 0.8).choose(4, 3) == 0  # rows cost what they compute (a CPU): plain steps
-    assert trained(0.01, 0.05).choose(4, 3) == 0  # drafts that fail are not worth even cheap rows
-    assert trained(0.01, 0.8).choose(4, 1) == 1  # never past the cap
-    assert trained(0.01, 0.8).choose(8, 3) == 0  # another batch size is measured on its own (k = 0 first)
-    assert trained(0.01, 0.8).choose(3, 3) == 3  # 3 sequences are measured with 4 (sizes by powers of 2)
+    sched = MTPBatchScheduler(shipped_model, 8, own_thread=False, max_draft=3, prior=default_seed(gpu=True))
+    c = sched.controller(3)
+    assert isinstance(c, DraftLengthScheduler) and c is sched.controller(4) and c is not sched.controller(5)
+    assert sched.controller(5) is sched.controller(8) and sched.controller(1) is not sched.controller(2)
+    assert c.k_max == 3 and c.can_win
+    k = c.next_k(0)
+    c.observe(k, [k, 0, 1], None)  # three rows' acceptance, no time
+    assert c.acc[0] + c.rej[0] == pytest.approx(3.0, rel=0.2) and not c._times
+    c.next_k(0)
+    c.observe(0, 0, 0.01)
+    assert sum(len(d) for d in c._times.values()) == 1
 
 
 def test_batched_turns_reuse_the_prompt_cache(parallel_model, shipped_model):
