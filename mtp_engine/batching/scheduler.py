@@ -337,8 +337,10 @@ class BatchScheduler:
                 self._record(s, r.k, n)
                 s.deliver(tokens, s.sampler.token_logprobs(r.logits[b, :len(tokens)], tokens), n,
                           r.k if s.draft else 0)
-            except MTPEngineError as e:
-                s.fail(e)
+            except Exception as e:  # its sampler or grammar failing ends this sequence only
+                if not isinstance(e, MTPEngineError):
+                    traceback.print_exc()
+                s.fail(_engine_error(e))
         queued = self._queued.round.k + 1 if self._queued is not None else 0
         self._bound([s.length + queued for s in self._rows])
 

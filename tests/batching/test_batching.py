@@ -156,6 +156,40 @@ def test_a_prefill_that_fails_ends_only_its_own_sequences(models, monkeypatch, s
     assert isinstance(out[2], MTPEngineError), out[2]
 
 
+def test_a_sequence_whose_sampler_fails_mid_decode_ends_alone(models, monkeypatch):
+    """A row's own sampling failing inside a round (its grammar library or sampler raising,
+    say) fails that sequence with the engine's error type; the rows beside it in the same rounds
+    decode on to their answers."""
+    from mtp_engine.generation.sampling import Sampler
+
+    tiny = models(need(TINY_Q4))
+    sample = Sampler.sample
+    drawn = {"n": 0}
+
+    def failing(self, logits):
+        if self.cfg.seed == 666:
+            drawn["n"] += 1
+            if drawn["n"] == 3:
+                raise ValueError("the grammar library gave up")
+        return sample(self, logits)
+
+    monkeypatch.setattr(Sampler, "sample", failing)
+    want = _alone(tiny, PROMPTS[:2], max_tokens=24, ignore_eos=True)
+    par = models(need(TINY_Q4), parallel=3)
+    out: dict[int, object] = {}
+
+    def one(i):
+        kw = dict(temperature=0.7, seed=666) if i == 2 else {}
+        try:
+            out[i] = generate(PROMPTS[i], par, max_tokens=24, ignore_eos=True, **kw).token_ids
+        except Exception as e:  # noqa: BLE001 - checked below
+            out[i] = e
+
+    _in_threads(one, range(3))
+    assert [out[0], out[1]] == [w.token_ids for w in want]
+    assert isinstance(out[2], MTPEngineError) and "ValueError" in str(out[2]), out[2]
+
+
 # ---- stream_generate from many threads, on a model loaded with parallel= --------------------------
 
 @pytest.fixture(scope="module")
