@@ -86,10 +86,8 @@ if [ "$what" = batch ]; then  # continuous batching: the shipped model, then pas
         --plot "$out/batch.png" > "$out/batch.log" 2>&1
     echo "batch rc=$?"; tail -5 "$out/batch.log"
 fi
-if [ "$what" = batch9b ]; then  # batching at the 9B shape, a batched step's parts, then streams at 1, 4, 8
-    timeout 150 python3 scripts/batch_step_probe.py --batches 1,4,8 --n 10 > "$out/batch_step.txt" 2>&1
-    echo "batch_step rc=$?"; tail -3 "$out/batch_step.txt"
-    timeout 400 python3 scripts/bench_batch.py --random-9b -t 64 --concurrency 1,4,8 --repeats 2 \
+if [ "$what" = batch9b ]; then  # batching at the 9B shape: 1 to 16 streams, plain and draft-mtp at oracle 0.8
+    timeout 560 python3 scripts/bench_batch.py --random-9b -t 64 --concurrency 1,4,8,16 --repeats 2 --oracle 0.8 \
         --out "$out/batch9b.json" --plot "$out/batch9b.png" > "$out/batch9b.log" 2>&1
     echo "batch9b rc=$?"; tail -6 "$out/batch9b.log"
 fi
