@@ -69,6 +69,7 @@ class MTPBatchScheduler(BatchScheduler):
         self.controllers: dict[int, DraftLengthScheduler] = {}  # n-max auto, per batch-size bucket
         self._last_read: tuple[list[Sequence], int, float] | None = None  # the last round read: (rows, k, when)
         self._shapes: set[tuple[int, int]] = set()  # (rows, k) of rounds run: a first one may compile
+        self._auto_can_win = DraftLengthScheduler(prior=self.prior).can_win
 
     def controller(self, batch: int) -> DraftLengthScheduler:
         """n-max auto for a batch of `batch` rows: the draft-length scheduler a sequence alone
@@ -79,6 +80,11 @@ class MTPBatchScheduler(BatchScheduler):
             k_max = min(auto_k_max(self.model.model), self.max_draft)
             self.controllers[b] = DraftLengthScheduler(k_max=k_max, prior=self.prior)
         return self.controllers[b]
+
+    def _may_draft(self, s: Sequence) -> bool:
+        """Whether any round may draft for `s`: a drafting sequence whose n-max is not 0, and for
+        n-max auto a device where drafts can pay (the prior)."""
+        return s.draft and s.n_max != 0 and (s.n_max is not None or self._auto_can_win)
 
     def _end_all(self, error: BaseException) -> None:
         super()._end_all(error)
@@ -129,7 +135,9 @@ class MTPBatchScheduler(BatchScheduler):
             post = m.forward_batch(ids, self._group, valid=valid)
             carried = mx.concatenate([s.h_prev for s in self._joining], axis=0)
             h_prev = mx.concatenate([carried, post[:, :-1]], axis=1) if ids.shape[1] > 1 else carried
-            m.mtp.forward_batch(m.embed_tokens(ids), h_prev, self._head_group, valid=valid)
+            if any(self._may_draft(s) or s.prompt_cache is not None for s in self._joining):
+                # (a group that never drafts and keeps no prompt state leaves the head alone)
+                m.mtp.forward_batch(m.embed_tokens(ids), h_prev, self._head_group, valid=valid)
             for b, s in enumerate(self._joining):
                 s.h_prev = post[b:b + 1, valid[b] - 1:valid[b]]
             mx.eval(*[s.h_prev for s in self._joining], *self._group.arrays(), *self._head_group.arrays())
@@ -173,7 +181,7 @@ class MTPBatchScheduler(BatchScheduler):
             # the head is kept in step only where a later round may draft: rows that never draft,
             # or auto where no draft pays at this size, leave it (its rows go stale: a later draft
             # from them is less often right, never wrong)
-            later = any(s.draft and s.n_max != 0 for s in rows) and \
+            later = any(self._may_draft(s) for s in rows) and \
                 not (_auto(rows) and not self.controller(len(rows)).can_win)
             drafter = self.drafter if later else None
             return plain_round(m, self._batch, drafter, last, _argmax, _post_norm)
