@@ -31,10 +31,10 @@ from ..model.cache import TrunkCache, capture_at_width
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
 from ..speculative.mtp_rows import MTPRowsDrafter
-from ..speculative.round import Round, accept_greedy_device, draft_round, plain_round
+from ..speculative.round import Round, accept_greedy_device, draft_round, greedy, plain_round, post_norm
 from ..speculative.calibration import default_seed
 from ..speculative.scheduler import AUTO_MAX, DraftLengthScheduler, auto_k_max
-from .scheduler import BatchScheduler, Launched, _argmax, _post_norm
+from .scheduler import BatchScheduler, Launched
 from .sequence import Sequence
 
 def bucket(batch: int) -> int:
@@ -184,10 +184,10 @@ class MTPBatchScheduler(BatchScheduler):
             later = any(self._may_draft(s) for s in rows) and \
                 not (_auto(rows) and not self.controller(len(rows)).can_win)
             drafter = self.drafter if later else None
-            return plain_round(m, self._batch, drafter, last, _argmax, _post_norm)
+            return plain_round(m, self._batch, drafter, last, greedy, post_norm)
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
             capture_at_width(self._batch.layers, max(k, min(self.max_draft, auto_k_max(m))) + 1)
-        return draft_round(m, self._batch, self.drafter, last, k, self._accept, _post_norm,
+        return draft_round(m, self._batch, self.drafter, last, k, self._accept, post_norm,
                            drafting=mx.array([s.draft for s in rows]))
 
     def _draft_length(self, rows: list[Sequence]) -> int:

@@ -33,7 +33,7 @@ from ..errors import MTPEngineError
 from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
-from ..speculative.round import Round, plain_round
+from ..speculative.round import Round, greedy, plain_round, post_norm
 from .sequence import Sequence
 from ..threads import quiesce_at_exit
 
@@ -311,7 +311,7 @@ class BatchScheduler:
 
     def _round(self, rows: list[Sequence], last: mx.array) -> Round:
         """The round itself: a plain one here (`batching.mtp` drafts)."""
-        return plain_round(self.model.model, self._batch, None, last, _argmax, _post_norm)
+        return plain_round(self.model.model, self._batch, None, last, greedy, post_norm)
 
     def _round_arrays(self, rows: list[Sequence]) -> list[mx.array]:
         """What else a queued round leaves on the device (an MTP batch: the head's)."""
@@ -350,15 +350,6 @@ class BatchScheduler:
     def _bound(self, bounds: list[int]) -> None:
         """The host's bounds of the running rows' cache lengths, from what it read."""
         self._batch.bound_lengths(bounds)
-
-
-def _argmax(logits: mx.array) -> mx.array:
-    return mx.argmax(logits, axis=-1)
-
-
-def _post_norm(post: mx.array, pre: mx.array) -> mx.array:
-    """The trunk state a drafter reads: the post-norm hidden state (what the output head reads)."""
-    return post
 
 
 def _engine_error(e: Exception) -> MTPEngineError:

@@ -92,6 +92,16 @@ def plain_round(model, cache, drafter, last: mx.array, pick: Callable, fed: Call
     return Round(0, token[:, None], zeros, zeros, None, mx.all(mx.isfinite(logits), axis=(1, 2)), logits)
 
 
+def greedy(logits: mx.array) -> mx.array:
+    """`plain_round`'s pick where every row's token is its argmax: [B, V] -> [B]."""
+    return mx.argmax(logits, axis=-1)
+
+
+def post_norm(post: mx.array, pre: mx.array) -> mx.array:
+    """The trunk state an MTP head reads: the post-norm hidden state (what the output head reads)."""
+    return post
+
+
 def live_drafts(confident: mx.array | None, k: int, n_min: int = 0, rows: int = 1) -> mx.array:
     """[B, k]: which of each row's k drafts count: a prefix of those that passed p-min
     (`confident` [B, k]), none if fewer than n-min (llama.cpp's rules, decided on the device)."""
