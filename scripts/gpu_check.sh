@@ -26,7 +26,8 @@ group1="tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py tests/mod
     tests/model/test_kernel_cache.py tests/model/test_kernel_warmup.py tests/model/test_kv_tail.py"
 group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.py tests/generation/test_constraint.py
     tests/batching/test_batching.py tests/speculative/test_capture_width.py tests/speculative/test_long_context.py
-    tests/speculative/test_kv_dtype.py tests/speculative/test_draft_vocab.py"
+    tests/speculative/test_kv_dtype.py tests/speculative/test_draft_vocab.py tests/generation/test_sampling_oracle.py
+    tests/generation/test_pipeline.py"
 gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU
     t=$(left 580 120 "$1") || return 0
     timeout "$t" python3 -m pytest -q -p no:cacheprovider --tb=short --durations=12 $workers -k "not serve_parallel" \
