@@ -564,6 +564,37 @@ def test_auto_rows_where_no_draft_can_pay_take_plain_rounds_without_the_head(shi
             assert all(got[i].stats["drafted"] == 0 for i in range(3))
 
 
+def test_auto_batches_draft_by_the_controller_beside_every_other_kind_of_row(shipped_model):
+    """Under a device prior where drafts may pay, n-max auto rows in a batch draft by the
+    draft-length controller (its own choices, not a stand-in), beside rows of a fixed n-max, n-max
+    0, plain and sampled rows, joining and leaving at different times: every answer is its answer
+    alone (a sampled row's: plain sampling with its seed)."""
+    from dataclasses import replace
+
+    from mtp_engine.batching import MTPBatchScheduler
+    from mtp_engine.speculative.calibration import default_seed
+
+    kinds = [dict(spec="draft-mtp", n_max="auto"), dict(spec="draft-mtp", n_max="auto"), dict(spec="draft-mtp", n_max=2),
+             dict(spec="draft-mtp", n_max=0), dict(spec="none"), dict(spec="draft-mtp", temperature=0.8, seed=7)]
+    lengths = [14, 9, 12, 6, 10, 8]
+    alone = [dict(kw, spec="none") if "temperature" in kw else kw for kw in kinds]
+    want = [generate(PROMPTS[i % len(PROMPTS)], shipped_model, max_tokens=lengths[i], ignore_eos=True,
+                     **alone[i]).token_ids for i in range(len(kinds))]
+    m = replace(shipped_model, scheduler=None)
+    m.scheduler = sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=True))
+    got: dict[int, list[int]] = {}
+
+    def one(i):
+        got[i] = generate(PROMPTS[i % len(PROMPTS)], m, max_tokens=lengths[i], ignore_eos=True, **kinds[i]).token_ids
+
+    try:
+        _in_threads(one, range(len(kinds)))
+    finally:
+        sched.stop()
+    assert [got[i] for i in range(len(kinds))] == want
+    assert any(c.drafting_rounds for c in sched.controllers.values()), sched.rounds_by_k
+
+
 def test_auto_in_a_batch_is_the_draft_length_scheduler_per_batch_size(shipped_model):
     """One draft-length controller serves one row and many: n-max auto in a batch is a
     `DraftLengthScheduler` (a sequence alone's), one per batch-size bucket (1, 2, 4, 8, ...: a
