@@ -304,7 +304,7 @@ class BatchScheduler:
     def _launch(self, rows: list[Sequence], prev: Round | None = None) -> Launched:
         """Queues one round over `rows`, from each row's last token (the host's, or `prev`'s still
         on the device)."""
-        last = prev.next_tokens() if prev is not None else mx.array([s.last_token for s in rows], mx.int32)
+        last = prev.last if prev is not None else mx.array([s.last_token for s in rows], mx.int32)
         r = self._round(rows, last)
         mx.async_eval(*r.read(), *self._batch.arrays(), *self._round_arrays(rows))
         return Launched(rows, r)
@@ -321,7 +321,7 @@ class BatchScheduler:
         """The host reads a round: each row's accepted drafts and token (a row whose token is not
         its argmax is sampled here from the round's logits), delivered to its reader."""
         r, rows = cur.round, cur.rows
-        emitted, accepted, ok = r.emitted.tolist(), r.n.tolist(), r.finite.tolist()
+        emitted, accepted, ok = r.emitted.tolist(), r.accepted(), r.finite.tolist()
         self.steps += 1
         for b, s in enumerate(rows):
             n = accepted[b]

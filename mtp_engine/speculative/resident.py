@@ -120,12 +120,12 @@ class ResidentRounds:
         r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k,
                         self._accept_device, self._fed, self.params.p_min, self.params.n_min,
                         stage=self.prof.stage)
-        self._last_dev = r.next_tokens()
+        self._last_dev = r.last
         return self._queue(Queued(r, k + 1, shapes))
 
     def _launch_resident_plain(self) -> Queued:
         r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed, self.prof.stage)
-        self._last_dev = r.emitted[:, 0]
+        self._last_dev = r.last
         return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
 
     def _pick(self, logits: mx.array) -> mx.array:
@@ -167,7 +167,7 @@ class ResidentRounds:
             mx.eval(*r.read(), *block)
             d = r.round
             check_finite(d.finite.item())
-            n, drafted = d.n.item(), d.drafted.item()
+            n, drafted = (d.n.item(), d.drafted.item()) if d.n is not None else (0, 0)
             emitted = d.emitted[0].tolist()
             drafts = d.drafts[0].tolist()[:drafted] if d.drafts is not None else []
         token = emitted[n]

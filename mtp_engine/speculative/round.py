@@ -32,15 +32,16 @@ class Round:
 
     k: int  # drafts asked for (0: a plain round)
     emitted: mx.array  # [B, k+1] int32: the accepted drafts, then the target's token; n+1 count per row
-    n: mx.array  # [B] accepted drafts
-    drafted: mx.array  # [B] drafts that count (p-min, n-min; rows that do not draft: 0)
+    n: mx.array | None  # [B] accepted drafts (None: a plain round, none)
+    drafted: mx.array | None  # [B] drafts that count (p-min, n-min; rows that do not draft: 0)
     drafts: mx.array | None  # [B, k]
     finite: mx.array  # [B]
     logits: mx.array  # [B, k+1, V]: the rows that scored the emitted tokens (logprobs, host sampling)
+    last: mx.array  # [B] int32: each row's last emitted token, the next round's first input
 
-    def next_tokens(self) -> mx.array:
-        """[B]: each row's last emitted token, the next round's first input (on the device)."""
-        return mx.take_along_axis(self.emitted, self.n[:, None], axis=1)[:, 0]
+    def accepted(self) -> list[int]:
+        """Each row's accepted drafts, read on the host (after the round was evaluated)."""
+        return self.n.tolist() if self.n is not None else [0] * int(self.emitted.shape[0])
 
     def read(self) -> list[mx.array]:
         """The device values the host reads. Each must be queued with the round: one queued only at
@@ -75,26 +76,27 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
     with stage("rollback"):
         cache.rollback_lazy(n + 1)
         drafter.commit(emitted, n, fed(post, pre))
-    return Round(k, emitted, n, mx.sum(live, axis=1), drafts, mx.all(mx.isfinite(logits), axis=(1, 2)), logits)
+    last = mx.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
+    return Round(k, emitted, n, mx.sum(live, axis=1), drafts, mx.all(mx.isfinite(logits), axis=(1, 2)), logits,
+                 last)
 
 
 def plain_round(model, cache, drafter, last: mx.array, pick: Callable, fed: Callable,
                 stage: Callable = _no_stage) -> Round:
     """A round without drafts: one trunk step per row from `last` [B]; `pick(logits [B, V]) -> [B]`
-    the tokens; `drafter` (None: none) keeps its head in step."""
+    int32 the tokens; `drafter` (None: none) keeps its head in step."""
     with stage("decode"):
         post, pre = model.forward(last[:, None], cache, return_prenorm=True, resident=True)
         logits = model.logits(post)
-        token = pick(logits[:, 0]).astype(mx.int32)
+        token = pick(logits[:, 0])
     if drafter is not None:
         drafter.accept_plain(token, fed(post, pre))
-    zeros = mx.zeros(token.shape, mx.int32)
-    return Round(0, token[:, None], zeros, zeros, None, mx.all(mx.isfinite(logits), axis=(1, 2)), logits)
+    return Round(0, token[:, None], None, None, None, mx.all(mx.isfinite(logits), axis=(1, 2)), logits, token)
 
 
 def greedy(logits: mx.array) -> mx.array:
-    """`plain_round`'s pick where every row's token is its argmax: [B, V] -> [B]."""
-    return mx.argmax(logits, axis=-1)
+    """`plain_round`'s pick where every row's token is its argmax: [B, V] -> [B] int32."""
+    return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
 def post_norm(post: mx.array, pre: mx.array) -> mx.array:

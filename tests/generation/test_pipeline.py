@@ -137,7 +137,7 @@ def test_the_host_reads_only_what_was_queued_with_the_round(tiny, monkeypatch, p
     assert d._resident and st["drafted"] > 0
     assert not late, f"{len(late)} values read that were not queued with their round"
     from mtp_engine.speculative.round import Round
-    r = resident.Queued(Round(3, *(mx.array([0]) for _ in range(6))), 4)
+    r = resident.Queued(Round(3, *(mx.array([0]) for _ in range(7))), 4)
     assert len(r.read()) == 5  # emitted, n, drafted, drafts, finite: every device value the read takes
 
 
