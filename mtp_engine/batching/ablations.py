@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from ..errors import MTPEngineError
 from ..model.loaded import Model
+from ..speculative.ablations import accept_oracle_device
 from .mtp import MTPBatchScheduler
 
 
@@ -28,10 +29,5 @@ class OracleBatchScheduler(MTPBatchScheduler):
         self._key = mx.random.key(seed)
 
     def _accept(self, drafts, logits, q, live):
-        """Row b keeps its first n_b drafts, each right with probability `oracle`, and the
-        target's token after them (what the trunk scored at row n_b)."""
-        target = mx.argmax(logits, axis=-1).astype(mx.int32)
         self._key, sub = mx.random.split(self._key)
-        right = (mx.random.uniform(shape=drafts.shape, key=sub) < self.oracle) & live
-        n = mx.sum(mx.cumprod(right.astype(mx.int32), axis=1), axis=1)
-        return n, mx.where(mx.arange(target.shape[1])[None, :] <= n[:, None], target, 0)
+        return accept_oracle_device(drafts, logits, live, self.oracle, sub)

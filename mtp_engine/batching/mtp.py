@@ -69,7 +69,8 @@ class MTPBatchScheduler(BatchScheduler):
         self.controllers: dict[int, DraftLengthScheduler] = {}  # n-max auto, per batch-size bucket
         self._last_read: tuple[list[Sequence], int, float] | None = None  # the last round read: (rows, k, when)
         self._shapes: set[tuple[int, int]] = set()  # (rows, k) of rounds run: a first one may compile
-        self._auto_can_win = DraftLengthScheduler(prior=self.prior).can_win
+        self._k_max = min(auto_k_max(model.model), max_draft)  # the longest draft auto considers here
+        self._auto_can_win = DraftLengthScheduler(k_max=self._k_max, prior=self.prior).can_win
 
     def controller(self, batch: int) -> DraftLengthScheduler:
         """n-max auto for a batch of `batch` rows: the draft-length scheduler a sequence alone
@@ -77,8 +78,7 @@ class MTPBatchScheduler(BatchScheduler):
         one per size bucket, since a verify's rows cost more the more sequences share it."""
         b = bucket(batch)
         if b not in self.controllers:
-            k_max = min(auto_k_max(self.model.model), self.max_draft)
-            self.controllers[b] = DraftLengthScheduler(k_max=k_max, prior=self.prior)
+            self.controllers[b] = DraftLengthScheduler(k_max=self._k_max, prior=self.prior)
         return self.controllers[b]
 
     def _may_draft(self, s: Sequence) -> bool:
@@ -186,7 +186,7 @@ class MTPBatchScheduler(BatchScheduler):
             drafter = self.drafter if later else None
             return plain_round(m, self._batch, drafter, last, greedy, post_norm)
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
-            capture_at_width(self._batch.layers, max(k, min(self.max_draft, auto_k_max(m))) + 1)
+            capture_at_width(self._batch.layers, max(k, self._k_max) + 1)
         return draft_round(m, self._batch, self.drafter, last, k, self._accept, post_norm,
                            drafting=mx.array([s.draft for s in rows]))
 

@@ -34,8 +34,8 @@ from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
 from ..speculative.round import Round, greedy, plain_round, post_norm
-from .sequence import Sequence
 from ..threads import quiesce_at_exit
+from .sequence import Sequence
 
 
 class Launched(NamedTuple):

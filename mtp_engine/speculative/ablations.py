@@ -73,11 +73,19 @@ class OracleAcceptance:
     def _accept_device(self, drafts, logits, q, live):
         if not self.sampler.cfg.greedy:
             return super()._accept_device(drafts, logits, q, live)
-        target = mx.argmax(self.sampler.penalize(logits[0], drafts[0]), axis=-1).astype(mx.int32)[None]
         self._key, sub = mx.random.split(self._key)
-        right = (mx.random.uniform(shape=drafts.shape, key=sub) < self.oracle) & live
-        n = mx.sum(mx.cumprod(right.astype(mx.int32), axis=1), axis=1)
-        return n, mx.where(mx.arange(target.shape[1])[None, :] <= n[:, None], target, 0)
+        return accept_oracle_device(drafts, self.sampler.penalize(logits[0], drafts[0])[None], live, self.oracle, sub)
+
+
+def accept_oracle_device(drafts: mx.array, scored: mx.array, live: mx.array, oracle: float,
+                         key: mx.array) -> tuple[mx.array, mx.array]:
+    """The oracle's acceptance over rows (drafts [B, k], scored [B, k+1, V], live [B, k]): row b
+    keeps its first n_b live drafts, each right with probability `oracle`, and emits the target's
+    tokens up to row n_b (what the trunk scored there): (n [B], emitted [B, k+1])."""
+    target = mx.argmax(scored, axis=-1).astype(mx.int32)
+    right = (mx.random.uniform(shape=drafts.shape, key=key) < oracle) & live
+    n = mx.sum(mx.cumprod(right.astype(mx.int32), axis=1), axis=1)
+    return n, mx.where(mx.arange(target.shape[1])[None, :] <= n[:, None], target, 0)
 
 
 def ablation_decoder(model: Qwen35Model, sampler: Sampler, params: DraftParams, profiler: Profiler | None = None,
