@@ -21,12 +21,15 @@ from mtp_engine.model import kernels, mma_kernel
 from mtp_engine.model.step import StepGraphs
 
 
-def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024) -> float:
+def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024, split: int = mma_kernel.SPLIT) -> float:
     w = mx.random.normal((n, k), key=mx.random.key(bits + group))
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 3.0
     ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits)
-    got = mma_kernel.quantized_rows(x, q, s, b, bits, group)
+    got = mma_kernel.quantized_rows(x, q, s, b, bits, group, split=split)
+    alone = mma_kernel.quantized_rows(x[:1], q, s, b, bits, group, split=split)
+    if not mx.array_equal(alone[0], got[0]).item():
+        print(f"ROW-DEPENDENT bits={bits} group={group} rows={rows}: row 0 differs from row 0 alone")
     return float((mx.abs(got - ref).max() / mx.abs(ref).max()).item())
 
 
@@ -38,19 +41,25 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--variants", default="4x2x3,4x1x4,2x4x3,8x1x3",
-                    help="tensor-core block shapes: warps x tiles x stages")
+                    help="tensor-core block shapes: warps x tiles x stages [x bf16 parts of x]; --in-model: "
+                         "every row count on that kernel, one row included, beside `base` (one row on the CUDA cores)")
     ap.add_argument("--in-model", action="store_true", help="time 9B-shape forwards per block shape")
+    ap.add_argument("--check-only", action="store_true", help="only the precision checks")
     a = ap.parse_args()
     if a.in_model:
         return in_model(a)
-    worst = 0.0
-    for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):
-        for rows in (1, 3, 8):
-            e = check(bits, group, rows)
-            worst = max(worst, e)
-            if e > 1e-4:
-                print(f"MISMATCH bits={bits} group={group} rows={rows}: max rel err {e:.2e}")
-    print(f"tensor-core kernel vs quantized_matmul: worst max-rel error {worst:.2e}", flush=True)
+    for split in (2, 3):
+        worst = 0.0
+        for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):
+            for rows in (1, 3, 8):
+                e = check(bits, group, rows, split=split)
+                worst = max(worst, e)
+                if e > 1e-4:
+                    print(f"MISMATCH bits={bits} group={group} rows={rows}: max rel err {e:.2e}")
+        print(f"tensor-core kernel (x in {split} bf16 parts) vs quantized_matmul: worst max-rel error {worst:.2e}",
+              flush=True)
+    if a.check_only:
+        return
 
     variants = [tuple(int(v) for v in s.split("x")) for s in a.variants.split(",")]
     for shape in a.shapes.split(","):
@@ -64,10 +73,11 @@ def main() -> None:
         fns = {"mlx": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=a.group,
                                                              bits=a.bits),
                "simt": lambda x, q, s, b: kernels.simt_rows(x, q, s, b, a.bits, a.group)}
-        for wv, tm, st in variants:
+        for wv, tm, st, *sp in variants:
             if n % (16 * tm) == 0:
-                fns[f"tc{wv}x{tm}x{st}"] = (lambda wv, tm, st: lambda x, q, s, b: mma_kernel.quantized_rows(
-                    x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, stages=st))(wv, tm, st)
+                sp = sp[0] if sp else mma_kernel.SPLIT
+                fns[f"tc{wv}x{tm}x{st}x{sp}"] = (lambda wv, tm, st, sp: lambda x, q, s, b: mma_kernel.quantized_rows(
+                    x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, stages=st, split=sp))(wv, tm, st, sp)
         print(f"\n{n}x{k} {a.bits}-bit g{a.group}: {nbytes / 1e6:.1f} MB per copy, {copies} copies; "
               "us per product (GB/s)", flush=True)
         print("rows " + "".join(f"{name:>18}" for name in fns))
@@ -101,16 +111,18 @@ def in_model(a) -> None:
     model = random_model(config_9b(False))
     model.compile_steps = True
     original, supports = mma_kernel.quantized_rows, mma_kernel.supports
-    variants = ["simt"] + a.variants.split(",")
+    variants = ["simt", "base"] + a.variants.split(",")
     graphs: dict = {}
 
     def select(v: str) -> None:
+        mma_kernel.supports, mma_kernel.quantized_rows, kernels.TENSOR_CORE_ROWS = supports, original, 2
         if v == "simt":
             mma_kernel.supports = lambda *args: False
-        else:
-            wv, tm, st = (int(x) for x in v.split("x"))
-            mma_kernel.supports = supports
-            mma_kernel.quantized_rows = lambda *args: original(*args, warps=wv, tiles=tm, stages=st)
+        elif v != "base":
+            wv, tm, st, *sp = (int(x) for x in v.split("x"))
+            kernels.TENSOR_CORE_ROWS = 1
+            mma_kernel.quantized_rows = lambda *args: original(*args, warps=wv, tiles=tm, stages=st,
+                                                               split=sp[0] if sp else mma_kernel.SPLIT)
         for owner in (model, model.mtp):  # each variant keeps its own traced graphs
             owner.graphs = graphs.setdefault((id(owner), v), StepGraphs())
 

@@ -217,7 +217,7 @@ class MTPBatchScheduler(BatchScheduler):
         queued = self._queued.round.k if self._queued is not None else r.k
         first = (len(rows), r.k) not in self._shapes
         self._shapes.add((len(rows), r.k))
-        n = r.accepted()
+        n = r.host().n
         self.controller(len(rows)).observe(r.k, [n[b] for b, s in enumerate(rows) if s.draft] if r.k else 0,
                                            now - last[2] if timed else None, max(s.length for s in rows),
                                            first_use=first, steady=timed and last[1] == r.k == queued)

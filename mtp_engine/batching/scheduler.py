@@ -321,7 +321,8 @@ class BatchScheduler:
         """The host reads a round: each row's accepted drafts and token (a row whose token is not
         its argmax is sampled here from the round's logits), delivered to its reader."""
         r, rows = cur.round, cur.rows
-        emitted, accepted, ok = r.emitted.tolist(), r.accepted(), r.finite.tolist()
+        d = r.host()
+        emitted, accepted, ok = d.emitted, d.n, d.finite
         self.steps += 1
         for b, s in enumerate(rows):
             n = accepted[b]

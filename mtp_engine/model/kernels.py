@@ -30,6 +30,7 @@ ROWS_PER_WARP = 8  # output features per warp (bench_gpu.py measures 2, 4 and 8 
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)
 ROW_VARIANTS = (1, 2, 4, 8)
+TENSOR_CORE_ROWS = 2  # the fewest rows a product sends to the tensor-core kernel
 
 _SOURCE = """
     // shapes are runtime values: one compiled kernel per (rows, bits, group), not per matrix shape
@@ -135,11 +136,13 @@ def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, row
 
 
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
-                   bits: int, group_size: int, rows_per_warp: int = ROWS_PER_WARP) -> mx.array:
+                   bits: int, group_size: int, rows_per_warp: int = ROWS_PER_WARP,
+                   split: int = mma_kernel.SPLIT) -> mx.array:
     """x [M, K] (M <= 8) times W^T: [M, N] float32, on the tensor cores for 2..8 rows where
-    `mma_kernel.supports` it, else on the CUDA cores (`rows_per_warp`: their output features per warp)."""
-    if x.shape[0] > 1 and mma_kernel.supports(weight, scales, bits, group_size, x.shape[0]):
-        return mma_kernel.quantized_rows(x, weight, scales, biases, bits, group_size)
+    `mma_kernel.supports` it (`split`: the bf16 parts of x there), else on the CUDA cores
+    (`rows_per_warp`: their output features per warp)."""
+    if x.shape[0] >= TENSOR_CORE_ROWS and mma_kernel.supports(weight, scales, bits, group_size, x.shape[0]):
+        return mma_kernel.quantized_rows(x, weight, scales, biases, bits, group_size, split=split)
     return simt_rows(x, weight, scales, biases, bits, group_size, rows_per_warp)
 
 

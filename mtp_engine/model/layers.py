@@ -68,8 +68,12 @@ class Linear:
                 flat, slab = x.reshape(rows, x.shape[-1]), kernels.MAX_ROWS
                 if rows > slab and rows % slab == 1:  # a last slab of one row would take the one-row
                     flat = mx.pad(flat, [(0, 1), (0, 0)])  # kernel: every row of a product takes one arithmetic
+                # a prompt's tokens (more than one slab per sequence) take x in float32's precision
+                # on the tensor cores, as MLX's product they stand in for; a step's and a verify's
+                # rows the faster ~17 bits (`mma_kernel.SPLIT`)
+                split = 3 if x.shape[-2] > slab else kernels.mma_kernel.SPLIT
                 parts = [kernels.quantized_rows(flat[i:i + slab], self.weight, self.scales, self.biases, self.bits,
-                                                self.group_size) for i in range(0, flat.shape[0], slab)]
+                                                self.group_size, split=split) for i in range(0, flat.shape[0], slab)]
                 y = parts[0] if len(parts) == 1 else mx.concatenate(parts)[:rows]
                 return y.reshape(*x.shape[:-1], y.shape[-1])
             if 1 < rows < self.row_pad:

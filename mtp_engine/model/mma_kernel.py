@@ -26,6 +26,7 @@ MAX_ROWS = 8
 TILES = 1      # 16-feature tiles per warp
 WARPS = 8      # warps of a block, splitting K
 STAGES = 3     # copies in flight per warp (shared memory: STAGES * WARPS * TILES * 1792 bytes <= 48 KB)
+SPLIT = 2      # bf16 parts of x: 2 (~17 bits) or 3 (float32's 24)
 
 HEADER = r"""
 // x as bf16 rounded to nearest (finite inputs); the hi + lo split below keeps ~17 bits of x
@@ -54,6 +55,24 @@ __device__ __forceinline__ void mtp_mma_x(float* c, unsigned a0, unsigned a1, un
     mtp_mma(c, a0, a1, a2, a3, mtp_pack_hi(x0, x1), mtp_pack_hi(x2, x3));
     mtp_mma(c, a0, a1, a2, a3, mtp_pack_hi(x0 - mtp_hi(x0), x1 - mtp_hi(x1)),
             mtp_pack_hi(x2 - mtp_hi(x2), x3 - mtp_hi(x3)));
+}
+
+// the same with x in three bf16 parts (hi + mid + lo: all 24 bits of a float32 mantissa): every
+// product is exact and only the float32 sums round, as on the CUDA cores
+__device__ __forceinline__ void mtp_mma_x3(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           float x0, float x1, float x2, float x3) {
+    const float r0 = x0 - mtp_hi(x0), r1 = x1 - mtp_hi(x1), r2 = x2 - mtp_hi(x2), r3 = x3 - mtp_hi(x3);
+    mtp_mma(c, a0, a1, a2, a3, mtp_pack_hi(x0, x1), mtp_pack_hi(x2, x3));
+    mtp_mma(c, a0, a1, a2, a3, mtp_pack_hi(r0, r1), mtp_pack_hi(r2, r3));
+    mtp_mma(c, a0, a1, a2, a3, mtp_pack_hi(r0 - mtp_hi(r0), r1 - mtp_hi(r1)),
+            mtp_pack_hi(r2 - mtp_hi(r2), r3 - mtp_hi(r3)));
+}
+
+template <int S>
+__device__ __forceinline__ void mtp_mma_xs(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                           float x0, float x1, float x2, float x3) {
+    if (S == 3) mtp_mma_x3(c, a0, a1, a2, a3, x0, x1, x2, x3);
+    else mtp_mma_x(c, a0, a1, a2, a3, x0, x1, x2, x3);
 }
 
 __device__ __forceinline__ void mtp_cp16(unsigned dst, const void* src) {
@@ -185,7 +204,7 @@ SOURCE = r"""
                         #pragma unroll
                         for (int s = 0; s < 2; ++s) {
                             const int p = 2 * s;
-                            mtp_mma_x(c4, mtp_q((r0 >> (4 * p)) & 0x000F000Fu),
+                            mtp_mma_xs<SPLIT>(c4, mtp_q((r0 >> (4 * p)) & 0x000F000Fu),
                                       mtp_q((r1 >> (4 * p)) & 0x000F000Fu),
                                       mtp_q((r0 >> (4 * p + 4)) & 0x000F000Fu),
                                       mtp_q((r1 >> (4 * p + 4)) & 0x000F000Fu),
@@ -196,7 +215,7 @@ SOURCE = r"""
                         for (int hn = 0; hn < 2; ++hn) {
                             const int sh = 4 * hn;
                             const float f = hn ? 16.0f : 1.0f;
-                            mtp_mma_x(c4, mtp_q((r0 >> sh) & 0x000F000Fu),
+                            mtp_mma_xs<SPLIT>(c4, mtp_q((r0 >> sh) & 0x000F000Fu),
                                       mtp_q((r1 >> sh) & 0x000F000Fu),
                                       mtp_q((r0 >> (sh + 8)) & 0x000F000Fu),
                                       mtp_q((r1 >> (sh + 8)) & 0x000F000Fu),
@@ -248,16 +267,17 @@ _kernel = None
 
 
 def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, rows: int) -> bool:
-    """Whether this kernel takes the product: 2..8 rows, 4- or 8-bit, groups of 32/64/128 (8-bit:
+    """Whether this kernel takes the product: 1..8 rows, 4- or 8-bit, groups of 32/64/128 (8-bit:
     32/64), rows of whole 64-byte chunks, N a multiple of 16, float32 scales."""
     if bits not in (4, 8) or group_size not in (32, 64, 128) or (bits == 8 and group_size == 128):
         return False
-    return (2 <= rows <= MAX_ROWS and weight.ndim == 2 and weight.shape[0] % 16 == 0
+    return (1 <= rows <= MAX_ROWS and weight.ndim == 2 and weight.shape[0] % 16 == 0
             and weight.shape[1] % 16 == 0 and scales.dtype == mx.float32)
 
 
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
-                   group_size: int, warps: int = WARPS, tiles: int = TILES, stages: int = STAGES) -> mx.array:
+                   group_size: int, warps: int = WARPS, tiles: int = TILES, stages: int = STAGES,
+                   split: int = SPLIT) -> mx.array:
     """x [M, K] (M <= 8) times W^T: [M, N] float32. `warps`, `tiles`, `stages`: the block shape
     (scripts/qmv_rows.py times others)."""
     global _kernel
@@ -268,6 +288,7 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     while n % (16 * tiles):
         tiles //= 2
     return _kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
-                   template=[("BITS", bits), ("GROUP", group_size), ("TM", tiles), ("NW", warps), ("ST", stages)],
+                   template=[("BITS", bits), ("GROUP", group_size), ("TM", tiles), ("NW", warps), ("ST", stages),
+                             ("SPLIT", split)],
                    grid=(n // (16 * tiles) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
                    output_shapes=[(x.shape[0], n)], output_dtypes=[mx.float32])[0]

@@ -165,11 +165,10 @@ class ResidentRounds:
             # that round's (its `_queue` evaluates it): waiting for it here would serialise them
             block = [] if self._queued else self.drafter.pending_arrays()
             mx.eval(*r.read(), *block)
-            d = r.round
-            check_finite(d.finite.item())
-            n, drafted = (d.n.item(), d.drafted.item()) if d.n is not None else (0, 0)
-            emitted = d.emitted[0].tolist()
-            drafts = d.drafts[0].tolist()[:drafted] if d.drafts is not None else []
+            d = r.round.host()
+            check_finite(d.finite[0])
+            n, drafted, emitted = d.n[0], d.drafted[0], d.emitted[0]
+            drafts = d.drafts[0][:drafted] if d.drafts is not None else []
         token = emitted[n]
         self.cache.offset += n + 1
         self.cache.set_bound(self.cache.offset + sum(q.rows for q in self._queued))

@@ -39,9 +39,15 @@ class Round:
     logits: mx.array  # [B, k+1, V]: the rows that scored the emitted tokens (logprobs, host sampling)
     last: mx.array  # [B] int32: each row's last emitted token, the next round's first input
 
-    def accepted(self) -> list[int]:
-        """Each row's accepted drafts, read on the host (after the round was evaluated)."""
-        return self.n.tolist() if self.n is not None else [0] * int(self.emitted.shape[0])
+    def host(self) -> "RoundRead":
+        """The round as host values, after `read()`'s arrays were evaluated. Only those arrays are
+        read, whole: a slice or any other new operation on them would be queued behind the round
+        launched since, and the host would wait for that round too (a round of one draft took 9.2
+        ms against 6.9 when the host read `emitted[0]`)."""
+        b = int(self.emitted.shape[0])
+        return RoundRead(self.emitted.tolist(), self.n.tolist() if self.n is not None else [0] * b,
+                         self.drafted.tolist() if self.drafted is not None else [0] * b,
+                         self.drafts.tolist() if self.drafts is not None else None, self.finite.tolist())
 
     def read(self) -> list[mx.array]:
         """The device values the host reads. Each must be queued with the round: one queued only at
@@ -49,6 +55,17 @@ class Round:
         and the host cannot queue the one after it while the device works (a k = 3 round took
         13.0 ms in the loop against 9.6 queued back to back)."""
         return [a for a in (self.emitted, self.finite, self.n, self.drafted, self.drafts) if a is not None]
+
+
+@dataclass
+class RoundRead:
+    """A round's rows as the host reads them (`Round.host`)."""
+
+    emitted: list[list[int]]  # per row: the accepted drafts, then the target's token (n+1 count)
+    n: list[int]  # accepted drafts per row
+    drafted: list[int]  # drafts that counted per row
+    drafts: list[list[int]] | None
+    finite: list[bool]
 
 
 def _no_stage(name: str):

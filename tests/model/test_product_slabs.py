@@ -11,16 +11,23 @@ from mtp_engine.model import kernels
 from mtp_engine.model.layers import SLAB_ROWS, Linear
 
 
+class _Calls(list):
+    splits: list[int]
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    seen: list[int] = []
+    seen = _Calls()
+    splits: list[int] = []
 
-    def stand_in(x, w, s, b, bits, group):
+    def stand_in(x, w, s, b, bits, group, split=2):
         seen.append(int(x.shape[0]))
+        splits.append(split)
         return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group, bits=bits)
 
     monkeypatch.setattr(kernels, "quantized_rows", stand_in)
     monkeypatch.setattr(kernels, "supports", lambda w, s, bits, group, rows: 1 <= rows <= kernels.MAX_ROWS)
+    seen.splits = splits
     return seen
 
 
@@ -42,6 +49,8 @@ def test_products_of_many_rows_are_cut_into_slabs_and_put_back(calls, shape):
     assert calls and all(c <= kernels.MAX_ROWS for c in calls)
     assert rows == 1 or all(c >= 2 for c in calls), calls
     assert sum(calls) - rows in (0, 1)  # at most one padding row
+    # a sequence's tokens past one slab (a prompt) take x in float32's precision on the tensor cores
+    assert set(calls.splits) == ({3} if shape[-2] > kernels.MAX_ROWS else {2}), calls.splits
 
 
 def test_long_sequences_leave_the_kernel(calls):

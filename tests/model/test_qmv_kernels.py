@@ -40,7 +40,7 @@ def test_products_of_many_rows_run_in_slabs_of_one_arithmetic():
     w = mx.random.normal((512, 1024), key=mx.random.key(3)) * 1024 ** -0.5
     q, s, b = mx.quantize(w, group_size=32, bits=4)
     lin = Linear(q, s, b, 4, 32, custom_kernel=True)
-    x = mx.random.normal((SLAB_ROWS, 1024), key=mx.random.key(4)) * 2.0
+    x = mx.random.normal((SLAB_ROWS, 1, 1024), key=mx.random.key(4)) * 2.0  # B sequences of one token
     pair = np.array(lin(x[:2]))
     for rows in (9, 16, 17, 33, SLAB_ROWS):
         ref = np.array(mx.quantized_matmul(x[:rows], q, s, b, transpose=True, group_size=32, bits=4))
@@ -49,6 +49,26 @@ def test_products_of_many_rows_run_in_slabs_of_one_arithmetic():
         assert np.array_equal(got[:2], pair), rows
         last = np.array(lin(x[rows - 2:rows]))
         assert np.array_equal(got[rows - 2:], last), rows
+        # every row alone on the tensor-core kernel gives its bits in any slab (columns of an mma
+        # never mix); the one-row decode step's CUDA-core kernel sums in another order
+        one = np.array(mma_kernel.quantized_rows(x[rows - 1, 0][None], q, s, b, 4, 32))
+        assert np.array_equal(got[rows - 1, 0], one[0]), rows
+
+
+def test_a_prompts_products_take_float32_precision_on_the_tensor_cores():
+    """A sequence's products of more tokens than one slab (a short prompt) split x into three bf16
+    parts: as precise as MLX's float32 product they replaced (a step's two parts: ~17 bits)."""
+    from mtp_engine.model.layers import SLAB_ROWS
+
+    w = mx.random.normal((512, 1024), key=mx.random.key(3)) * 1024 ** -0.5
+    q, s, b = mx.quantize(w, group_size=32, bits=4)
+    lin = Linear(q, s, b, 4, 32, custom_kernel=True)
+    x = mx.random.normal((1, SLAB_ROWS, 1024), key=mx.random.key(4)) * 2.0
+    ref = np.array(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4), np.float64)
+    three = np.abs(np.array(lin(x), np.float64) - ref).max() / np.abs(ref).max()
+    two = np.abs(np.array(lin(x[:, :8]), np.float64) - ref[:, :8]).max() / np.abs(ref).max()
+    assert three <= 3e-6, three
+    assert three < two, (three, two)
 
 
 def test_tensor_core_block_shapes_agree():
