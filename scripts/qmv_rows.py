@@ -36,7 +36,7 @@ def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024, split: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="24576x4096,4096x12288,8192x4096,248320x4096")
-    ap.add_argument("--rows", default="1,2,3,4,5,8")
+    ap.add_argument("--rows", default="1,2,3,4,5,8,16,32")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)

@@ -50,8 +50,9 @@ def launched_variants(self_tests: Iterable[SelfTest], linears: Iterable[object],
             seen.add(key)
             for rows in range(1, kernels.MAX_ROWS + 1):
                 if kernels.supports(lin.weight, lin.scales, lin.bits, lin.group_size, rows):
-                    kernels.quantized_rows(mx.zeros((rows, lin.in_features)), lin.weight, lin.scales, lin.biases,
-                                           lin.bits, lin.group_size)
+                    for split in ((2, 3) if rows > 1 else (2,)):  # a step's x, a prompt's (`Linear`)
+                        kernels.quantized_rows(mx.zeros((rows, lin.in_features)), lin.weight, lin.scales,
+                                               lin.biases, lin.bits, lin.group_size, split=split)
         if norm_width:
             x = mx.zeros((1, norm_width))
             norm_kernel._fused(x, x, mx.zeros((norm_width,)), 1e-6)

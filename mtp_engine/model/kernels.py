@@ -1,7 +1,7 @@
 """CUDA kernels for quantized products of a few rows (decode, draft, verify), via
 `mx.fast.cuda_kernel`, with MLX's `quantized_matmul` as the fallback everywhere else:
 `quantized_rows` sends one row to the CUDA-core kernel here (`simt_rows`, the fastest for plain
-decoding) and 2..8 rows to the tensor-core kernel (mma_kernel.py), which costs about one weight
+decoding) and 2..32 rows to the tensor-core kernel (mma_kernel.py), which costs about one weight
 read whatever the rows.
 
 Why: MLX's CUDA quantized matrix-vector kernels read 4-bit group-32 weights at about 400 GB/s on an
@@ -25,7 +25,8 @@ from . import mma_kernel
 from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
-MAX_ROWS = 8
+SIMT_ROWS = 8  # the most rows of the CUDA-core kernel
+MAX_ROWS = mma_kernel.MAX_ROWS  # the most rows of one product here (the tensor-core kernel's)
 ROWS_PER_WARP = 8  # output features per warp (bench_gpu.py measures 2, 4 and 8 through `rows_per_warp=`)
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)
@@ -127,9 +128,12 @@ def cuda() -> bool:
 
 
 def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, rows: int) -> bool:
-    """Whether the kernel handles this product: 4- or 8-bit, groups of a multiple of 32, rows
-    1..8, N a multiple of the rows per warp, rows of whole 16-byte chunks, float32 scales."""
-    if bits not in (4, 8) or group_size % 32 or not 1 <= rows <= MAX_ROWS:
+    """Whether `quantized_rows` takes this product: `rows` on the tensor-core kernel
+    (`mma_kernel.supports`), or on the CUDA cores (4- or 8-bit, groups of a multiple of 32, rows
+    1..SIMT_ROWS, N a multiple of the rows per warp, rows of whole 16-byte chunks, float32 scales)."""
+    if rows >= TENSOR_CORE_ROWS and mma_kernel.supports(weight, scales, bits, group_size, rows):
+        return True
+    if bits not in (4, 8) or group_size % 32 or not 1 <= rows <= SIMT_ROWS:
         return False
     return (weight.ndim == 2 and weight.shape[0] % 4 == 0 and weight.shape[1] % 4 == 0
             and scales.dtype == mx.float32)
@@ -138,7 +142,7 @@ def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, row
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
                    bits: int, group_size: int, rows_per_warp: int = ROWS_PER_WARP,
                    split: int = mma_kernel.SPLIT) -> mx.array:
-    """x [M, K] (M <= 8) times W^T: [M, N] float32, on the tensor cores for 2..8 rows where
+    """x [M, K] (M <= MAX_ROWS) times W^T: [M, N] float32, on the tensor cores for 2.. rows where
     `mma_kernel.supports` it (`split`: the bf16 parts of x there), else on the CUDA cores
     (`rows_per_warp`: their output features per warp)."""
     if x.shape[0] >= TENSOR_CORE_ROWS and mma_kernel.supports(weight, scales, bits, group_size, x.shape[0]):
@@ -148,7 +152,7 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
 
 def simt_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
               bits: int, group_size: int, rows_per_warp: int = ROWS_PER_WARP) -> mx.array:
-    """The CUDA-core kernel alone: x [M, K] (M <= 8) times W^T, [M, N] float32."""
+    """The CUDA-core kernel alone: x [M, K] (M <= SIMT_ROWS) times W^T, [M, N] float32."""
     global _kernel
     if _kernel is None:
         _kernel = CudaKernel(name="mtp_qmv_rows", input_names=["x", "wq", "scales", "biases"],

@@ -16,6 +16,9 @@ DEQUANT_DTYPE = mx.float32
 # once: MLX's 4-bit product of 12-16 float32 rows took ~14 ms a row at the 9B shape on an H100 (a
 # 16-stream step 220 ms; in slabs 16 streams decode at 419 tok/s)
 SLAB_ROWS = 64
+# up to this many tokens per sequence a product is a step's or a verify's (n-max 7 and below);
+# more, a prompt's
+STEP_TOKENS = 8
 
 
 @dataclass
@@ -68,10 +71,9 @@ class Linear:
                 flat, slab = x.reshape(rows, x.shape[-1]), kernels.MAX_ROWS
                 if rows > slab and rows % slab == 1:  # a last slab of one row would take the one-row
                     flat = mx.pad(flat, [(0, 1), (0, 0)])  # kernel: every row of a product takes one arithmetic
-                # a prompt's tokens (more than one slab per sequence) take x in float32's precision
-                # on the tensor cores, as MLX's product they stand in for; a step's and a verify's
-                # rows the faster ~17 bits (`mma_kernel.SPLIT`)
-                split = 3 if x.shape[-2] > slab else kernels.mma_kernel.SPLIT
+                # a prompt's tokens take x in float32's precision on the tensor cores, as MLX's
+                # product they stand in for; a step's and a verify's rows the faster ~17 bits
+                split = 3 if x.shape[-2] > STEP_TOKENS else kernels.mma_kernel.SPLIT
                 parts = [kernels.quantized_rows(flat[i:i + slab], self.weight, self.scales, self.biases, self.bits,
                                                 self.group_size, split=split) for i in range(0, flat.shape[0], slab)]
                 y = parts[0] if len(parts) == 1 else mx.concatenate(parts)[:rows]

@@ -1,10 +1,13 @@
-"""A tensor-core kernel for quantized products of 2..8 rows (verify, draft blocks), via
-`mx.fast.cuda_kernel`: the cost of a product stays that of reading its weights once, whatever the
-rows (kernels.py's CUDA-core kernel does 8 rows for 4.8x the price of one).
+"""A tensor-core kernel for quantized products of 2..32 rows (verify, draft blocks, a batch's
+steps and verifies, short prompts), via `mx.fast.cuda_kernel`: the cost of a product stays about
+that of reading its weights once, whatever the rows (kernels.py's CUDA-core kernel does 8 rows for
+4.8x the price of one).
 
 Why tensor cores: with M input rows a CUDA-core kernel does M multiply-adds per weight and loads
 x once per row per weight word; at 8 rows that, not memory, is the bound. An m16n8k16 mma does
-16 x 8 x 16 multiply-adds in one instruction, with the 8 input rows as its n = 8 columns.
+16 x 8 x 16 multiply-adds in one instruction, with 8 input rows as its n = 8 columns; up to 4 such
+column tiles share each weight fragment. A column's sums never mix with another's, so a row's
+result is the same bits whichever rows share its product (a batch's row equals the row alone).
 Numerics: weights are exact bf16 integers, x enters as bf16 hi + lo (about 17 significant bits),
 sums are float32: ~1e-6 relative to a float32 product (scripts/qmv_rows.py checks it on a GPU
 against MLX's). One row stays on the CUDA-core kernel, the fastest for plain decoding.
@@ -19,7 +22,7 @@ import mlx.core as mx
 from .kernel_cache import CudaKernel
 from .kernel_source import compact
 
-MAX_ROWS = 8
+MAX_ROWS = 32  # 4 column tiles of 8 rows
 # Block shape, chosen in the model (`qmv_rows.py --in-model`): a forward's products depend on each
 # other, so one block per SM must keep enough loads in flight alone. 8 warps x 1 tile x 3 stages:
 # 4-row 9B forward 6.83 ms against 7.23 for 4 x 2 x 3 (which timed best on independent products).
@@ -93,9 +96,10 @@ __device__ __forceinline__ void mtp_ldsm4(unsigned* d, unsigned addr) {
 
 SOURCE = r"""
     // out[m, n] = sum_k x[m, k] * (q[n, k] * s[n, g] + b[n, g]) on the tensor cores. A warp tile is
-    // 16 output features x 8 input rows (m16n8k16: weights as A, x^T as B); a warp owns TM tiles and
-    // a block's NW warps split K, adding in shared memory in a fixed order (deterministic).
-    // Fragments: lane = 4 * gi + t holds A rows gi and gi + 8 and B column gi (input row gi). Which
+    // 16 output features x 8 input rows (m16n8k16: weights as A, x^T as B); a warp owns TM feature
+    // tiles times NT column tiles (input rows 8j..8j+7) and a block's NW warps split K, adding in
+    // shared memory in a fixed order (deterministic).
+    // Fragments: lane = 4 * gi + t holds A rows gi and gi + 8 and B column gi (input row 8j + gi). Which
     // physical k a fragment slot stands for is ours to choose (A and B only must agree): lane t
     // takes word t of each 16-byte piece of a group, so a group is whole in one mma chain and its
     // scale applies after. Weights enter as exact bf16 integers (mtp_q); 8-bit values as two
@@ -111,7 +115,6 @@ SOURCE = r"""
     constexpr int CV = 16 * VPW;             // values per chunk (64 bytes) of a row
     constexpr int WT = GROUP / 4 / VPW;      // words per lane per group = 16-byte pieces per group
     constexpr int GPC = 4 / WT;              // groups per chunk
-    constexpr int XT = GROUP / 4;
     const int KW = K / VPW;
     const int G = K / GROUP;
     const int NCH = K / CV;
@@ -134,11 +137,12 @@ SOURCE = r"""
                             ssrc + (size_t)(16 * i) * G + (size_t)c * GPC);
         }
     };
-    const bool xrow = gi < M;
-    const float* xr = x + (size_t)(xrow ? gi : 0) * K;
-    float acc[TM][4];
+    float acc[TM][NT][4];
     #pragma unroll
-    for (int i = 0; i < TM; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+    for (int i = 0; i < TM; ++i) {
+        #pragma unroll
+        for (int j = 0; j < NT; ++j) { acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f; }
+    }
     int next = warp;
     #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
@@ -169,79 +173,107 @@ SOURCE = r"""
         #pragma unroll
         for (int gl = 0; gl < GPC; ++gl) {
             const int jg = c * GPC + gl;
-            // lane t's v-th word of the group is word 4v + t (piece v): its x values
-            float xv[XT];
-            if (xrow) {
+            // lane t's v-th word of the group is word 4v + t (piece v); column tile j's lane gi
+            // holds input row 8j + gi: its x values, loaded once per piece for the warp's TM tiles
+            float c4[TM][NT][4];
+            float xs[NT];
+            #pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                xs[j] = 0.0f;
                 #pragma unroll
-                for (int v = 0; v < WT; ++v) {
-                    const float4* xp = reinterpret_cast<const float4*>(xr + (size_t)jg * GROUP + (4 * v + t) * VPW);
-                    #pragma unroll
-                    for (int e = 0; e < VPW / 4; ++e) {
-                        const float4 a = xp[e];
-                        xv[v * VPW + 4 * e] = a.x; xv[v * VPW + 4 * e + 1] = a.y;
-                        xv[v * VPW + 4 * e + 2] = a.z; xv[v * VPW + 4 * e + 3] = a.w;
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (int v = 0; v < XT; ++v) xv[v] = 0.0f;
+                for (int i = 0; i < TM; ++i) { c4[i][j][0] = c4[i][j][1] = c4[i][j][2] = c4[i][j][3] = 0.0f; }
             }
-            float xs = 0.0f;
             #pragma unroll
-            for (int v = 0; v < XT; ++v) xs += xv[v];
-            xs += __shfl_xor_sync(0xffffffffu, xs, 1);
-            xs += __shfl_xor_sync(0xffffffffu, xs, 2);
-            const float xs0 = __shfl_sync(0xffffffffu, xs, 8 * t);
-            const float xs1 = __shfl_sync(0xffffffffu, xs, 8 * t + 4);
-            #pragma unroll
-            for (int i = 0; i < TM; ++i) {
-                float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int v = 0; v < WT; ++v) {
+                float xw[NT][VPW];
                 #pragma unroll
-                for (int v = 0; v < WT; ++v) {
-                    const unsigned r0 = wr[i][0][gl * WT + v], r1 = wr[i][1][gl * WT + v];
-                    const float* xw = xv + v * VPW;
-                    if (BITS == 4) {
+                for (int j = 0; j < NT; ++j) {
+                    const int row = 8 * j + gi;
+                    if (row < M) {
+                        const float4* xp = reinterpret_cast<const float4*>(x + (size_t)row * K + (size_t)jg * GROUP + (4 * v + t) * VPW);
                         #pragma unroll
-                        for (int s = 0; s < 2; ++s) {
-                            const int p = 2 * s;
-                            mtp_mma_xs<SPLIT>(c4, mtp_q((r0 >> (4 * p)) & 0x000F000Fu),
-                                      mtp_q((r1 >> (4 * p)) & 0x000F000Fu),
-                                      mtp_q((r0 >> (4 * p + 4)) & 0x000F000Fu),
-                                      mtp_q((r1 >> (4 * p + 4)) & 0x000F000Fu),
-                                      xw[p], xw[p + 4], xw[p + 1], xw[p + 5]);
+                        for (int e = 0; e < VPW / 4; ++e) {
+                            const float4 a = xp[e];
+                            xw[j][4 * e] = a.x; xw[j][4 * e + 1] = a.y; xw[j][4 * e + 2] = a.z; xw[j][4 * e + 3] = a.w;
                         }
                     } else {
                         #pragma unroll
-                        for (int hn = 0; hn < 2; ++hn) {
-                            const int sh = 4 * hn;
-                            const float f = hn ? 16.0f : 1.0f;
-                            mtp_mma_xs<SPLIT>(c4, mtp_q((r0 >> sh) & 0x000F000Fu),
-                                      mtp_q((r1 >> sh) & 0x000F000Fu),
-                                      mtp_q((r0 >> (sh + 8)) & 0x000F000Fu),
-                                      mtp_q((r1 >> (sh + 8)) & 0x000F000Fu),
-                                      f * xw[0], f * xw[2], f * xw[1], f * xw[3]);
+                        for (int e = 0; e < VPW; ++e) xw[j][e] = 0.0f;
+                    }
+                    #pragma unroll
+                    for (int e = 0; e < VPW; ++e) xs[j] += xw[j][e];
+                }
+                #pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                    const unsigned r0 = wr[i][0][gl * WT + v], r1 = wr[i][1][gl * WT + v];
+                    #pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        if (BITS == 4) {
+                            #pragma unroll
+                            for (int s = 0; s < 2; ++s) {
+                                const int p = 2 * s;
+                                mtp_mma_xs<SPLIT>(c4[i][j], mtp_q((r0 >> (4 * p)) & 0x000F000Fu),
+                                                  mtp_q((r1 >> (4 * p)) & 0x000F000Fu),
+                                                  mtp_q((r0 >> (4 * p + 4)) & 0x000F000Fu),
+                                                  mtp_q((r1 >> (4 * p + 4)) & 0x000F000Fu),
+                                                  xw[j][p], xw[j][p + 4], xw[j][p + 1], xw[j][p + 5]);
+                            }
+                        } else {
+                            #pragma unroll
+                            for (int hn = 0; hn < 2; ++hn) {
+                                const int sh = 4 * hn;
+                                const float f = hn ? 16.0f : 1.0f;
+                                mtp_mma_xs<SPLIT>(c4[i][j], mtp_q((r0 >> sh) & 0x000F000Fu),
+                                                  mtp_q((r1 >> sh) & 0x000F000Fu),
+                                                  mtp_q((r0 >> (sh + 8)) & 0x000F000Fu),
+                                                  mtp_q((r1 >> (sh + 8)) & 0x000F000Fu),
+                                                  f * xw[j][0], f * xw[j][2], f * xw[j][1], f * xw[j][3]);
+                            }
                         }
                     }
                 }
+            }
+            // the bias term needs each input row's sum over the group: lanes 4gi..4gi+3 hold row
+            // 8j + gi's parts; C's columns 2t and 2t + 1 are lanes 8t and 8t + 4's rows
+            float xs0[NT], xs1[NT];
+            #pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                xs[j] += __shfl_xor_sync(0xffffffffu, xs[j], 1);
+                xs[j] += __shfl_xor_sync(0xffffffffu, xs[j], 2);
+                xs0[j] = __shfl_sync(0xffffffffu, xs[j], 8 * t);
+                xs1[j] = __shfl_sync(0xffffffffu, xs[j], 8 * t + 4);
+            }
+            #pragma unroll
+            for (int i = 0; i < TM; ++i) {
                 const float s0 = sbs[stage][warp][i][0][gi][gl], s1 = sbs[stage][warp][i][0][gi + 8][gl];
                 const float b0 = sbs[stage][warp][i][1][gi][gl], b1 = sbs[stage][warp][i][1][gi + 8][gl];
-                acc[i][0] += s0 * c4[0] + b0 * xs0;
-                acc[i][1] += s0 * c4[1] + b0 * xs1;
-                acc[i][2] += s1 * c4[2] + b1 * xs0;
-                acc[i][3] += s1 * c4[3] + b1 * xs1;
+                #pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    acc[i][j][0] += s0 * c4[i][j][0] + b0 * xs0[j];
+                    acc[i][j][1] += s0 * c4[i][j][1] + b0 * xs1[j];
+                    acc[i][j][2] += s1 * c4[i][j][2] + b1 * xs0[j];
+                    acc[i][j][3] += s1 * c4[i][j][3] + b1 * xs1[j];
+                }
             }
         }
         __syncwarp();  // the next turn's copies overwrite the stage ST - 1 turns on, this one included
         stage = stage + 1 == ST ? 0 : stage + 1;
     }
     mtp_wait<0>();
-    __shared__ float red[NW > 1 ? NW - 1 : 1][TM * 4][32];
     if (NW > 1) {
+        // warps 1.. hand their sums to warp 0 through the weights' shared memory, free once every
+        // warp has read its last stage (a fixed order of addition: deterministic)
+        float* red = reinterpret_cast<float*>(&ws[0][0][0][0][0]);
+        constexpr int PER = TM * NT * 4;
+        __syncthreads();
         if (warp > 0) {
             #pragma unroll
             for (int i = 0; i < TM; ++i) {
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) red[warp - 1][4 * i + e][lane] = acc[i][e];
+                for (int j = 0; j < NT; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) red[((warp - 1) * PER + (i * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e];
+                }
             }
         }
         __syncthreads();
@@ -250,16 +282,22 @@ SOURCE = r"""
             #pragma unroll
             for (int i = 0; i < TM; ++i) {
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[i][e] += red[ww][4 * i + e][lane];
+                for (int j = 0; j < NT; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] += red[(ww * PER + (i * NT + j) * 4 + e) * 32 + lane];
+                }
             }
         }
     }
     #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int n = nb + 16 * i + gi;
-        const int m0 = 2 * t, m1 = 2 * t + 1;
-        if (m0 < M) { out[(size_t)m0 * N + n] = acc[i][0]; out[(size_t)m0 * N + n + 8] = acc[i][2]; }
-        if (m1 < M) { out[(size_t)m1 * N + n] = acc[i][1]; out[(size_t)m1 * N + n + 8] = acc[i][3]; }
+        #pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int m0 = 8 * j + 2 * t, m1 = m0 + 1;
+            if (m0 < M) { out[(size_t)m0 * N + n] = acc[i][j][0]; out[(size_t)m0 * N + n + 8] = acc[i][j][2]; }
+            if (m1 < M) { out[(size_t)m1 * N + n] = acc[i][j][1]; out[(size_t)m1 * N + n + 8] = acc[i][j][3]; }
+        }
     }
 """
 
@@ -267,7 +305,7 @@ _kernel = None
 
 
 def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, rows: int) -> bool:
-    """Whether this kernel takes the product: 1..8 rows, 4- or 8-bit, groups of 32/64/128 (8-bit:
+    """Whether this kernel takes the product: 1..32 rows, 4- or 8-bit, groups of 32/64/128 (8-bit:
     32/64), rows of whole 64-byte chunks, N a multiple of 16, float32 scales."""
     if bits not in (4, 8) or group_size not in (32, 64, 128) or (bits == 8 and group_size == 128):
         return False
@@ -278,8 +316,9 @@ def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, row
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
                    group_size: int, warps: int = WARPS, tiles: int = TILES, stages: int = STAGES,
                    split: int = SPLIT) -> mx.array:
-    """x [M, K] (M <= 8) times W^T: [M, N] float32. `warps`, `tiles`, `stages`: the block shape
-    (scripts/qmv_rows.py times others)."""
+    """x [M, K] (M <= 32) times W^T: [M, N] float32, in ceil(M / 8) column tiles (1, 2 or 4: each
+    a compile). `warps`, `tiles`, `stages`: the block shape (scripts/qmv_rows.py times others);
+    `split`: x's bf16 parts (2 or 3). None of them changes a row's bits but `warps` and `split`."""
     global _kernel
     if _kernel is None:
         _kernel = CudaKernel(name="mtp_qmv_mma", input_names=["x", "wq", "scales", "biases"],
@@ -287,8 +326,9 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
     n = weight.shape[0]
     while n % (16 * tiles):
         tiles //= 2
+    cols = next(c for c in (1, 2, 4) if 8 * c >= x.shape[0])
     return _kernel(inputs=[x.astype(mx.float32), weight, scales, biases],
                    template=[("BITS", bits), ("GROUP", group_size), ("TM", tiles), ("NW", warps), ("ST", stages),
-                             ("SPLIT", split)],
+                             ("SPLIT", split), ("NT", cols)],
                    grid=(n // (16 * tiles) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
                    output_shapes=[(x.shape[0], n)], output_dtypes=[mx.float32])[0]

@@ -122,6 +122,8 @@ class _FakeMmaKernel:
         assert threadgroup[0] == 32 * t["NW"] and output_shapes == [(x.shape[0], n)]
         # each warp's shared memory: ST stages of 16 * TM rows x 80 bytes + their scales and biases
         assert t["ST"] * t["NW"] * t["TM"] * 1792 <= 48 * 1024
+        # column tiles of 8 rows: as few as hold them (1, 2 or 4 compiled)
+        assert t["NT"] in (1, 2, 4) and 8 * t["NT"] >= x.shape[0] and (t["NT"] == 1 or 4 * t["NT"] < x.shape[0])
         self.rows.add(x.shape[0])
         return [mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=t["GROUP"], bits=t["BITS"])]
 
@@ -134,19 +136,20 @@ def test_kernel_wrapper_pads_rows_to_few_variants(monkeypatch):
     monkeypatch.setattr(mma_kernel, "_kernel", fake_mma)
     w = mx.random.normal((64, 256), key=mx.random.key(5))
     q, s, b = mx.quantize(w, group_size=32, bits=8)
-    assert kernels.supports(q, s, 8, 32, 8) and not kernels.supports(q, s, 8, 32, 9)
+    assert kernels.supports(q, s, 8, 32, 32) and not kernels.supports(q, s, 8, 32, 33)
     assert not kernels.supports(q, s, 3, 32, 1) and not kernels.supports(q[:62], s[:62], 8, 32, 1)
-    for m in range(1, 9):
+    assert kernels.supports(q[:60], s[:60], 8, 32, 8) and not kernels.supports(q[:60], s[:60], 8, 32, 9)
+    for m in range(1, 33):
         x = mx.random.normal((m, 256), key=mx.random.key(m))
         got = kernels.quantized_rows(x, q, s, b, 8, 32)
         ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=8)
         assert got.shape == (m, 64)
         # 1e-3 (of values ~16): on a GPU MLX's product takes different kernels for different row counts
         np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-3)
-    # one row on the CUDA cores (plain decoding's fastest), 2..8 on the tensor cores
-    assert fake.variants == {1} and fake_mma.rows == set(range(2, 9))
+    # one row on the CUDA cores (plain decoding's fastest), 2..32 on the tensor cores
+    assert fake.variants == {1} and fake_mma.rows == set(range(2, 33))
     assert mma_kernel.supports(q[:48], s[:48], 8, 32, 2)  # 48 features: 16-feature tiles
-    assert not mma_kernel.supports(q, s, 8, 128, 2) and not mma_kernel.supports(q, s, 4, 32, 1)
+    assert not mma_kernel.supports(q, s, 8, 128, 2) and not mma_kernel.supports(q, s, 4, 32, 33)
     for m in (2, 5):  # the CUDA-core kernel alone still pads to its variants
         got = kernels.simt_rows(mx.random.normal((m, 256)), q, s, b, 8, 32)
         assert got.shape == (m, 64)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mtp_engine.model import kernels
-from mtp_engine.model.layers import SLAB_ROWS, Linear
+from mtp_engine.model.layers import SLAB_ROWS, STEP_TOKENS, Linear
 
 
 class _Calls(list):
@@ -50,7 +50,7 @@ def test_products_of_many_rows_are_cut_into_slabs_and_put_back(calls, shape):
     assert rows == 1 or all(c >= 2 for c in calls), calls
     assert sum(calls) - rows in (0, 1)  # at most one padding row
     # a sequence's tokens past one slab (a prompt) take x in float32's precision on the tensor cores
-    assert set(calls.splits) == ({3} if shape[-2] > kernels.MAX_ROWS else {2}), calls.splits
+    assert set(calls.splits) == ({3} if shape[-2] > STEP_TOKENS else {2}), calls.splits
 
 
 def test_long_sequences_leave_the_kernel(calls):
