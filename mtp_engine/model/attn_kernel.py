@@ -156,7 +156,7 @@ _ATTEND_SOURCE = """
     float q[G][DL], acc[G][DL], m[G], l[G];
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-        m[g] = -INFINITY; l[g] = 0.0f;
+        m[g] = -__int_as_float(0x7f800000); l[g] = 0.0f;
         #pragma unroll
         for (int i = 0; i < DL; ++i) { q[g][i] = qs[g][lane * DL + i]; acc[g][i] = 0.0f; }
     }
@@ -212,20 +212,20 @@ _ATTEND_SOURCE = """
         for (int i = 0; i < DL; ++i) red[warp][lane * DL + i] = acc[g][i];
         __syncthreads();
         if (tid < D) {
-            float M = -INFINITY;
+            float M = -__int_as_float(0x7f800000);
             #pragma unroll
             for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][g]);
             float L = 0.0f, O = 0.0f;
             #pragma unroll
             for (int w = 0; w < NW; ++w) {
-                const float f = sm[w][g] == -INFINITY ? 0.0f : expf(sm[w][g] - M);
+                const float f = sm[w][g] == -__int_as_float(0x7f800000) ? 0.0f : expf(sm[w][g] - M);
                 L += f * sl[w][g];
                 O += f * red[w][tid];
             }
             const size_t at = (((size_t)r * S + s) * HQ + hk * G + g) * NSPLIT + split;
             const bool lost = B0 != 0x7fffffff && pos[r] < B0;  // a query before its tail: a broken contract
-            part_o[at * D + tid] = lost ? NAN : (L > 0.0f ? O / L : 0.0f);
-            if (tid == 0) lse[at] = L > 0.0f ? M + logf(L) : -INFINITY;
+            part_o[at * D + tid] = lost ? __int_as_float(0x7fffffff) : (L > 0.0f ? O / L : 0.0f);
+            if (tid == 0) lse[at] = L > 0.0f ? M + logf(L) : -__int_as_float(0x7f800000);
         }
         __syncthreads();
     }
@@ -239,12 +239,12 @@ _MERGE_SOURCE = """
     const int r = blockIdx.y;
     const int d = threadIdx.x;
     const size_t at = (((size_t)r * S + s) * HQ + h) * NSPLIT;
-    float M = -INFINITY;
+    float M = -__int_as_float(0x7f800000);
     for (int j = 0; j < NSPLIT; ++j) M = fmaxf(M, lse[at + j]);
     float W = 0.0f, O = 0.0f;
     for (int j = 0; j < NSPLIT; ++j) {
         const float x = lse[at + j];
-        const float w = x == -INFINITY ? 0.0f : expf(x - M);
+        const float w = x == -__int_as_float(0x7f800000) ? 0.0f : expf(x - M);
         W += w;
         O = fmaf(w, part_o[(at + j) * D + d], O);
     }

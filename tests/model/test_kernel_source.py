@@ -36,3 +36,17 @@ def test_every_kernel_source_compacts_to_the_same_code(name):
     # the same tokens in the same order once comments are gone
     code = [line.split("//", 1)[0].split() for line in src.splitlines()]
     assert [t for line in code for t in line] == out.split()
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_kernel_sources_use_no_math_macros_the_ahead_compiler_lacks(name):
+    """MLX's JIT defines INFINITY and NAN for its own kernels; the compiler that builds ours ahead
+    in worker processes (model/nvrtc.py) includes only what the kernels' signatures need. A source
+    using them failed there ("identifier INFINITY is undefined": the attention kernels were never
+    kept across processes and compiled anew in every first forward); bit patterns say the same."""
+    import re
+
+    headers = {"kv": attn_kernel._HEADER, "attend": attn_kernel._HEADER, "mma": mma_kernel.HEADER}
+    header = "\n".join(line.split("//", 1)[0] for line in headers.get(name, "").splitlines())  # asm strings
+    code = compact(SOURCES[name]) + header
+    assert not re.search(r"\b(INFINITY|NAN|HUGE_VALF?)\b", code), name
