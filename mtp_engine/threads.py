@@ -7,8 +7,8 @@ failed on a model loaded in the main thread). `evaluate_all` makes everything a 
 concrete at load, so any thread may use it first.
 
 The interpreter-exit abort after generating in worker threads ("terminate called without an
-active exception", exit 134) is MLX's: `scripts/mlx_thread_exit_abort.py` reproduces it without
-this engine, and `docs/reliability.md` has the report for upstream. It happens when threads that
+active exception", exit 134) is MLX's: it reproduces without this engine (`docs/reliability.md` has the reproduction and the
+report for upstream). It happens when threads that
 ran MLX work have ended before the interpreter exits. The engine's workaround has two parts:
 `engine_thread` runs the MLX work of calls made from threads other than the main one on one
 long-lived engine thread (so no thread that touched MLX ends before exit), and `release_at_exit`

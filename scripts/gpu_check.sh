@@ -48,10 +48,8 @@ if [ "$what" = kernels ]; then  # the custom kernels alone against the MLX path 
         tests/model/test_kernel_source.py > "$out/kernels.log" 2>&1
     echo "kernels rc=$?"; grep -E "passed|failed" "$out/kernels.log" | tail -1
 fi
-if [ "$what" = spec ]; then  # a round's parts, then auto's speedups, at the 9B shape
-    timeout 200 python3 scripts/round_burst.py --ks 0,3,4 --repeats 3 > "$out/round_burst.txt" 2>&1
-    echo "round_burst rc=$?"; tail -3 "$out/round_burst.txt"
-    timeout 330 python3 scripts/bench_gpu.py --sections auto --tokens 128 --repeats 2 --shapes 9b \
+if [ "$what" = spec ]; then  # auto's speedups against fixed n-max at the 9B shape
+    timeout 330 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 2 --shapes 9b \
         --accs 0.5,0.8,0.9 --out "$out/auto" > "$out/auto.log" 2>&1
     echo "auto rc=$?"; tail -12 "$out/auto.log"
 fi
@@ -61,34 +59,34 @@ if [ "$what" = startup ] || [ "$what" = all ]; then
     root=$(mktemp -d /tmp/mtp-startup.XXXXXX)
     for i in 1 2; do
         t=$(left 150 20 "startup $i") || continue
-        timeout "$t" python3 scripts/startup_breakdown.py --root "$root" --first-forward > "$out/startup$i.json" 2> "$out/startup$i.err"
+        timeout "$t" python3 scripts/bench/startup_breakdown.py --root "$root" --first-forward > "$out/startup$i.json" 2> "$out/startup$i.err"
         echo "startup $i rc=$?"
     done
 fi
 if [ "$what" = bench ]; then  # not in `all`: with the suite it would not fit one call
-    timeout 200 python3 scripts/bench_gpu.py --sections plain,verify --configs fused,fused+attn --repeats 5 \
+    timeout 200 python3 scripts/bench/bench_gpu.py --sections plain,verify --configs fused,fused+attn --repeats 5 \
         --tokens 64 --no-peer > "$out/plain-verify.json" 2> "$out/plain-verify.log"
     echo "plain/verify rc=$?"
-    timeout 200 python3 scripts/bench_gpu.py --sections loop --quick > "$out/loop.json" 2> "$out/loop.log"
+    timeout 200 python3 scripts/bench/bench_gpu.py --sections loop --quick > "$out/loop.json" 2> "$out/loop.log"
     echo "loop rc=$?"
 fi
 if [ "$what" = context ]; then  # long prompts and contexts: prefill, decode and draft-mtp against the prompt's length
     # step: what a pipelined step allocates beyond the cache; context: each length warmed first, plain
     # beside the same model without KV tails
-    timeout 330 python3 scripts/bench_context.py --sections step,context --lengths 512,8192,32768 \
+    timeout 330 python3 scripts/bench/bench_context.py --sections step,context --lengths 512,8192,32768 \
         --tokens 128 --repeats 1 --n-max 3,auto --no-tail --peer-max 2048 --out "$out/context" > "$out/context.log" 2>&1
     echo "context rc=$?"; tail -4 "$out/context.log"
-    timeout 260 python3 scripts/bench_gpu.py --sections auto --tokens 128 --repeats 1 --shapes 9b --accs 0.8 \
+    timeout 260 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 1 --shapes 9b --accs 0.8 \
         --prompt-tokens 512,8192,32768 --out "$out/auto-context" > "$out/auto-context.log" 2>&1
     echo "auto-context rc=$?"; tail -16 "$out/auto-context.log"
 fi
 if [ "$what" = batch ]; then  # continuous batching: the shipped model, then pass -m for the 9B shape
-    timeout 500 python3 scripts/bench_batch.py -t 64 --concurrency 1,2,4,8,16 --repeats 3 --out "$out/batch.json" \
+    timeout 500 python3 scripts/bench/bench_batch.py -t 64 --concurrency 1,2,4,8,16 --repeats 3 --out "$out/batch.json" \
         --plot "$out/batch.png" > "$out/batch.log" 2>&1
     echo "batch rc=$?"; tail -5 "$out/batch.log"
 fi
 if [ "$what" = batch9b ]; then  # batching at the 9B shape: 1 to 16 streams, plain and draft-mtp at oracle 0.8
-    timeout 560 python3 scripts/bench_batch.py --random-9b -t 64 --concurrency 1,4,8,16 --repeats 2 --oracle 0.8 \
+    timeout 560 python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 1,4,8,16 --repeats 2 --oracle 0.8 \
         --out "$out/batch9b.json" --plot "$out/batch9b.png" > "$out/batch9b.log" 2>&1
     echo "batch9b rc=$?"; tail -6 "$out/batch9b.log"
 fi
@@ -98,7 +96,7 @@ if [ "$what" = server ] || [ "$what" = all ]; then
     [ "$what" = all ] && repeats=9
     for spec in none draft-mtp; do
         t=$(left 150 60 "server $spec") || continue
-        timeout "$t" python3 scripts/bench_server.py -n 256 --repeats $repeats --spec $spec --n-max auto \
+        timeout "$t" python3 scripts/bench/bench_server.py -n 256 --repeats $repeats --spec $spec --n-max auto \
             --out "$out/server-$spec.json" > "$out/server-$spec.log" 2>&1
         echo "server $spec rc=$?"; tail -3 "$out/server-$spec.log"
     done

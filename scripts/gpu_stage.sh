@@ -29,7 +29,30 @@ for p in .gpu/stage/part.*; do
 done
 rmdir .gpu/stage
 cp "$src"/mlx-*.whl "$src"/gguf-*.whl "$src"/SHA256SUMS .gpu/1/
-cp scripts/gpu_install.sh ".gpu/$n/install.sh"
+# the last call's installer: what it runs on the GPU machine
+cat > ".gpu/$n/install.sh" <<'INSTALL'
+#!/bin/sh
+# Runs on the GPU machine in the last staging call: joins the parts the earlier calls left in /tmp/mlxw with this call's, checks
+# the wheel's sha256 and installs MLX (CUDA), mlx and gguf (and pytest-xdist when staged) into /tmp/site. Nothing when installed.
+set -e
+if PYTHONPATH=/tmp/site python3 -c 'import mlx.core as mx; assert mx.default_device().type == mx.gpu' 2>/dev/null; then
+    exit 0
+fi
+here=$(cd "$(dirname "$0")" && pwd)
+cp "$here"/part.* /tmp/mlxw/
+cd /tmp/mlxw
+wheel=$(awk '{print $2}' SHA256SUMS)
+cat part.* > "$wheel"
+sha256sum -c SHA256SUMS
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "$wheel" mlx-*.whl gguf-*.whl
+for w in "$here"/pytest_xdist-*.whl "$here"/execnet-*.whl "$here"/uvicorn-*.whl "$here"/h11-*.whl \
+         "$here"/click-*.whl "$here"/starlette-*.whl "$here"/anyio-*.whl "$here"/idna-*.whl \
+         "$here"/prometheus_client-*.whl "$here"/mlx_lm-*.whl; do  # optional: the suite over workers, the server, the peer (mlx-lm)
+    [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$w"
+done
+PYTHONPATH=/tmp/site python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'
+INSTALL
 # pytest-xdist spreads the GPU suite over worker processes (kernel compilation is CPU-bound, the
 # machine has 16 cores): without it the suite needs two device calls, with it one
 python3 -m pip download -q --no-deps -d ".gpu/$n" pytest-xdist==3.8.0 execnet==2.1.2 >/dev/null 2>&1 ||
@@ -38,8 +61,8 @@ python3 -m pip download -q --no-deps -d ".gpu/$n" pytest-xdist==3.8.0 execnet==2
 python3 -m pip download -q --no-deps -d ".gpu/$n" uvicorn==0.55.0 h11==0.16.0 click==8.5.1 starlette==1.10.0 \
     anyio==4.16.0 idna==3.10 prometheus-client==0.26.0 >/dev/null 2>&1 ||
     echo "gpu_stage: the server's wheels not staged (no package index): gpu_check.sh server cannot start it" >&2
-# the peer benchmarks' mlx-lm (its transformers/huggingface_hub imports get the stand-ins of
-# scripts/peer_shims: those wheels with theirs are ~34 MB, more than a call carries)
+# the peer benchmarks' mlx-lm (its transformers/huggingface_hub imports get unusable stand-ins,
+# scripts/bench/peer.py: those wheels with theirs are ~34 MB, more than a call carries)
 python3 -m pip download -q --no-deps -d ".gpu/$n" mlx-lm==0.32.2 >/dev/null 2>&1 ||
     echo "gpu_stage: mlx-lm not staged (no package index): the peer columns stay empty" >&2
 echo "staged MLX in $n parts (tree $((tree / 1048576)) MiB + at most $(( (wheel / n + extra) / 1048576 + 1)) MiB a call)."

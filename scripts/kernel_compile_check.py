@@ -16,9 +16,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtp_engine.model import attn_kernel, gdn, gdn_kernel, kernel_cache, kernels, mma_kernel, norm_kernel, nvrtc  # noqa: E402
+from mtp_engine.model import attn_kernel, gdn, gdn_kernel, kernel_cache, kernels, mma_kernel, norm_kernel, nvrtc
 
 def _launch_all() -> None:
     """Every kernel's wrapper at the shapes the engine runs (sources depend on template values)."""

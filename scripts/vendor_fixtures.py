@@ -3,8 +3,10 @@ into tests/fixtures: the tiny MoE model and its references as they are, the tiny
 other file types and HF weights as rebuild recipes (tests/fixture_rebuild.py: header bytes, tensor
 table, sha256), and every file type's llama.cpp references. Run it after the shared set changes:
 
-    python scripts/vendor_fixtures.py            # writes tests/fixtures, then rebuilds and checks
-    python scripts/vendor_fixtures.py --check    # rebuilds into a temporary copy and checks only
+    python -m scripts.vendor_fixtures            # writes tests/fixtures, then rebuilds and checks
+    python -m scripts.vendor_fixtures --check    # rebuilds into a temporary copy and checks only
+
+(as a module from the checkout's root: it shares the rebuild recipes' reader with the tests)
 """
 from __future__ import annotations
 
@@ -13,16 +15,14 @@ import hashlib
 import json
 import shutil
 import struct
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tests.fixture_rebuild import RECIPES, f32_tensors, rebuild, unpack
 
-from tests.fixture_rebuild import RECIPES, f32_tensors, rebuild, unpack  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TINY = "qwen35-mtp-tiny"
 REBUILT_TYPES = ("f16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_0")

@@ -79,11 +79,13 @@ TRAINED_GGUF = next((p for p in (TRAINED / "qwen35-mtp-code-Q4_K_M.gguf", SHIPPE
 TINY_TOKENIZER = TINY_F32  # the tiny model's tokenizer and llama.cpp's prompt ids (any of its files has them)
 
 
-def load_script(name: str) -> ModuleType:
-    """scripts/NAME.py as a module (the fuzzers some tests run), without putting scripts/ on the path."""
+def load_script(path: str) -> ModuleType:
+    """scripts/PATH.py (e.g. "fuzz/fuzz_gguf") as a module named by its file (the fuzzers some
+    tests run), without putting its folder on the path."""
+    name = path.rsplit("/", 1)[-1]
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{path}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look a module up by name
     spec.loader.exec_module(module)

@@ -1,5 +1,5 @@
 """Conversations to render real chat templates with, and the three-way comparison that
-`test_real_chat_templates.py` and `scripts/compare_chat_templates.py` run: the engine's budgeted
+`test_real_chat_templates.py` runs: the engine's budgeted
 render, the same compiled template with no budget in force, and a plain Jinja sandbox (the
 environment transformers renders with) must give the same text, or the same refusal."""
 from __future__ import annotations

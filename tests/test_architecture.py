@@ -186,3 +186,15 @@ def test_no_import_hook():
     assert not any(type(f).__module__.startswith("mtp_engine") for f in sys.meta_path)
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("mtp_engine.sampling")
+
+
+def test_scripts_are_few_and_run_without_path_edits():
+    """scripts/ stays a room a newcomer can use: benchmarks in `bench/`, fuzzers in `fuzz/`, tools
+    beside them, at most 25 files, and no script edits `sys.path` (each imports the installed
+    package, and in `bench/` the harness beside it)."""
+    scripts = ROOT.parent / "scripts"
+    files = [p for p in scripts.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert len(files) <= 25, sorted(str(p.relative_to(scripts)) for p in files)
+    edits = [str(p.relative_to(scripts)) for p in files if p.suffix == ".py" and "sys.path." in p.read_text()]
+    assert edits == []
+    assert {p.parent.name for p in files} == {"scripts", "bench", "fuzz"}

@@ -3,7 +3,7 @@
 
 `OracleBatchScheduler`: each draft counts as right with probability `oracle`, whatever the head
 proposed (random weights make every draft wrong, so the cost of batched MTP rounds at a chosen
-acceptance is measured this way: `scripts/bench_batch.py --oracle A`). The rounds run as usual:
+acceptance is measured this way: `scripts/bench/bench_batch.py --oracle A`). The rounds run as usual:
 accepted drafts are kept, rolled back past, caught up by the head; only the decision is drawn.
 Output is then not the model's: benchmark-only.
 """

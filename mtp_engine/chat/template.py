@@ -12,7 +12,7 @@ a wall-clock deadline. The hooks are put into the compiled template by rewriting
 (see `template_budget`), so no template can skip them, and any exception a template raises
 becomes MTPEngineError naming the field the template came from.
 
-The budget costs a real template about nothing (scripts/bench_template.py, docs/benchmarks.md):
+The budget costs a real template about nothing (docs/benchmarks.md):
 one environment is built per process and a template text is compiled once; loops over short
 lists are charged up front; the method calls real templates make (``split``, ``strip``,
 ``startswith``, ``get``, ``items``...) and macro calls skip layers of the sandbox that cannot

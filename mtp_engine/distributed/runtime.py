@@ -69,7 +69,7 @@ class Watchdog:
 
 class Comm:
     """One process group and the collectives the sharded model issues, counted per kind (the
-    counts and bytes are what `scripts/bench_distributed.py` reports; counted when the graph is
+    counts and bytes are what `scripts/bench/bench_distributed.py` reports; counted when the graph is
     built, so per forward with uncompiled steps)."""
 
     def __init__(self, group, mode: str, timeout: float = DEFAULT_TIMEOUT):

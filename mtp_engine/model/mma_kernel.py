@@ -9,7 +9,7 @@ x once per row per weight word; at 8 rows that, not memory, is the bound. An m16
 column tiles share each weight fragment. A column's sums never mix with another's, so a row's
 result is the same bits whichever rows share its product (a batch's row equals the row alone).
 Numerics: weights are exact bf16 integers, x enters as bf16 hi + lo (about 17 significant bits),
-sums are float32: ~1e-6 relative to a float32 product (scripts/qmv_rows.py checks it on a GPU
+sums are float32: ~1e-6 relative to a float32 product (scripts/bench/qmv_rows.py checks it on a GPU
 against MLX's). One row stays on the CUDA-core kernel, the fastest for plain decoding.
 
 Layout (MLX affine quantization): W [N, K*bits/32] uint32, values packed low bits first; scales and
@@ -317,7 +317,7 @@ def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.a
                    group_size: int, warps: int = WARPS, tiles: int = TILES, stages: int = STAGES,
                    split: int = SPLIT) -> mx.array:
     """x [M, K] (M <= 32) times W^T: [M, N] float32, in ceil(M / 8) column tiles (1, 2 or 4: each
-    a compile). `warps`, `tiles`, `stages`: the block shape (scripts/qmv_rows.py times others);
+    a compile). `warps`, `tiles`, `stages`: the block shape (scripts/bench/qmv_rows.py times others);
     `split`: x's bf16 parts (2 or 3). None of them changes a row's bits but `warps` and `split`."""
     global _kernel
     if _kernel is None:

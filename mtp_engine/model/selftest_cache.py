@@ -19,7 +19,7 @@ import mlx.core as mx
 
 FILE = "kernel-selftests.json"
 # seconds each self-test took in this process (those run, not those a stored verdict skipped):
-# scripts/startup_breakdown.py reports them apart from the rest of load()
+# scripts/bench/startup_breakdown.py reports them apart from the rest of load()
 RUN_SECONDS: dict[str, float] = {}
 
 

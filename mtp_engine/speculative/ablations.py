@@ -8,7 +8,7 @@ benchmark scripts build them with `ablation_decoder`.
                        its cost (notebook c).
   oracle_acceptance=a  each draft counts as right with probability a (greedy only; the drafter
                        still does all its work), so random-weight models can be timed at a chosen
-                       acceptance (scripts/bench_9b_oracle.py, bench_gpu.py).
+                       acceptance (scripts/bench/harness.py, bench_gpu.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Chat templates render under a budget: real-shaped templates give exactly what a plain Jinja
 sandbox gives, hostile ones end in MTPEngineError naming the GGUF field, in bounded time and
-memory, and a sample of the fragment fuzzer (scripts/fuzz_chat_template.py) holds the same
+memory, and a sample of the fragment fuzzer (scripts/fuzz/fuzz_chat_template.py) holds the same
 property."""
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_budget_grows_with_the_input():
 
 
 def test_fuzz_sample():
-    fuzz = load_script("fuzz_chat_template")
+    fuzz = load_script("fuzz/fuzz_chat_template")
     make_template, run_case = fuzz.make_template, fuzz.run_case
 
     limits = RenderLimits(max_steps=50_000, timeout_s=2.0)

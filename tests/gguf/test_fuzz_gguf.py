@@ -1,4 +1,4 @@
-"""The GGUF fuzzer (scripts/fuzz_gguf.py): a fast subset of its cases must end in a clean
+"""The GGUF fuzzer (scripts/fuzz/fuzz_gguf.py): a fast subset of its cases must end in a clean
 MTPEngineError or a model with finite logits, never a crash, hang or other exception; and the
 harness itself must see crashes, hangs and exceptions when they happen (else a clean run means
 nothing)."""
@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import TINY, load_script, need
 
-fuzz_gguf = load_script("fuzz_gguf")
+fuzz_gguf = load_script("fuzz/fuzz_gguf")
 
 N_CASES = 200
 

@@ -72,7 +72,7 @@ def test_a_prompts_products_take_float32_precision_on_the_tensor_cores():
 
 
 def test_tensor_core_block_shapes_agree():
-    """Every block shape scripts/qmv_rows.py times computes the same product (split-K sums are
+    """Every block shape scripts/bench/qmv_rows.py times computes the same product (split-K sums are
     added in a fixed order: run twice, bit-identical)."""
     w = mx.random.normal((1024, 2048), key=mx.random.key(9)) * 0.02
     q, s, b = mx.quantize(w, group_size=32, bits=4)

@@ -64,7 +64,7 @@ def test_any_bytes_are_an_object_or_a_4xx(raw):
 
 
 def test_live_server_survives_hostile_traffic(tmp_path):
-    """scripts/fuzz_requests.py in small: random and mutated bodies, raw bytes, clients that leave
+    """scripts/fuzz/fuzz_requests.py in small: random and mutated bodies, raw bytes, clients that leave
     mid-header, mid-body or mid-answer, 4 at once; no 5xx, the server alive, its file descriptors
     back (docs/benchmarks.md has the 10k-request run)."""
     import subprocess
@@ -72,10 +72,11 @@ def test_live_server_survives_hostile_traffic(tmp_path):
 
     from tests.conftest import ROOT, TINY_Q4
     out = tmp_path / "fuzz.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "fuzz_requests.py"), "-m", str(TINY_Q4),
+    # as a module from the checkout's root: the fuzzer drives the tests' live-server helper
+    p = subprocess.run([sys.executable, "-m", "scripts.fuzz.fuzz_requests", "-m", str(TINY_Q4),
                         "--requests", "120", "--workers", "4", "--warm-requests", "40", "--blocks", "2",
                         "--rss-slack-mib", "24", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
     summary = json.loads(out.read_text())
     assert p.returncode == 0 and all(summary["checks"].values()), p.stdout[-2000:] + p.stderr[-2000:]
     assert summary["statuses"].get("200", 0) > 0 and summary["statuses"].get("400", 0) > 0

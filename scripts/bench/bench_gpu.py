@@ -12,9 +12,9 @@ comparison measured side by side in one process with repeats interleaved:
   loop     our pipelined decode loop vs our unpipelined one vs mlx-lm's generate_step, interleaved
   auto     fixed n-max and n-max auto at oracle acceptance 0.5..0.9, 9B shape (and with --shapes
            9b,moe the 35B-A3B MoE shape), at each --prompt-tokens length (a context axis: 512,8192,32768)
-           (scripts/bench_loop_auto.py)
+           (scripts/bench/harness.py)
 
-Usage (GPU): python3 scripts/bench_gpu.py [--sections plain,verify,oracle,prefill,floor,loop,auto] [--layers 32]
+Usage (GPU): python3 scripts/bench/bench_gpu.py [--sections plain,verify,oracle,prefill,floor,loop,auto] [--layers 32]
              [--shapes 9b,moe] [--prompt-tokens 64] [--quick] [--out DIR] [--smoke] (a tiny shape, to check the
              script on a CPU)
 """
@@ -29,19 +29,18 @@ import time
 
 import mlx.core as mx
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import bench_loop_auto  # noqa: E402
-import mlx_lm_ref  # noqa: E402
-from bench_9b_oracle import config_9b, decode_tps, random_model  # noqa: E402
-from bench_moe_oracle import config_a3b  # noqa: E402
+import harness
+import peer as mlx_lm_peer
+from harness import config_9b, decode_tps, random_model
+from harness import config_a3b
 
-from mtp_engine.speculative.costmodel import measure  # noqa: E402
-from mtp_engine.generation.decode import PlainDecoder  # noqa: E402
-from mtp_engine.model import kernels  # noqa: E402
-from mtp_engine.model.config import Qwen35Config  # noqa: E402
-from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
+from mtp_engine.speculative.costmodel import measure
+from mtp_engine.generation.decode import PlainDecoder
+from mtp_engine.model import kernels
+from mtp_engine.model.config import Qwen35Config
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
 
-from mtp_engine.options import EngineOptions  # noqa: E402
+from mtp_engine.options import EngineOptions
 
 # name -> the engine options it runs under (kernels: which custom CUDA kernels; see EngineOptions);
 # the fused add + RMSNorm kernel stays on in every configuration, as the measured tables had it
@@ -74,7 +73,7 @@ def use(model, name: str) -> None:
 
 def check_kernel() -> dict:
     """The CUDA-core kernel against MLX's quantized_matmul, every row count, 4 and 8 bits, every
-    rows-per-warp variant (scripts/qmv_rows.py checks the tensor-core one)."""
+    rows-per-warp variant (scripts/bench/qmv_rows.py checks the tensor-core one)."""
     worst = {}
     for rpw in (2, 4, 8):
         for bits in (4, 8):
@@ -190,12 +189,12 @@ def main() -> int:
     nb = model.nbytes()
     out: dict = {"device": str(mx.default_device()), "layers": cfg.n_layer, "weights_gib": sum(nb.values()) / 2**30}
     log({"built_s": round(time.perf_counter() - t0, 1), **out})
-    ref = mlx_lm_ref.build(cfg) if sections & {"plain", "prefill", "loop"} and not a.no_peer else None
+    ref = mlx_lm_peer.build(cfg) if sections & {"plain", "prefill", "loop"} and not a.no_peer else None
     prompt = list(range(100, 164))
 
     if "loop" in sections:
         use(model, BEST)
-        out["loop"] = bench_loop_auto.loop_section(model, ref, prompt, a.tokens, max(a.repeats, 3), log)
+        out["loop"] = harness.loop_section(model, ref, prompt, a.tokens, max(a.repeats, 3), log)
         _save(out, a.out)
 
     if "plain" in sections:
@@ -208,7 +207,7 @@ def main() -> int:
                 use(model, name)
                 ms[name].append(1e3 / decode_tps(model, prompt, a.tokens)[0])
             if ref is not None:
-                ms["mlx-lm"].append(mlx_lm_ref.step_ms(ref, steps=a.tokens))
+                ms["mlx-lm"].append(mlx_lm_peer.step_ms(ref, steps=a.tokens))
         out["plain_ms_per_token"] = {k: statistics.median(v) for k, v in ms.items() if v}
         log({"plain_ms_per_token": out["plain_ms_per_token"], "all": ms})
 
@@ -285,12 +284,12 @@ def main() -> int:
                                                            for i in range(n)]
                     label = shape if len(lengths) == 1 else f"{shape}, {n}-token prompt"
                     label += f", drafts over {vocab} ids" if vocab else ""
-                    out["auto"].append(bench_loop_auto.auto_section(model, ids, a.tokens, a.repeats, accs, ks, log,
+                    out["auto"].append(harness.auto_section(model, ids, a.tokens, a.repeats, accs, ks, log,
                                                                     label))
                     _save(out, a.out)
     _save(out, a.out)
     print(json.dumps(out, indent=1, default=str))
-    print(bench_loop_auto.markdown(out))
+    print(harness.markdown(out))
     return 0
 
 
@@ -303,7 +302,7 @@ def _save(out: dict, folder: str | None) -> None:
     d = Path(folder)
     d.mkdir(parents=True, exist_ok=True)
     (d / "result.json").write_text(json.dumps(out, indent=1, default=str))
-    (d / "result.md").write_text(bench_loop_auto.markdown(out))
+    (d / "result.md").write_text(harness.markdown(out))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ an empty DIR is a fresh machine's start-up on any machine, the same DIR again it
 `--first-forward`: before the first generation, one uncompiled one-token forward on a scratch
 cache (reported as `first_forward`): the GPU's first-use costs apart from the generation's own.
 
-Usage: python3 scripts/startup_breakdown.py [--root DIR] [--first-forward] > startup.json
+Usage: python3 scripts/bench/startup_breakdown.py [--root DIR] [--first-forward] > startup.json
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ if "--root" in sys.argv:  # before MLX or the engine read any of these
 
 T: dict = {}
 t = time.perf_counter()
-import mtp_engine as me  # noqa: E402
-from mtp_engine.model import kernel_cache, selftest_cache  # noqa: E402
+import mtp_engine as me
+from mtp_engine.model import kernel_cache, selftest_cache
 
 T["import"] = time.perf_counter() - t
 JIT: dict = {}  # per phase: the compiled modules that appeared in MLX's PTX folders (MLX's JIT and ours)

@@ -3,7 +3,7 @@ vocabulary): where a long prefill's time goes, decode attention over long caches
 first token / prefill / decode tok/s against the prompt's length, ours beside mlx-lm's
 `generate_step` on the same shape in one process.
 
-    python3 scripts/bench_context.py [--sections parts,attn,context] [--lengths 512,2048,8192,32768]
+    python3 scripts/bench/bench_context.py [--sections parts,attn,context] [--lengths 512,2048,8192,32768]
         [--tokens 48] [--repeats 2] [--oracle 0.8] [--peer-max 8192] [--out DIR]
 
 Sections:
@@ -32,19 +32,17 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mlx_lm_ref  # noqa: E402
-from bench_9b_oracle import _Tok, config_9b, random_model  # noqa: E402
+import peer as mlx_lm_peer
+from harness import NullTokenizer, config_9b, random_model
 
-from mtp_engine.generation.decode import PlainDecoder  # noqa: E402
-from mtp_engine.generation.loop import run  # noqa: E402
-from mtp_engine.generation.sampling import Sampler, SamplerConfig  # noqa: E402
-from mtp_engine.model import attn_kernel, delta_rule, kernels  # noqa: E402
-from mtp_engine.speculative.ablations import ablation_decoder  # noqa: E402
-from mtp_engine.speculative.config import DraftParams  # noqa: E402
-from mtp_engine.speculative.scheduler import DraftLengthScheduler  # noqa: E402
+from mtp_engine.generation.decode import PlainDecoder
+from mtp_engine.generation.loop import run
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
+from mtp_engine.model import attn_kernel, delta_rule, kernels
+from mtp_engine.speculative.ablations import ablation_decoder
+from mtp_engine.speculative.config import DraftParams
+from mtp_engine.speculative.scheduler import DraftLengthScheduler
 
 
 def _ms(fn, repeats: int = 5) -> float:
@@ -226,7 +224,7 @@ def _ours(model, prompt, tokens, spec, n_max=None, oracle=None, on=None) -> dict
         dec = ablation_decoder(model, sampler, DraftParams(None if n_max == "auto" else n_max), scheduler=sched,
                                oracle_acceptance=oracle)
     last = None
-    for last in run(dec, _Tok(), prompt, tokens, ignore_eos=True):
+    for last in run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True):
         pass
     st = last.stats
     return {"ttft_s": st["time_to_first_token_seconds"], "prefill_tok_s": len(prompt) / st["prefill_seconds"],
@@ -342,7 +340,7 @@ def main() -> int:
     if "attn" in sections:
         result["attn"] = attn(model, lengths)
     if "context" in sections:
-        peer = mlx_lm_ref.build(cfg) if a.peer_max > 0 else None
+        peer = mlx_lm_peer.build(cfg) if a.peer_max > 0 else None
         n_maxes = [x if x == "auto" else int(x) for x in a.n_max.split(",") if x]
         others = {}
         for dt in [x for x in a.kv_dtypes.split(",") if x and x != model.options.kv_dtype]:

@@ -8,7 +8,10 @@ agreement; the same for the MTP head (input token t and the model's own hidden s
 greedy draft-mtp (n-max 3) token-identical to plain decoding; weights held; the load's MLX peak
 above the finished model; and, in a fresh process, the load's max RSS growth.
 
-Usage: python scripts/hf_quant_accuracy.py [--fixtures DIR] [--out docs/bench/hf-quant]
+`--gguf-modes`: instead, the GGUF loader's default and exact modes against llama.cpp's
+exact-dequantized references (max logit error per file), and the shipped Q4_K_M model's load memory.
+
+Usage: python scripts/bench/quant_accuracy.py [--fixtures DIR] [--out docs/bench/hf-quant] [--gguf-modes]
 (CPU is fine: the models are small.)
 """
 from __future__ import annotations
@@ -25,12 +28,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mtp_engine import api
+from mtp_engine.convert import convert
+from mtp_engine.convert.to_hf import gguf_to_hf
 
-from mtp_engine import api  # noqa: E402
-from mtp_engine.convert import convert  # noqa: E402
-from mtp_engine.convert.to_hf import gguf_to_hf  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 ON_LOAD = ["4g32", "4g64", "4g128", "8g32", "8g64", "8g128", "4g64,output=8g64,mtp=8g64"]
 SOURCE_SCALES = ["4g64", "8g64"]  # converted with bf16 scales, as mlx_lm.convert does
@@ -149,14 +151,57 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+
+MEASURE_GGUF_LOAD = """
+import resource, sys, os, mlx.core as mx
+from mtp_engine import load
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m = load(sys.argv[1])
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(before * 1024, after * 1024, m.info.weight_bytes, m.info.file_bytes, mx.get_peak_memory())
+"""
+
+
+def gguf_modes(fix: Path) -> None:
+    """Per-file logit error of the GGUF default and exact load modes against llama.cpp's
+    exact-dequantized references, and peak memory of loading the shipped Q4_K_M model against its
+    file size."""
+    from mtp_engine import load
+
+    print("| file | Q6_K tensors | default mode max abs logit error | exact mode |")
+    print("|---|---|---|---|")
+    for name in ["f16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"]:
+        ref = np.load(fix / "llamacpp" / f"qwen35-mtp-tiny-{name}.dequant.logits.npz")
+        errs = []
+        for exact in (False, True):
+            m = load(fix / "llamacpp" / f"qwen35-mtp-tiny-{name}.gguf", exact=exact)
+            e = 0.0
+            for k in range(4):
+                t = ref[f"tokens_p{k}"]
+                h = m.model.forward(mx.array(t[None]), m.model.make_cache())
+                e = max(e, float(np.abs(np.array(m.model.logits(h)[0]) - ref[f"logits_p{k}"]).max()))
+            errs.append(e)
+        print(f"| {name} | {m.info.tensor_types.get('Q6_K', 0)} | {errs[0]:.3g} | {errs[1]:.3g} |")
+    path = ROOT / "models" / "qwen35-mtp-code-Q4_K_M.gguf"
+    out = subprocess.run([sys.executable, "-c", MEASURE_GGUF_LOAD, str(path)], capture_output=True, text=True, check=True)
+    before, after, wbytes, fbytes, peak = (int(x) for x in out.stdout.split())
+    print(f"\nQ4_K_M load: file {fbytes / 2**20:.1f} MiB, weights held {wbytes / 2**20:.1f} MiB, "
+          f"process max RSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB "
+          f"(+{(after - before) / 2**20:.1f} MiB), MLX peak {peak / 2**20:.1f} MiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", default=os.environ.get("MTP_FIXTURES", str(ROOT.parent / "shared" / "fixtures")))
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "hf-quant"))
     ap.add_argument("--loads-only", action="store_true", help="only the load-memory table")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from OUT/hf-quant.json")
+    ap.add_argument("--gguf-modes", action="store_true", help="the GGUF load modes' logit error and load memory")
     args = ap.parse_args()
     fx, out = Path(args.fixtures), Path(args.out)
+    if args.gguf_modes:
+        gguf_modes(fx)
+        return
     if args.plot_only:
         plot(json.loads((out / "hf-quant.json").read_text())["rows"], out / "hf-quant.png")
         return
@@ -179,7 +224,7 @@ def main() -> None:
     for k, v in loads.items():
         md += (f"| {k} | {v['weights'] / 2**20:.2f} | {v['largest'] / 2**20:.2f} | "
                f"{(v['mlx_peak'] - v['weights']) / 2**20:.2f} | {v['rss_growth'] / 2**20:.1f} |\n")
-    md += f"\n({stamp}, {mx.default_device()}, `python scripts/hf_quant_accuracy.py`)\n"
+    md += f"\n({stamp}, {mx.default_device()}, `python scripts/bench/quant_accuracy.py`)\n"
     if rows:
         (out / "hf-quant.md").write_text(md)
         (out / "hf-quant.json").write_text(json.dumps({"rows": rows, "loads": loads, "date": stamp}, indent=1))

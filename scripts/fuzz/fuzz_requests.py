@@ -3,7 +3,9 @@ raw bytes, clients that disconnect at a random point, clients that trickle or ne
 headers, several at once. Counts answers by status and checks the server afterwards: no 5xx, still
 alive, file descriptors and memory back near where they started.
 
-    python scripts/fuzz_requests.py [-m MODEL] [--requests 10000] [--workers 8] [--seed 0] [--out FILE]
+    python -m scripts.fuzz.fuzz_requests [-m MODEL] [--requests 10000] [--workers 8] [--seed 0] [--out FILE]
+
+(run as a module from the checkout's root: it drives the tests' live-server helper)
 
 Prints one JSON summary (and writes it to --out); exit status 1 if any check failed.
 """
@@ -21,9 +23,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.server_helpers import LiveServer  # noqa: E402
+from tests.server_helpers import LiveServer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
           "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "response_format", "tools",

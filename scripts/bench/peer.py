@@ -6,34 +6,64 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
+import types
 
 import mlx.core as mx
 
 from mtp_engine.model.config import Qwen35Config
 
 
-SHIMS = Path(__file__).resolve().parent / "peer_shims"
+class _Absent:
+    """What a stand-in hands out: unusable (nothing of these packages may run in a benchmark)."""
+
+    def __init__(self, *a, **k):
+        raise RuntimeError("a hub package is not installed here (a benchmark's import stand-in was used)")
+
+    @classmethod
+    def from_pretrained(cls, *a, **k):
+        cls()
+
+    @classmethod
+    def register(cls, *a, **k):  # mlx-lm registers its own tokenizer class at import
+        pass
 
 
-def import_mlx_lm() -> bool:
+def _stand_ins() -> None:
+    """`transformers` and `huggingface_hub` as modules holding the names mlx-lm imports at module
+    level (to load tokenizers and files from the hub), each unusable. The GPU machine has neither
+    (their wheels with dependencies are ~34 MB, more than a staging call carries); our benchmarks
+    build mlx-lm's model at our shape and call its own decode loops with token ids, so nothing of
+    them runs."""
+    absent = lambda *a, **k: _Absent()  # noqa: E731
+    names = {"transformers": ["AutoTokenizer", "AutoConfig", "PreTrainedTokenizer", "PreTrainedTokenizerFast"],
+             "transformers.tokenization_utils_base": ["PreTrainedTokenizerBase"],
+             "huggingface_hub": ["snapshot_download", "scan_cache_dir"]}
+    for module, attrs in names.items():
+        m = types.ModuleType(module)
+        for a in attrs:
+            setattr(m, a, type(a, (_Absent,), {}) if a[0].isupper() else absent)
+        if sys.modules.get(module) is None:  # absent (or blocked)
+            sys.modules[module] = m
+    sys.modules["transformers"].tokenization_utils_base = sys.modules["transformers.tokenization_utils_base"]
+
+
+def import_mlx_lm(stand_ins: bool = False) -> bool:
     """Whether mlx-lm imports here; where only `transformers` / `huggingface_hub` are missing (the
-    GPU machine), with the import stand-ins of scripts/peer_shims (its README says why nothing of
-    them runs in these benchmarks)."""
+    GPU machine), with unusable stand-ins for them (`_stand_ins`), said on stderr."""
     try:
         import mlx_lm  # noqa: F401
         return True
     except ImportError as e:
         missing = e.name
-        if missing not in ("transformers", "huggingface_hub") or str(SHIMS) in sys.path:
+        if missing not in ("transformers", "huggingface_hub") or stand_ins:
             print(f"mlx-lm not available: {e}", file=sys.stderr)
             return False
         for name in [m for m in sys.modules if m == "mlx_lm" or m.startswith("mlx_lm.")]:
             del sys.modules[name]  # the half-imported package, imported again below
-    sys.path.insert(0, str(SHIMS))
-    print(f"mlx-lm: {missing} is not installed here; its import stand-ins from {SHIMS.name}/ are used "
+    _stand_ins()
+    print(f"mlx-lm: {missing} is not installed here; unusable stand-ins are imported in its place "
           "(tokenizer and hub loading only; mlx-lm's model and decode loops are its own)", file=sys.stderr)
-    return import_mlx_lm()
+    return import_mlx_lm(stand_ins=True)
 
 
 def build(cfg: Qwen35Config, bits: int | None = 4, tie: bool | None = None):

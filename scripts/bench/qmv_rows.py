@@ -1,7 +1,7 @@
 """Few-row quantized products on the GPU: the CUDA-core kernel, the tensor-core kernel (in several
 block shapes) and MLX's `quantized_matmul`, checked against each other and timed per row count.
 
-    python scripts/qmv_rows.py [--shapes 24576x4096,4096x12288] [--rows 1,2,4,8] [--repeats 5]
+    python scripts/bench/qmv_rows.py [--shapes 24576x4096,4096x12288] [--rows 1,2,4,8] [--repeats 5]
 
 Each timed product reads a different copy of the weight (more bytes than the L2 holds); the
 effective bandwidth counts weights, scales and biases. The products of one timing are independent,
@@ -104,10 +104,7 @@ def main() -> None:
 def in_model(a) -> None:
     """ms per forward of S rows (queued 20 at a time, medians of interleaved repeats) at the 9B
     shape, per tensor-core block shape, and with every product of several rows on the CUDA cores."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_9b_oracle import config_9b, random_model
+    from harness import config_9b, random_model
     model = random_model(config_9b(False))
     model.compile_steps = True
     original, supports = mma_kernel.quantized_rows, mma_kernel.supports

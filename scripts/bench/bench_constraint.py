@@ -5,7 +5,7 @@ The constrained and unconstrained texts differ (the grammar changes what is gene
 rate is over its own tokens; the constrained draft-mtp text must equal plain constrained decoding's
 (the script fails otherwise).
 
-    python scripts/bench_constraint.py --repeats 5 --out docs/bench/constraint/cpu.json
+    python scripts/bench/bench_constraint.py --repeats 5 --out docs/bench/constraint/cpu.json
 """
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
-import mtp_engine as me  # noqa: E402
+import mtp_engine as me
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "version": {"type": "string", "maxLength": 12},

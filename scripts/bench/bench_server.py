@@ -12,8 +12,8 @@
 The server runs as a subprocess on a free port (`mtp-engine serve --port 0`); only the standard
 library talks HTTP, so the client costs little next to the server.
 
-    python scripts/bench_server.py                                  # the model in models/, CPU
-    python scripts/bench_server.py -m FILE.gguf -n 256 --spec draft-mtp --n-max auto --out F.json
+    python scripts/bench/bench_server.py                                  # the model in models/, CPU
+    python scripts/bench/bench_server.py -m FILE.gguf -n 256 --spec draft-mtp --n-max auto --out F.json
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMPT = "def parse_args(argv):\n    \"\"\"Parse the command line of the tool.\"\"\"\n"
 

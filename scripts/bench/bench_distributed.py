@@ -4,14 +4,14 @@ the time those collectives take per round (each kind timed alone at its size, ti
 
 CPU, N local processes over the ring backend on 127.0.0.1 (this script starts them):
 
-    python scripts/bench_distributed.py -m models/qwen35-mtp-code-Q4_K_M.gguf --ranks 2 --modes tp,pp
+    python scripts/bench/bench_distributed.py -m models/qwen35-mtp-code-Q4_K_M.gguf --ranks 2 --modes tp,pp
 
 GPUs, random 4-bit weights at Qwen3.5-9B or 35B-A3B shape built in memory (as bench_gpu.py does),
 one process per GPU started by mlx.launch over NCCL, then the same shape on one GPU:
 
-    mlx.launch --backend nccl -n 2 -- python3 scripts/bench_distributed.py --worker --backend nccl \\
+    mlx.launch --backend nccl -n 2 -- python3 scripts/bench/bench_distributed.py --worker --backend nccl \\
         --shape a3b --modes tp --out bench-dist-a3b-2.json
-    python3 scripts/bench_distributed.py --worker --shape a3b --out bench-dist-a3b-1.json
+    python3 scripts/bench/bench_distributed.py --worker --shape a3b --out bench-dist-a3b-1.json
 
 Each worker run prints (rank 0) and writes one JSON object; the launcher prints a markdown table.
 """
@@ -28,16 +28,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
-from mtp_engine import api  # noqa: E402
-from mtp_engine.distributed import build, share_decisions  # noqa: E402
-from mtp_engine.distributed.local import spawn  # noqa: E402
-from mtp_engine.distributed.runtime import Comm, init_group  # noqa: E402
-from mtp_engine.model.build import build_model  # noqa: E402
-from mtp_engine.model.layers import Linear  # noqa: E402
+from mtp_engine import api
+from mtp_engine.distributed import build, share_decisions
+from mtp_engine.distributed.local import spawn
+from mtp_engine.distributed.runtime import Comm, init_group
+from mtp_engine.model.build import build_model
+from mtp_engine.model.layers import Linear
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"
 
@@ -58,7 +56,7 @@ def global_shapes(cfg) -> dict[str, tuple]:
 
 class RandomSource:
     """Random 4-bit group-32 weights (F32 routers, plausible recurrent parameters), made at the
-    size of each rank's share only: bench_9b_oracle.random_model's recipe, sharded."""
+    size of each rank's share only: harness.random_model's recipe, sharded."""
 
     def __init__(self, cfg):
         self.shapes = global_shapes(cfg)
@@ -74,7 +72,7 @@ class RandomSource:
         lead = list(gshape[:-1])
         n_rows = len(rows) if rows is not None else None
         if not matrix:
-            from bench_9b_oracle import random_vector
+            from harness import random_vector
             return random_vector(name, tuple([n_rows if n_rows is not None else gshape[0], *gshape[1:]]))
         total_rows = 1
         for d in lead:
@@ -90,11 +88,11 @@ class RandomSource:
 
 
 def shape_config(shape: str):
-    from bench_9b_oracle import config_9b
-    from bench_moe_oracle import config_a3b
+    from harness import config_9b
+    from harness import config_a3b
 
     if shape == "smoke":  # a tiny shape: checks the script on a CPU
-        from bench_gpu import smoke_config
+        from harness import smoke_config
         return smoke_config()
     return config_9b(False) if shape == "9b" else config_a3b(40)
 
@@ -147,7 +145,7 @@ def gguf_runs(model, tokens: int, repeats: int) -> dict:
 
 
 def random_runs(model, comm: Comm | None, tokens: int, oracle: float) -> dict:
-    from bench_9b_oracle import _Tok
+    from harness import NullTokenizer
 
     from mtp_engine.generation.decode import PlainDecoder
     from mtp_engine.generation.loop import run
@@ -169,7 +167,7 @@ def random_runs(model, comm: Comm | None, tokens: int, oracle: float) -> dict:
                                        scheduler=DraftLengthScheduler(None, k_max=COMPILED_AUTO_MAX))
                 if comm is not None:
                     share_decisions(dec, comm)
-            chunks = run(dec, _Tok(), prompt, tokens, ignore_eos=True)
+            chunks = run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True)
             if comm is not None:
                 chunks = comm.guard(chunks)
             for last in chunks:

@@ -5,7 +5,7 @@ with compiled steps off and on) against mlx-lm's qwen3_5 model at the same shape
 Also times one 512x1024 matrix-vector product in MLX (float32, 4-bit) and in NumPy (OpenBLAS), the
 operation that takes nearly all of a step here.
 
-Usage: PYTHONPATH=<dir with mlx_lm> python scripts/bench_cpu.py [--tokens 64] [--repeats 3]
+Usage: PYTHONPATH=<dir with mlx_lm> python scripts/bench/bench_cpu.py [--tokens 64] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ from dataclasses import fields, is_dataclass
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import mlx_lm_ref  # noqa: E402
+import peer as mlx_lm_peer
 
-from mtp_engine import load  # noqa: E402
-from mtp_engine.model.layers import Linear  # noqa: E402
+from mtp_engine import load
+from mtp_engine.model.layers import Linear
 
 TRAINED = "models/qwen35-mtp-code-Q4_K_M.gguf"
 
@@ -97,10 +96,10 @@ def main() -> int:
             "ours Q4_K_M compiled": lambda: ours_ms(q4, True, a.tokens),
             "ours f32": lambda: ours_ms(f32, False, a.tokens),
             "ours f32 compiled": lambda: ours_ms(f32, True, a.tokens)}
-    ref4, ref32 = mlx_lm_ref.build(q4.cfg, 4, tie=False), mlx_lm_ref.build(q4.cfg, None, tie=False)
+    ref4, ref32 = mlx_lm_peer.build(q4.cfg, 4, tie=False), mlx_lm_peer.build(q4.cfg, None, tie=False)
     if ref4 is not None:  # mlx-lm importable
-        runs["mlx-lm 4-bit g32"] = lambda: mlx_lm_ref.step_ms(ref4, 16, a.tokens)
-        runs["mlx-lm f32"] = lambda: mlx_lm_ref.step_ms(ref32, 16, a.tokens)
+        runs["mlx-lm 4-bit g32"] = lambda: mlx_lm_peer.step_ms(ref4, 16, a.tokens)
+        runs["mlx-lm f32"] = lambda: mlx_lm_peer.step_ms(ref32, 16, a.tokens)
     ms: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(a.repeats):
         for k, fn in runs.items():

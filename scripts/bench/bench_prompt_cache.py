@@ -6,7 +6,7 @@ conversation so far plus a new user message and generates N tokens. Run twice pe
 of each and their ratio; the answers must be the same (greedy). A plot of TTFT per turn is written
 beside the JSON when matplotlib is there.
 
-    python scripts/bench_prompt_cache.py --turns 6 -n 32 --repeats 3 --out docs/bench/prompt_cache/cpu.json
+    python scripts/bench/bench_prompt_cache.py --turns 6 -n 32 --repeats 3 --out docs/bench/prompt_cache/cpu.json
 """
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
-import mtp_engine as me  # noqa: E402
-from mtp_engine.chat.template import CHATML  # noqa: E402
+import mtp_engine as me
+from mtp_engine.chat.template import CHATML
 
 SYSTEM = ("You are a careful senior Python reviewer. Read the code the user sends, explain what it does, "
           "point out bugs and suggest fixes with short code examples. ") * 6

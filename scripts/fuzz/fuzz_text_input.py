@@ -3,7 +3,7 @@ surrogates included) as `prompt`, `stop` and message `role`/`content` through `g
 any bytes as a prompt file (`-f`) and as `-p` / `--stop` argv through the CLI. Every case must
 generate or end in MTPEngineError naming the argument (CLI: exit 2, one line, no traceback).
 
-    python scripts/fuzz_text_input.py --examples 2000 --model ../shared/fixtures/llamacpp/qwen35-mtp-tiny-Q8_0.gguf
+    python scripts/fuzz/fuzz_text_input.py --examples 2000 --model ../shared/fixtures/llamacpp/qwen35-mtp-tiny-Q8_0.gguf
 """
 from __future__ import annotations
 
@@ -18,15 +18,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from mtp_engine import api  # noqa: E402
-from mtp_engine.cli.main import main as cli_main  # noqa: E402
-from mtp_engine.errors import MTPEngineError  # noqa: E402
+from mtp_engine import api
+from mtp_engine.cli.main import main as cli_main
+from mtp_engine.errors import MTPEngineError
 
 # any code point; one character in 15 a surrogate, so about half the strings hold one
 _SURROGATE = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, exclude_categories=())

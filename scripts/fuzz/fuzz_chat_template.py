@@ -7,7 +7,7 @@ Each case runs in a supervised worker process: a worker that dies is a crash, no
 `unexpected` (anything else), `crash`, `hang`. Case i is a pure function of (--seed, i):
 `--show I` prints its template.
 
-    python scripts/fuzz_chat_template.py --cases 5000 --seed 1 --json fuzz-templates.json
+    python scripts/fuzz/fuzz_chat_template.py --cases 5000 --seed 1 --json fuzz-templates.json
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 FAILURES = ("unexpected", "crash", "hang")
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, who are you?"},

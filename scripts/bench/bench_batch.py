@@ -13,11 +13,11 @@ did before --parallel). Reported per C and mode, medians over the repeats (inter
   outputs equal     every batched answer equals its sequential one (greedy: token for token).
 Writes JSON (--out) and a plot of aggregate tok/s and TTFT against C (--plot).
 
-    python scripts/bench_batch.py                         # the model in models/, this machine
-    python scripts/bench_batch.py -m FILE.gguf -t 128 --concurrency 1,4,8 --out b.json --plot b.png
-    python3 scripts/bench_batch.py --random-9b ...       # GPU: the Qwen3.5-9B shape, random 4-bit g32
+    python scripts/bench/bench_batch.py                         # the model in models/, this machine
+    python scripts/bench/bench_batch.py -m FILE.gguf -t 128 --concurrency 1,4,8 --out b.json --plot b.png
+    python3 scripts/bench/bench_batch.py --random-9b ...       # GPU: the Qwen3.5-9B shape, random 4-bit g32
 
-`--random-9b`: the 9B shape (scripts/bench_9b_oracle.py) with random weights and the shipped model's
+`--random-9b`: the 9B shape (scripts/bench/harness.py) with random weights and the shipped model's
 tokenizer, so its vocabulary is the tokenizer's 8192 rows instead of 248320 (the output head reads
 16 MB instead of 0.5 GB, ~10% of a step's weights); every other matrix is the 9B one. Random
 weights draft nothing useful: `--oracle A` makes the batched draft-mtp rounds accept each draft
@@ -34,16 +34,14 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _random_9b(shipped):
     """The 9B shape with random weights behind the shipped model's tokenizer (see the docstring)."""
     import dataclasses
 
-    from bench_9b_oracle import config_9b, random_model
+    from harness import config_9b, random_model
 
     from mtp_engine.model.loaded import Model
     from mtp_engine.threads import evaluate_all
@@ -69,7 +67,7 @@ class _PeerTok:
 
 def mlx_lm_batch(net, prompt_ids: list[list[int]], tokens: int) -> float | None:
     """mlx-lm's `batch_generate` (its users' batched call) on its own qwen3_5 model at our shape
-    (random 4-bit g32 weights, scripts/mlx_lm_ref.py): one run's aggregate tok/s (None without
+    (random 4-bit g32 weights, scripts/bench/peer.py): one run's aggregate tok/s (None without
     mlx-lm). The caller warms it up (`tokens` 4) and interleaves its repeats with ours."""
     try:
         from mlx_lm import batch_generate
@@ -164,8 +162,8 @@ def main(argv=None) -> int:
     alone = load(args.model) if not args.random_9b else _random_9b(load(args.model))
     peer = None
     if args.random_9b or args.peer:  # mlx-lm's batch_generate at the same shape, beside ours
-        import mlx_lm_ref
-        peer = mlx_lm_ref.build(alone.model.cfg)
+        import peer as mlx_lm_peer
+        peer = mlx_lm_peer.build(alone.model.cfg)
     rows = []
     for c in levels:
         batched = load(args.model, parallel=max(c, 2)) if not (args.random_9b or args.oracle is not None) \

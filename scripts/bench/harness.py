@@ -1,0 +1,241 @@
+"""What the benchmarks share: models of named shapes with random 4-bit group-32 weights built in
+memory (the Qwen3.5-9B shape, the 35B-A3B MoE shape, a smoke shape for a CPU), one greedy run's
+decode rate with oracle acceptance (each draft right with probability a, the drafter doing all its
+work: random weights draft nothing useful), and `bench_gpu.py`'s sections for the decode loop and
+n-max auto:
+
+  loop  plain decode tok/s of our pipelined loop, our unpipelined loop, and mlx-lm's own
+        `generate_step` (its pipelined path) on the same shape and weight format, one process,
+        repeats interleaved
+  auto  fixed n-max rows and n-max auto at oracle acceptance a, as speedups over plain decoding
+        measured in the same repeat; auto starts from the GPU prior (no stored costs: a first run)
+
+Both print progress as JSON lines on stderr and return plain dicts.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+import peer as mlx_lm_peer
+from mtp_engine.generation.decode import PlainDecoder
+from mtp_engine.generation.loop import run
+from mtp_engine.model.build import build_model
+from mtp_engine.model.config import Qwen35Config
+from mtp_engine.model.layers import Linear
+from mtp_engine.generation.sampling import Sampler, SamplerConfig
+from mtp_engine.speculative.ablations import ablation_decoder
+from mtp_engine.speculative.config import DraftParams
+from mtp_engine.speculative.scheduler import DraftLengthScheduler
+
+
+def config_9b(small: bool) -> Qwen35Config:
+    n = 8 if small else 32
+    return Qwen35Config(vocab_size=248320, hidden_size=4096, n_layer=n, n_mtp=1, ffn_size=[12288] * (n + 1),
+                        n_head=16, n_head_kv=4, head_dim=256, n_rot=64, rope_base=1e7, eps=1e-6, conv_kernel=4,
+                        ssm_key_dim=128, ssm_key_heads=16, ssm_value_heads=32, ssm_inner=4096,
+                        recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192)
+
+
+def config_a3b(n: int) -> Qwen35Config:
+    """The Qwen3.5/3.6-35B-A3B shape (qwen35moe: 256 experts, 8 active, a shared expert), n layers."""
+    return Qwen35Config(vocab_size=248320, hidden_size=2048, n_layer=n, n_mtp=1, ffn_size=[], n_head=16,
+                        n_head_kv=2, head_dim=256, n_rot=64, rope_base=1e7, eps=1e-6, conv_kernel=4,
+                        ssm_key_dim=128, ssm_key_heads=16, ssm_value_heads=32, ssm_inner=4096,
+                        recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192, arch="qwen35moe",
+                        n_expert=256, n_expert_used=8, expert_ffn_size=512, shared_ffn_size=512)
+
+
+def smoke_config() -> Qwen35Config:
+    """A tiny shape of the same architecture: a benchmark checked end to end on a CPU."""
+    n = 4
+    return Qwen35Config(vocab_size=1024, hidden_size=256, n_layer=n, n_mtp=1, ffn_size=[512] * (n + 1),
+                        n_head=4, n_head_kv=2, head_dim=64, n_rot=16, rope_base=1e7, eps=1e-6, conv_kernel=4,
+                        ssm_key_dim=32, ssm_key_heads=2, ssm_value_heads=4, ssm_inner=128,
+                        recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192)
+
+
+def random_model(cfg: Qwen35Config):
+    """Random weights in the loaders' conventions: 4-bit group-32 matrices (stacked experts keep
+    their leading axes), F32 routers as llama.cpp keeps them, plausible recurrent parameters."""
+    def fetch(name, shape, matrix):
+        if matrix and "ffn_gate_inp" in name:
+            return Linear(mx.random.normal(shape) * shape[-1] ** -0.5)
+        if matrix:
+            rows = 1
+            for d in shape[:-1]:
+                rows *= d
+            w = mx.random.normal((rows, shape[-1])) * (shape[-1] ** -0.5)
+            q = [a.reshape(*shape[:-1], -1) for a in mx.quantize(w, group_size=32, bits=4)]
+            mx.eval(q)
+            return Linear(q[0], q[1], q[2], 4, 32)
+        return random_vector(name, shape)
+
+    return build_model(cfg, fetch, lambda n: True)
+
+
+def random_vector(name: str, shape: tuple) -> mx.array:
+    """A non-matrix tensor of a random model: values in each parameter's natural range (decays,
+    time-step biases, conv taps, the shared expert's gate), ones for norms."""
+    if name.endswith("ssm_a"):
+        return -mx.exp(mx.random.uniform(-3, 0, shape))
+    if name.endswith("ssm_dt.bias"):
+        return mx.random.uniform(-1, 0, shape)
+    if name.endswith("ssm_conv1d.weight"):
+        return mx.random.normal(shape) * 0.5
+    if name.endswith("ffn_gate_inp_shexp.weight"):
+        return mx.random.normal(shape) * shape[-1] ** -0.5
+    return mx.ones(shape)
+
+
+class NullTokenizer:
+    """The loop's tokenizer for token-id benchmarks: no end of text, nothing to detokenize."""
+
+
+    eos_token_ids: set = set()
+
+    def detokenizer(self):
+        class D:
+            def add(self, t):
+                return ""
+
+            def flush(self):
+                return ""
+        return D()
+
+
+def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=None, scheduler_type=DraftLengthScheduler,
+               decoders: list | None = None) -> tuple[float, dict]:
+    """tok/s and stats of one greedy run; `decoders` (a list) receives the decoder, for its clock
+    and scheduler."""
+    sampler = Sampler(SamplerConfig(seed=0))
+    if spec is None:
+        dec = PlainDecoder(model, sampler)
+    else:
+        # as the API builds it (compiled steps: drafts up to 4)
+        sched = scheduler_type.for_model(model, costs) if n_max == "auto" else None
+        dec = ablation_decoder(model, sampler, DraftParams(n_max), scheduler=sched, oracle_acceptance=oracle)
+    if decoders is not None:
+        decoders.append(dec)
+    last = None
+    for last in run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True):
+        pass
+    s = last.stats
+    return s["decode_tokens_per_second"], s
+
+
+def _ours_tps(model, prompt, tokens, pipeline: bool) -> float:
+    dec = PlainDecoder(model, Sampler(SamplerConfig(seed=0)))
+    dec.pipeline = pipeline
+    last = None
+    for last in run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True):
+        pass
+    return last.stats["decode_tokens_per_second"]
+
+
+def loop_section(model, ref, prompt, tokens: int, repeats: int, log) -> dict:
+    """ms/token of ours (pipelined, unpipelined) and mlx-lm's generate_step, interleaved."""
+    runs = {"ours pipelined": lambda: _ours_tps(model, prompt, tokens, True),
+            "ours unpipelined": lambda: _ours_tps(model, prompt, tokens, False)}
+    if ref is not None:
+        runs["mlx-lm generate_step"] = lambda: mlx_lm_peer.generate_step_tps(ref, len(prompt), tokens)
+    for fn in runs.values():  # warm-up: first use of every shape
+        fn()
+    tps: dict = {k: [] for k in runs}
+    for rep in range(repeats):
+        for name, fn in runs.items():
+            tps[name].append(fn())
+        log({"loop_repeat": rep + 1, **{k: round(v[-1], 2) for k, v in tps.items()}})
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    out = {"tok_s": med, "ms_per_token": {k: 1e3 / v for k, v in med.items()}, "all": tps}
+    if "mlx-lm generate_step" in med:
+        out["ours_over_mlx_lm_time"] = med["mlx-lm generate_step"] / med["ours pipelined"]
+    log({"loop": out["ms_per_token"]})
+    return out
+
+
+def auto_section(model, prompt, tokens: int, repeats: int, accs, ks, log, shape: str) -> dict:
+    """Speedup over plain at each oracle acceptance for each fixed n-max and auto."""
+    configs = list(ks) + ["auto"]
+    t = time.perf_counter()
+    decode_tps(model, prompt, 16)
+    for k in configs:  # warm-up: the shapes of every configuration (auto: its first decisions)
+        decode_tps(model, prompt, 24, "draft-mtp", k, 0.8)
+    # auto at each acceptance, full length: where it falls back to plain steps and drafts again, the
+    # head catches up over a block width no fixed n-max runs (a trace, 0.1-0.3 s on a GPU at 9B)
+    for a in accs:
+        decode_tps(model, prompt, tokens, "draft-mtp", "auto", a)
+    log({"shape": shape, "auto_warmup_s": round(time.perf_counter() - t, 1)})
+    rows: dict = {}
+    for rep in range(repeats):
+        for a in accs:
+            plain = decode_tps(model, prompt, tokens)[0]
+            for k in configs:
+                tps, st = decode_tps(model, prompt, tokens, "draft-mtp", k, a)
+                r = rows.setdefault((a, k), {"a": a, "n_max": k, "speedup": [], "tok_s": []})
+                r["speedup"].append(tps / plain)
+                r["tok_s"].append(tps)
+                if k == "auto":
+                    r["draft_lengths"] = st.get("draft_length_histogram")
+                    r["auto_message"] = st.get("auto_message")
+                    r["compile_seconds"] = st.get("compile_seconds")
+                log({"shape": shape, "rep": rep + 1, "a": a, "n_max": k, "speedup": round(tps / plain, 3),
+                     **({"draft_lengths": st.get("draft_length_histogram")} if k == "auto" else {})})
+    table = []
+    for a in accs:
+        row = {"a": a}
+        for k in configs:
+            row[str(k)] = statistics.median(rows[(a, k)]["speedup"])
+        best = max(row[str(k)] for k in ks)
+        row["auto_vs_plain"] = row["auto"]
+        row["auto_vs_best_fixed"] = row["auto"] / max(best, 1.0)  # plain (1.0) is a fixed choice too
+        row["auto_draft_lengths"] = rows[(a, "auto")].get("draft_lengths")
+        table.append(row)
+    return {"shape": shape, "rows": table, "raw": [dict(v, key=str(k)) for k, v in rows.items()]}
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    if "loop" in result:
+        ms = result["loop"]["ms_per_token"]
+        lines += ["| loop | ms/token |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in ms.items()] + [""]
+    for sec in result.get("auto", []):
+        ks = [k for k in sec["rows"][0] if k not in ("a", "auto", "auto_vs_plain", "auto_vs_best_fixed",
+                                                        "auto_draft_lengths")]
+        lines += [f"{sec['shape']}: speedup over plain at oracle acceptance a", "",
+                  "| a | " + " | ".join(f"n-max {k}" for k in ks) + " | auto | auto / best fixed (incl. plain) |",
+                  "|---|" + "---|" * (len(ks) + 2)]
+        for r in sec["rows"]:
+            lines.append(f"| {r['a']} | " + " | ".join(f"{r[k]:.2f}x" for k in ks)
+                         + f" | {r['auto']:.2f}x | {r['auto_vs_best_fixed']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """The loop section on a GGUF model (e.g. the shipped one, on the CPU): ours pipelined and
+    unpipelined vs mlx-lm's generate_step on a model of the same shape, 4-bit g32."""
+    import argparse
+    import json
+
+    from mtp_engine import load
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="models/qwen35-mtp-code-Q4_K_M.gguf")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    m = load(a.model)
+    ref = mlx_lm_peer.build(m.model.cfg)
+    prompt = m.tokenizer.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser(")
+    out = loop_section(m.model, ref, prompt, a.tokens, a.repeats,
+                       lambda o: print(json.dumps(o), file=sys.stderr, flush=True))
+    print(markdown({"loop": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
