@@ -31,13 +31,11 @@ import mlx.core as mx
 
 import harness
 import peer as mlx_lm_peer
-from harness import config_9b, decode_tps, random_model
-from harness import config_a3b
+from harness import config_9b, config_a3b, decode_tps, random_model, smoke_config
 
 from mtp_engine.speculative.costmodel import measure
 from mtp_engine.generation.decode import PlainDecoder
 from mtp_engine.model import kernels
-from mtp_engine.model.config import Qwen35Config
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 
 from mtp_engine.options import EngineOptions
@@ -127,14 +125,6 @@ def kernel_times() -> dict:
         ms = statistics.median(v)
         out[key] = {"ms": round(ms, 4), "GB_s": round(nbytes / ms / 1e6, 1)}
     return out
-
-
-def smoke_config() -> Qwen35Config:
-    n = 4
-    return Qwen35Config(vocab_size=1024, hidden_size=256, n_layer=n, n_mtp=1, ffn_size=[512] * (n + 1),
-                        n_head=4, n_head_kv=2, head_dim=64, n_rot=16, rope_base=1e7, eps=1e-6, conv_kernel=4,
-                        ssm_key_dim=32, ssm_key_heads=2, ssm_value_heads=4, ssm_inner=128,
-                        recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192)
 
 
 def ours_prefill_s(model, n: int) -> float:
@@ -247,14 +237,7 @@ def main() -> int:
             log({"prefill": n, **out["prefill_tok_s"][n]})
 
     if "floor" in sections:
-        big = mx.random.uniform(shape=(256 * 2**20,))  # 1 GiB
-        mx.eval(big)
-        times = []
-        for _ in range(10):
-            t = time.perf_counter()
-            mx.eval(big + 1.0)
-            times.append(time.perf_counter() - t)
-        bw = 2 * big.nbytes / statistics.median(times)  # read + write
+        bw = copy_gb_s() * 1e9
         per_token = nb["trunk"] - model.embed.nbytes() + model.embed.nbytes() // cfg.vocab_size
         if model.lm_head is model.embed:
             per_token += model.embed.nbytes()
