@@ -33,7 +33,7 @@ from ..model.qwen35 import Qwen35Model
 from . import calibration
 from .accept import accept_greedy, accept_sampling
 from .config import DraftParams
-from .drafter import Draft, DraftContext, Drafter
+from .drafter import Draft, DraftContext, Drafter, DrafterFactory
 from .scheduler import DraftLengthScheduler
 from .stats import RoundCounts
 
@@ -55,9 +55,11 @@ class _Round:
 
 class SpeculativeDecoder(DecoderBase):
     """Speculative decoding with any `Drafter`: verify, acceptance, trunk rollback, scheduling and
-    statistics. `scheduler` is required when `params.n_max` is None (auto)."""
+    statistics. `drafter`: a drafter class (or any `DrafterFactory`), built here with this
+    decoder's model, sampler and profiler. `scheduler` is required when `params.n_max` is None
+    (auto)."""
 
-    def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams, drafter: Drafter,
+    def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams, drafter: DrafterFactory,
                  profiler: Profiler | None = None, scheduler: DraftLengthScheduler | None = None, *,
                  prompt_cache: PromptCache | None = None, calibration_path: str = "",
                  progress: Progress | None = None):
@@ -66,8 +68,7 @@ class SpeculativeDecoder(DecoderBase):
         super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress)
         self.params = params
         self.scheduler = scheduler if params.auto else None
-        self.drafter = drafter
-        drafter.bind(DraftContext(model, sampler, self.prof))
+        self.drafter: Drafter = drafter(DraftContext(model, sampler, self.prof))
         self.counts = RoundCounts()  # statistics
         self.k_histogram: Counter = Counter()  # auto: the draft length chosen, per completed round
         self.trace: list[dict] | None = None  # per-round record, when a caller sets it to []

@@ -29,7 +29,7 @@ class DraftMTPDecoder(ResidentRounds, SpeculativeDecoder):
                  profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,
                  prompt_cache: PromptCache | None = None, calibration_path: str = "",
                  progress: Progress | None = None):
-        super().__init__(model, sampler, params, MTPDrafter(model), profiler, scheduler,
+        super().__init__(model, sampler, params, MTPDrafter, profiler, scheduler,
                          prompt_cache=prompt_cache, calibration_path=calibration_path, progress=progress)
 
     # the head's state, where tests and notebooks look for it

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 
@@ -54,10 +55,10 @@ class Drafter(ABC):
     """Proposes draft tokens; see the module docstring for the protocol."""
 
     name = "drafter"
-    ctx: DraftContext
 
-    def bind(self, ctx: DraftContext) -> None:
-        """Called once by the decoder, before `begin`."""
+    def __init__(self, ctx: DraftContext):
+        """`ctx`: what it may use of the decoder that builds it (`SpeculativeDecoder` calls a
+        drafter class, or any `DrafterFactory`, with its own context)."""
         self.ctx = ctx
 
     @abstractmethod
@@ -92,3 +93,7 @@ class Drafter(ABC):
     def stats(self) -> dict:
         """The drafter's own statistics, merged into the generation's."""
         return {}
+
+
+# what `SpeculativeDecoder` builds its drafter with: a drafter class, or a function of the context
+DrafterFactory = Callable[[DraftContext], Drafter]

@@ -26,7 +26,7 @@ def _draft_mtp(model, sampler, params, prof, scheduler, **state) -> SpeculativeD
 
 
 def _ngram(model, sampler, params, prof, scheduler, **state) -> SpeculativeDecoder:
-    return SpeculativeDecoder(model, sampler, params, NGramDrafter(), prof, scheduler, **state)
+    return SpeculativeDecoder(model, sampler, params, NGramDrafter, prof, scheduler, **state)
 
 
 DECODERS: dict[str, Build] = {"draft-mtp": _draft_mtp, "ngram": _ngram}

@@ -20,7 +20,6 @@ from ..errors import MTPEngineError
 from ..generation.decode import kv_capacity
 from ..generation.sampling import distribution
 from ..model.kv_cache import KVCache
-from ..model.qwen35 import Qwen35Model
 from .drafter import Draft, DraftContext, Drafter
 
 
@@ -64,7 +63,9 @@ class MTPDrafter(Drafter):
     # length then reuses the head's compiled shapes (each new width was a compile: seconds at 9B)
     BLOCK_WIDTHS = (1, 2, 4, 8)
 
-    def __init__(self, model: Qwen35Model):
+    def __init__(self, ctx: DraftContext):
+        super().__init__(ctx)
+        model = ctx.model
         if model.mtp is None:
             raise MTPEngineError("draft-mtp needs a model with an MTP head (nextn_predict_layers >= 1); "
                                  "this model has none", field="spec")
@@ -79,11 +80,9 @@ class MTPDrafter(Drafter):
         self._block: HeadBlock | None = None  # device-resident rounds' rows to run (to_device), see `block`
         self._skip = 0  # leading rows of a host-counted `_block` dropped from the catch-up window
         self._plain_rows: list[tuple[mx.array, mx.array]] = []  # plain rounds' rows, joined on demand
-
-    def bind(self, ctx: DraftContext) -> None:
-        super().bind(ctx)
         # drafts are sampled on the device; its key derives from the sampler's seeded generator
         self._rng = mx.random.key(int(ctx.sampler.rng.integers(0, 2**63)))
+
 
     def begin(self, prompt: list[int], hidden: mx.array) -> None:
         """The head sees prompt row t as (token t, trunk hidden t-1), zeros before the first."""

@@ -6,14 +6,14 @@ is the smallest drafter the interface admits, and it pays on text that repeats i
 
     from mtp_engine.speculative.decoder import SpeculativeDecoder
     from mtp_engine.speculative.ngram import NGramDrafter
-    dec = SpeculativeDecoder(model, sampler, DraftParams(4), NGramDrafter(max_ngram=3))
+    dec = SpeculativeDecoder(model, sampler, DraftParams(4), lambda ctx: NGramDrafter(ctx, max_ngram=3))
 """
 from __future__ import annotations
 
 import mlx.core as mx
 
 from ..errors import MTPEngineError
-from .drafter import Draft, Drafter
+from .drafter import Draft, DraftContext, Drafter
 
 
 class NGramDrafter(Drafter):
@@ -21,7 +21,8 @@ class NGramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, ctx: DraftContext, max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__(ctx)
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
             raise MTPEngineError(f"expected 1 <= min_ngram <= max_ngram, found {min_ngram}, {max_ngram}",
                                  field="ngram")

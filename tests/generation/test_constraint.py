@@ -132,8 +132,7 @@ def test_the_head_drafts_only_what_the_grammar_allows(shipped):
     sampler = Sampler(SamplerConfig())
     sampler.grammar = Constraint.json(SCHEMA).matcher(tok, m.cfg.vocab_size)
     sampler.grammar.accept(tok.encode(text)[:-1])  # the grammar has seen the text up to the last token
-    drafter = MTPDrafter(m)
-    drafter.bind(DraftContext(m, sampler, Profiler("off")))
+    drafter = MTPDrafter(DraftContext(m, sampler, Profiler("off")))
     drafter.begin(ids, post)
     drafts = [int(t) for t in drafter.draft(6).tokens.tolist()]
     assert drafts

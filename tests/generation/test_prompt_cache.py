@@ -102,24 +102,28 @@ def test_the_head_continues_exactly_from_a_kept_prefix(tiny_any):
     import mlx.core as mx
     import numpy as np
 
+    from mtp_engine.generation.profiler import Profiler
+    from mtp_engine.generation.sampling import Sampler, SamplerConfig
+    from mtp_engine.speculative.drafter import DraftContext
     from mtp_engine.speculative.mtp_drafter import MTPDrafter
 
     m = tiny_any
     ids = m.tokenizer.encode(PROMPT)
     post, _ = m.model.forward(mx.array([ids[:-1]]), m.model.make_cache(), return_prenorm=True)
     start = 37
-    whole = MTPDrafter(m.model)
+    ctx = DraftContext(m.model, Sampler(SamplerConfig()), Profiler())
+    whole = MTPDrafter(ctx)
     whole.begin(ids, post)
-    earlier = MTPDrafter(m.model)
+    earlier = MTPDrafter(ctx)
     earlier.begin(ids[:start + 1], post[:, :start])
-    later = MTPDrafter(m.model)
+    later = MTPDrafter(ctx)
     later.begin_from(ids, post[:, start:], start, earlier.prefix_state())
     assert later.cache.offset == whole.cache.offset == len(ids) - 1
     for a, b in zip(later.cache.state(), whole.cache.state()):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(later.h_last), np.array(whole.h_last), rtol=1e-6)
     with pytest.raises(MTPEngineError, match="prompt cache"):
-        MTPDrafter(m.model).begin_from(ids, post[:, start + 1:], start + 1, earlier.prefix_state())
+        MTPDrafter(ctx).begin_from(ids, post[:, start + 1:], start + 1, earlier.prefix_state())
 
 
 def test_slots_keep_interleaved_conversations(tiny_any):

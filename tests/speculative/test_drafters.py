@@ -10,10 +10,12 @@ import pytest
 from mtp_engine import MTPEngineError
 from mtp_engine import generate
 from mtp_engine.generation.loop import run
+from mtp_engine.generation.profiler import Profiler
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.ablations import ablation_decoder
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.decoder import SpeculativeDecoder
+from mtp_engine.speculative.drafter import DraftContext
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
 from mtp_engine.speculative.ngram import NGramDrafter
 
@@ -32,15 +34,20 @@ def _tokens(dec, tok, n, ids=IDS):
     return out, ch.stats
 
 
+def _ctx():
+    """A lookup's drafter: no model or profiler behind it (the lookup reads only tokens)."""
+    return DraftContext(None, Sampler(SamplerConfig()), Profiler())
+
+
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
-    d = NGramDrafter(max_ngram=2)
+    d = NGramDrafter(_ctx(), max_ngram=2)
     d.begin([5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2], None)
     assert d.lookup(2) == [4, 7]  # the latest earlier "1 2" is followed by 4 7
     assert d.lookup(5) == [4, 7, 1, 2]  # up to the end of the history
     d.accept([], 8, None)  # history ... 1 2 8: "2 8" and "8" never occurred before
     assert d.lookup(3) == []
     with pytest.raises(MTPEngineError):
-        NGramDrafter(max_ngram=1, min_ngram=2)
+        NGramDrafter(_ctx(), max_ngram=1, min_ngram=2)
 
 
 @pytest.mark.parametrize("n_max", [1, 3])
@@ -48,7 +55,7 @@ def test_ngram_drafter_greedy_equals_plain(tiny, n_max):
     n = 40
     ref = generate(IDS, tiny, max_tokens=n, ignore_eos=True).token_ids
     for pipeline in (True, False):
-        dec = SpeculativeDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max), NGramDrafter())
+        dec = SpeculativeDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max), NGramDrafter)
         dec.pipeline = pipeline
         got, st = _tokens(dec, tiny.tokenizer, n)
         assert got == ref
@@ -71,7 +78,7 @@ def test_ngram_index_agrees_with_a_scan_of_the_history():
     rng = random.Random(0)
     for _ in range(200):
         hist = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
-        d = NGramDrafter()
+        d = NGramDrafter(_ctx())
         d.begin(hist[:len(hist) // 2], None)
         for t in hist[len(hist) // 2:]:
             d.accept([], t, None)
@@ -110,7 +117,7 @@ def test_ngram_drafter_samples_losslessly_shaped_output(tiny):
     tokens, reproducible with a seed."""
     def once():
         dec = SpeculativeDecoder(tiny.model, Sampler(SamplerConfig(temperature=0.8, seed=3)), DraftParams(3),
-                                 NGramDrafter())
+                                 NGramDrafter)
         return _tokens(dec, tiny.tokenizer, 24)
 
     a, st = once()
