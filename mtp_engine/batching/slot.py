@@ -12,8 +12,6 @@ from .sequence import Sequence
 class SlotDecoder:
     """A `DecoderBase` look-alike over a `Sequence` in a `BatchScheduler`."""
 
-    pipeline: bool | None = None  # the scheduler's thread runs ahead of the reader by itself
-    budget: int | None = None
     prompt_cache = None  # the sequence's own prefill reuses and keeps prompt state (scheduler)
     cache = None
     cached_tokens = 0
@@ -24,7 +22,9 @@ class SlotDecoder:
         self.round_logprobs: list[dict] | None = None
         self.round_n_drafted = 0
 
-    def prefill(self, ids: list[int]) -> list[int]:
+    def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
+        """Hands the sequence to the scheduler (its own max_tokens is its budget: its thread runs
+        ahead of this reader by itself); returns its first tokens."""
         self.scheduler.submit(self.seq)
         first = self._next()
         self.cached_tokens = self.seq.cached

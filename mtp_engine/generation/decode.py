@@ -82,13 +82,16 @@ class DecoderBase:
     then `step` per round, then `finish`; `stats` at the end."""
 
     prefill_chunk: int | None = None  # prompt tokens per prefill forward; None: the model's options'
-    pipeline: bool | None = None  # queue the next round before reading the current one; None: off,
-    # but the generation loop turns it on (False keeps it off there too)
-    budget: int | None = None  # tokens the caller still wants: no round is queued past them
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
-                 prompt_cache: PromptCache | None = None, progress: Progress | None = None):
+                 prompt_cache: PromptCache | None = None, progress: Progress | None = None,
+                 pipeline: bool = True):
+        """`pipeline`: queue the next round before the host reads the current one, where the
+        caller wants more tokens than a round gives (`prefill`'s budget) and nothing needs the
+        host in between (sampling on the host, precise profiling)."""
         self.model = model
+        self.pipeline = pipeline
+        self.budget: int | None = None  # tokens the caller still wants (`prefill`): none queued past them
         self.progress = progress  # told (tokens done, total) after each prefill chunk
         self.sampler = sampler
         self.prof = profiler or Profiler("off")
@@ -104,8 +107,10 @@ class DecoderBase:
         self.prompt_cache = prompt_cache  # where prompt state is reused from and kept
         self.cached_tokens = 0  # prompt tokens the last prefill took from the prompt cache
 
-    def prefill(self, ids: list[int]) -> list[int]:
-        """Processes the prompt; returns the tokens it already produces."""
+    def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
+        """Processes the prompt; returns the tokens it already produces. `budget`: the most tokens
+        the caller will take (the generation loop's max_tokens; None: it reads one round at a time,
+        so no round is queued ahead)."""
         raise NotImplementedError
 
     def step(self) -> list[int]:
@@ -117,7 +122,7 @@ class DecoderBase:
         return bool(self.pipeline) and self.sampler.argmax_on_device and not self.prof.enabled
 
     def _wanted(self) -> int:
-        return self.budget if self.budget is not None else 1 << 30
+        return self.budget if self.budget is not None else 1
 
     @staticmethod
     def _read(pair: tuple[mx.array, mx.array]) -> int:
@@ -133,6 +138,8 @@ class DecoderBase:
         self.round_n_drafted = n_drafted
         self.round_logprobs = self.sampler.token_logprobs(logits, tokens) if logits is not None else None
         self.sampler.accept(tokens)
+        if self.budget is not None:
+            self.budget -= len(tokens)
         return tokens
 
     def _prefill_trunk(self, ids: list[int], pick: Callable[[mx.array, mx.array], mx.array] | None = None) -> mx.array:
@@ -191,8 +198,9 @@ class PlainDecoder(DecoderBase):
     """Decodes one token per trunk forward."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
-                 prompt_cache: PromptCache | None = None, progress: Progress | None = None):
-        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress)
+                 prompt_cache: PromptCache | None = None, progress: Progress | None = None,
+                 pipeline: bool = True):
+        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress, pipeline=pipeline)
         self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
 
     def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:
@@ -203,8 +211,9 @@ class PlainDecoder(DecoderBase):
         mx.async_eval(*nxt)
         return nxt
 
-    def prefill(self, ids: list[int]) -> list[int]:
+    def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
         """Processes the prompt; returns the tokens it already produces (here the first one)."""
+        self.budget = budget
         self.sampler.begin(ids)
         with self.prof.stage("prefill"):
             # only each chunk's last row is kept: a 32k-token prompt's every hidden state is 0.5 GB at 9B

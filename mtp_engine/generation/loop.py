@@ -123,12 +123,9 @@ def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int],
     finish = "length"
     prof.start()
     # the decoder may queue its next round before the host reads the current one (mx.async_eval), so
-    # this loop's detokenization and stop checks overlap device work; `budget` keeps it from queuing
-    # rounds past max_tokens
-    if decoder.pipeline is None:
-        decoder.pipeline = True
-    decoder.budget = max_tokens
-    pending = decoder.prefill(prompt_ids)
+    # this loop's detokenization and stop checks overlap device work; the budget keeps it from
+    # queuing rounds past max_tokens (it counts what it emits)
+    pending = decoder.prefill(prompt_ids, budget=max_tokens)
     meta = _round_meta(decoder, pending)
     from_prefill = len(pending)
     t_prefill = time.perf_counter() - t0
@@ -167,7 +164,6 @@ def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int],
             yield Chunk(text, out_ids, drafted=drafted[:len(out_ids)], n_drafted=n_drafted,
                         logprobs=logprobs[:len(out_ids)] if logprobs is not None else None, pieces=pieces)
         if not done:
-            decoder.budget = max_tokens - len(generated)
             pending = decoder.step()
             meta = _round_meta(decoder, pending)
     t_decode = time.perf_counter() - t1

@@ -11,7 +11,7 @@ One round, each stage a method named as in the loop that calls it:
   catch_up  the drafter is told what the round emitted, with the trunk's hidden states.
 A round with k = 0 is exactly a plain step (no capture, no drafter work).
 
-Pipelining (the generation loop sets `pipeline`): a greedy plain round queues the next plain
+Pipelining (`pipeline`, and a budget from the caller): a greedy plain round queues the next plain
 round from its token still on the device; any round queues the next one right after its host
 read, so device work overlaps the caller's detokenization.
 """
@@ -62,10 +62,10 @@ class SpeculativeDecoder(DecoderBase):
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams, drafter: DrafterFactory,
                  profiler: Profiler | None = None, scheduler: DraftLengthScheduler | None = None, *,
                  prompt_cache: PromptCache | None = None, calibration_path: str = "",
-                 progress: Progress | None = None):
+                 progress: Progress | None = None, pipeline: bool = True):
         if params.auto and scheduler is None:
             raise MTPEngineError("n-max auto needs a scheduler with the device's measured costs", field="n-max")
-        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress)
+        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress, pipeline=pipeline)
         self.params = params
         self.scheduler = scheduler if params.auto else None
         self.drafter: Drafter = drafter(DraftContext(model, sampler, self.prof))
@@ -83,9 +83,10 @@ class SpeculativeDecoder(DecoderBase):
         return post
 
     # ---- prompt -------------------------------------------------------------------------------
-    def prefill(self, ids: list[int]) -> list[int]:
+    def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
         """Prefills all but the last prompt token (as llama.cpp's draft-mtp does), so the first
         round drafts from the last prompt token and its verify yields the first new token."""
+        self.budget = budget
         self.sampler.begin(ids)
         self._emitted([], 0, 0, None)
         with self.prof.stage("prefill"):

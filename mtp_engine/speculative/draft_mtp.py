@@ -28,9 +28,9 @@ class DraftMTPDecoder(ResidentRounds, SpeculativeDecoder):
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,
                  prompt_cache: PromptCache | None = None, calibration_path: str = "",
-                 progress: Progress | None = None):
-        super().__init__(model, sampler, params, MTPDrafter, profiler, scheduler,
-                         prompt_cache=prompt_cache, calibration_path=calibration_path, progress=progress)
+                 progress: Progress | None = None, pipeline: bool = True):
+        super().__init__(model, sampler, params, MTPDrafter, profiler, scheduler, prompt_cache=prompt_cache,
+                         calibration_path=calibration_path, progress=progress, pipeline=pipeline)
 
     # the head's state, where tests and notebooks look for it
     @property

@@ -59,8 +59,8 @@ class ResidentRounds:
 
     resident_rounds = True
 
-    def prefill(self, ids: list[int]) -> list[int]:
-        out = super().prefill(ids)
+    def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
+        out = super().prefill(ids, budget)
         self._queued: list[Queued] = []
         self._prev_k = -1
         self._resident = (self.resident_rounds and self.model.resident_rounds and self.sampler.grammar is None

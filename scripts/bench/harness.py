@@ -128,8 +128,7 @@ def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=Non
 
 
 def _ours_tps(model, prompt, tokens, pipeline: bool) -> float:
-    dec = PlainDecoder(model, Sampler(SamplerConfig(seed=0)))
-    dec.pipeline = pipeline
+    dec = PlainDecoder(model, Sampler(SamplerConfig(seed=0)), pipeline=pipeline)
     last = None
     for last in run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True):
         pass

@@ -38,13 +38,10 @@ def test_pipelined_equals_unpipelined_and_stops_at_max_tokens(tiny, spec):
     def make(pipeline):
         s = Sampler(SamplerConfig())
         if spec == "none":
-            d = PlainDecoder(tiny.model, s)
-        else:
-            from mtp_engine.speculative.scheduler import DraftLengthScheduler
-            d = DraftMTPDecoder(tiny.model, s, DraftParams(spec),
-                                scheduler=DraftLengthScheduler({k: 1.1 for k in range(1, 9)}) if spec == "auto" else None)
-        d.pipeline = pipeline
-        return d
+            return PlainDecoder(tiny.model, s, pipeline=pipeline)
+        from mtp_engine.speculative.scheduler import DraftLengthScheduler
+        return DraftMTPDecoder(tiny.model, s, DraftParams(spec), pipeline=pipeline,
+                               scheduler=DraftLengthScheduler({k: 1.1 for k in range(1, 9)}) if spec == "auto" else None)
 
     n = 23
     a = make(True)

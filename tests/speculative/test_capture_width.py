@@ -76,8 +76,8 @@ def test_without_a_fixed_width_each_pair_of_lengths_is_a_trace(compiled_model, m
 _prefill = decoder_module.SpeculativeDecoder.prefill
 
 
-def _prefill_without_width(self, ids):
-    out = _prefill(self, ids)
+def _prefill_without_width(self, ids, budget=None):
+    out = _prefill(self, ids, budget)
     capture_at_width(self.cache.layers, None)
     return out
 

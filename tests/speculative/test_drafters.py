@@ -55,8 +55,8 @@ def test_ngram_drafter_greedy_equals_plain(tiny, n_max):
     n = 40
     ref = generate(IDS, tiny, max_tokens=n, ignore_eos=True).token_ids
     for pipeline in (True, False):
-        dec = SpeculativeDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max), NGramDrafter)
-        dec.pipeline = pipeline
+        dec = SpeculativeDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max), NGramDrafter,
+                                 pipeline=pipeline)
         got, st = _tokens(dec, tiny.tokenizer, n)
         assert got == ref
         assert st["drafted"] > 0 and st["ngram_hits"] > 0  # the interface was exercised, not bypassed
