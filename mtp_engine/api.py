@@ -294,16 +294,15 @@ def stream_request(request: GenerationRequest | Prepared, model: Model | str | N
 def _decode_alone(prepared: Prepared, m: Model) -> Iterator[Chunk]:
     req = prepared.request
     prof = Profiler(req.profile or "off")
-    seed = None
-    if m.comm is not None:  # one random state on every rank: sampled acceptance agrees
+    seed, agree = None, None
+    if m.comm is not None:  # one random state and rank 0's draft lengths on every rank
         from .distributed import common_seed
         seed = common_seed(m.comm, req.sampler.seed)
-    decoder = make_decoder(m, prepared, prof, seed)
+        agree = m.comm.broadcast_int if m.comm.size > 1 else None
+    decoder = make_decoder(m, prepared, prof, seed, agree)
     chunks = run(decoder, m.tokenizer, prepared.prompt_ids, prepared.max_tokens, stop=req.stop,
                  ignore_eos=req.ignore_eos, profiler=prof)
     if m.comm is not None:
-        from .distributed import share_decisions
-        share_decisions(decoder, m.comm)
         chunks = m.comm.guard(chunks)
     yield from chunks
 

@@ -5,7 +5,7 @@ rank reading only its share of the GGUF (`shard.py`), with a bounded wait on pee
 The decoders (plain, draft-mtp with its MTP head, rollback, n-max auto) run unchanged on every
 rank: the sharded model hands every rank the same hidden states and logits, samplers share one
 seed, and the per-round draft length of n-max auto (chosen from each rank's own clock) is rank
-0's, broadcast (`share_decisions`).
+0's, broadcast (the scheduler is built with `Comm.broadcast_int` as its `agree`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..model.memory import available_memory, estimate
 from .runtime import DEFAULT_TIMEOUT, Comm, check_mode, check_timeout, init_group, peer_error
 from .shard import GGUFSource, TPPlan, shard_weight_bytes
 
-__all__ = ["Comm", "DEFAULT_TIMEOUT", "load_sharded", "share_decisions", "common_seed", "rank_estimate"]
+__all__ = ["Comm", "DEFAULT_TIMEOUT", "load_sharded", "common_seed", "rank_estimate"]
 
 
 def rank_estimate(gf: GGUFFile, mode: str, rank: int, size: int, exact: bool, context: int,
@@ -109,26 +109,6 @@ def common_seed(comm: Comm, seed: int | None) -> int | None:
     if seed is None:
         seed = int.from_bytes(os.urandom(3), "little")
     return comm.broadcast_int(seed)
-
-
-class _SharedScheduler:
-    """A draft-length scheduler whose choice is rank 0's (the others still observe their rounds)."""
-
-    def __init__(self, inner, comm: Comm):
-        self._inner, self._comm = inner, comm
-
-    def next_k(self, context: int = 0) -> int:
-        return self._comm.broadcast_int(self._inner.next_k(context))
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-def share_decisions(decoder, comm: Comm):
-    """Makes the decoder's rank-local decisions (n-max auto's clock) rank 0's; returns it."""
-    if comm.size > 1 and getattr(decoder, "scheduler", None) is not None:
-        decoder.scheduler = _SharedScheduler(decoder.scheduler, comm)
-    return decoder
 
 
 __all__ += ["peer_error", "build", "ShardedLoad"]

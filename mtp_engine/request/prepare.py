@@ -12,6 +12,7 @@ This is the one place a request's chat template is rendered.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from ..chat import tool_calls
 from ..chat.template import CHATML, CHATML_NOTE
@@ -113,11 +114,13 @@ def make_sampler(model: Model, prepared: Prepared, seed: int | None = None) -> S
     return Sampler(cfg, grammar)
 
 
-def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int | None = None) -> DecoderBase:
+def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int | None = None,
+                 agree: Callable[[int], int] | None = None) -> DecoderBase:
     """The decoder of a prepared request: plain, or the speculative method its spec names
     (`speculative/methods.py`); n-max auto gets a scheduler seeded, for draft-mtp, with the costs
     earlier runs stored for this model file and device (another drafter's rounds cost something
-    else: it starts from the prior). `seed` replaces the sampler's (distributed ranks share one)."""
+    else: it starts from the prior). `seed` replaces the sampler's and `agree` makes auto's draft
+    lengths common (distributed ranks share both)."""
     req = prepared.request
     sampler = make_sampler(model, prepared, seed)
     spec = req.spec
@@ -134,7 +137,7 @@ def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int
     if params.auto:
         # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
         costs = calibration.load_seed(model.path, model.model, model.options.cache_path) if stored else None
-        scheduler = DraftLengthScheduler.for_model(model.model, costs)
+        scheduler = DraftLengthScheduler.for_model(model.model, costs, agree)
     return build_decoder(spec.method, model.model, sampler, params, profiler, scheduler,
                          prompt_cache=req.prompt_cache, calibration_path=model.path if stored else "",
                          progress=req.progress)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import Callable
 
 from .calibration import MAX_K, default_seed
 from .costmodel import Costs
@@ -83,14 +84,19 @@ class DraftLengthScheduler:
     device and model kind when None); it also fills the lengths a stored entry lacks."""
 
     @classmethod
-    def for_model(cls, model, costs: Costs | dict[int, float] | None = None) -> "DraftLengthScheduler":
+    def for_model(cls, model, costs: Costs | dict[int, float] | None = None,
+                  agree: Callable[[int], int] | None = None) -> "DraftLengthScheduler":
         """The scheduler a run of `model` starts with: its draft-length cap (`auto_k_max`) and the
         prior of this device and model kind (dense or MoE)."""
         cfg = getattr(model, "cfg", None)
-        return cls(costs, k_max=auto_k_max(model), prior=default_seed(moe=bool(cfg and cfg.is_moe)))
+        return cls(costs, k_max=auto_k_max(model), prior=default_seed(moe=bool(cfg and cfg.is_moe)), agree=agree)
 
     def __init__(self, costs: Costs | dict[int, float] | None = None, k_max: int = AUTO_MAX,
-                 budget: float = PROBE_BUDGET, prior: dict[int, float] | None = None):
+                 budget: float = PROBE_BUDGET, prior: dict[int, float] | None = None,
+                 agree: Callable[[int], int] | None = None):
+        """`agree`: makes a choice common where several processes decode one sequence (a
+        distributed rank's broadcast of rank 0's); the scheduler then records the common choice."""
+        self.agree = agree
         self.seed = _seed_from(costs, prior or default_seed())
         self.k_max = min(k_max, max(self.seed))
         self.budget = budget
@@ -266,6 +272,9 @@ class DraftLengthScheduler:
                 self.probes += 1
         else:
             self._plain_streak = 0
+        if self.agree is not None:  # each rank chose from its own clock: rank 0's choice holds
+            agreed = self.agree(k)
+            probe, k = probe and agreed == k, agreed
         self._last_k = 0 if probe else k
         self.rounds += 1
         self.drafting_rounds += int(k > 0 and not probe)

@@ -376,3 +376,22 @@ def test_cached_estimates_choose_exactly_as_recomputed_ones():
         runs.append((choices, s.stats(), s.compile_seconds(), s.message(), s.alphas()))
     assert runs[0] == runs[1]
     assert 0 < sum(1 for k in runs[0][0] if k) < len(runs[0][0])  # it drafted and it did not
+
+
+def test_an_agreed_choice_is_the_one_recorded():
+    """Ranks that decode one sequence together use rank 0's draft length (`agree`, a broadcast):
+    a rank whose own clock would choose otherwise runs and records the agreed length, so what it
+    observes next belongs to the round it ran."""
+    asked: list[int] = []
+
+    def rank0(k: int) -> int:  # stands in for Comm.broadcast_int on a rank other than 0
+        asked.append(k)
+        return 3
+
+    s = DraftLengthScheduler(_costs(lambda n: float(n), c=0.3), agree=rank0)  # alone it would decode plainly
+    assert [s.next_k() for _ in range(4)] == [3, 3, 3, 3]
+    assert asked and all(k == 0 for k in asked)
+    assert [k for k, _ in s._queue] == [3, 3, 3, 3] and not any(p for _, p in s._queue)
+    assert s.drafting_rounds == 4
+    alone = DraftLengthScheduler(_costs(lambda n: float(n), c=0.3))
+    assert alone.next_k() == 0
