@@ -103,8 +103,8 @@ def ablation_decoder(model: Qwen35Model, sampler: Sampler, params: DraftParams, 
         mixins.append(PreNormFeed)
     if oracle_acceptance is not None:
         mixins.append(OracleAcceptance)
-    cls = type("AblationDecoder", (*mixins, DraftMTPDecoder), {}) if mixins else DraftMTPDecoder
-    dec = cls(model, sampler, params, profiler, scheduler=scheduler)
-    if oracle_acceptance is not None:
-        dec.oracle = float(oracle_acceptance)
-    return dec
+    # the variant is a class of its own: its acceptance rate a class attribute, nothing set on the
+    # decoder after it is built
+    attrs = {"oracle": float(oracle_acceptance)} if oracle_acceptance is not None else {}
+    cls = type("AblationDecoder", (*mixins, DraftMTPDecoder), attrs) if mixins else DraftMTPDecoder
+    return cls(model, sampler, params, profiler, scheduler=scheduler)
