@@ -6,7 +6,7 @@ import os
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -119,7 +119,7 @@ def load(path: str | os.PathLike | None = None, exact: bool = False, load_mtp: b
     if parallel is not None and parallel > 1:
         if m.comm is not None:
             raise MTPEngineError("not supported with a distributed model", field="parallel")
-        m.scheduler = batch_scheduler(m, parallel)
+        m = replace(m, scheduler=batch_scheduler(m, parallel))
     return m
 
 

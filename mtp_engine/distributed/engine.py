@@ -26,9 +26,8 @@ def load_model(p: Path, mode: str, group, timeout: float, exact: bool, load_mtp:
     evaluate_all(model)
     release_at_exit()
     info = _info(sl)
-    m = Model(model, Tokenizer.from_gguf(sl.gf.reader, sl.gf.path), info, sl.gf.path, time.perf_counter() - t0)
-    m.comm = sl.comm
-    return m
+    return Model(model, Tokenizer.from_gguf(sl.gf.reader, sl.gf.path), info, sl.gf.path, time.perf_counter() - t0,
+                 comm=sl.comm)
 
 
 def _info(sl):

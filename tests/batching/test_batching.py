@@ -3,6 +3,7 @@ as it decodes alone. The references are the same requests run one at a time by `
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 import threading
 import time
 
@@ -336,9 +337,8 @@ def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
     prompts = PROMPTS[:5]
     plain = [{**kw, "spec": "none", "n_max": "auto"} if kw.get("temperature") else kw for kw in kws]
     want = [generate(p, shipped_model, max_tokens=10, ignore_eos=True, **kw) for p, kw in zip(prompts, plain)]
-    from dataclasses import replace
     m = replace(shipped_model, scheduler=None)
-    m.scheduler = batch_scheduler(m, 5)
+    m = replace(m, scheduler=batch_scheduler(m, 5))
     got: dict[int, list[int]] = {}
 
     def read(i):
@@ -355,7 +355,6 @@ def test_plain_rows_skip_the_head_and_a_drafting_row_joins_them_later(shipped_mo
     (their head rows are never read); a draft-mtp row that joins after their head rows went stale
     (while a step may still be queued) still drafts from its own, and every row gets what it gets
     alone."""
-    from dataclasses import replace
 
     from mtp_engine.api import stream_request
     from mtp_engine.batching import batch_scheduler
@@ -364,7 +363,7 @@ def test_plain_rows_skip_the_head_and_a_drafting_row_joins_them_later(shipped_mo
     kws = [dict(spec="none"), dict(spec="none", max_tokens=40), dict(spec="draft-mtp", n_max=3)]
     want = [generate(p, shipped_model, ignore_eos=True, **{"max_tokens": 24, **kw}) for p, kw in zip(PROMPTS, kws)]
     m = replace(shipped_model, scheduler=None)
-    m.scheduler = batch_scheduler(m, 3)
+    m = replace(m, scheduler=batch_scheduler(m, 3))
     head_steps = []
     forward = m.model.mtp.forward_batch
     m.model.mtp.forward_batch = lambda *a, **k: (head_steps.append(1), forward(*a, **k))[1]
@@ -401,12 +400,11 @@ def test_plain_rows_skip_the_head_and_a_drafting_row_joins_them_later(shipped_mo
 def test_oracle_batches_accept_what_they_are_told(shipped_model, oracle):
     """The benchmark's oracle scheduler (batching/ablations.py): at acceptance 0 no draft counts and
     every row emits what plain greedy decoding does; at 1 every draft counts."""
-    from dataclasses import replace
 
     from mtp_engine.batching.ablations import OracleBatchScheduler
 
     m = replace(shipped_model, scheduler=None)
-    m.scheduler = OracleBatchScheduler(m, 3, oracle=oracle)
+    m = replace(m, scheduler=OracleBatchScheduler(m, 3, oracle=oracle))
     got: dict[int, object] = {}
 
     def one(i):  # a model with a scheduler: generate() calls from threads share its batches
@@ -434,12 +432,11 @@ def test_no_row_makes_the_batch_draft_longer_than_its_cap(shipped_model):
     """A sequence asking for n-max 64 beside others: the batch's rounds draft at most the
     scheduler's `max_draft` (the API's load(parallel=N) and the server's batches alike), and every
     answer is still its plain greedy answer alone."""
-    from dataclasses import replace
 
     from mtp_engine.batching import MTPBatchScheduler
 
     m = replace(shipped_model, scheduler=None)
-    m.scheduler = MTPBatchScheduler(m, 3, max_draft=2)
+    m = replace(m, scheduler=MTPBatchScheduler(m, 3, max_draft=2))
     got: dict[int, object] = {}
     n_maxes = [64, 3, "auto"]
 
@@ -456,13 +453,12 @@ def test_no_row_makes_the_batch_draft_longer_than_its_cap(shipped_model):
 
 
 def test_mtp_batch_reuses_the_prompt_cache_with_the_heads_state(shipped_model):
-    from dataclasses import replace
 
     from mtp_engine import PromptCache
     from mtp_engine.batching import batch_scheduler
 
     m = replace(shipped_model, scheduler=None)
-    m.scheduler = batch_scheduler(m, 2)
+    m = replace(m, scheduler=batch_scheduler(m, 2))
     turn1 = "def area(r):\n    return 3.14159 * r * r\n\n"
     turn2 = turn1 + "def perimeter(r):\n"
     cache = PromptCache()
@@ -480,7 +476,6 @@ def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shippe
     stretch draft from an exact head (their drafts accepted as often as without the stretch) and
     every row gets what it gets alone. A controller that alternates stretches of 0 and 3 stands in for
     auto's measurements."""
-    from dataclasses import replace
 
     from mtp_engine.api import stream_request
     from mtp_engine.request import prepare, request_from_keywords
@@ -491,7 +486,8 @@ def test_k0_rounds_are_pipelined_and_keep_the_head_exact_for_later_drafts(shippe
 
     m = replace(shipped_model, scheduler=None)
     # a device where drafts may pay (this CPU's prior says none does)
-    m.scheduler = sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=True))
+    sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=True))
+    m = replace(m, scheduler=sched)
     choices = iter(([0] * 6 + [3] * 3) * 40)
     sched.controller(3).next_k = lambda context=0: next(choices)
     queued, lengths = [], []
@@ -532,7 +528,6 @@ def test_auto_rows_where_no_draft_can_pay_take_plain_rounds_without_the_head(shi
     backend: a verify row costs what it computes), n-max auto rows in a batch never draft and run
     no head rows, in their rounds or over their prompts: plain batched rounds, the plain answers. A row with a fixed n-max in
     the same batch still drafts (and keeps the head in step for every row)."""
-    from dataclasses import replace
 
     from mtp_engine.batching import MTPBatchScheduler
     from mtp_engine.speculative.calibration import default_seed
@@ -540,7 +535,8 @@ def test_auto_rows_where_no_draft_can_pay_take_plain_rounds_without_the_head(shi
     want = _alone(shipped_model, PROMPTS[:3], max_tokens=12, ignore_eos=True)
     for n_maxes in (["auto"] * 3, ["auto", "auto", 2]):
         m = replace(shipped_model, scheduler=None)
-        m.scheduler = sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=False))
+        sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=False))
+        m = replace(m, scheduler=sched)
         assert not any(sched.controller(b).can_win for b in (1, 2, 3))
         decode_head = []  # per head forward: whether a round ran it (else a prefill chunk)
         forward = m.model.mtp.forward_batch
@@ -569,7 +565,6 @@ def test_auto_batches_draft_by_the_controller_beside_every_other_kind_of_row(shi
     draft-length controller (its own choices, not a stand-in), beside rows of a fixed n-max, n-max
     0, plain and sampled rows, joining and leaving at different times: every answer is its answer
     alone (a sampled row's: plain sampling with its seed)."""
-    from dataclasses import replace
 
     from mtp_engine.batching import MTPBatchScheduler
     from mtp_engine.speculative.calibration import default_seed
@@ -581,7 +576,8 @@ def test_auto_batches_draft_by_the_controller_beside_every_other_kind_of_row(shi
     want = [generate(PROMPTS[i % len(PROMPTS)], shipped_model, max_tokens=lengths[i], ignore_eos=True,
                      **alone[i]).token_ids for i in range(len(kinds))]
     m = replace(shipped_model, scheduler=None)
-    m.scheduler = sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=True))
+    sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=True))
+    m = replace(m, scheduler=sched)
     got: dict[int, list[int]] = {}
 
     def one(i):
