@@ -70,11 +70,11 @@ class OracleAcceptance:
             n += 1
         return n, int(target[n]), [int(t) for t in target[:n]] + d.tolist()[n:]
 
-    def _accept_device(self, drafts, logits, q, live):
+    def _accept_device(self, drafts, scored, q, live):
         if not self.sampler.cfg.greedy:
-            return super()._accept_device(drafts, logits, q, live)
+            return super()._accept_device(drafts, scored, q, live)
         self._key, sub = mx.random.split(self._key)
-        return accept_oracle_device(drafts, self.sampler.penalize(logits[0], drafts[0])[None], live, self.oracle, sub)
+        return accept_oracle_device(drafts, scored, live, self.oracle, sub)
 
 
 def accept_oracle_device(drafts: mx.array, scored: mx.array, live: mx.array, oracle: float,

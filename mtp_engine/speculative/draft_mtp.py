@@ -23,7 +23,8 @@ __all__ = ["DraftMTPDecoder", "DraftParams"]
 
 class DraftMTPDecoder(ResidentRounds, SpeculativeDecoder):
     """Speculative decoding with the model's MTP head as the drafter; rounds are device-resident
-    (speculative/resident.py) unless a grammar or precise profiling needs the host round."""
+    (speculative/resident.py; a precise profile times their stages) unless a grammar needs the
+    host round."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,

@@ -10,7 +10,8 @@
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from contextlib import nullcontext
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -277,13 +278,30 @@ class MTPDrafter(Drafter):
     def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """k drafts as device values, as a round's one row: (tokens [1, k] int32, their
         distributions [1, k, V] when sampling, whether each passed p-min [1, k] when p-min is set).
-        Every step runs; p-min only says which drafts count (the round keeps the shape k gives it)."""
+        Every step runs; p-min only says which drafts count (the round keeps the shape k gives it).
+        A precise profile times the head's block (its owed rows and the last token's) as catch-up
+        and each step as a draft, each evaluated at its end, as the host round attributes them."""
+        prof = self.ctx.prof
+        if prof.mode == "precise":
+            with prof.stage("catch_up") as out:
+                h = self._run_block()
+                out.append(h)
+            tokens, qs, confident = self._chain(h, k, p_min, prof.stage)
+        else:
+            with prof.stage("draft") as out:
+                tokens, qs, confident = self._chain(self._run_block(), k, p_min)
+                out.append(tokens)
+        self.steps = k
+        return tokens, qs, confident
+
+    def _chain(self, h: mx.array, k: int, p_min: float,
+               stage: Callable = lambda name: nullcontext([])) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """The k chained head steps from the block's last output `h` (`stage` per step)."""
         model, sampler, cache = self.model, self.ctx.sampler, self.cache
-        with self.ctx.prof.stage("draft") as out:
-            h = self._run_block()
-            kept, bound = cache.offset, cache.bound
-            drafts, qs, confident = [], [], []
-            for i in range(k):
+        kept, bound = cache.offset, cache.bound
+        drafts, qs, confident = [], [], []
+        for i in range(k):
+            with stage("draft") as out:
                 logits = sampler.penalize(model.draft_logits(h[0, 0]), mx.stack(drafts) if drafts else None,
                                           len(drafts))
                 d = self._pick(logits, qs)
@@ -292,11 +310,10 @@ class MTPDrafter(Drafter):
                 drafts.append(d.astype(mx.int32))
                 if i + 1 < k:
                     h = model.mtp(model.embed_tokens(d.reshape(1, 1)), h, cache, resident=True)
-            cache.offset, cache.bound = kept, bound  # rows of steps 2..k were the head's own guesses
-            tokens = mx.stack(drafts)[None]
-            out.append(tokens)
-        self.steps = k
-        return tokens, (mx.stack(qs)[None] if qs else None), (mx.stack(confident)[None] if confident else None)
+                out.extend([drafts[-1], h])
+        cache.offset, cache.bound = kept, bound  # rows of steps 2..k were the head's own guesses
+        return (mx.stack(drafts)[None], mx.stack(qs)[None] if qs else None,
+                mx.stack(confident)[None] if confident else None)
 
     def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
         """A drafting round emitted `emitted[0, :n+1]` (the round's one row: accepted drafts, then

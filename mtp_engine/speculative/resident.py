@@ -14,7 +14,8 @@ every decision a lazy MLX value) and this module is the pipelining layer around 
 Only shapes chosen by the host (k) change the graphs; accepted lengths never do. The host reads
 a round's (emitted, n) one round late, then detokenizes and checks stops while the device runs the
 next. Output is the host round's: greedy token-identical to plain decoding, sampling lossless.
-Grammar-constrained generation (host state per token) and precise profiling keep the host round.
+Grammar-constrained generation (host state per token) keeps the host round; a precise profile
+times the device round's stages, each evaluated at its end.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class ResidentRounds:
         self._queued: list[Queued] = []
         self._prev_k = -1
         self._resident = (self.resident_rounds and self.model.resident_rounds and self.sampler.grammar is None
-                          and self.prof.mode != "precise" and self._may_draft())
+                          and self._may_draft())
         if self._resident:
             self._last_dev = mx.array([ids[-1]], dtype=mx.int32)
             self._key = mx.random.key(int(self.sampler.rng.integers(0, 2**63)))
@@ -119,7 +120,7 @@ class ResidentRounds:
         shapes = self._shapes(k)
         r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k,
                         self._accept_device, self._fed, self.params.p_min, self.params.n_min,
-                        stage=self.prof.stage)
+                        score=self._score, stage=self.prof.stage)
         self._last_dev = r.last
         return self._queue(Queued(r, k + 1, shapes))
 
@@ -142,16 +143,20 @@ class ResidentRounds:
             mx.async_eval(*r.read(), *self.drafter.pending_arrays())
         return r
 
-    def _accept_device(self, drafts: mx.array, logits: mx.array, q: mx.array | None,
-                       live: mx.array) -> tuple[mx.array, mx.array]:
-        """(n accepted [1], emitted [1, k+1]) as device values, for the one row's drafts [1, k] and
-        logits [1, k+1, V]; row i's penalties count drafts 1..i as generated."""
-        cfg = self.sampler.cfg
+    def _score(self, drafts: mx.array, logits: mx.array) -> mx.array:
+        """What the rule compares, for the one row's drafts [1, k] and logits [1, k+1, V]: the
+        penalised logits (row i's penalties count drafts 1..i as generated), or when sampling the
+        distributions drawn from."""
         scored = self.sampler.penalize(logits[0], drafts[0])[None]
-        if cfg.greedy:
+        return scored if self.sampler.cfg.greedy else distribution(scored, self.sampler.cfg)
+
+    def _accept_device(self, drafts: mx.array, scored: mx.array, q: mx.array | None,
+                       live: mx.array) -> tuple[mx.array, mx.array]:
+        """(n accepted [1], emitted [1, k+1]) as device values."""
+        if self.sampler.cfg.greedy:
             return accept_greedy_device(drafts, scored, live)
         self._key, sub = mx.random.split(self._key)
-        return accept_sampling_device(drafts, distribution(scored, cfg), q, live, sub)
+        return accept_sampling_device(drafts, scored, q, live, sub)
 
     def _shapes(self, k: int) -> list:
         w, head_cap = self.drafter.block_width(), kv_capacity(self.drafter.cache)

@@ -69,27 +69,34 @@ class RoundRead:
 
 
 def _no_stage(name: str):
-    return nullcontext()
+    return nullcontext([])
 
 
 def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable, fed: Callable,
                 p_min: float = 0.0, n_min: int = 0, drafting: mx.array | None = None,
-                stage: Callable = _no_stage) -> Round:
+                score: Callable | None = None, stage: Callable = _no_stage) -> Round:
     """Draft, verify, accept, commit (module docstring). `last` [B]: the tokens the round starts
     from (device values); `cache`: a sequence's `TrunkCache` (B = 1) or a `BatchCache`;
-    `accept(drafts, logits, q, live) -> (n, emitted)`: the acceptance rule over rows; `fed(post,
-    pre)`: the trunk state the drafter reads; `drafting` [B] bool: the rows whose drafts count
-    (None: all)."""
+    `score(drafts, logits) -> scored`: what the rule compares (penalties, or the distributions a
+    sampling rule draws from; None: the logits); `accept(drafts, scored, q, live) -> (n,
+    emitted)`: the acceptance rule over rows; `fed(post, pre)`: the trunk state the drafter reads;
+    `drafting` [B] bool: the rows whose drafts count (None: all). `stage(name)`: the profiler's
+    stage, whose list takes what a precise profile evaluates at the stage's end."""
     drafts, q, confident = drafter.draft_resident(k, p_min)
     live = live_drafts(confident, k, n_min, drafts.shape[0])
     if drafting is not None:
         live = live & drafting[:, None]
-    with stage("verify"):
+    with stage("verify") as out:
         post, pre = model.forward(mx.concatenate([last[:, None], drafts], axis=1), cache, capture=True,
                                   return_prenorm=True, resident=True)
         logits = model.logits(post)
-    with stage("accept"):
-        n, emitted = accept(drafts, logits, q, live)
+        out.append(logits)
+    with stage("sample") as out:
+        scored = score(drafts, logits) if score is not None else logits
+        out.append(scored)
+    with stage("accept") as out:
+        n, emitted = accept(drafts, scored, q, live)
+        out.extend([n, emitted])
     with stage("rollback"):
         cache.rollback_lazy(n + 1)
         drafter.commit(emitted, n, fed(post, pre))
@@ -102,10 +109,11 @@ def plain_round(model, cache, drafter, last: mx.array, pick: Callable, fed: Call
                 stage: Callable = _no_stage) -> Round:
     """A round without drafts: one trunk step per row from `last` [B]; `pick(logits [B, V]) -> [B]`
     int32 the tokens; `drafter` (None: none) keeps its head in step."""
-    with stage("decode"):
+    with stage("decode") as out:
         post, pre = model.forward(last[:, None], cache, return_prenorm=True, resident=True)
         logits = model.logits(post)
         token = pick(logits[:, 0])
+        out.append(token)
     if drafter is not None:
         drafter.accept_plain(token, fed(post, pre))
     return Round(0, token[:, None], None, None, None, mx.all(mx.isfinite(logits), axis=(1, 2)), logits, token)

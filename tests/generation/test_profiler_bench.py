@@ -37,6 +37,26 @@ def test_precise_stages_add_up_to_wall_time(tiny, spec):
         assert stages["verify"]["count"] == r.stats["rounds"]
 
 
+def test_a_precise_profile_times_the_device_round_itself(tiny):
+    """A precise profile does not switch draft-mtp to another round: the device-resident round
+    runs, each stage evaluated at its end (the head's block as catch-up, each chained step as a
+    draft), and its output is plain decoding's."""
+    from mtp_engine.generation.loop import run
+    from mtp_engine.generation.profiler import Profiler
+    from mtp_engine.generation.sampling import Sampler, SamplerConfig
+    from mtp_engine.speculative.config import DraftParams
+    from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
+
+    prof = Profiler("precise")
+    dec = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(2), prof)
+    got = [t for ch in run(dec, tiny.tokenizer, IDS, 24, ignore_eos=True, profiler=prof) for t in ch.token_ids]
+    assert dec._resident
+    assert got == generate(IDS, tiny, max_tokens=24, ignore_eos=True).token_ids
+    counts = prof.report()["stages"]
+    assert counts["catch_up"]["count"] == counts["verify"]["count"] == dec.stats()["rounds"]
+    assert counts["draft"]["count"] == 2 * counts["verify"]["count"]
+
+
 def test_round_mode_and_off_mode(tiny):
     r = generate(IDS, tiny, max_tokens=20, ignore_eos=True, spec="draft-mtp", profile="round")
     assert r.stats["profile"]["mode"] == "round"
