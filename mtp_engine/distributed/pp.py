@@ -46,9 +46,14 @@ def pp_selection(cfg: Qwen35Config, rank: int, size: int):
 class PPModel(Qwen35Model):
     """A `Qwen35Model` holding one pipeline stage; `forward` runs the whole pipeline."""
 
-    comm: Comm
-    first_layer: int
     resident_rounds = False  # `forward` is the pipeline's own (host KV offsets)
+
+    def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list, output_norm: mx.array, lm_head,
+                 mtp: MTPHead | None, *, comm: Comm, first_layer: int, expert_use: ExpertUse | None = None):
+        """This stage's `layers` (the model's layers from `first_layer` on) of the model `cfg`."""
+        super().__init__(cfg, embed, layers, output_norm, lm_head, mtp, expert_use=expert_use)
+        self.comm, self.first_layer, self.global_cfg = comm, first_layer, cfg
+        self.compile_steps = False  # stage boundaries depend on the rank: forwards stay uncompiled
 
     def make_cache(self) -> TrunkCache:
         c = self.cfg
@@ -126,10 +131,5 @@ def build_pp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> PP
                       hnorm=fetch(p + "hnorm.weight", (h,), False),
                       layer=_layer(fetch, cfg.n_layer, cfg, False, use, ("mtp", 0)),
                       shared_head_norm=fetch(p + "shared_head_norm.weight", (h,), False), cfg=cfg, expert_use=use)
-    model = Qwen35Model(cfg, embed, layers, output_norm, VocabShardHead(head, cfg.vocab_size, comm), mtp,
-                        expert_use=use)
-    model.__class__ = PPModel
-    model.comm, model.first_layer = comm, l0
-    model.global_cfg = cfg
-    model.compile_steps = False  # stage boundaries depend on the rank: forwards stay uncompiled
-    return model
+    return PPModel(cfg, embed, layers, output_norm, VocabShardHead(head, cfg.vocab_size, comm), mtp, comm=comm,
+                   first_layer=l0, expert_use=use)

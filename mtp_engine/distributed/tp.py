@@ -104,10 +104,19 @@ class VocabShardHead:
 class TPModel(Qwen35Model):
     """A `Qwen35Model` whose blocks hold one rank's share; caches follow the local heads."""
 
-    comm: Comm
     # a rank without a layer's heads holds no recurrent state to roll back on the device; ranks
     # keep the host round (one sync per round is also what keeps their collectives in step)
     resident_rounds = False
+
+    def __init__(self, local: Qwen35Config, embed: Linear, layers: list, output_norm: mx.array, lm_head,
+                 mtp, *, comm: Comm, global_cfg: Qwen35Config, compiled: bool = True, expert_use=None):
+        """A rank's share: `local` its configuration (its heads and widths), `global_cfg` the
+        model's; `compiled` False where zero-width shares or null caches would meet traced shapes
+        the compiled steps were not written for."""
+        super().__init__(local, embed, layers, output_norm, lm_head, mtp, expert_use=expert_use)
+        self.comm, self.global_cfg = comm, global_cfg
+        if not compiled:
+            self.compile_steps = False
 
     def make_cache(self) -> TrunkCache:
         c = self.cfg
@@ -154,27 +163,22 @@ def build_tp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> TP
         mx.eval(out.weight if matrix else out)
         return out
 
-    model = build_model(local, fetch, source.has_tensor, load_mtp=load_mtp)
-    model.__class__ = TPModel
-    model.comm = comm
+    parts = build_model(local, fetch, source.has_tensor, load_mtp=load_mtp)
     no_attn = plan.kv_heads[0] == plan.kv_heads[1]
     no_gdn = plan.key_heads[0] == plan.key_heads[1]
-    for layer, rec in zip(model.layers, local.recurrent):
+    for layer, rec in zip(parts.layers, local.recurrent):
         _wrap_layer(layer, no_gdn if rec else no_attn, comm)
-    if model.mtp is not None:
-        _wrap_layer(model.mtp.layer, no_attn, comm)
+    if parts.mtp is not None:
+        _wrap_layer(parts.mtp.layer, no_attn, comm)
         if no_attn:
-            model.mtp.make_cache = lambda: NullKVCache(local.n_head_kv, local.head_dim)
+            parts.mtp.make_cache = lambda: NullKVCache(local.n_head_kv, local.head_dim)
     v0, v1 = plan.vocab
-    head = model.lm_head
-    if head is model.embed:  # tied: this rank's rows of the embedding table
+    head = parts.lm_head
+    if head is parts.embed:  # tied: this rank's rows of the embedding table
         head = Linear(*(a[v0:v1] if a is not None else None for a in (head.weight, head.scales, head.biases)),
                       bits=head.bits, group_size=head.group_size)
-    model.lm_head = VocabShardHead(head, cfg.vocab_size, comm)
-    model.draft_head = None  # the first N rows are rank 0's: drafts score the whole vocabulary here
-    model.cfg = local
-    model.global_cfg = cfg
-    # zero-width shares and null caches are not traced shapes the compiled steps were written for
-    if no_attn or no_gdn:
-        model.compile_steps = False
-    return model
+    # the vocabulary-split head is no `Linear`: no draft head over the first N rows (rank 0's), so
+    # drafts score the whole vocabulary here
+    return TPModel(local, parts.embed, parts.layers, parts.output_norm, VocabShardHead(head, cfg.vocab_size, comm),
+                   parts.mtp, comm=comm, global_cfg=cfg, compiled=not (no_attn or no_gdn),
+                   expert_use=parts.expert_use)
