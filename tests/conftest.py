@@ -85,10 +85,15 @@ def load_script(path: str) -> ModuleType:
     name = path.rsplit("/", 1)[-1]
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{path}.py")
+    file = ROOT / "scripts" / f"{path}.py"
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look a module up by name
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(file.parent))  # its siblings, as when it runs as a script (`fuzz_gguf`'s worker)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(file.parent))
     return module
 
 

@@ -15,13 +15,12 @@ import argparse
 import json
 import os
 import random
-import select
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+from fuzz_gguf import Worker, peak_rss, peak_rss_reset  # the fuzzers' shared worker supervision
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,25 +160,6 @@ def _error_kind(message: str) -> str:
     return "render error: " + (tail.split(":")[0] if tail[:1].isupper() and ":" in tail[:40] else "jinja")
 
 
-def _peak_rss_reset() -> None:
-    try:  # Linux: "5" resets VmHWM, so each case's own peak is measured
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _peak_rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def worker_main() -> None:
     import resource
 
@@ -194,57 +174,12 @@ def worker_main() -> None:
     proto.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         req = json.loads(line)
-        _peak_rss_reset()
+        peak_rss_reset()
         t0 = time.perf_counter()
         out = run_case(make_template(req["seed"], req["i"]))
         out["seconds"] = time.perf_counter() - t0
-        out["peak_rss"] = _peak_rss()
+        out["peak_rss"] = peak_rss()
         proto.write(json.dumps(out) + "\n")
-
-
-class _Worker:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
-        self.buf = b""
-        if not (self._read(120.0) or {}).get("ready"):
-            raise RuntimeError("fuzz worker did not start")
-
-    def _read(self, timeout: float) -> dict | None:
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            if select.select([fd], [], [], left)[0]:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    return None
-                self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def ask(self, req: dict, timeout: float) -> dict:
-        try:
-            self.proc.stdin.write((json.dumps(req) + "\n").encode())
-            self.proc.stdin.flush()
-            out = self._read(timeout)
-        except TimeoutError:
-            self.kill()
-            return {"outcome": "hang", "detail": f"no answer within {timeout} s", "seconds": timeout, "peak_rss": 0}
-        except BrokenPipeError:
-            out = None
-        if out is None:
-            rc = self.proc.wait()
-            return {"outcome": "crash", "detail": f"exit {rc}", "seconds": 0.0, "peak_rss": 0}
-        return out
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def fuzz(cases: int, seed: int, timeout: float, start: int = 0) -> dict:
@@ -253,7 +188,7 @@ def fuzz(cases: int, seed: int, timeout: float, start: int = 0) -> dict:
     failures = []
     peak = (0, -1)
     slowest = (0.0, -1)
-    worker = _Worker()
+    worker = Worker(None, __file__)
     t0 = time.monotonic()
     try:
         for i in range(start, start + cases):
@@ -264,7 +199,7 @@ def fuzz(cases: int, seed: int, timeout: float, start: int = 0) -> dict:
             if out["outcome"] in FAILURES:
                 failures.append({"case": i, **out})
                 if worker.proc.poll() is not None:
-                    worker = _Worker()
+                    worker = Worker(None, __file__)
             peak = max(peak, (out.get("peak_rss", 0), i))
             slowest = max(slowest, (out.get("seconds", 0.0), i))
             if (i - start + 1) % 500 == 0:

@@ -331,7 +331,7 @@ def default_fixtures() -> Path:
 # ---------------------------------------------------------------------------------------- worker side
 
 
-def _peak_rss_reset() -> None:
+def peak_rss_reset() -> None:
     try:  # Linux >= 4.0: "5" resets VmHWM, so each case's own peak is measured
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -339,7 +339,7 @@ def _peak_rss_reset() -> None:
         pass
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -411,11 +411,11 @@ def worker_main() -> None:
             ctypes.string_at(0)
         if req.get("op") == "sleep":  # self-test of hang detection
             time.sleep(req["seconds"])
-        _peak_rss_reset()
+        peak_rss_reset()
         t0 = time.perf_counter()
         out = run_case(req["path"], inject=req.get("op") == "raise")
         out["seconds"] = time.perf_counter() - t0
-        out["peak_rss"] = _peak_rss()
+        out["peak_rss"] = peak_rss()
         proto.write(json.dumps(out) + "\n")
 
 
@@ -423,17 +423,19 @@ def worker_main() -> None:
 
 
 class Worker:
-    """One supervised worker process."""
+    """One supervised worker process: `script --worker` answering one JSON line per request (the
+    fuzzers' shared supervision: `fuzz_chat_template.py` runs its cases through it too); its
+    stderr to `log_path` (None: discarded)."""
 
-    def __init__(self, log_path: str):
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     start_new_session=True)
+    def __init__(self, log_path: str | None, script: str = __file__):
+        self.log = open(log_path, "ab") if log_path else None
+        self.proc = subprocess.Popen([sys.executable, str(Path(script).resolve()), "--worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log or subprocess.DEVNULL, start_new_session=True)
         self.buf = b""
         ready = self._read(120.0)
         if not ready or not ready.get("ready"):
-            raise RuntimeError(f"fuzz worker did not start (see {log_path})")
+            raise RuntimeError(f"fuzz worker did not start (see {log_path or 'its stderr'})")
 
     def _read(self, timeout: float) -> dict | None:
         deadline = time.monotonic() + timeout
@@ -490,7 +492,8 @@ class Worker:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self.log.close()
+        if self.log:
+            self.log.close()
 
 
 @dataclass
