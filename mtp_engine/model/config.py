@@ -133,120 +133,35 @@ class Qwen35Config:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise MTPEngineError(f"unsupported architecture {arch!r}: expected one of {list(SUPPORTED_ARCHITECTURES)}",
                                  file=gf.path, field="general.architecture")
-        p = arch + "."
-
-        def req_int(key: str) -> int:
-            return gf.require(p + key, int)
-
-        def opt(key: str, kind: type, default):
-            v = gf.get(p + key, default)
-            ok = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
-                (isinstance(v, (int, float)) and not isinstance(v, bool))
-            if not ok:
-                raise MTPEngineError(f"expected {'an integer' if kind is int else 'a number'}, found {v!r:.60}",
-                                     file=gf.path, field=p + key)
-            return kind(v)
-
-        def int_list(key: str, v) -> list[int]:
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise MTPEngineError(f"expected integers, found {v!r:.60}", file=gf.path, field=p + key)
-            return [int(x) for x in v]
-
-        n_block = req_int("block_count")
+        k = _ArchKeys(gf, arch)
+        n_block = k.req("block_count")
         if not 0 < n_block <= 4096 + 16:  # bounded before any per-block list is built from it
-            raise MTPEngineError(f"expected 1..{4096 + 16} blocks, found {n_block}", file=gf.path,
-                                 field=p + "block_count")
-        n_mtp = opt("nextn_predict_layers", int, 0)
+            k.fail(f"expected 1..{4096 + 16} blocks, found {n_block}", "block_count")
+        n_mtp = k.opt("nextn_predict_layers", int, 0)
         if n_mtp < 0 or n_mtp >= n_block:
-            raise MTPEngineError(f"expected 0..{n_block - 1} (block_count {n_block}), found {n_mtp}", file=gf.path,
-                                 field=p + "nextn_predict_layers")
-        n_layer = n_block - n_mtp
-        moe = arch in MOE_ARCHITECTURES
-        # an MoE file has no dense FFN, so llama.cpp's converter writes no feed_forward_length
-        ffn = gf.get(p + "feed_forward_length", []) if moe else gf.require(p + "feed_forward_length")
-        if moe and ffn == []:
-            ffn_size: list[int] = []
-        elif isinstance(ffn, list):
-            if len(ffn) != n_block:
-                raise MTPEngineError(f"expected {n_block} per-layer values, found {len(ffn)}", file=gf.path,
-                                     field=p + "feed_forward_length")
-            ffn_size = int_list("feed_forward_length", ffn)
-        elif isinstance(ffn, int) and not isinstance(ffn, bool):
-            ffn_size = [ffn] * n_block
-        else:
-            raise MTPEngineError(f"expected an integer or array, found {ffn!r:.60}", file=gf.path,
-                                 field=p + "feed_forward_length")
-        n_head = req_int("attention.head_count")
+            k.fail(f"expected 0..{n_block - 1} (block_count {n_block}), found {n_mtp}", "nextn_predict_layers")
+        n_layer, moe = n_block - n_mtp, arch in MOE_ARCHITECTURES
+        n_head = k.req("attention.head_count")
         if n_head <= 0:
-            raise MTPEngineError(f"expected a positive head count, found {n_head}", file=gf.path,
-                                 field=p + "attention.head_count")
-        kv = gf.get(p + "attention.head_count_kv", n_head)
-        if isinstance(kv, list):
-            kv = int_list("attention.head_count_kv", kv)
-            if len(set(kv)) > 1:
-                raise MTPEngineError(f"expected one KV head count for all layers, found {kv!r:.60}",
-                                     file=gf.path, field=p + "attention.head_count_kv")
-            kv = kv[0] if kv else n_head
-        n_head_kv = opt("attention.head_count_kv", int, kv) if not isinstance(kv, int) else kv
-        hidden = req_int("embedding_length")
-        head_dim = opt("attention.key_length", int, max(hidden // n_head, 1))
-        vdim = opt("attention.value_length", int, head_dim)
+            k.fail(f"expected a positive head count, found {n_head}", "attention.head_count")
+        hidden = k.req("embedding_length")
+        head_dim = k.opt("attention.key_length", int, max(hidden // n_head, 1))
+        vdim = k.opt("attention.value_length", int, head_dim)
         if vdim != head_dim:
-            raise MTPEngineError(f"expected value_length == key_length ({head_dim}), found {vdim}", file=gf.path,
-                                 field=p + "attention.value_length")
-        flags = gf.get(p + "attention.recurrent_layers", None)
-        if flags is not None:
-            if not isinstance(flags, list) or len(flags) < n_layer:
-                raise MTPEngineError(f"expected at least {n_layer} flags, found {flags!r:.80}", file=gf.path,
-                                     field=p + "attention.recurrent_layers")
-            recurrent = [bool(x) for x in flags[:n_layer]]
-        else:
-            interval = opt("full_attention_interval", int, 4)
-            if interval <= 0:
-                raise MTPEngineError(f"expected a positive integer, found {interval!r}", file=gf.path,
-                                     field=p + "full_attention_interval")
-            recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
-        if gf.has(p + "vocab_size"):
-            vocab = opt("vocab_size", int, 0)
-        elif gf.has_tensor("token_embd.weight"):
-            vocab = gf.numpy_shape("token_embd.weight")[0]
-        else:
-            raise MTPEngineError("cannot determine the vocabulary size", file=gf.path, field="token_embd.weight")
-        sections = gf.get(p + "rope.dimension_sections", []) or []
-        cfg = cls(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            n_layer=n_layer,
-            n_mtp=n_mtp,
-            ffn_size=ffn_size,
-            n_head=n_head,
-            n_head_kv=n_head_kv,
-            head_dim=head_dim,
-            n_rot=opt("rope.dimension_count", int, head_dim),
-            rope_base=opt("rope.freq_base", float, 10000.0),
-            eps=opt("attention.layer_norm_rms_epsilon", float, 1e-6),
-            conv_kernel=req_int("ssm.conv_kernel"),
-            ssm_key_dim=req_int("ssm.state_size"),
-            ssm_key_heads=req_int("ssm.group_count"),
-            ssm_value_heads=req_int("ssm.time_step_rank"),
-            ssm_inner=req_int("ssm.inner_size"),
-            recurrent=recurrent,
-            context_length=opt("context_length", int, 4096),
-            tied_embeddings=not gf.has_tensor("output.weight"),
-            rope_sections=list(sections) if isinstance(sections, list) else [],
-            arch=arch,
-        )
-        if moe:
-            cfg.n_expert = req_int("expert_count")
-            cfg.n_expert_used = req_int("expert_used_count")
-            cfg.expert_ffn_size = req_int("expert_feed_forward_length")
-            # llama.cpp treats the shared width as optional; the tensor itself then says it
-            shexp = "blk.0.ffn_gate_shexp.weight"
-            default = gf.numpy_shape(shexp)[0] if gf.has_tensor(shexp) else cfg.expert_ffn_size
-            cfg.shared_ffn_size = opt("expert_shared_feed_forward_length", int, default)
-            # expert_gating_func / expert_weights_norm are not read: llama.cpp's qwen35moe graph
-            # hard-codes softmax routing with renormalised top-k weights, whatever the file says
-        cfg.validate(gf.path, {k: p + v for k, v in _GGUF_KEYS.items()})
+            k.fail(f"expected value_length == key_length ({head_dim}), found {vdim}", "attention.value_length")
+        sections = k.get("rope.dimension_sections", []) or []
+        cfg = cls(vocab_size=k.vocab(), hidden_size=hidden, n_layer=n_layer, n_mtp=n_mtp,
+                  ffn_size=k.ffn_sizes(n_block, moe), n_head=n_head, n_head_kv=k.kv_heads(n_head),
+                  head_dim=head_dim, n_rot=k.opt("rope.dimension_count", int, head_dim),
+                  rope_base=k.opt("rope.freq_base", float, 10000.0),
+                  eps=k.opt("attention.layer_norm_rms_epsilon", float, 1e-6),
+                  conv_kernel=k.req("ssm.conv_kernel"), ssm_key_dim=k.req("ssm.state_size"),
+                  ssm_key_heads=k.req("ssm.group_count"), ssm_value_heads=k.req("ssm.time_step_rank"),
+                  ssm_inner=k.req("ssm.inner_size"), recurrent=k.recurrent(n_layer),
+                  context_length=k.opt("context_length", int, 4096), tied_embeddings=not gf.has_tensor("output.weight"),
+                  rope_sections=list(sections) if isinstance(sections, list) else [], arch=arch,
+                  **(k.experts() if moe else {}))
+        cfg.validate(gf.path, {key: k.p + v for key, v in _GGUF_KEYS.items()})
         return cfg
 
     @classmethod
@@ -303,3 +218,90 @@ class Qwen35Config:
             cfg_.shared_ffn_size = int(c.get("shared_expert_intermediate_size", cfg_.expert_ffn_size))
         cfg_.validate(source)
         return cfg_
+
+
+class _ArchKeys:
+    """An architecture's GGUF keys (`<arch>.<key>`), read with llama.cpp's defaults for optional
+    ones; every refusal names the key and the file."""
+
+    def __init__(self, gf, arch: str):
+        self.gf, self.p = gf, arch + "."
+
+    def fail(self, message: str, key: str):
+        raise MTPEngineError(message, file=self.gf.path, field=self.p + key)
+
+    def get(self, key: str, default):
+        return self.gf.get(self.p + key, default)
+
+    def req(self, key: str) -> int:
+        return self.gf.require(self.p + key, int)
+
+    def opt(self, key: str, kind: type, default):
+        v = self.get(key, default)
+        ok = (isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
+            (isinstance(v, (int, float)) and not isinstance(v, bool))
+        if not ok:
+            self.fail(f"expected {'an integer' if kind is int else 'a number'}, found {v!r:.60}", key)
+        return kind(v)
+
+    def ints(self, key: str, v) -> list[int]:
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            self.fail(f"expected integers, found {v!r:.60}", key)
+        return [int(x) for x in v]
+
+    def ffn_sizes(self, n_block: int, moe: bool) -> list[int]:
+        """Per block: one value for all, or one each (an MoE file has no dense FFN, so llama.cpp's
+        converter writes no feed_forward_length)."""
+        key = "feed_forward_length"
+        ffn = self.get(key, []) if moe else self.gf.require(self.p + key)
+        if moe and ffn == []:
+            return []
+        if isinstance(ffn, list):
+            if len(ffn) != n_block:
+                self.fail(f"expected {n_block} per-layer values, found {len(ffn)}", key)
+            return self.ints(key, ffn)
+        if isinstance(ffn, int) and not isinstance(ffn, bool):
+            return [ffn] * n_block
+        self.fail(f"expected an integer or array, found {ffn!r:.60}", key)
+
+    def kv_heads(self, n_head: int) -> int:
+        """One KV head count (a per-layer array must hold one value); the heads' count by default."""
+        key = "attention.head_count_kv"
+        kv = self.get(key, n_head)
+        if isinstance(kv, list):
+            kv = self.ints(key, kv)
+            if len(set(kv)) > 1:
+                self.fail(f"expected one KV head count for all layers, found {kv!r:.60}", key)
+            kv = kv[0] if kv else n_head
+        return kv if isinstance(kv, int) else self.opt(key, int, kv)
+
+    def recurrent(self, n_layer: int) -> list[bool]:
+        """Which layers are gated delta nets: the file's flags, else every layer but each
+        `full_attention_interval`-th."""
+        flags = self.get("attention.recurrent_layers", None)
+        if flags is not None:
+            if not isinstance(flags, list) or len(flags) < n_layer:
+                self.fail(f"expected at least {n_layer} flags, found {flags!r:.80}", "attention.recurrent_layers")
+            return [bool(x) for x in flags[:n_layer]]
+        interval = self.opt("full_attention_interval", int, 4)
+        if interval <= 0:
+            self.fail(f"expected a positive integer, found {interval!r}", "full_attention_interval")
+        return [(i + 1) % interval != 0 for i in range(n_layer)]
+
+    def vocab(self) -> int:
+        if self.gf.has(self.p + "vocab_size"):
+            return int(self.opt("vocab_size", int, 0))
+        if self.gf.has_tensor("token_embd.weight"):
+            return int(self.gf.numpy_shape("token_embd.weight")[0])
+        raise MTPEngineError("cannot determine the vocabulary size", file=self.gf.path, field="token_embd.weight")
+
+    def experts(self) -> dict:
+        """An MoE file's expert fields. The shared expert's width is optional in llama.cpp (the
+        tensor then says it); expert_gating_func / expert_weights_norm are not read: llama.cpp's
+        qwen35moe graph hard-codes softmax routing with renormalised top-k weights."""
+        n_expert, used, width = self.req("expert_count"), self.req("expert_used_count"), \
+            self.req("expert_feed_forward_length")
+        shexp = "blk.0.ffn_gate_shexp.weight"
+        default = self.gf.numpy_shape(shexp)[0] if self.gf.has_tensor(shexp) else width
+        return {"n_expert": n_expert, "n_expert_used": used, "expert_ffn_size": width,
+                "shared_ffn_size": self.opt("expert_shared_feed_forward_length", int, default)}
