@@ -19,7 +19,7 @@ from ..model.expert_use import ExpertUse
 from ..model.layers import Linear
 from ..model.blocks import run_layers
 from ..model.mtp_head import MTPHead
-from ..model.qwen35 import Qwen35Model
+from ..model.qwen35 import Qwen35Model, TrunkStates
 from .runtime import Comm
 from .shard import split
 from .tp import VocabShardHead
@@ -63,8 +63,8 @@ class PPModel(Qwen35Model):
                                          c.ssm_value_dim) if rec else KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype))
         return TrunkCache(caches)
 
-    def forward(self, ids: mx.array, cache: TrunkCache, capture: bool = False, return_prenorm: bool = False,
-                one_off: bool = False):
+    def forward_states(self, ids: mx.array, cache: TrunkCache, capture: bool = False, resident: bool = False,
+                       one_off: bool = False) -> TrunkStates:
         # `one_off` (a prompt's prefill) changes nothing here: a stage's forward is never compiled
         s = int(ids.shape[1])
         if capture:
@@ -92,7 +92,7 @@ class PPModel(Qwen35Model):
         both = comm.all_sum(part)
         post, x = both[0:1], both[1:2]
         cache.offset += s
-        return (post, x) if return_prenorm else post
+        return TrunkStates(post, x)
 
 
 def build_pp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> PPModel:

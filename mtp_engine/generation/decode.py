@@ -150,8 +150,7 @@ class DecoderBase:
         hiddens = []
         chunk = self.prefill_chunk or self.model.options.prefill_chunk
         for s in range(0, len(ids), chunk):
-            post, pre = self.model.forward(mx.array([ids[s:s + chunk]]), self.cache,
-                                           return_prenorm=True, one_off=True)
+            post, pre = self.model.forward_states(mx.array([ids[s:s + chunk]]), self.cache, one_off=True)
             h = pick(post, pre) if pick else post
             mx.eval(h, *self.cache.arrays())
             hiddens.append(h)

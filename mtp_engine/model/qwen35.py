@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import is_dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import mlx.core as mx
 
@@ -49,6 +49,14 @@ def _checked(name: str, module, source: str, shape, run, cache_dir) -> bool:
         selftest_cache.remember(cache_dir, k)
     return ok
 
+
+
+class TrunkStates(NamedTuple):
+    """A trunk forward's hidden states: after `output_norm` (what the output head and the MTP head
+    read) and before it (what an ablation feeds the head instead)."""
+
+    post: mx.array
+    pre: mx.array
 
 class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
@@ -164,19 +172,23 @@ class Qwen35Model:
         return self.embed.rows(ids)
 
     def forward(self, ids: mx.array, cache: "TrunkCache | BatchCache", capture: bool = False,
-                return_prenorm: bool = False, resident: bool = False, one_off: bool = False):
+                resident: bool = False, one_off: bool = False) -> mx.array:
         """Runs ids [B, S] through the trunk, appending to `cache` (a sequence's `TrunkCache`, B =
         1, or a `BatchCache` of B sequences each at its own length: `forward_batch`); returns the
-        hidden state after `output_norm` [B, S, H] (what the output head and the MTP head read).
-        With `capture`, the caches keep what a rollback needs to keep only the first n of these
-        tokens. With `return_prenorm`, returns (post-norm, pre-norm) hidden states. `resident`: a
-        device-resident round's forward (KV offsets may be device values; `cache.offset`, the
-        host's count, is left to the round). `one_off`: a forward whose shape may not recur (a
-        prompt's prefill): compiled only when its graph is traced already (`step.traced`), so a
-        new prompt length costs no trace."""
+        hidden state after `output_norm` [B, S, H] (what the output head and the MTP head read;
+        `forward_states` also gives the state before it). With `capture`, the caches keep what a
+        rollback needs to keep only the first n of these tokens. `resident`: a device-resident
+        round's forward (KV offsets may be device values; `cache.offset`, the host's count, is
+        left to the round). `one_off`: a forward whose shape may not recur (a prompt's prefill):
+        compiled only when its graph is traced already (`step.traced`), so a new prompt length
+        costs no trace."""
+        return self.forward_states(ids, cache, capture, resident, one_off).post
+
+    def forward_states(self, ids: mx.array, cache: "TrunkCache | BatchCache", capture: bool = False,
+                       resident: bool = False, one_off: bool = False) -> TrunkStates:
+        """`forward`, returning the hidden states before `output_norm` too."""
         if isinstance(cache, BatchCache):
-            post, x = self.forward_batch(ids, cache, capture=capture, return_prenorm=True)
-            return (post, x) if return_prenorm else post
+            return self._batch_states(ids, cache, capture=capture)
         s = int(ids.shape[1])
         if capture:
             cache.begin_capture(s)
@@ -194,21 +206,25 @@ class Qwen35Model:
             post, x = self._body(ids, cache.layers)
         if not resident:
             cache.offset += s
-        return (post, x) if return_prenorm else post
+        return TrunkStates(post, x)
 
     def forward_batch(self, ids: mx.array, batch: BatchCache, valid: list[int] | None = None,
-                      capture: bool = False, return_prenorm: bool = False):
+                      capture: bool = False) -> mx.array:
         """ids [B, S]: the next S tokens of each of B sequences, each at its own length in `batch`
-        (advanced here); returns the post-norm hidden states [B, S, H] (with `return_prenorm`,
-        also the pre-norm ones). Up to `step.MAX_TOKENS` tokens per row it is one compiled graph,
-        as a single sequence's. `valid`: row b's first valid[b] tokens count, the rest pad it
-        (prompts of several lengths prefilled together); its length grows by valid[b]. `capture`:
-        recurrent layers keep every position's state (`BatchCache.rollback_lazy` picks one)."""
+        (advanced here); returns the post-norm hidden states [B, S, H]. Up to `step.MAX_TOKENS`
+        tokens per row it is one compiled graph, as a single sequence's. `valid`: row b's first
+        valid[b] tokens count, the rest pad it (prompts of several lengths prefilled together); its
+        length grows by valid[b]. `capture`: recurrent layers keep every position's state
+        (`BatchCache.rollback_lazy` picks one)."""
+        return self._batch_states(ids, batch, valid, capture).post
+
+    def _batch_states(self, ids: mx.array, batch: BatchCache, valid: list[int] | None = None,
+                      capture: bool = False) -> TrunkStates:
         s = int(ids.shape[1])
         if valid is not None:
             with batch.padded(valid):
                 post, x = self._body(ids, batch.layers)
-            return (post, x) if return_prenorm else post
+            return TrunkStates(post, x)
         if capture:
             batch.begin_capture(s)
         if self._compile_steps and s <= compiled.MAX_TOKENS and all(compilable_ffn(l.mlp) for l in self.layers):
@@ -216,7 +232,7 @@ class Qwen35Model:
         else:
             post, x = self._body(ids, batch.layers)
         batch.advance(s)
-        return (post, x) if return_prenorm else post
+        return TrunkStates(post, x)
 
     def _body(self, ids: mx.array, caches: list) -> list[mx.array]:
         post, x = run_layers(self.layers, self.embed_tokens(ids), caches, self.output_norm, self.cfg.eps,

@@ -175,7 +175,7 @@ class SpeculativeDecoder(DecoderBase):
         """A plain step from the host's last token, or (pipelined) from `prev`'s token on the device."""
         inp = prev.token.reshape(1, 1).astype(mx.int32) if prev is not None else mx.array([[self.last_token]])
         with self.prof.stage("decode") as out:
-            post, pre = self.model.forward(inp, self.cache, return_prenorm=True)
+            post, pre = self.model.forward_states(inp, self.cache)
             logits = self.model.logits(post[0, -1])
             out.append(logits)
         r = _Round(k, True, [("trunk", 1, False, kv_capacity(self.cache))], logits=logits, fed=self._fed(post, pre))
@@ -224,7 +224,7 @@ class SpeculativeDecoder(DecoderBase):
     def _trunk(self, ids: mx.array, capture: bool) -> tuple[mx.array, mx.array]:
         """Trunk forward: (post-norm hidden for the logits, the state the drafter is fed). A round
         without drafts is a plain step: nothing to roll back, so nothing to capture."""
-        post, pre = self.model.forward(ids, self.cache, capture=capture, return_prenorm=True)
+        post, pre = self.model.forward_states(ids, self.cache, capture=capture)
         return post, self._fed(post, pre)
 
     def accept(self, drafts, logits: mx.array, q: mx.array | None, target: mx.array | None = None,

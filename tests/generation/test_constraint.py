@@ -128,7 +128,7 @@ def test_the_head_drafts_only_what_the_grammar_allows(shipped):
     tok, m = shipped.tokenizer, shipped.model
     text = '{"name": "ab'
     ids = tok.encode("PACKAGE = ") + tok.encode(text)
-    post, _ = m.forward(mx.array([ids[:-1]]), m.make_cache(), return_prenorm=True)
+    post = m.forward(mx.array([ids[:-1]]), m.make_cache())
     sampler = Sampler(SamplerConfig())
     sampler.grammar = Constraint.json(SCHEMA).matcher(tok, m.cfg.vocab_size)
     sampler.grammar.accept(tok.encode(text)[:-1])  # the grammar has seen the text up to the last token

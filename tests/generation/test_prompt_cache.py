@@ -109,7 +109,7 @@ def test_the_head_continues_exactly_from_a_kept_prefix(tiny_any):
 
     m = tiny_any
     ids = m.tokenizer.encode(PROMPT)
-    post, _ = m.model.forward(mx.array([ids[:-1]]), m.model.make_cache(), return_prenorm=True)
+    post = m.model.forward(mx.array([ids[:-1]]), m.model.make_cache())
     start = 37
     ctx = DraftContext(m.model, Sampler(SamplerConfig()), Profiler())
     whole = MTPDrafter(ctx)
