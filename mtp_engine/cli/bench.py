@@ -176,7 +176,7 @@ def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
             accepted = sum(s["accepted"] for s in stats)
             rounds = sum(s["rounds"] for s in stats)
             acc_pos = _merge_acceptance(stats, AUTO_MAX if k == "auto" else k)
-            row.update(acceptance=accepted / drafted if drafted else None,
+            row.update(drafted=drafted, acceptance=accepted / drafted if drafted else None,
                        mean_accepted_length=accepted / rounds if rounds else 0.0,
                        acceptance_per_position=acc_pos)
             # f from the profiled run: per-round time outside draft/verify/catch-up, in steps
@@ -314,12 +314,27 @@ def format_markdown(result: dict) -> str:
                                                       if f"moe_experts_per_{k}" in r)
         ttft = f"{r['ttft_s'] * 1e3:.0f}" if r.get("ttft_s") is not None else "-"
         comp = f"{r.get('compile_seconds', 0.0):.2f}"
-        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {pred} | {acc} | {mal} | {ttft} | {comp} | {st} |")
+        speed = f"{r['speedup']:.2f}x" + _within_noise(r, result["rows"][0])
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {speed} | {pred} | {acc} | {mal} | {ttft} | {comp} | {st} |")
     notes = [f"- n-max {r['n_max']} p-min {r['p_min']:g}: {r['explanation']}" for r in result["rows"]
              if r.get("explanation")]
     if notes:
         lines += ["", "Prediction vs measurement:"] + notes
     return "\n".join(lines) + "\n"
+
+
+def _within_noise(row: dict, plain: dict) -> str:
+    """What the speedup cell adds when its ratio says nothing: a draft-mtp run that drafted in no
+    round decoded plainly, and a ratio inside plain's own spread over the repeats is noise."""
+    if row is plain or row["spec"] == "none":
+        return ""
+    runs = [t for t in plain.get("tok_s_all", []) if t]
+    spread = (max(runs) / min(runs) - 1.0) if len(runs) > 1 else 0.0
+    if row.get("drafted") == 0:
+        return f" (no round drafted: plain decoding, repeats spread {spread:.0%})"
+    if spread and abs(row["speedup"] - 1.0) <= spread:
+        return f" (within plain's spread of {spread:.0%})"
+    return ""
 
 
 def _noisy(row: dict) -> bool:

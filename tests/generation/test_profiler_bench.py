@@ -141,3 +141,15 @@ def test_the_plot_marks_noisy_rows_as_the_table_does():
             {"spec": "draft-mtp", "n_max": 3, "p_min": 0.0, "profile_overhead": 3.1, "profiled_tok_s": 9.0},
             {"spec": "draft-mtp", "n_max": 2, "p_min": 0.5}]
     assert bar_labels(rows) == ["plain", "3/0 (noisy)", "2/0.5"]
+
+
+def test_a_speedup_that_says_nothing_is_marked():
+    """The bench table's speedup cell says when its ratio is noise: a draft-mtp run that drafted in
+    no round decoded plainly, and a ratio inside plain's spread over the repeats is within noise."""
+    from mtp_engine.cli.bench import _within_noise
+
+    plain = {"spec": "none", "speedup": 1.0, "tok_s_all": [100.0, 104.0]}
+    assert _within_noise(plain, plain) == ""
+    assert "no round drafted" in _within_noise({"spec": "draft-mtp", "speedup": 1.03, "drafted": 0}, plain)
+    assert "within plain's spread of 4%" in _within_noise({"spec": "draft-mtp", "speedup": 0.97, "drafted": 9}, plain)
+    assert _within_noise({"spec": "draft-mtp", "speedup": 1.3, "drafted": 9}, plain) == ""
