@@ -27,7 +27,7 @@ AUTO_MAX = MAX_K  # longest draft auto considers
 # acceptance 0.9 that reached k = 8 spent 70x its decode time compiling (docs/benchmarks.md), so
 # auto stops at 4 there; fixed n-max up to 64 is still the user's to ask for
 COMPILED_AUTO_MAX = 4
-PROBE_BUDGET = 0.015  # probes' extra time <= 1.5% of the decode time so far
+PROBE_BUDGET = 0.01  # probes' extra time <= 1% of the decode time so far
 MARGIN = (0.02, 0.005)  # hysteresis: drafting starts above 1.02x plain's rate, stops below 0.995x
 MIN_SAMPLES = 2  # timed rounds before a k's measured time replaces its seed
 _PRIOR = (3.0, 1.0)  # Beta(accepted, rejected) per position: optimistic, so drafting is tried
