@@ -163,22 +163,25 @@ def build_tp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> TP
         mx.eval(out.weight if matrix else out)
         return out
 
-    parts = build_model(local, fetch, source.has_tensor, load_mtp=load_mtp)
     no_attn = plan.kv_heads[0] == plan.kv_heads[1]
     no_gdn = plan.key_heads[0] == plan.key_heads[1]
-    for layer, rec in zip(parts.layers, local.recurrent):
-        _wrap_layer(layer, no_gdn if rec else no_attn, comm)
-    if parts.mtp is not None:
-        _wrap_layer(parts.mtp.layer, no_attn, comm)
-        if no_attn:
-            parts.mtp.make_cache = lambda: NullKVCache(local.n_head_kv, local.head_dim)
-    v0, v1 = plan.vocab
-    head = parts.lm_head
-    if head is parts.embed:  # tied: this rank's rows of the embedding table
-        head = Linear(*(a[v0:v1] if a is not None else None for a in (head.weight, head.scales, head.biases)),
-                      bits=head.bits, group_size=head.group_size)
-    # the vocabulary-split head is no `Linear`: no draft head over the first N rows (rank 0's), so
-    # drafts score the whole vocabulary here
-    return TPModel(local, parts.embed, parts.layers, parts.output_norm, VocabShardHead(head, cfg.vocab_size, comm),
-                   parts.mtp, comm=comm, global_cfg=cfg, compiled=not (no_attn or no_gdn),
-                   expert_use=parts.expert_use)
+
+    def make(local: Qwen35Config, embed: Linear, layers: list, output_norm: mx.array, head: Linear, mtp,
+             options=None, expert_use=None) -> TPModel:
+        """The rank's model from its shares: blocks summed across ranks, the head split by rows."""
+        for layer, rec in zip(layers, local.recurrent):
+            _wrap_layer(layer, no_gdn if rec else no_attn, comm)
+        if mtp is not None:
+            _wrap_layer(mtp.layer, no_attn, comm)
+            if no_attn:
+                mtp.make_cache = lambda: NullKVCache(local.n_head_kv, local.head_dim)
+        v0, v1 = plan.vocab
+        if head is embed:  # tied: this rank's rows of the embedding table
+            head = Linear(*(a[v0:v1] if a is not None else None for a in (head.weight, head.scales, head.biases)),
+                          bits=head.bits, group_size=head.group_size)
+        # the vocabulary-split head is no `Linear`: no draft head over the first N rows (rank 0's), so
+        # drafts score the whole vocabulary here
+        return TPModel(local, embed, layers, output_norm, VocabShardHead(head, cfg.vocab_size, comm), mtp,
+                       comm=comm, global_cfg=cfg, compiled=not (no_attn or no_gdn), expert_use=expert_use)
+
+    return build_model(local, fetch, source.has_tensor, load_mtp=load_mtp, make=make)

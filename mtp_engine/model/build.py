@@ -94,7 +94,11 @@ def _layer(fetch: Fetch, i: int, cfg: Qwen35Config, recurrent: bool, use: Expert
 
 def build_model(cfg: Qwen35Config, fetch: Fetch, has_tensor: Callable[[str], bool],
                 load_mtp: bool = True, progress: Callable[[int, int], None] | None = None,
-                options: EngineOptions | None = None) -> Qwen35Model:
+                options: EngineOptions | None = None,
+                make: Callable[..., Qwen35Model] = Qwen35Model) -> Qwen35Model:
+    """The model `cfg` describes from the tensors `fetch` reads. `make(cfg, embed, layers,
+    output_norm, lm_head, mtp, options, expert_use=...)` constructs it from the parts (a sharded
+    model wraps them first)."""
     h = cfg.hidden_size
     embed = fetch("token_embd.weight", (cfg.vocab_size, h), True)
     use = ExpertUse() if cfg.is_moe else None  # the MoE blocks report their routing to it
@@ -121,4 +125,4 @@ def build_model(cfg: Qwen35Config, fetch: Fetch, has_tensor: Callable[[str], boo
         )
         if progress:
             progress(total, total)
-    return Qwen35Model(cfg, embed, layers, output_norm, lm_head, mtp, options, expert_use=use)
+    return make(cfg, embed, layers, output_norm, lm_head, mtp, options, expert_use=use)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from ..errors import MTPEngineError
 
@@ -227,7 +228,7 @@ class _ArchKeys:
     def __init__(self, gf, arch: str):
         self.gf, self.p = gf, arch + "."
 
-    def fail(self, message: str, key: str):
+    def fail(self, message: str, key: str) -> NoReturn:
         raise MTPEngineError(message, file=self.gf.path, field=self.p + key)
 
     def get(self, key: str, default):

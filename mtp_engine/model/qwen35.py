@@ -50,13 +50,13 @@ def _checked(name: str, module, source: str, shape, run, cache_dir) -> bool:
     return ok
 
 
-
 class TrunkStates(NamedTuple):
     """A trunk forward's hidden states: after `output_norm` (what the output head and the MTP head
     read) and before it (what an ablation feeds the head instead)."""
 
     post: mx.array
     pre: mx.array
+
 
 class Qwen35Model:
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable, NamedTuple
 
 import mlx.core as mx
@@ -22,6 +21,7 @@ from ..generation.decode import kv_capacity
 from ..generation.sampling import distribution
 from ..model.kv_cache import KVCache
 from .drafter import Draft, DraftContext, Drafter
+from .round import no_stage
 
 
 class HeadPrefix(NamedTuple):
@@ -83,7 +83,6 @@ class MTPDrafter(Drafter):
         self._plain_rows: list[tuple[mx.array, mx.array]] = []  # plain rounds' rows, joined on demand
         # drafts are sampled on the device; its key derives from the sampler's seeded generator
         self._rng = mx.random.key(int(ctx.sampler.rng.integers(0, 2**63)))
-
 
     def begin(self, prompt: list[int], hidden: mx.array) -> None:
         """The head sees prompt row t as (token t, trunk hidden t-1), zeros before the first."""
@@ -295,7 +294,7 @@ class MTPDrafter(Drafter):
         return tokens, qs, confident
 
     def _chain(self, h: mx.array, k: int, p_min: float,
-               stage: Callable = lambda name: nullcontext([])) -> tuple[mx.array, mx.array | None, mx.array | None]:
+               stage: Callable = no_stage) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """The k chained head steps from the block's last output `h` (`stage` per step)."""
         model, sampler, cache = self.model, self.ctx.sampler, self.cache
         kept, bound = cache.offset, cache.bound

@@ -68,13 +68,14 @@ class RoundRead:
     finite: list[bool]
 
 
-def _no_stage(name: str):
+def no_stage(name: str):
+    """A profiler's `stage` that times nothing (its list takes what a precise profile would evaluate)."""
     return nullcontext([])
 
 
 def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable, fed: Callable,
                 p_min: float = 0.0, n_min: int = 0, drafting: mx.array | None = None,
-                score: Callable | None = None, stage: Callable = _no_stage) -> Round:
+                score: Callable | None = None, stage: Callable = no_stage) -> Round:
     """Draft, verify, accept, commit (module docstring). `last` [B]: the tokens the round starts
     from (device values); `cache`: a sequence's `TrunkCache` (B = 1) or a `BatchCache`;
     `score(drafts, logits) -> scored`: what the rule compares (penalties, or the distributions a
@@ -106,7 +107,7 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
 
 
 def plain_round(model, cache, drafter, last: mx.array, pick: Callable, fed: Callable,
-                stage: Callable = _no_stage) -> Round:
+                stage: Callable = no_stage) -> Round:
     """A round without drafts: one trunk step per row from `last` [B]; `pick(logits [B, V]) -> [B]`
     int32 the tokens; `drafter` (None: none) keeps its head in step."""
     with stage("decode") as out:
