@@ -11,6 +11,8 @@ grammar state advances with the tokens each round emits.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Any
 
 import mlx.core as mx
@@ -92,13 +94,39 @@ def _compile(build, what: str) -> str:
         raise MTPEngineError(f"not a usable {what}: {e}", field=FIELD) from None
 
 
+# the oldest llguidance the constraint tests pass with (0.7.8's `validate_grammar` takes other arguments)
+LLGUIDANCE_MIN = (0, 7, 9)
+
+
 def _llg() -> Any:
     try:
         import llguidance
     except ImportError:
         raise MTPEngineError("constrained decoding needs llguidance: pip install 'mtp-engine[constrained]'",
                              field=FIELD) from None
+    have = _version("llguidance")
+    if have is not None and have < LLGUIDANCE_MIN:
+        need = ".".join(map(str, LLGUIDANCE_MIN))
+        raise MTPEngineError(f"llguidance {'.'.join(map(str, have))} is too old: constrained decoding needs "
+                             f"llguidance >= {need} (pip install -U 'mtp-engine[constrained]')", field=FIELD)
     return llguidance
+
+
+@functools.cache
+def _version(package: str) -> tuple[int, ...] | None:
+    """An installed package's release numbers (None when unknown: a source checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        text = version(package)
+    except PackageNotFoundError:
+        return None
+    parts = []
+    for p in text.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, p))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
 
 
 class Constraint:

@@ -31,7 +31,7 @@ DEFAULT_PROMPTS = [
     "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
     "# Read a CSV file and print the sum of each column\nimport csv\n",
 ]
-ROUND_STAGES = ("draft", "verify", "sample", "sync", "accept", "rollback", "catch_up", "other")
+ROUND_STAGES = ("draft", "verify", "sample", "sync", "accept", "rollback", "catch_up", "other", "emit")
 
 
 @dataclass
@@ -181,7 +181,7 @@ def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
                        acceptance_per_position=acc_pos)
             # f from the profiled run: per-round time outside draft/verify/catch-up, in steps
             per_round = {n: sum(s["profile"]["stages"].get(n, {}).get("seconds", 0.0) for s in prof_stats)
-                         for n in ("sample", "sync", "accept", "rollback", "other")}
+                         for n in ("sample", "sync", "accept", "rollback", "emit", "other")}
             prof_rounds = sum(s["rounds"] for s in prof_stats)
             f_ms = sum(per_round.values()) * 1e3 / max(prof_rounds, 1)
             c = Costs(costs.step_ms, costs.verify, costs.draft, f_ms / costs.step_ms if costs.step_ms else 0.0)

@@ -133,31 +133,12 @@ def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int],
     ttft = None
     done = False
     while not done:
-        # token by token, so a round that overshoots EOS, max_tokens or a stop string is cut exactly
         out_ids: list[int] = []
         pieces: list[str] = []
-        text = ""
-        hit = False
         drafted, logprobs, n_drafted = meta
-        for tok in pending:
-            if tok in eos:
-                finish, done = "stop", True
-                break
-            generated.append(tok)
-            out_ids.append(tok)
-            pieces.append(detok.add(tok))
-            piece, hit = matcher.push(pieces[-1])
-            text += piece
-            if hit:
-                finish, done = "stop", True
-                break
-            if len(generated) >= max_tokens:
-                done = True
-                break
-        if done and not hit:  # held-back bytes and stop-string prefixes are final text now
-            pieces.append(detok.flush())
-            tail, _ = matcher.push(pieces[-1])
-            text += tail + matcher.flush()
+        with prof.stage("emit"):
+            stopped, done, text = _emit(pending, eos, max_tokens, generated, out_ids, pieces, detok, matcher)
+        finish = "stop" if stopped else finish
         if ttft is None and pending:
             ttft = time.perf_counter() - t0
         if text or out_ids:
@@ -181,6 +162,36 @@ def _round_meta(decoder, pending: list[int]) -> tuple[list[bool], list[dict] | N
     if drafted is None or len(drafted) != len(pending):
         drafted = [False] * len(pending)
     return drafted, getattr(decoder, "round_logprobs", None), getattr(decoder, "round_n_drafted", 0)
+
+
+
+def _emit(pending: list[int], eos: set[int], max_tokens: int, generated: list[int], out_ids: list[int],
+          pieces: list[str], detok, matcher: "_StopMatcher") -> tuple[bool, bool, str]:
+    """Hands out a round's tokens one by one, so a round that overshoots EOS, max_tokens or a stop
+    string is cut exactly: appends to `generated`, `out_ids` and `pieces`; returns (stopped by EOS
+    or a stop string, done, the chunk's text)."""
+    text = ""
+    stopped = done = hit = False
+    for tok in pending:
+        if tok in eos:
+            stopped = done = True
+            break
+        generated.append(tok)
+        out_ids.append(tok)
+        pieces.append(detok.add(tok))
+        piece, hit = matcher.push(pieces[-1])
+        text += piece
+        if hit:
+            stopped = done = True
+            break
+        if len(generated) >= max_tokens:
+            done = True
+            break
+    if done and not hit:  # held-back bytes and stop-string prefixes are final text now
+        pieces.append(detok.flush())
+        tail, _ = matcher.push(pieces[-1])
+        text += tail + matcher.flush()
+    return stopped, done, text
 
 
 def _stats(decoder, n_prompt: int, n_gen: int, from_prefill: int, t_prefill: float, t_decode: float,

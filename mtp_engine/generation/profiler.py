@@ -17,7 +17,10 @@ import mlx.core as mx
 
 from ..output_files import atomic_open
 
-STAGES = ("prefill", "decode", "draft", "catch_up", "verify", "sample", "sync", "accept", "rollback", "other")
+# `emit`: handing a round's tokens out (detokenization, EOS and stop strings), host work that
+# overlaps the next round on a device and is a visible share of a small model's step
+STAGES = ("prefill", "decode", "draft", "catch_up", "verify", "sample", "sync", "accept", "rollback", "emit",
+          "other")
 
 
 class Profiler:

@@ -19,6 +19,10 @@ SLAB_ROWS = 64
 # up to this many tokens per sequence a product is a step's or a verify's (n-max 7 and below);
 # more, a prompt's
 STEP_TOKENS = 8
+# MLX 0.32.4's CUDA quantized product of more rows than this at group 128 fails to launch
+# ("cuGraphAddKernelNode ... invalid argument", any shape, 33 to 300 rows tried; groups 32 and 64
+# run): those products take the dequantized one
+CUDA_G128_MAX_ROWS = 32
 
 
 @dataclass
@@ -61,9 +65,7 @@ class Linear:
             # decided by the tokens per sequence (x [..., S, in]), not by the batch's rows: a prompt
             # prefilled beside others takes the path it takes alone
             if self.dequant_rows and x.ndim >= 2 and x.shape[-2] >= self.dequant_rows:
-                w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
-                                  bits=self.bits).astype(DEQUANT_DTYPE)
-                return (x.astype(DEQUANT_DTYPE) @ w.T).astype(x.dtype)
+                return self._dense_product(x)
             # slabs decided by the tokens per sequence too: a prompt prefilled beside others takes
             # the arithmetic it takes alone (the tensor-core kernel's rows do not mix)
             if self.custom_kernel and x.shape[-2] <= SLAB_ROWS and \
@@ -83,9 +85,16 @@ class Linear:
                 y = mx.quantized_matmul(flat, self.weight, self.scales, self.biases, transpose=True,
                                         group_size=self.group_size, bits=self.bits)
                 return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+            if self.group_size == 128 and rows > CUDA_G128_MAX_ROWS and kernels.cuda():
+                return self._dense_product(x)
             return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                        group_size=self.group_size, bits=self.bits)
         return x @ self.weight.T
+
+    def _dense_product(self, x: mx.array) -> mx.array:
+        w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
+                          bits=self.bits).astype(DEQUANT_DTYPE)
+        return (x.astype(DEQUANT_DTYPE) @ w.T).astype(x.dtype)
 
     def rows(self, ids: mx.array) -> mx.array:
         """Rows `ids` of W as floats: an embedding lookup that never dequantizes the whole table."""

@@ -118,8 +118,8 @@ def in_model(a) -> None:
         elif v != "base":
             wv, tm, st, *sp = (int(x) for x in v.split("x"))
             kernels.TENSOR_CORE_ROWS = 1
-            mma_kernel.quantized_rows = lambda *args: original(*args, warps=wv, tiles=tm, stages=st,
-                                                               split=sp[0] if sp else mma_kernel.SPLIT)
+            mma_kernel.quantized_rows = lambda *args, split=mma_kernel.SPLIT: original(
+                *args, warps=wv, tiles=tm, stages=st, split=sp[0] if sp else split)
         for owner in (model, model.mtp):  # each variant keeps its own traced graphs
             owner.graphs = graphs.setdefault((id(owner), v), StepGraphs())
 

@@ -115,6 +115,26 @@ def test_without_llguidance_the_error_says_how_to_get_it(monkeypatch):
         Constraint.json()
 
 
+def test_an_llguidance_too_old_is_named_with_the_version_needed(monkeypatch):
+    """Below the oldest version the tests pass with (0.7.8 fails them), the error says which is
+    installed and which is needed, instead of failing inside llguidance on the first grammar."""
+    from importlib import metadata
+
+    from mtp_engine import constraint
+
+    constraint._version.cache_clear()
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.7.8" if name == "llguidance" else real(name))
+    try:
+        with pytest.raises(MTPEngineError, match=r"llguidance 0\.7\.8 is too old.*>= 0\.7\.9"):
+            Constraint.json()
+    finally:
+        constraint._version.cache_clear()
+    monkeypatch.setattr(metadata, "version", lambda name: "0.7.9rc1" if name == "llguidance" else real(name))
+    assert constraint._version("llguidance") == (0, 7, 9)
+    constraint._version.cache_clear()
+
+
 def test_the_head_drafts_only_what_the_grammar_allows(shipped):
     """Masked drafting: every draft of a chain is allowed after the ones before it (unmasked, this
     code model drafts the pretty-printed JSON it was trained on, which the grammar refuses)."""

@@ -28,8 +28,8 @@ def test_precise_stages_add_up_to_wall_time(tiny, spec):
     named = sum(v["seconds"] for k, v in stages.items() if k != "other")
     assert prof["wall_seconds"] > 0
     assert abs(named - prof["wall_seconds"]) / prof["wall_seconds"] < 0.05, stages
-    expected = {"prefill", "decode", "sync"} if spec is None else \
-        {"prefill", "draft", "verify", "sample", "sync", "accept", "rollback", "catch_up"}
+    expected = {"prefill", "decode", "sync", "emit"} if spec is None else \
+        {"prefill", "draft", "verify", "sample", "sync", "accept", "rollback", "catch_up", "emit"}
     assert expected <= set(stages)
     if spec:
         # one draft stage entry per draft step, one verify per round

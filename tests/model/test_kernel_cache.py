@@ -86,7 +86,7 @@ def test_mlx_builds_the_source_this_module_hashes():
                                     grid=(256, 1, 1), threadgroup=(128, 1, 1), output_shapes=[(1, 64)],
                                     output_dtypes=[mx.float32])),
              (mma_kernel._kernel, dict(inputs=[x, q, s, b], template=[("BITS", 4), ("GROUP", 32), ("TM", 1), ("NW", 8),
-                                                                       ("ST", 3)],
+                                                                       ("ST", 3), ("SPLIT", 2), ("NT", 1)],
                                        grid=(4 * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(3, 64)],
                                        output_dtypes=[mx.float32])),
              (norm_kernel._kernel, dict(inputs=[x, x, w[0], mx.array([1e-6])], template=[("NT", 256)],

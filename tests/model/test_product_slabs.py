@@ -62,3 +62,23 @@ def test_long_sequences_leave_the_kernel(calls):
     lin(mx.random.normal((1, SLAB_ROWS + 1, 64)))
     lin(mx.random.normal((3, SLAB_ROWS + 1, 64)))
     assert calls == []
+
+
+@pytest.mark.parametrize("rows,group,dense", [(33, 128, True), (300, 128, True), (32, 128, False), (33, 64, False)])
+def test_a_cuda_product_mlx_cannot_launch_takes_the_dequantized_one(monkeypatch, rows, group, dense):
+    """On CUDA, MLX's quantized product of more than 32 rows at group 128 fails to launch (MLX
+    0.32.4): outside the custom kernel's reach such a product runs on the dequantized weights,
+    equal to the quantized product; other groups and row counts keep MLX's product."""
+    from mtp_engine.model.layers import CUDA_G128_MAX_ROWS
+
+    assert CUDA_G128_MAX_ROWS == 32
+    w = mx.random.normal((64, 256), key=mx.random.key(1))
+    q, s, b = mx.quantize(w, group_size=group, bits=4)
+    x = mx.random.normal((rows, 256), key=mx.random.key(2))
+    ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=4)
+    monkeypatch.setattr(kernels, "cuda", lambda: True)
+    real, used = mx.quantized_matmul, []
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: used.append(1) or real(*a, **k))
+    got = Linear(q, s, b, 4, group)(x)
+    assert bool(used) != dense
+    assert np.allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-4)
