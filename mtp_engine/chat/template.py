@@ -124,22 +124,7 @@ def _jinja_env() -> Any:
                 return left % right
             b = CURRENT.get()
             if b is not None:
-                what = f"the operator {operator}"
-                if operator == "*":
-                    for seq, n in ((left, right), (right, left)):
-                        if isinstance(n, int) and isinstance(seq, (str, list, tuple, bytes)):
-                            b.size(len(seq) * max(n, 0), what)
-                    if isinstance(left, int) and isinstance(right, int):
-                        b.size((abs(left).bit_length() + abs(right).bit_length()) // 4, what)
-                elif operator == "**":
-                    if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-                        b.size(right * abs(left).bit_length() // 4, what)
-                elif operator == "+":
-                    if isinstance(left, (str, list, tuple, bytes)) and type(left) is type(right):
-                        b.size(len(left) + len(right), what)
-                elif operator == "%" and isinstance(left, str):
-                    check_format_string(b, left, what)
-                    check_ints(b, right if isinstance(right, tuple) else (right,), what)
+                _budget_binop(b, operator, left, right)
             out = super().call_binop(context, operator, left, right)
             if b is not None:
                 b.size((len(out) if type(out) in SIZED else 0), f"the operator {operator}")
@@ -168,13 +153,7 @@ def _jinja_env() -> Any:
             b.steps_left -= 1
             if b.steps_left & 63 == 0 or b.steps_left < 0:
                 b.check()
-            if kind is _BUILTIN_METHOD:
-                if type(__obj.__self__) in (str, bytes, int):
-                    check_str_call(b, __obj.__self__, __obj.__name__, args, kwargs)
-            elif kind is _FUNCTION:  # the sandbox wraps str.format / format_map in a function
-                target = getattr(__obj, "__wrapped__", None)
-                if type(target) is _BUILTIN_METHOD and type(target.__self__) is str:
-                    check_str_call(b, target.__self__, target.__name__, args, kwargs)
+            _budget_call(b, __obj, args, kwargs)
             out = sandbox_call(__self, __context, __obj, *args, **kwargs)
             if type(out) in SIZED and len(out) > b.max_chars:
                 b.size(len(out), "a call")
@@ -203,6 +182,39 @@ def _jinja_env() -> Any:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def _budget_binop(b: Any, operator: str, left: Any, right: Any) -> None:
+    """Refuses, before it is built, what a binary operator would make past the render's budget."""
+    what = f"the operator {operator}"
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(n, int) and isinstance(seq, (str, list, tuple, bytes)):
+                b.size(len(seq) * max(n, 0), what)
+        if isinstance(left, int) and isinstance(right, int):
+            b.size((abs(left).bit_length() + abs(right).bit_length()) // 4, what)
+    elif operator == "**":
+        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+            b.size(right * abs(left).bit_length() // 4, what)
+    elif operator == "+":
+        if isinstance(left, (str, list, tuple, bytes)) and type(left) is type(right):
+            b.size(len(left) + len(right), what)
+    elif operator == "%" and isinstance(left, str):
+        check_format_string(b, left, what)
+        check_ints(b, right if isinstance(right, tuple) else (right,), what)
+
+
+def _budget_call(b: Any, obj: Any, args: tuple, kwargs: dict) -> None:
+    """Refuses, before it runs, a str/bytes/int method call (or the sandbox's wrapped str.format)
+    whose result would pass the render's budget."""
+    kind = type(obj)
+    if kind is _BUILTIN_METHOD:
+        if type(obj.__self__) in (str, bytes, int):
+            check_str_call(b, obj.__self__, obj.__name__, args, kwargs)
+    elif kind is _FUNCTION:  # the sandbox wraps str.format / format_map in a function
+        target = getattr(obj, "__wrapped__", None)
+        if type(target) is _BUILTIN_METHOD and type(target.__self__) is str:
+            check_str_call(b, target.__self__, target.__name__, args, kwargs)
 
 
 def _template_error() -> type:

@@ -89,25 +89,7 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     arch = h.value("general.architecture")
     p = f"{arch}." if isinstance(arch, str) else "\0"
     tensors = _loaded_tensors(h, load_mtp)
-    q6k_mode = "f32" if exact else "q8"
-    weights = 0
-    fused: dict[tuple[str, int], int] = {}  # (block, group) -> bytes of the products joined at load
-    fused_elems: dict[tuple[str, int], int] = {}
-    dense = 0  # elements of the largest trunk product (joined), dequantized for a prefill chunk
-    for t in tensors:
-        size = mlx_nbytes(t.qtype, t.n_elements, q6k_mode=q6k_mode)
-        size = t.n_bytes if size is None else size  # unsupported types are refused at load
-        weights += size
-        group = _FUSED.get(t.name.split(".", 2)[-1]) if t.name.startswith("blk.") else None
-        if group is not None:
-            key = (t.name.split(".")[1], group)
-            fused[key] = fused.get(key, 0) + size
-            fused_elems[key] = fused_elems.get(key, 0) + t.n_elements
-        elif t.name.startswith("blk.") and len(t.shape) == 2:
-            dense = max(dense, t.n_elements)
-    # joining a block's input products (model/layers.concat_outputs) briefly holds both copies
-    load_transient = max(fused.values(), default=0)
-
+    weights, load_transient, dense = _weights(tensors, "f32" if exact else "q8")
     ctx = _count(h, p + "context_length", 4096) if context is None else int(context)
     if ctx < 0:
         raise MTPEngineError(f"expected a context of at least 0 positions, found {ctx}", field="context")
@@ -125,23 +107,8 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     kv_rows = rows("attn_k.weight")
     kv_cache = sum(2 * r * (capacity + kv_tail) * kv_bytes for r in kv_rows) + \
         (2 * max(kv_rows) * capacity * kv_bytes if kv_rows else 0)
-
-    # per gated-delta-net layer: conv window (kernel-1) x channels, state Vh x Kd x Vd
-    recurrent_state = 0
-    key_dim = _count(h, p + "ssm.state_size")
-    channels_max = state_max = 0
-    for conv in by_suffix.get("ssm_conv1d.weight", []):
-        if len(conv.shape) != 2:
-            continue
-        channels, kernel = conv.shape
-        channels_max = max(channels_max, channels)
-        block = conv.name.split(".", 2)[1]
-        inner = sum(t.n_elements for t in by_suffix.get("ssm_norm.weight", []) if t.name.split(".")[1] == block)
-        heads = sum(t.n_elements for t in by_suffix.get("ssm_a", []) if t.name.split(".")[1] == block)
-        state = heads * inner * min(key_dim, channels)
-        state_max = max(state_max, state)
-        recurrent_state += ((kernel - 1) * channels + state * (1 + capture_positions)) * _F32
-
+    recurrent_state, channels_max, state_max = _recurrent(by_suffix, _count(h, p + "ssm.state_size"),
+                                                          capture_positions)
     embd = by_suffix.get("token_embd.weight", [])
     vocab, hidden = embd[0].shape[:2] if embd and len(embd[0].shape) == 2 else (0, 0)
     head_dim = max((t.n_elements for t in by_suffix.get("attn_k_norm.weight", [])), default=0)
@@ -160,12 +127,52 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     states_alive = -(-chunk // _DELTA_CHUNK) + 2
     # a prefill chunk's products on a GPU (EngineOptions.dequant_rows): the weight dequantized to
     # float32 and its transposed copy, one product at a time
-    dense = max([dense, *fused_elems.values()])
     activations = (chunk * width + n_head * chunk * capacity + vocab + states_alive * state_max) * _F32 \
         + 2 * dense * _F32
     total = weights + kv_cache + recurrent_state + activations + load_transient
     return {"weights": int(weights), "kv_cache": int(kv_cache), "recurrent_state": int(recurrent_state),
             "activations": int(activations), "load_transient": int(load_transient), "total": int(total), "context": int(ctx)}
+
+
+def _weights(tensors: list[TensorHeader], q6k_mode: str) -> tuple[int, int, int]:
+    """Bytes of the loaded weights, the load's transient (joining a block's input products,
+    model/layers.concat_outputs, briefly holds both copies) and the elements of the largest trunk
+    product (joined), which a prefill chunk dequantizes."""
+    weights = 0
+    fused: dict[tuple[str, int], int] = {}  # (block, group) -> bytes of the products joined at load
+    fused_elems: dict[tuple[str, int], int] = {}
+    dense = 0
+    for t in tensors:
+        size = mlx_nbytes(t.qtype, t.n_elements, q6k_mode=q6k_mode)
+        size = t.n_bytes if size is None else size  # unsupported types are refused at load
+        weights += size
+        group = _FUSED.get(t.name.split(".", 2)[-1]) if t.name.startswith("blk.") else None
+        if group is not None:
+            key = (t.name.split(".")[1], group)
+            fused[key] = fused.get(key, 0) + size
+            fused_elems[key] = fused_elems.get(key, 0) + t.n_elements
+        elif t.name.startswith("blk.") and len(t.shape) == 2:
+            dense = max(dense, t.n_elements)
+    return weights, max(fused.values(), default=0), max([dense, *fused_elems.values()])
+
+
+def _recurrent(by_suffix: dict[str, list[TensorHeader]], key_dim: int, capture_positions: int) -> tuple[int, int, int]:
+    """Bytes of the gated delta nets' state (per layer: conv window (kernel-1) x channels, state
+    Vh x Kd x Vd, captured for `capture_positions` more), the widest layer's channels and its
+    largest state's elements."""
+    recurrent_state = channels_max = state_max = 0
+    for conv in by_suffix.get("ssm_conv1d.weight", []):
+        if len(conv.shape) != 2:
+            continue
+        channels, kernel = conv.shape
+        channels_max = max(channels_max, channels)
+        block = conv.name.split(".", 2)[1]
+        inner = sum(t.n_elements for t in by_suffix.get("ssm_norm.weight", []) if t.name.split(".")[1] == block)
+        heads = sum(t.n_elements for t in by_suffix.get("ssm_a", []) if t.name.split(".")[1] == block)
+        state = heads * inner * min(key_dim, channels)
+        state_max = max(state_max, state)
+        recurrent_state += ((kernel - 1) * channels + state * (1 + capture_positions)) * _F32
+    return recurrent_state, channels_max, state_max
 
 
 def available_memory(options: EngineOptions | None = None) -> tuple[int, str]:

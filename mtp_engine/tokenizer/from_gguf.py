@@ -47,6 +47,54 @@ def tokenizer_parts_from_gguf(reader: gguf.GGUFReader, path: str = "") -> dict[s
     vocabulary has more tokens than the file's ``token_embd.weight`` has rows.
     """
     file = path or None
+    pre, tokens, token_types, merges = _vocabulary(reader, path)
+    n = len(tokens)
+
+    def check_id(key: str, value: int | None) -> int | None:
+        if value is not None and not 0 <= value < n:
+            raise MTPEngineError(
+                f"token id {value} is outside the vocabulary [0, {n})", file=file, field=key
+            )
+        return value
+
+    eos = read_scalar(reader, KEY_EOS, path, "int")
+    if eos is None:
+        raise MTPEngineError("required key is missing", file=file, field=KEY_EOS)
+    eos = check_id(KEY_EOS, eos)
+    bos = check_id(KEY_BOS, read_scalar(reader, KEY_BOS, path, "int"))
+    eot = check_id(KEY_EOT, read_scalar(reader, KEY_EOT, path, "int"))
+    pad = check_id(KEY_PAD, read_scalar(reader, KEY_PAD, path, "int"))
+    add_bos = read_scalar(reader, KEY_ADD_BOS, path, "bool")
+    chat_template = read_string(reader, KEY_CHAT_TEMPLATE, path, required=False)
+
+    bpe = build_byte_level_bpe(
+        PRE_TOKENIZER_REGEXES[pre], tokens, token_types, merges,
+        file=file, merges_field=KEY_MERGES,
+    )
+    # EOS, the end-of-turn token, and the control tokens that end a turn in the known templates
+    eos_ids = {eos} | ({eot} if eot is not None else set())
+    eos_ids |= {bpe.vocab[t] for t in END_TOKENS if t in bpe.vocab and token_types[bpe.vocab[t]] == TOKEN_TYPE_CONTROL}
+
+    return dict(
+        backend=bpe.backend,
+        token_bytes=bpe.token_bytes,
+        token_texts=list(tokens),
+        special_ids=bpe.special_ids,
+        eos_token_id=eos,
+        eos_token_ids=eos_ids,
+        bos_token_id=bos,
+        add_bos_token=bool(add_bos) and bos is not None,
+        pad_token_id=pad,
+        chat_template=chat_template,
+        source=path,
+        template_field=KEY_CHAT_TEMPLATE,
+    )
+
+
+def _vocabulary(reader: gguf.GGUFReader, path: str) -> tuple[str, list[str], list[int], list[str]]:
+    """The pre-tokenizer's name, the tokens, their types and the merges, each checked (a byte-level
+    BPE, a known pre-tokenizer, one type per token, no more tokens than the embedding has rows)."""
+    file = path or None
     model = read_string(reader, KEY_MODEL, path, required=True)
     if model != "gpt2":
         raise MTPEngineError(
@@ -73,57 +121,12 @@ def tokenizer_parts_from_gguf(reader: gguf.GGUFReader, path: str = "") -> dict[s
             field=KEY_TOKEN_TYPE,
         )
     check_vocabulary(tokens, token_types, file=file, tokens_field=KEY_TOKENS, types_field=KEY_TOKEN_TYPE)
-    n = len(tokens)
     rows = _embedding_rows(reader)
-    if rows is not None and n > rows:
+    if rows is not None and len(tokens) > rows:
         # a token id past the embedding table would be looked up out of bounds, silently
         raise MTPEngineError(
-            f"the vocabulary has {n} tokens but token_embd.weight has only {rows} rows",
+            f"the vocabulary has {len(tokens)} tokens but token_embd.weight has only {rows} rows",
             file=file,
             field=KEY_TOKENS,
         )
-
-    def check_id(key: str, value: int | None) -> int | None:
-        if value is not None and not 0 <= value < n:
-            raise MTPEngineError(
-                f"token id {value} is outside the vocabulary [0, {n})", file=file, field=key
-            )
-        return value
-
-    eos = read_scalar(reader, KEY_EOS, path, "int")
-    if eos is None:
-        raise MTPEngineError("required key is missing", file=file, field=KEY_EOS)
-    eos = check_id(KEY_EOS, eos)
-    bos = check_id(KEY_BOS, read_scalar(reader, KEY_BOS, path, "int"))
-    eot = check_id(KEY_EOT, read_scalar(reader, KEY_EOT, path, "int"))
-    pad = check_id(KEY_PAD, read_scalar(reader, KEY_PAD, path, "int"))
-    add_bos = read_scalar(reader, KEY_ADD_BOS, path, "bool")
-    chat_template = read_string(reader, KEY_CHAT_TEMPLATE, path, required=False)
-
-    bpe = build_byte_level_bpe(
-        PRE_TOKENIZER_REGEXES[pre], tokens, token_types, merges,
-        file=file, merges_field=KEY_MERGES,
-    )
-
-    eos_ids = {eos}
-    if eot is not None:
-        eos_ids.add(eot)
-    for text in END_TOKENS:
-        i = bpe.vocab.get(text)
-        if i is not None and token_types[i] == TOKEN_TYPE_CONTROL:
-            eos_ids.add(i)
-
-    return dict(
-        backend=bpe.backend,
-        token_bytes=bpe.token_bytes,
-        token_texts=list(tokens),
-        special_ids=bpe.special_ids,
-        eos_token_id=eos,
-        eos_token_ids=eos_ids,
-        bos_token_id=bos,
-        add_bos_token=bool(add_bos) and bos is not None,
-        pad_token_id=pad,
-        chat_template=chat_template,
-        source=path,
-        template_field=KEY_CHAT_TEMPLATE,
-    )
+    return pre, tokens, token_types, merges

@@ -27,6 +27,30 @@ def tokenizer_parts_from_hf(path: str) -> dict[str, Any]:
         backend = tokenizers.Tokenizer.from_str(json.dumps(spec))
     except Exception as e:  # OSError, JSON errors, tokenizers errors
         raise MTPEngineError(f"cannot read tokenizer: {e}", file=path) from e
+    token_bytes, token_texts, special_ids = _vocabulary(spec, path)
+    text_to_id = {t: i for i, t in enumerate(token_texts) if t is not None}
+    directory = os.path.dirname(os.path.abspath(path))
+    config, config_path = _config(directory)
+    eos, eos_ids, bos, pad = _special_tokens(config, config_path, text_to_id, special_ids)
+    return dict(
+        backend=backend,
+        token_bytes=token_bytes,
+        token_texts=token_texts,
+        special_ids=special_ids,
+        eos_token_id=eos,
+        eos_token_ids=eos_ids,
+        bos_token_id=bos,
+        add_bos_token=bool(config.get("add_bos_token", False)) and bos is not None,
+        pad_token_id=pad,
+        chat_template=_chat_template(config, directory),
+        source=path,
+        template_field="chat_template",
+    )
+
+
+def _vocabulary(spec: dict, path: str) -> tuple[list[bytes], list[str | None], set[int]]:
+    """Each id's bytes and text (byte-level BPE pieces decoded; added tokens as written) and the
+    ids of the special added tokens."""
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
         raise MTPEngineError(
@@ -51,18 +75,25 @@ def tokenizer_parts_from_hf(path: str) -> dict[str, Any]:
         token_texts[a["id"]] = a["content"]
         if a.get("special"):
             special_ids.add(a["id"])
-    text_to_id = {t: i for i, t in enumerate(token_texts) if t is not None}
+    return token_bytes, token_texts, special_ids
 
-    directory = os.path.dirname(os.path.abspath(path))
-    config: dict = {}
+
+def _config(directory: str) -> tuple[dict, str]:
+    """``tokenizer_config.json`` beside the tokenizer ({} when there is none) and its path."""
     config_path = os.path.join(directory, "tokenizer_config.json")
-    if os.path.exists(config_path):
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise MTPEngineError(f"cannot read tokenizer config: {e}", file=config_path) from e
+    if not os.path.exists(config_path):
+        return {}, config_path
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            return json.load(f), config_path
+    except (OSError, ValueError) as e:
+        raise MTPEngineError(f"cannot read tokenizer config: {e}", file=config_path) from e
 
+
+def _special_tokens(config: dict, config_path: str, text_to_id: dict[str, int],
+                    special_ids: set[int]) -> tuple[int, set[int], int | None, int | None]:
+    """EOS (configured, else ``<|im_end|>`` or ``<|endoftext|>``), every id that ends a turn, BOS
+    and PAD."""
     def token_id(key: str) -> int | None:
         value = config.get(key)
         if isinstance(value, dict):
@@ -77,22 +108,16 @@ def tokenizer_parts_from_hf(path: str) -> dict[str, Any]:
 
     eos = token_id("eos_token")
     if eos is None:
-        for text in ("<|im_end|>", "<|endoftext|>"):
-            if text in text_to_id:
-                eos = text_to_id[text]
-                break
+        eos = next((text_to_id[t] for t in ("<|im_end|>", "<|endoftext|>") if t in text_to_id), None)
     if eos is None:
         raise MTPEngineError("no EOS token configured", file=config_path, field="eos_token")
-    bos = token_id("bos_token")
-    pad = token_id("pad_token")
-    eos_ids = {eos}
-    for text in END_TOKENS:
-        i = text_to_id.get(text)
-        if i is not None and i in special_ids:
-            eos_ids.add(i)
+    eos_ids = {eos} | {text_to_id[t] for t in END_TOKENS if text_to_id.get(t) in special_ids}
+    return eos, eos_ids, token_id("bos_token"), token_id("pad_token")
 
+
+def _chat_template(config: dict, directory: str) -> str | None:
+    """The config's template (of named ones, "default"), else ``chat_template.jinja`` beside it."""
     chat_template = config.get("chat_template")
-    template_field = "chat_template"
     if isinstance(chat_template, list):  # named templates: take "default"
         named = {d.get("name"): d.get("template") for d in chat_template}
         chat_template = named.get("default")
@@ -101,18 +126,4 @@ def tokenizer_parts_from_hf(path: str) -> dict[str, Any]:
         if os.path.exists(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 chat_template = f.read()
-
-    return dict(
-        backend=backend,
-        token_bytes=token_bytes,
-        token_texts=token_texts,
-        special_ids=special_ids,
-        eos_token_id=eos,
-        eos_token_ids=eos_ids,
-        bos_token_id=bos,
-        add_bos_token=bool(config.get("add_bos_token", False)) and bos is not None,
-        pad_token_id=pad,
-        chat_template=chat_template,
-        source=path,
-        template_field=template_field,
-    )
+    return chat_template
