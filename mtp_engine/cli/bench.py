@@ -132,8 +132,22 @@ def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
         profiled[c] = _run_prompts(m, prompts[:cfg.profile_prompts], cfg, *c, profile="precise")
         bar.tick(_label(c) + " profiled")
     costs = _costs_from_profiles(profiled)
-    # repeats are interleaved across configs, prompt by prompt, so slow drifts of the device (clocks,
-    # allocator, other tenants) hit every row alike instead of biasing whichever row ran during them
+    speeds, ttft, last_stats = _timed_repeats(m, prompts, configs, cfg, bar)
+    base_tps = statistics.median(speeds[configs[0]])
+    rows = [_row(c, speeds[c], ttft[c], last_stats[c], profiled[c], costs, base_tps) for c in configs]
+    result = {"device": str(mx.default_device()), "model": m.path, "tokens": cfg.tokens, "repeats": cfg.repeats,
+              "prompts": len(prompts), "prompt_tokens": cfg.prompt_tokens, "costs": costs.to_json(), "rows": rows,
+              "date": time.strftime("%Y-%m-%d"), "load_seconds": m.load_seconds,
+              "bench_seconds": time.perf_counter() - t_start}
+    if cfg.out:
+        write_outputs(result, Path(cfg.out))
+    return result
+
+
+def _timed_repeats(m, prompts: list, configs: list, cfg: BenchConfig, bar: Progress) -> tuple[dict, dict, dict]:
+    """Decode tok/s per repeat, times to first token and the last repeat's stats, per config.
+    Repeats are interleaved across configs, prompt by prompt, so slow drifts of the device (clocks,
+    allocator, other tenants) hit every row alike instead of biasing whichever row ran during them."""
     speeds: dict = {c: [] for c in configs}
     ttft: dict = {c: [] for c in configs}
     last_stats: dict = {}
@@ -150,69 +164,67 @@ def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
             tok, sec, last_stats[c] = per[c]
             speeds[c].append(tok / sec if sec else 0.0)
             ttft[c] += [s["time_to_first_token_seconds"] for s in last_stats[c]]
-    rows = []
-    base_tps = statistics.median(speeds[configs[0]])
-    for c in configs:
-        spec, k, p = c
-        stats = last_stats[c]
-        plain_tps, prof_stats = profiled[c]
-        tps = statistics.median(speeds[c])
-        stages = _stage_ms_per_token(prof_stats)
-        total = sum(stages.values())
-        scale = (1e3 / tps) / total if tps and total else 1.0
-        row = {"spec": spec, "n_max": k, "p_min": p, "tok_s": tps, "speedup": tps / base_tps,
-               "tok_s_all": speeds[c], "stage_ms_per_token": stages,
-               "stage_ms_per_token_timed": {n: v * scale for n, v in stages.items()},
-               "profiled_tok_s": plain_tps, "profile_overhead": tps / plain_tps if plain_tps else None,
-               "ttft_s": statistics.median(ttft[c]) if ttft[c] else None,
-               "compile_seconds": sum(st.get("compile_seconds", 0.0) for st in prof_stats)}
-        moe = [st["moe_distinct_experts_per_layer"] for st in prof_stats if "moe_distinct_experts_per_layer" in st]
-        for kind in ("step", "verify"):
-            vals = [d[kind] for d in moe if kind in d]
-            if vals:  # MoE: distinct experts each layer reads per forward (a verify reads more)
-                row[f"moe_experts_per_{kind}"] = sum(vals) / len(vals)
-        if spec == "draft-mtp":
-            drafted = sum(s["drafted"] for s in stats)
-            accepted = sum(s["accepted"] for s in stats)
-            rounds = sum(s["rounds"] for s in stats)
-            acc_pos = _merge_acceptance(stats, AUTO_MAX if k == "auto" else k)
-            row.update(drafted=drafted, acceptance=accepted / drafted if drafted else None,
-                       mean_accepted_length=accepted / rounds if rounds else 0.0,
-                       acceptance_per_position=acc_pos)
-            # f from the profiled run: per-round time outside draft/verify/catch-up, in steps
-            per_round = {n: sum(s["profile"]["stages"].get(n, {}).get("seconds", 0.0) for s in prof_stats)
-                         for n in ("sample", "sync", "accept", "rollback", "emit", "other")}
-            prof_rounds = sum(s["rounds"] for s in prof_stats)
-            f_ms = sum(per_round.values()) * 1e3 / max(prof_rounds, 1)
-            c = Costs(costs.step_ms, costs.verify, costs.draft, f_ms / costs.step_ms if costs.step_ms else 0.0)
-            # the model's unit is its own measured step; rescale to the plain run's per-token time so
-            # prediction and measurement share one baseline
-            unit = (1e3 / base_tps) / costs.step_ms if base_tps and costs.step_ms else 1.0
-            if k == "auto":  # k varies per round: report what it chose instead of one prediction
-                hist: dict = {}
-                for st in stats:
-                    for kk, v in st.get("draft_length_histogram", {}).items():
-                        hist[kk] = hist.get(kk, 0) + v
-                row["draft_length_histogram"] = hist
-                row["explanation"] = "auto chose k per round: " + ", ".join(f"k={kk}: {v}" for kk, v in
-                                                                            sorted(hist.items()))
-                msgs = {st.get("auto_message") for st in stats} - {None}
-                if msgs:
-                    row["auto_message"] = sorted(msgs)[0]
-                    row["explanation"] += "; " + row["auto_message"]
-            else:
-                row["predicted_speedup"] = (predict_speedup(c, acc_pos, k) * unit
-                                            if k and k + 1 in c.verify else 1.0)
-                row["expected_tokens_per_round"] = expected_tokens(acc_pos, k)
-                row["explanation"] = _explain(row, c, prof_stats, k)
-        rows.append(row)
-    result = {"device": str(mx.default_device()), "model": m.path, "tokens": cfg.tokens, "repeats": cfg.repeats,
-              "prompts": len(prompts), "prompt_tokens": cfg.prompt_tokens, "costs": costs.to_json(), "rows": rows,
-              "date": time.strftime("%Y-%m-%d"), "load_seconds": m.load_seconds,
-              "bench_seconds": time.perf_counter() - t_start}
-    if cfg.out:
-        write_outputs(result, Path(cfg.out))
-    return result
+    return speeds, ttft, last_stats
+
+
+def _row(config: tuple, speeds: list[float], ttft: list[float], stats: list[dict], profiled: tuple,
+         costs: Costs, base_tps: float) -> dict:
+    """One config's row: its median rate and speedup, the profiled pass's stages, and for
+    draft-mtp its acceptance and what the cost model predicted or auto chose."""
+    spec, k, p = config
+    plain_tps, prof_stats = profiled
+    tps = statistics.median(speeds)
+    stages = _stage_ms_per_token(prof_stats)
+    total = sum(stages.values())
+    scale = (1e3 / tps) / total if tps and total else 1.0
+    row = {"spec": spec, "n_max": k, "p_min": p, "tok_s": tps, "speedup": tps / base_tps,
+           "tok_s_all": speeds, "stage_ms_per_token": stages,
+           "stage_ms_per_token_timed": {n: v * scale for n, v in stages.items()},
+           "profiled_tok_s": plain_tps, "profile_overhead": tps / plain_tps if plain_tps else None,
+           "ttft_s": statistics.median(ttft) if ttft else None,
+           "compile_seconds": sum(st.get("compile_seconds", 0.0) for st in prof_stats)}
+    moe = [st["moe_distinct_experts_per_layer"] for st in prof_stats if "moe_distinct_experts_per_layer" in st]
+    for kind in ("step", "verify"):
+        vals = [d[kind] for d in moe if kind in d]
+        if vals:  # MoE: distinct experts each layer reads per forward (a verify reads more)
+            row[f"moe_experts_per_{kind}"] = sum(vals) / len(vals)
+    if spec == "draft-mtp":
+        _draft_fields(row, k, stats, prof_stats, costs, base_tps)
+    return row
+
+
+def _draft_fields(row: dict, k, stats: list[dict], prof_stats: list[dict], costs: Costs, base_tps: float) -> None:
+    drafted = sum(s["drafted"] for s in stats)
+    accepted = sum(s["accepted"] for s in stats)
+    rounds = sum(s["rounds"] for s in stats)
+    acc_pos = _merge_acceptance(stats, AUTO_MAX if k == "auto" else k)
+    row.update(drafted=drafted, acceptance=accepted / drafted if drafted else None,
+               mean_accepted_length=accepted / rounds if rounds else 0.0,
+               acceptance_per_position=acc_pos)
+    # f from the profiled run: per-round time outside draft/verify/catch-up, in steps
+    per_round = {n: sum(s["profile"]["stages"].get(n, {}).get("seconds", 0.0) for s in prof_stats)
+                 for n in ("sample", "sync", "accept", "rollback", "emit", "other")}
+    prof_rounds = sum(s["rounds"] for s in prof_stats)
+    f_ms = sum(per_round.values()) * 1e3 / max(prof_rounds, 1)
+    c = Costs(costs.step_ms, costs.verify, costs.draft, f_ms / costs.step_ms if costs.step_ms else 0.0)
+    # the model's unit is its own measured step; rescale to the plain run's per-token time so
+    # prediction and measurement share one baseline
+    unit = (1e3 / base_tps) / costs.step_ms if base_tps and costs.step_ms else 1.0
+    if k == "auto":  # k varies per round: report what it chose instead of one prediction
+        hist: dict = {}
+        for st in stats:
+            for kk, v in st.get("draft_length_histogram", {}).items():
+                hist[kk] = hist.get(kk, 0) + v
+        row["draft_length_histogram"] = hist
+        row["explanation"] = "auto chose k per round: " + ", ".join(f"k={kk}: {v}" for kk, v in sorted(hist.items()))
+        msgs = {st.get("auto_message") for st in stats} - {None}
+        if msgs:
+            row["auto_message"] = sorted(msgs)[0]
+            row["explanation"] += "; " + row["auto_message"]
+    else:
+        row["predicted_speedup"] = predict_speedup(c, acc_pos, k) * unit if k and k + 1 in c.verify else 1.0
+        row["expected_tokens_per_round"] = expected_tokens(acc_pos, k)
+        row["explanation"] = _explain(row, c, prof_stats, k)
 
 
 def _label(c) -> str:
