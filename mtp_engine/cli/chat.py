@@ -65,20 +65,9 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
     last_stats: dict | None = None
     print(f"mtp-engine: chatting with {model_label(args.model)}; {HELP}", file=stderr)
     while True:
-        if tty:
-            stdout.write("> ")
-            stdout.flush()
-        line = stdin.readline(MAX_LINE_CHARS + 1)
-        if not line:  # end of input (Ctrl-D)
-            if tty:
-                stdout.write("\n")
+        text = _read_message(stdin, stdout, stderr, tty)
+        if text is None:
             return 0
-        if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):  # bounded memory: drop the rest of it
-            while (rest := stdin.readline(MAX_LINE_CHARS)) and not rest.endswith("\n"):
-                pass
-            print(f"mtp-engine: error: message: longer than {MAX_LINE_CHARS} characters", file=stderr)
-            continue
-        text = line.rstrip("\n")
         command = text.strip()
         if not command:
             continue
@@ -87,15 +76,7 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
                 return 0
             if command == "/reset":
                 messages = list(system)
-                print("mtp-engine: the conversation starts over", file=stderr)
-            elif command == "/stats" and last_stats:
-                print(format_stats(last_stats), file=stderr)
-            elif command == "/stats":
-                print("mtp-engine: no answer yet", file=stderr)
-            elif command in ("/help", "/?"):
-                print(f"mtp-engine: {HELP}", file=stderr)
-            else:
-                print(f"mtp-engine: unknown command {command.split()[0]!r}: {HELP}", file=stderr)
+            _command(command, last_stats, stderr)
             continue
         try:
             check_text(text, "message")
@@ -107,26 +88,67 @@ def run_chat(args, stdin: TextIO | None = None, stdout: TextIO | None = None, st
             print(f"mtp-engine: error: {e}{hint}", file=stderr)
             continue
         messages.append({"role": "user", "content": text})
-        answer: list[str] = []
-        gen = api.stream_request(prepared, model)
-        try:
-            for chunk in gen:
-                if chunk.text:
-                    answer.append(chunk.text)
-                    stdout.write(chunk.text)
-                    stdout.flush()
-                if chunk.finish_reason is not None:
-                    last_stats = chunk.stats
-        except KeyboardInterrupt:
-            stdout.write(" [stopped]")
-        finally:
-            gen.close()
-        stdout.write("\n")
-        stdout.flush()
-        messages.append({"role": "assistant", "content": "".join(answer)})
+        answer, last_stats = _answer(api.stream_request(prepared, model), stdout, last_stats)
+        messages.append({"role": "assistant", "content": answer})
         if args.stats and last_stats:
             print(format_stats(last_stats), file=stderr)
         _keep_answer(model, messages, cache, kwargs)
+
+
+def _read_message(stdin: TextIO, stdout: TextIO, stderr: TextIO, tty: bool) -> str | None:
+    """The user's next line (without its newline; "" for one to skip), None at the end of input.
+    A line longer than MAX_LINE_CHARS is read to its end and dropped: bounded memory."""
+    if tty:
+        stdout.write("> ")
+        stdout.flush()
+    line = stdin.readline(MAX_LINE_CHARS + 1)
+    if not line:  # end of input (Ctrl-D)
+        if tty:
+            stdout.write("\n")
+        return None
+    if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
+        while (rest := stdin.readline(MAX_LINE_CHARS)) and not rest.endswith("\n"):
+            pass
+        print(f"mtp-engine: error: message: longer than {MAX_LINE_CHARS} characters", file=stderr)
+        return ""
+    return line.rstrip("\n")
+
+
+def _command(command: str, last_stats: dict | None, stderr: TextIO) -> None:
+    """Says what a slash command other than /exit did (/reset's reset is the caller's)."""
+    from .output import format_stats
+
+    if command == "/reset":
+        print("mtp-engine: the conversation starts over", file=stderr)
+    elif command == "/stats" and last_stats:
+        print(format_stats(last_stats), file=stderr)
+    elif command == "/stats":
+        print("mtp-engine: no answer yet", file=stderr)
+    elif command in ("/help", "/?"):
+        print(f"mtp-engine: {HELP}", file=stderr)
+    else:
+        print(f"mtp-engine: unknown command {command.split()[0]!r}: {HELP}", file=stderr)
+
+
+def _answer(gen, stdout: TextIO, last_stats: dict | None) -> tuple[str, dict | None]:
+    """Writes a streamed answer as it comes (Ctrl-C stops it, keeping what came); returns its text
+    and the finished generation's stats (the previous ones when it was stopped first)."""
+    answer: list[str] = []
+    try:
+        for chunk in gen:
+            if chunk.text:
+                answer.append(chunk.text)
+                stdout.write(chunk.text)
+                stdout.flush()
+            if chunk.finish_reason is not None:
+                last_stats = chunk.stats
+    except KeyboardInterrupt:
+        stdout.write(" [stopped]")
+    finally:
+        gen.close()
+    stdout.write("\n")
+    stdout.flush()
+    return "".join(answer), last_stats
 
 
 def _keep_answer(model, messages: list[dict], cache, kwargs: dict) -> None:
