@@ -209,6 +209,27 @@ def repack_float(
     return out
 
 
+def _blocks(raw: np.ndarray, qtype: QT, rows: int, cols: int, name: str | None) -> tuple[np.ndarray, int]:
+    """A quantized tensor's bytes as [rows, bytes per row] (whole blocks per row, the byte count
+    the shape needs) and its block's bytes."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if cols % block_size:
+        raise _err(
+            f"{qtype.name} tensor of shape {(rows, cols)}: expected cols to be a multiple of "
+            f"the block size {block_size}, found {cols}",
+            name,
+        )
+    data = _raw_bytes(raw)
+    row_bytes = cols // block_size * type_size
+    if data.size != rows * row_bytes:
+        raise _err(
+            f"{qtype.name} tensor of shape {(rows, cols)}: expected {rows * row_bytes} bytes, "
+            f"found {data.size}",
+            name,
+        )
+    return data.reshape(rows, row_bytes), type_size
+
+
 def repack(
     raw: np.ndarray,
     qtype: QT | int,
@@ -249,22 +270,7 @@ def repack(
     if q6k_mode not in Q6K_MODES:
         raise _err(f"q6k_mode: expected one of {Q6K_MODES}, found {q6k_mode!r}", name)
     rows, cols = _check_shape(shape, name)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if cols % block_size:
-        raise _err(
-            f"{qtype.name} tensor of shape {(rows, cols)}: expected cols to be a multiple of "
-            f"the block size {block_size}, found {cols}",
-            name,
-        )
-    data = _raw_bytes(raw)
-    row_bytes = cols // block_size * type_size
-    if data.size != rows * row_bytes:
-        raise _err(
-            f"{qtype.name} tensor of shape {(rows, cols)}: expected {rows * row_bytes} bytes, "
-            f"found {data.size}",
-            name,
-        )
-    data = data.reshape(rows, row_bytes)
+    data, type_size = _blocks(raw, qtype, rows, cols, name)
 
     if qtype == QT.Q6_K and q6k_mode == "f32":
         out = np.empty((rows, cols), dtype=np.float32)
