@@ -106,10 +106,7 @@ def open_bind_warning(host: str, api_key: str | None) -> str | None:
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     from ..server.app import create_app
-    from ..server.worker import GenerationWorker, wait_ready
 
     logging.basicConfig(level=args.log_level.upper(), format="mtp-engine: %(message)s", stream=sys.stderr)
     defaults = defaults_from_args(args)
@@ -119,45 +116,12 @@ def run_serve(args) -> int:
     warning = open_bind_warning(args.host, api_key)
     if warning:
         print(f"mtp-engine: warning: {warning}", file=sys.stderr, flush=True)
-    from ..server.schemas import parse_completion
-
-    # the server's own default settings, as a request without settings gets them
-    warm = parse_completion({"prompt": "x"}, defaults).kwargs
-    warm.pop("prompt")
-    from ..load_progress import load_progress
-    from .output import model_label
-
-    worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
-                              warm_up=warm, idle_release_s=args.idle_release,
-                              cache_slots=args.cache_slots, cache_bytes=args.cache_ram << 20,
-                              chat_template=chat_template, parallel=args.parallel,
-                              load_progress=load_progress(model_label(args.model)))
-    worker.start()
-    model = wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main
+    worker, model = _start_worker(args, defaults, chat_template)
     if defaults.spec == "draft-mtp" and model.model.mtp is None:
         logging.getLogger("mtp_engine.server").warning("%s has no MTP head: serving with spec-type none", model.path)
         defaults.spec = "none"
     name = args.alias or Path(model.path).name
-    app = create_app(worker, defaults, name, api_key=api_key, with_metrics=args.metrics)
-    from ..server.protocol import DeadlineH11Protocol, WaitingConnections
-
-    # every resource a client can hold is bounded: a request's headers have a deadline and the
-    # connections waiting for theirs a number (the protocol), its body a deadline and the requests
-    # open at once a number (app.LimitRequests, a 503 with Retry-After past it); idle connections
-    # between requests close at the header deadline
-    protocol = type("Protocol", (DeadlineH11Protocol,), {"header_timeout_s": args.header_timeout,
-                                                         "waiting": WaitingConnections()})
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=2, http=protocol)
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:
-            # before uvicorn waits for open connections: the running generation ends at its next
-            # chunk and every stream gets a "shutting down" error and closes, so none is still
-            # open when the grace period ends (uvicorn would cancel it with a traceback)
-            worker.shutdown()
-            await super().shutdown(sockets)
-
-    server = Server(config)
+    server = _http_server(create_app(worker, defaults, name, api_key=api_key, with_metrics=args.metrics), args, worker)
 
     async def main() -> None:
         task = asyncio.create_task(server.serve())
@@ -175,3 +139,47 @@ def run_serve(args) -> int:
     finally:
         worker.stop()
     return 0 if server.started else 1
+
+
+def _start_worker(args, defaults, chat_template):
+    """The generation worker, started, and its loaded model (warmed up with the server's own
+    default settings, as a request without settings gets them)."""
+    from ..load_progress import load_progress
+    from ..server.schemas import parse_completion
+    from ..server.worker import GenerationWorker, wait_ready
+    from .output import model_label
+
+    warm = parse_completion({"prompt": "x"}, defaults).kwargs
+    warm.pop("prompt")
+    worker = GenerationWorker(args.model, args.queue_size, exact=args.exact, max_context=args.max_context,
+                              warm_up=warm, idle_release_s=args.idle_release,
+                              cache_slots=args.cache_slots, cache_bytes=args.cache_ram << 20,
+                              chat_template=chat_template, parallel=args.parallel,
+                              load_progress=load_progress(model_label(args.model)))
+    worker.start()
+    return worker, wait_ready(worker)  # MTPEngineError -> exit 2 in cli.main
+
+
+def _http_server(app, args, worker):
+    """uvicorn's server for `app`, every resource a client can hold bounded: a request's headers
+    have a deadline and the connections waiting for theirs a number (the protocol), its body a
+    deadline and the requests open at once a number (app.LimitRequests, a 503 with Retry-After
+    past it); idle connections between requests close at the header deadline."""
+    import uvicorn
+
+    from ..server.protocol import DeadlineH11Protocol, WaitingConnections
+
+    protocol = type("Protocol", (DeadlineH11Protocol,), {"header_timeout_s": args.header_timeout,
+                                                         "waiting": WaitingConnections()})
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=2, http=protocol)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # before uvicorn waits for open connections: the running generation ends at its next
+            # chunk and every stream gets a "shutting down" error and closes, so none is still
+            # open when the grace period ends (uvicorn would cancel it with a traceback)
+            worker.shutdown()
+            await super().shutdown(sockets)
+
+    return Server(config)
