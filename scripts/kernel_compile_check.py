@@ -1,5 +1,5 @@
 """Compiles every custom CUDA kernel's source for an H100/H200 (sm_90a) on a machine without a GPU:
-the exact source MLX would build for each launch (`kernel_cache.CudaKernel.variant_source`), for
+the exact source MLX would build for each launch (`kernels.cuda_kernel.CudaKernel.variant_source`), for
 the 9B shape and the fixtures' shapes, through NVRTC from NVIDIA's pip wheels. It catches what a
 GPU session would otherwise spend its minutes on (a typo, an undeclared name, a wrong type), not
 wrong numbers: those are the GPU tests' and each kernel's self-test.
@@ -17,23 +17,25 @@ from pathlib import Path
 import mlx.core as mx
 
 
-from mtp_engine.model import attn_kernel, gdn, gdn_kernel, kernel_cache, kernels, mma_kernel, norm_kernel, nvrtc
+from mtp_engine.model import gdn, kernels
+from mtp_engine.model.kernels import nvrtc
+
 
 def _launch_all() -> None:
     """Every kernel's wrapper at the shapes the engine runs (sources depend on template values)."""
     for d in (gdn.Dims(2, 64, 4, 64, 4, 1e-6), gdn.Dims(16, 128, 32, 128, 4, 1e-6)):
         for batch, s, cap, earlier in ((1, 1, False, 0), (8, 4, True, 0), (3, 2, False, 4)):
-            gdn_kernel.max_error(d, s, capture=cap, earlier=earlier, batch=batch)
+            kernels.gdn.max_error(d, s, capture=cap, earlier=earlier, batch=batch)
     for shape in ((4, 2, 64, 16), (16, 4, 256, 64)):
-        attn_kernel.max_error(*shape, 1, 9)
-        attn_kernel.max_error(*shape, 2, [4, 0, 11])
+        kernels.attn.max_error(*shape, 1, 9)
+        kernels.attn.max_error(*shape, 2, [4, 0, 11])
     w, sc, bi = mx.quantize(mx.random.normal((256, 512)), group_size=32, bits=4)
     for rows in (1, 4, 8):
-        kernels.simt_rows(mx.random.normal((rows, 512)), w, sc, bi, 4, 32)
+        kernels.qmv.simt_rows(mx.random.normal((rows, 512)), w, sc, bi, 4, 32)
     for rows in (4, 12, 32):  # the tensor-core kernel's 1, 2 and 4 column tiles, x in 2 and 3 parts
         for split in (2, 3):
-            mma_kernel.quantized_rows(mx.random.normal((rows, 512)), w, sc, bi, 4, 32, split=split)
-    norm_kernel._fused(mx.ones((2, 256)), mx.ones((2, 256)), mx.ones((256,)), 1e-6)
+            kernels.mma.quantized_rows(mx.random.normal((rows, 512)), w, sc, bi, 4, 32, split=split)
+    kernels.norm.launch(mx.ones((2, 256)), mx.ones((2, 256)), mx.ones((256,)), 1e-6)
 
 
 def pip_compiler(arch: str) -> nvrtc.Compiler:
@@ -48,12 +50,12 @@ def pip_compiler(arch: str) -> nvrtc.Compiler:
         inc.insert(0, Path(nvidia.cuda_cccl.__path__[0]) / "include")
     except ImportError:
         pass
-    # the engine's ahead compiler (kernel_cache) has no more than these: no math macros either
+    # the engine's ahead compiler (kernels.cuda_kernel) has no more than these: no math macros either
     return nvrtc.Compiler(str(lib), arch, [str(p) for p in inc])
 
 
 def in_workers(compiler: nvrtc.Compiler, captured: dict[str, str], workers: int) -> tuple[float, list[dict]]:
-    """The variants compiled by `workers` of kernel_cache's NVRTC processes (the engine's first-run
+    """The variants compiled by `workers` of kernels.cuda_kernel's NVRTC processes (the engine's first-run
     path), into a temporary folder: (wall seconds, their result lines)."""
     import tempfile
     import time
@@ -63,7 +65,7 @@ def in_workers(compiler: nvrtc.Compiler, captured: dict[str, str], workers: int)
                 for f, s in sorted(captured.items())]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool:
-            out = [r for rs in pool.map(lambda share: kernel_cache._run_worker(compiler.spec, share, 600),
+            out = [r for rs in pool.map(lambda share: kernels.cuda_kernel._run_worker(compiler.spec, share, 600),
                                         [jobs[i::workers] for i in range(workers)]) for r in rs]
         return time.perf_counter() - t0, out
 
@@ -74,7 +76,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0,
                     help="also compile them in this many worker processes, as a first run does, and time both")
     a = ap.parse_args()
-    with kernel_cache.recording() as rec:  # launches nothing: each call records the source MLX would build
+    with kernels.cuda_kernel.recording() as rec:  # launches nothing: each call records the source MLX would build
         _launch_all()
     captured = rec.variants
     try:

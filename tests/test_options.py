@@ -8,7 +8,7 @@ import pytest
 from tests.conftest import TINY_Q4, need
 from mtp_engine import EngineOptions, MTPEngineError, load
 from mtp_engine import generate
-from mtp_engine.model import kernels, mma_kernel
+from mtp_engine.model import kernels
 from mtp_engine.model.layers import Linear
 from mtp_engine.options import ENV
 
@@ -92,14 +92,14 @@ def test_kernel_choice_is_per_model(clean_env, monkeypatch):
         calls.append(x.shape[0])
         return [mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=t["GROUP"], bits=t["BITS"])]
 
-    monkeypatch.setattr(kernels, "_tested", True)
-    monkeypatch.setattr(kernels, "_kernel", fake)  # one row
-    monkeypatch.setattr(mma_kernel, "_kernel", fake)  # 2..8 rows
+    monkeypatch.setattr(kernels, "REGISTRY", kernels.Registry({("qmv", None): True}))
+    monkeypatch.setattr(kernels.qmv, "_kernel", fake)  # one row
+    monkeypatch.setattr(kernels.mma, "_kernel", fake)  # 2..8 rows
     path = need(TINY_Q4)
     custom = load(path, options=EngineOptions(kernels="qmv", compile_steps=False))
     plain = load(path, options=EngineOptions(kernels="mlx", compile_steps=False))
     assert any(lin.custom_kernel for lin in _linears(custom)) and not any(lin.custom_kernel for lin in _linears(plain))
-    calls.clear()  # loading compiles the few-row variants ahead on a GPU (kernel_warmup): not a generation's
+    calls.clear()  # loading compiles the few-row variants ahead on a GPU (kernels.warmup): not a generation's
     rp = generate("x = 1", plain, max_tokens=4)
     assert calls == []
     rc = generate("x = 1", custom, max_tokens=4)
@@ -115,10 +115,11 @@ def test_memory_limit_option_refuses_the_load(clean_env):
 
 def test_no_module_global_switches():
     """The switches that used to be module globals are gone: nothing to flip behind a model's back."""
-    from mtp_engine.model import gdn_kernel, layers, norm_kernel, step
+    from mtp_engine.model import layers, step
+    from mtp_engine.model import kernels
 
     assert not hasattr(layers, "ROW_PAD") and not hasattr(kernels, "ACTIVE")
-    assert not hasattr(gdn_kernel, "ACTIVE") and not hasattr(norm_kernel, "ACTIVE")
+    assert not hasattr(kernels.gdn, "ACTIVE") and not hasattr(kernels.norm, "ACTIVE")
     assert not hasattr(step, "default_enabled")
 
 

@@ -1,6 +1,6 @@
 """Qwen3.5's blocks: the dense FFN, gated full attention, the gated delta net, a decoder layer and
 the loop over layers, shared by the trunk (`qwen35`) and the MTP head (`mtp_head`). Each block's
-portable path is pure MLX; the fused CUDA kernels (`attn_kernel`, `gdn_kernel`) are accelerators
+portable path is pure MLX; the fused CUDA kernels (`kernels.attn`, `kernels.gdn`) are accelerators
 behind it, chosen from the model's options."""
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import attn_kernel, gdn, gdn_kernel
+from . import gdn
+from .kernels import attn as attn_kernel
+from .kernels import gdn as gdn_kernel
 from .cache import RecurrentCache, pick_state
 from .config import Qwen35Config
 from .fused import fused
 from .kv_cache import KVCache
 from .layers import Linear, concat_outputs, rms_norm
-from .norm_kernel import add_rms_norm
+from .kernels.norm import add_rms_norm
 
 # x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
 FFN = Callable[[mx.array], mx.array]

@@ -1,5 +1,5 @@
 """A gated-delta-net layer's mixing (conv, gates, delta rule, gated RMSNorm) in pure MLX: the
-portable path (CPU, Metal) and the reference that `gdn_kernel`'s fused CUDA kernel is tested
+portable path (CPU, Metal) and the reference that `kernels.gdn`'s fused CUDA kernel is tested
 against. Inputs are the layer's input products; the output goes into the layer's out product."""
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import kernels
+from .kernels import mma, qmv
 
 # a dequantized product's operands: float32 (on an H100 MLX runs it on the tensor cores, 118-298
 # TFLOP/s for 512-4096 rows, against 51-410 in bf16 and 23 for the 4-bit product of float32 rows)
@@ -69,14 +70,14 @@ class Linear:
             # slabs decided by the tokens per sequence too: a prompt prefilled beside others takes
             # the arithmetic it takes alone (the tensor-core kernel's rows do not mix)
             if self.custom_kernel and x.shape[-2] <= SLAB_ROWS and \
-                    kernels.supports(self.weight, self.scales, self.bits, self.group_size, min(rows, kernels.MAX_ROWS)):
-                flat, slab = x.reshape(rows, x.shape[-1]), kernels.MAX_ROWS
+                    qmv.supports(self.weight, self.scales, self.bits, self.group_size, min(rows, qmv.MAX_ROWS)):
+                flat, slab = x.reshape(rows, x.shape[-1]), qmv.MAX_ROWS
                 if rows > slab and rows % slab == 1:  # a last slab of one row would take the one-row
                     flat = mx.pad(flat, [(0, 1), (0, 0)])  # kernel: every row of a product takes one arithmetic
                 # a prompt's tokens take x in float32's precision on the tensor cores, as MLX's
                 # product they stand in for; a step's and a verify's rows the faster ~17 bits
-                split = 3 if x.shape[-2] > STEP_TOKENS else kernels.mma_kernel.SPLIT
-                parts = [kernels.quantized_rows(flat[i:i + slab], self.weight, self.scales, self.biases, self.bits,
+                split = 3 if x.shape[-2] > STEP_TOKENS else mma.SPLIT
+                parts = [qmv.quantized_rows(flat[i:i + slab], self.weight, self.scales, self.biases, self.bits,
                                                 self.group_size, split=split) for i in range(0, flat.shape[0], slab)]
                 y = parts[0] if len(parts) == 1 else mx.concatenate(parts)[:rows]
                 return y.reshape(*x.shape[:-1], y.shape[-1])

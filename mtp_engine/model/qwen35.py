@@ -6,15 +6,13 @@ a block is any `FFN`: the dense `MLP` here, or the mixture of experts of `moe.py
 """
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import is_dataclass
 from typing import Iterator, NamedTuple
 
 import mlx.core as mx
 
 from ..options import EngineOptions
-from . import attn_kernel, gdn, gdn_kernel, kernel_warmup, kernels, mma_kernel, norm_kernel, selftest_cache
+from . import gdn, kernels
 from . import step as compiled
 from .batch_cache import BatchCache
 from .blocks import DecoderLayer, GatedAttention, GatedDeltaNet, compilable_ffn, run_layers
@@ -25,29 +23,6 @@ from .kv_cache import KVCache
 from .layers import Linear
 from .mtp_head import MTPHead
 
-# what a first run on a GPU spends seconds on, said as it starts (the command line shows it)
-log = logging.getLogger("mtp_engine.kernels")
-
-
-def _checked(name: str, module, source: str, shape, run, cache_dir) -> bool:
-    """`run()` (the kernel module's `available`), unless this exact check passed in an earlier
-    process on this device (`selftest_cache`); a pass is remembered for the next process."""
-    if module._tested is not None or not kernels.cuda():
-        return run()
-    k = selftest_cache.key(name, source, shape)
-    if selftest_cache.passed(cache_dir, k):
-        module._tested = True
-        return True
-    log.info("first run of the %s CUDA kernel here (this device, MLX version and model shape): testing it "
-             "against the MLX path (its code was compiled ahead); the verdict is kept in %s", name, cache_dir)
-    t0 = time.perf_counter()
-    ok = run()
-    selftest_cache.RUN_SECONDS[name] = time.perf_counter() - t0
-    log.info("%s kernel %s in %.1f s", name, "passed" if ok else "failed its test (the MLX path runs instead)",
-             selftest_cache.RUN_SECONDS[name])
-    if ok:
-        selftest_cache.remember(cache_dir, k)
-    return ok
 
 
 class TrunkStates(NamedTuple):
@@ -89,20 +64,11 @@ class Qwen35Model:
                             c.eps) if any(c.recurrent) else None
         attn_shape = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot)
         kv_dtype = getattr(mx, opts.kv_dtype)
-        attn_kernel.expect(attn_shape, opts.kv_dtype)
-        checks = {"qmv": (kernels, kernels._SOURCE + mma_kernel.SOURCE, None, kernels.available),
-                  "gdn": (gdn_kernel, gdn_kernel._SOURCE, gdn_dims, lambda: gdn_kernel.available(gdn_dims)),
-                  "attn": (attn_kernel, attn_kernel._HEADER + attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE
-                           + attn_kernel._MERGE_SOURCE, attn_shape + (opts.kv_dtype,),
-                           lambda: attn_kernel.available(attn_shape, kv_dtype)),
-                  "norm": (norm_kernel, norm_kernel._SOURCE, None, norm_kernel.available)}
-        if kernels.cuda():  # a first run on this GPU compiles every kernel it will launch at once
-            pending = [(module, run) for name, (module, source, shape, run) in checks.items()
-                       if name in allowed and module._tested is None
-                       and not selftest_cache.passed(opts.cache_path, selftest_cache.key(name, source, shape))]
-            kernel_warmup.compile_ahead(pending, [o for o in self._parts() if isinstance(o, Linear)]
-                                        if "qmv" in allowed else [], c.hidden_size if "norm" in allowed else None)
-        ok = {name: name in allowed and _checked(name, *checks[name], opts.cache_path) for name in checks}
+        shapes = {"qmv": None, "gdn": gdn_dims, "attn": attn_shape + (opts.kv_dtype,), "norm": None}
+        linears = [o for o in self._parts() if isinstance(o, Linear)]
+        ok = kernels.check({name: shapes[name] for name in shapes if name in allowed}, opts.cache_path,
+                           linears, c.hidden_size)
+        ok = {name: ok.get(name, False) for name in shapes}
         qmv, fused_gdn, fused_attn, self.fused_norm = ok["qmv"], ok["gdn"], ok["attn"], ok["norm"]
         for obj in self._parts():
             if isinstance(obj, Linear):

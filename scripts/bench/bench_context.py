@@ -39,7 +39,8 @@ from harness import NullTokenizer, config_9b, random_model
 from mtp_engine.generation.decode import PlainDecoder
 from mtp_engine.generation.loop import run
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
-from mtp_engine.model import attn_kernel, delta_rule, kernels
+from mtp_engine.model import delta_rule
+from mtp_engine.model import kernels
 from mtp_engine.speculative.ablations import ablation_decoder
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.scheduler import DraftLengthScheduler
@@ -138,17 +139,17 @@ def attn(model, lengths, per_split=(128, 256, 512), dtypes=("float32", "float16"
             qn = mx.ones((d,))
             pos = mx.array([length], mx.int32)
             row: dict = {"keys": length, "rows": s}
-            kept = attn_kernel.KEYS_PER_SPLIT
+            kept = kernels.attn.KEYS_PER_SPLIT
             for dt in dtypes if kernels.cuda() else ():
                 keys, values = keys32.astype(getattr(mx, dt)), values32.astype(getattr(mx, dt))
                 mx.eval(keys, values)
                 for n in per_split:
-                    attn_kernel.KEYS_PER_SPLIT = n
-                    ms = _ms_queued(lambda: attn_kernel.attend(y, qn, keys, values, pos, nh, nkv, d, cfg.n_rot, cfg.eps,
+                    kernels.attn.KEYS_PER_SPLIT = n
+                    ms = _ms_queued(lambda: kernels.attn.attend(y, qn, keys, values, pos, nh, nkv, d, cfg.n_rot, cfg.eps,
                                                                cfg.rope_base))
                     row[f"{dt}_split{n}_ms"] = round(ms, 4)
                     row[f"{dt}_split{n}_gb_s"] = round(s * keys.nbytes * 2 * (length + s) / cap / ms / 1e6)
-            attn_kernel.KEYS_PER_SPLIT = kept
+            kernels.attn.KEYS_PER_SPLIT = kept
             q = mx.random.normal((1, nh, s, d))
             kk, vv = keys32[:, :, :length + s], values32[:, :, :length + s]
             mx.eval(kk, vv)
@@ -332,7 +333,7 @@ def main() -> int:
     print(f"9B-shape model ({cfg.n_layer} layers) built in {time.perf_counter() - t:.0f} s on {mx.default_device()}",
           file=sys.stderr, flush=True)
     result: dict = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "layers": cfg.n_layer,
-                    "keys_per_split": attn_kernel.KEYS_PER_SPLIT}
+                    "keys_per_split": kernels.attn.KEYS_PER_SPLIT}
     if "step" in sections:
         result["step"] = step(model, lengths)
     if "parts" in sections:

@@ -81,7 +81,7 @@ def check_kernel() -> dict:
                 for m in (1, 2, 3, 5, 8):
                     x = mx.random.normal((m, k))
                     ref = mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=bits)
-                    got = kernels.simt_rows(x, q, sc, bi, bits, 32, rows_per_warp=rpw)
+                    got = kernels.qmv.simt_rows(x, q, sc, bi, bits, 32, rows_per_warp=rpw)
                     err = mx.max(mx.abs(got - ref)).item() / max(mx.max(mx.abs(ref)).item(), 1e-6)
                     worst[f"{bits}bit"] = max(worst.get(f"{bits}bit", 0.0), err)
     return worst
@@ -107,8 +107,8 @@ def kernel_times() -> dict:
     nbytes = q.nbytes + sc.nbytes + bi.nbytes
     fns = {"mlx": lambda x: mx.quantized_matmul(x, q, sc, bi, transpose=True, group_size=32, bits=4)}
     for rpw in (2, 4, 8):
-        fns[f"ours r{rpw}"] = (lambda r: lambda x: kernels.simt_rows(x, q, sc, bi, 4, 32, rows_per_warp=r))(rpw)
-    fns["ours"] = lambda x: kernels.quantized_rows(x, q, sc, bi, 4, 32)  # tensor cores from 2 rows
+        fns[f"ours r{rpw}"] = (lambda r: lambda x: kernels.qmv.simt_rows(x, q, sc, bi, 4, 32, rows_per_warp=r))(rpw)
+    fns["ours"] = lambda x: kernels.qmv.quantized_rows(x, q, sc, bi, 4, 32)  # tensor cores from 2 rows
     times: dict[str, list[float]] = {}
     for m in (1, 2, 4, 8):
         x = mx.random.normal((m, 4096))
@@ -168,7 +168,7 @@ def main() -> int:
         a.tokens, a.repeats, a.accs = 64, 1, "0.5,0.7,0.9"
     sections = set(a.sections.split(","))
     configs = a.configs.split(",")
-    if "kernel" in sections and kernels.available():
+    if "kernel" in sections and kernels.available("qmv"):
         log({"kernel_max_rel_err": check_kernel()})
         log({"kernel_ms": kernel_times()})
     cfg = smoke_config() if a.smoke else config_9b(a.layers != 32)

@@ -17,17 +17,17 @@ import time
 
 import mlx.core as mx
 
-from mtp_engine.model import kernels, mma_kernel
+from mtp_engine.model import kernels
 from mtp_engine.model.step import StepGraphs
 
 
-def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024, split: int = mma_kernel.SPLIT) -> float:
+def check(bits: int, group: int, rows: int, n: int = 512, k: int = 1024, split: int = kernels.mma.SPLIT) -> float:
     w = mx.random.normal((n, k), key=mx.random.key(bits + group))
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     x = mx.random.normal((rows, k), key=mx.random.key(rows)) * 3.0
     ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group, bits=bits)
-    got = mma_kernel.quantized_rows(x, q, s, b, bits, group, split=split)
-    alone = mma_kernel.quantized_rows(x[:1], q, s, b, bits, group, split=split)
+    got = kernels.mma.quantized_rows(x, q, s, b, bits, group, split=split)
+    alone = kernels.mma.quantized_rows(x[:1], q, s, b, bits, group, split=split)
     if not mx.array_equal(alone[0], got[0]).item():
         print(f"ROW-DEPENDENT bits={bits} group={group} rows={rows}: row 0 differs from row 0 alone")
     return float((mx.abs(got - ref).max() / mx.abs(ref).max()).item())
@@ -72,11 +72,11 @@ def main() -> None:
         mx.eval(weights)
         fns = {"mlx": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=a.group,
                                                              bits=a.bits),
-               "simt": lambda x, q, s, b: kernels.simt_rows(x, q, s, b, a.bits, a.group)}
+               "simt": lambda x, q, s, b: kernels.qmv.simt_rows(x, q, s, b, a.bits, a.group)}
         for wv, tm, st, *sp in variants:
             if n % (16 * tm) == 0:
-                sp = sp[0] if sp else mma_kernel.SPLIT
-                fns[f"tc{wv}x{tm}x{st}x{sp}"] = (lambda wv, tm, st, sp: lambda x, q, s, b: mma_kernel.quantized_rows(
+                sp = sp[0] if sp else kernels.mma.SPLIT
+                fns[f"tc{wv}x{tm}x{st}x{sp}"] = (lambda wv, tm, st, sp: lambda x, q, s, b: kernels.mma.quantized_rows(
                     x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, stages=st, split=sp))(wv, tm, st, sp)
         print(f"\n{n}x{k} {a.bits}-bit g{a.group}: {nbytes / 1e6:.1f} MB per copy, {copies} copies; "
               "us per product (GB/s)", flush=True)
@@ -107,18 +107,18 @@ def in_model(a) -> None:
     from harness import config_9b, random_model
     model = random_model(config_9b(False))
     model.compile_steps = True
-    original, supports = mma_kernel.quantized_rows, mma_kernel.supports
+    original, supports = kernels.mma.quantized_rows, kernels.mma.supports
     variants = ["simt", "base"] + a.variants.split(",")
     graphs: dict = {}
 
     def select(v: str) -> None:
-        mma_kernel.supports, mma_kernel.quantized_rows, kernels.TENSOR_CORE_ROWS = supports, original, 2
+        kernels.mma.supports, kernels.mma.quantized_rows, kernels.qmv.TENSOR_CORE_ROWS = supports, original, 2
         if v == "simt":
-            mma_kernel.supports = lambda *args: False
+            kernels.mma.supports = lambda *args: False
         elif v != "base":
             wv, tm, st, *sp = (int(x) for x in v.split("x"))
-            kernels.TENSOR_CORE_ROWS = 1
-            mma_kernel.quantized_rows = lambda *args, split=mma_kernel.SPLIT: original(
+            kernels.qmv.TENSOR_CORE_ROWS = 1
+            kernels.mma.quantized_rows = lambda *args, split=kernels.mma.SPLIT: original(
                 *args, warps=wv, tiles=tm, stages=st, split=sp[0] if sp else split)
         for owner in (model, model.mtp):  # each variant keeps its own traced graphs
             owner.graphs = graphs.setdefault((id(owner), v), StepGraphs())

@@ -1,5 +1,5 @@
 """Where a new process's start-up goes: import, `load()` (on a GPU it includes the custom kernels'
-self-tests at the model's shapes, reported apart as `self_test_seconds`; `kernel_cache` counts the
+self-tests at the model's shapes, reported apart as `self_test_seconds`; `kernels.cuda_kernel` counts the
 NVRTC compiles and their seconds, wherever they fell), and three 64-token generations on the
 shipped model (plain, then draft-mtp auto twice: the first pays for compiling its shapes);
 `compiled_modules` lists, per phase, the modules that appeared in MLX's PTX folders (MLX's JIT:
@@ -33,7 +33,7 @@ if "--root" in sys.argv:  # before MLX or the engine read any of these
 T: dict = {}
 t = time.perf_counter()
 import mtp_engine as me
-from mtp_engine.model import kernel_cache, selftest_cache
+from mtp_engine.model import kernels
 
 T["import"] = time.perf_counter() - t
 JIT: dict = {}  # per phase: the compiled modules that appeared in MLX's PTX folders (MLX's JIT and ours)
@@ -41,7 +41,7 @@ JIT: dict = {}  # per phase: the compiled modules that appeared in MLX's PTX fol
 
 def modules() -> dict:
     """Module file name -> when it was written (epoch seconds)."""
-    return {p.name: p.stat().st_mtime for d in kernel_cache.mlx_cache_dirs() if d.is_dir() for p in d.rglob("*.ptx")}
+    return {p.name: p.stat().st_mtime for d in kernels.cuda_kernel.mlx_cache_dirs() if d.is_dir() for p in d.rglob("*.ptx")}
 
 
 def phase(name: str, before: dict, started: float) -> dict:
@@ -81,9 +81,9 @@ for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
     T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
     seen = phase(f"gen{i}_{spec}", seen, start)
 
-T["kernel_cache"] = dict(kernel_cache.STATS)  # custom-kernel variants compiled here vs found stored
+T["kernels.cuda_kernel"] = dict(kernels.cuda_kernel.STATS)  # custom-kernel variants compiled here vs found stored
 # load()'s part spent testing kernels against the MLX path (the rest: GGUF read, upload, MLX's own JIT)
-T["self_test_seconds"] = dict(selftest_cache.RUN_SECONDS)
+T["self_test_seconds"] = dict(kernels.verdicts.RUN_SECONDS)
 # what each phase compiled (on a fresh machine, where start-up's seconds go: ~2-6 s a module)
 T["compiled_modules"] = JIT
 print(json.dumps(T, indent=1), flush=True)

@@ -1,4 +1,4 @@
-"""The fused attention kernels (`model/attn_kernel.py`) against the MLX operations they replace:
+"""The fused attention kernels (`model/kernels/attn.py`) against the MLX operations they replace:
 on random layers (every token count 1..16, GQA, partial rope, positions with and without a filled
 cache) and through whole models (greedy decode and a draft-mtp run with rollbacks, kernel on and
 off). CUDA only: elsewhere the kernels are never selected and these tests skip."""
@@ -8,24 +8,24 @@ import pytest
 
 import mlx.core as mx
 
-from mtp_engine.model import attn_kernel, kernels
+from mtp_engine.model import kernels
 
-GPU = kernels._cuda()
+GPU = kernels.cuda()
 gpu_only = pytest.mark.gpu  # the fused attention kernels run on a CUDA GPU only (conftest skips elsewhere)
 
 
 def test_supports_rejects_shapes_the_kernels_cannot_hold():
-    assert attn_kernel.supports(16, 4, 256, 64, 1, 1)
-    assert attn_kernel.supports(4, 2, 64, 16, 1, 16)
-    assert attn_kernel.supports(16, 4, 256, 64, 8, 4)          # a batched decode or verify step
-    assert not attn_kernel.supports(16, 4, 256, 64, attn_kernel.MAX_BATCH + 1, 1)
-    assert not attn_kernel.supports(16, 4, 256, 64, 1, 17)     # more tokens than a verify
-    assert not attn_kernel.supports(16, 4, 512, 64, 1, 1)      # a head wider than a block
-    assert not attn_kernel.supports(16, 4, 80, 64, 1, 1)       # not whole warps
-    assert not attn_kernel.supports(16, 3, 256, 64, 1, 1)      # not whole GQA groups
-    assert attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.float16)   # 16-bit caches (EngineOptions.kv_dtype)
-    assert attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.bfloat16)
-    assert not attn_kernel.supports(16, 4, 256, 64, 1, 1, mx.float64)
+    assert kernels.attn.supports(16, 4, 256, 64, 1, 1)
+    assert kernels.attn.supports(4, 2, 64, 16, 1, 16)
+    assert kernels.attn.supports(16, 4, 256, 64, 8, 4)          # a batched decode or verify step
+    assert not kernels.attn.supports(16, 4, 256, 64, kernels.attn.MAX_BATCH + 1, 1)
+    assert not kernels.attn.supports(16, 4, 256, 64, 1, 17)     # more tokens than a verify
+    assert not kernels.attn.supports(16, 4, 512, 64, 1, 1)      # a head wider than a block
+    assert not kernels.attn.supports(16, 4, 80, 64, 1, 1)       # not whole warps
+    assert not kernels.attn.supports(16, 3, 256, 64, 1, 1)      # not whole GQA groups
+    assert kernels.attn.supports(16, 4, 256, 64, 1, 1, mx.float16)   # 16-bit caches (EngineOptions.kv_dtype)
+    assert kernels.attn.supports(16, 4, 256, 64, 1, 1, mx.bfloat16)
+    assert not kernels.attn.supports(16, 4, 256, 64, 1, 1, mx.float64)
 
 
 def _inputs(nh, nkv, d, s, pos, seed=0):
@@ -81,7 +81,7 @@ def test_reference_is_the_layer_computation_on_any_device():
     import numpy as np
     nh, nkv, d, nrot, s, pos = 4, 2, 32, 8, 3, 5
     y, qn, kn, keys, values = _inputs(nh, nkv, d, s, pos)
-    out, k_new, v_new = attn_kernel.reference(y, qn, kn, keys, values, pos, nh, nkv, d, nrot, 1e-6, 10000.0)
+    out, k_new, v_new = kernels.attn.reference(y, qn, kn, keys, values, pos, nh, nkv, d, nrot, 1e-6, 10000.0)
     want = _numpy_attention(y, qn, kn, keys, values, pos, nh, nkv, d, nrot)
     # 1e-3: on a GPU MLX's attention products run at reduced (TF32-class) precision
     np.testing.assert_allclose(np.array(out), want[0], atol=1e-3)
@@ -96,14 +96,14 @@ def test_kernels_equal_float64_attention_for_every_token_count(shape, pos):
     import numpy as np
     nh, nkv, d, nrot = shape
     # every token count on the small shapes; the float64 reference is slow at the 9B head shape
-    counts = range(1, attn_kernel.MAX_TOKENS + 1) if nh * d <= 1024 else (1, 2, 3, 4, 8, 16)
+    counts = range(1, kernels.attn.MAX_TOKENS + 1) if nh * d <= 1024 else (1, 2, 3, 4, 8, 16)
     for s in counts:
         y, qn, kn, keys, values = _inputs(nh, nkv, d, s, pos, seed=s + pos)
         p = mx.array([pos], dtype=mx.int32)
-        k_new, v_new = attn_kernel.new_kv(y, kn, p, nh, nkv, d, nrot, 1e-6, 10000.0)
+        k_new, v_new = kernels.attn.new_kv(y, kn, p, nh, nkv, d, nrot, 1e-6, 10000.0)
         keys = mx.slice_update(keys, k_new, p, axes=(2,))
         values = mx.slice_update(values, v_new, p, axes=(2,))
-        out = attn_kernel.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0)
+        out = kernels.attn.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0)
         want = _numpy_attention(y, qn, kn, keys, values, pos, nh, nkv, d, nrot)
         for name, got, ref in (("out", out, want[0]), ("keys", k_new[0], want[1]), ("values", v_new[0], want[2])):
             err = float(np.abs(np.array(got) - ref).max())
@@ -119,7 +119,7 @@ CACHE_TYPES = [mx.float32, mx.float16, mx.bfloat16]
 def test_kernels_near_the_mlx_layer(pos, dtype):
     # the self-test's comparison: MLX's own operations (reduced-precision products on a GPU)
     for s in (1, 2, 5, 16):
-        assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s, dtype=dtype) < 2e-3
+        assert kernels.attn.max_error(16, 4, 256, 64, s, pos, seed=s, dtype=dtype) < 2e-3
 
 
 @gpu_only
@@ -128,7 +128,7 @@ def test_kernels_near_the_mlx_layer(pos, dtype):
 def test_batched_kernels_equal_the_mlx_layer_row_by_row(s, dtype):
     # 4 sequences in one launch, each at its own position, each compared with the layer run alone
     for shape in ((16, 4, 256, 64), (4, 2, 64, 16)):
-        assert attn_kernel.max_error(*shape, s, [0, 37, 5, 300], seed=s, dtype=dtype) < 2e-3, shape
+        assert kernels.attn.max_error(*shape, s, [0, 37, 5, 300], seed=s, dtype=dtype) < 2e-3, shape
 
 
 def test_a_16_bit_cache_reference_reads_rounded_keys():
@@ -138,8 +138,8 @@ def test_a_16_bit_cache_reference_reads_rounded_keys():
     import numpy as np
     nh, nkv, d, nrot, s, pos = 4, 2, 32, 8, 3, 5
     y, qn, kn, keys, values = _inputs(nh, nkv, d, s, pos)
-    out32, k32, v32 = attn_kernel.reference(y, qn, kn, keys, values, pos, nh, nkv, d, nrot, 1e-6, 10000.0)
-    out16, k16, v16 = attn_kernel.reference(y, qn, kn, keys.astype(mx.float16), values.astype(mx.float16), pos,
+    out32, k32, v32 = kernels.attn.reference(y, qn, kn, keys, values, pos, nh, nkv, d, nrot, 1e-6, 10000.0)
+    out16, k16, v16 = kernels.attn.reference(y, qn, kn, keys.astype(mx.float16), values.astype(mx.float16), pos,
                                             nh, nkv, d, nrot, 1e-6, 10000.0)
     assert k16.dtype == mx.float16 and v16.dtype == mx.float16
     np.testing.assert_array_equal(np.array(k16.astype(mx.float32)), np.array(k32.astype(mx.float16).astype(mx.float32)))
@@ -155,14 +155,14 @@ def test_long_contexts_split_over_blocks_equal_the_mlx_layer(pos, s, dtype):
     """Flash-decoding: contexts of up to 32k keys, split over many blocks and merged, at the 9B
     head shape, for a decode step, a verify's rows and a batch whose rows sit at different lengths
     (one of them short enough for a single key range)."""
-    assert attn_kernel.splits(pos + s + 7) == min(-(-(pos + s + 7) // attn_kernel.KEYS_PER_SPLIT),
-                                                   attn_kernel.MAX_SPLITS)
+    assert kernels.attn.splits(pos + s + 7) == min(-(-(pos + s + 7) // kernels.attn.KEYS_PER_SPLIT),
+                                                   kernels.attn.MAX_SPLITS)
     # float32 rope angles resolve a position of p to about p * 1.2e-7 rad (both the kernel's and
     # MLX's, rounded differently): the new keys and the scores differ by that much at 32k
     tol = 2e-3 + 2e-7 * pos
-    assert attn_kernel.max_error(16, 4, 256, 64, s, pos, seed=s, dtype=dtype) < tol, (pos, s)
+    assert kernels.attn.max_error(16, 4, 256, 64, s, pos, seed=s, dtype=dtype) < tol, (pos, s)
     if pos >= 4096:
-        assert attn_kernel.max_error(16, 4, 256, 64, s, [pos, 3, pos // 2], seed=s + 1, dtype=dtype) < tol, (pos, s)
+        assert kernels.attn.max_error(16, 4, 256, 64, s, [pos, 3, pos // 2], seed=s + 1, dtype=dtype) < tol, (pos, s)
 
 
 @gpu_only
@@ -185,7 +185,7 @@ def test_key_ranges_merge_exactly(pos):
     for i in range(s):  # the new tokens' values: the same pattern at their positions
         y[i, 2 * nh * d + nkv * d:] = np.tile(col[pos + i], nkv)
     p = mx.array([pos], dtype=mx.int32)
-    out = np.array(attn_kernel.attend(mx.array(y), mx.ones((d,)), mx.array(keys), mx.array(values), p, nh, nkv, d,
+    out = np.array(kernels.attn.attend(mx.array(y), mx.ones((d,)), mx.array(keys), mx.array(values), p, nh, nkv, d,
                                       nrot, 1e-6, 1e7))
     for i in range(s):
         mean = col[:pos + i + 1].astype(np.float64).mean(axis=0)
@@ -195,9 +195,9 @@ def test_key_ranges_merge_exactly(pos):
 
 
 def test_key_ranges_follow_the_capacity():
-    assert attn_kernel.splits(1) == 1 and attn_kernel.splits(attn_kernel.KEYS_PER_SPLIT) == 1
-    assert attn_kernel.splits(attn_kernel.KEYS_PER_SPLIT + 1) == 2
-    assert attn_kernel.splits(10 ** 7) == attn_kernel.MAX_SPLITS
+    assert kernels.attn.splits(1) == 1 and kernels.attn.splits(kernels.attn.KEYS_PER_SPLIT) == 1
+    assert kernels.attn.splits(kernels.attn.KEYS_PER_SPLIT + 1) == 2
+    assert kernels.attn.splits(10 ** 7) == kernels.attn.MAX_SPLITS
 
 
 @gpu_only
@@ -234,13 +234,13 @@ def test_batched_forward_with_kernels_equals_without(which):
 
 @gpu_only
 def test_kernels_are_available_on_a_cuda_gpu():
-    attn_kernel._tested = None
-    assert attn_kernel.available() is True
+    kernels.REGISTRY.forget()
+    assert kernels.available("attn") is True
 
 
 def test_kernels_are_not_offered_off_cuda():
     if not GPU:
-        assert attn_kernel.available() is False
+        assert kernels.available("attn") is False
 
 
 def _models():
@@ -316,7 +316,7 @@ def test_a_tail_reads_as_the_main_buffer(dtype):
         y = y[None]
         keys, values = keys.astype(dtype), values.astype(dtype)
         p = mx.array([pos], dtype=mx.int32)
-        one = attn_kernel.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0)
+        one = kernels.attn.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0)
         n = pos + s - base
         pad = mx.zeros((1, nkv, width - n, d), dtype)
         tail = (mx.concatenate([keys[:, :, base:pos + s], pad], axis=2),
@@ -324,8 +324,8 @@ def test_a_tail_reads_as_the_main_buffer(dtype):
         junk = mx.arange(cap)[None, None, :, None] >= base
         big_k = mx.where(junk, 1e4, keys).astype(dtype)
         big_v = mx.where(junk, -1e4, values).astype(dtype)
-        two = attn_kernel.attend(y, qn, big_k, big_v, p, nh, nkv, d, nrot, 1e-6, 10000.0, tail=tail)
+        two = kernels.attn.attend(y, qn, big_k, big_v, p, nh, nkv, d, nrot, 1e-6, 10000.0, tail=tail)
         assert float(mx.abs(one - two).max()) < 1e-4, (pos, s, base)
     late = (tail[0], tail[1], mx.array([pos + 1], dtype=mx.int32))
-    bad = attn_kernel.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0, tail=late)
+    bad = kernels.attn.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0, tail=late)
     assert np.isnan(np.array(bad)).all()

@@ -102,7 +102,7 @@ class _FakeKernel:
 
         x, wq, s, b = inputs
         t = dict(template)
-        assert t["M"] in kernels.ROW_VARIANTS and x.shape[0] == t["M"]
+        assert t["M"] in kernels.qmv.ROW_VARIANTS and x.shape[0] == t["M"]
         assert grid[0] == wq.shape[0] // t["R"] * 32 and output_shapes == [(t["M"], wq.shape[0])]
         self.variants.add(t["M"])
         return [mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=t["GROUP"], bits=t["BITS"])]
@@ -129,29 +129,29 @@ class _FakeMmaKernel:
 
 
 def test_kernel_wrapper_pads_rows_to_few_variants(monkeypatch):
-    from mtp_engine.model import kernels, mma_kernel
+    from mtp_engine.model import kernels
 
     fake, fake_mma = _FakeKernel(), _FakeMmaKernel()
-    monkeypatch.setattr(kernels, "_kernel", fake)
-    monkeypatch.setattr(mma_kernel, "_kernel", fake_mma)
+    monkeypatch.setattr(kernels.qmv, "_kernel", fake)
+    monkeypatch.setattr(kernels.mma, "_kernel", fake_mma)
     w = mx.random.normal((64, 256), key=mx.random.key(5))
     q, s, b = mx.quantize(w, group_size=32, bits=8)
-    assert kernels.supports(q, s, 8, 32, 32) and not kernels.supports(q, s, 8, 32, 33)
-    assert not kernels.supports(q, s, 3, 32, 1) and not kernels.supports(q[:62], s[:62], 8, 32, 1)
-    assert kernels.supports(q[:60], s[:60], 8, 32, 8) and not kernels.supports(q[:60], s[:60], 8, 32, 9)
+    assert kernels.qmv.supports(q, s, 8, 32, 32) and not kernels.qmv.supports(q, s, 8, 32, 33)
+    assert not kernels.qmv.supports(q, s, 3, 32, 1) and not kernels.qmv.supports(q[:62], s[:62], 8, 32, 1)
+    assert kernels.qmv.supports(q[:60], s[:60], 8, 32, 8) and not kernels.qmv.supports(q[:60], s[:60], 8, 32, 9)
     for m in range(1, 33):
         x = mx.random.normal((m, 256), key=mx.random.key(m))
-        got = kernels.quantized_rows(x, q, s, b, 8, 32)
+        got = kernels.qmv.quantized_rows(x, q, s, b, 8, 32)
         ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=8)
         assert got.shape == (m, 64)
         # 1e-3 (of values ~16): on a GPU MLX's product takes different kernels for different row counts
         np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-3)
     # one row on the CUDA cores (plain decoding's fastest), 2..32 on the tensor cores
     assert fake.variants == {1} and fake_mma.rows == set(range(2, 33))
-    assert mma_kernel.supports(q[:48], s[:48], 8, 32, 2)  # 48 features: 16-feature tiles
-    assert not mma_kernel.supports(q, s, 8, 128, 2) and not mma_kernel.supports(q, s, 4, 32, 33)
+    assert kernels.mma.supports(q[:48], s[:48], 8, 32, 2)  # 48 features: 16-feature tiles
+    assert not kernels.mma.supports(q, s, 8, 128, 2) and not kernels.mma.supports(q, s, 4, 32, 33)
     for m in (2, 5):  # the CUDA-core kernel alone still pads to its variants
-        got = kernels.simt_rows(mx.random.normal((m, 256)), q, s, b, 8, 32)
+        got = kernels.qmv.simt_rows(mx.random.normal((m, 256)), q, s, b, 8, 32)
         assert got.shape == (m, 64)
     assert fake.variants == {1, 2, 8}
 
@@ -162,12 +162,12 @@ def test_kernel_self_test_falls_back_when_the_kernel_fails(monkeypatch):
     def broken(**kwargs):
         raise RuntimeError("nvrtc: compilation failed")
 
-    monkeypatch.setattr(kernels, "_cuda", lambda: True)
-    monkeypatch.setattr(kernels, "_tested", None)
-    monkeypatch.setattr(kernels, "_kernel", broken)
+    monkeypatch.setattr(kernels.cuda_kernel, "cuda", lambda: True)
+    monkeypatch.setattr(kernels, "REGISTRY", kernels.Registry())
+    monkeypatch.setattr(kernels.qmv, "_kernel", broken)
     with pytest.warns(UserWarning, match="custom quantized kernel unavailable"):
-        assert kernels.available() is False
-    assert kernels.available() is False  # remembered: no second warning, no second try
+        assert kernels.available("qmv") is False
+    assert kernels.available("qmv") is False  # remembered: no second warning, no second try
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["graph", "compiled"])

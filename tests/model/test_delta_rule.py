@@ -65,10 +65,11 @@ def test_step_matches_sequential_and_chunked_of_one():
 def test_the_mixer_with_unfused_steps_is_the_mixer():
     # the CUDA kernel's self-test compares against gdn.mix(fused_steps=False): it must be the same
     # computation as the fused steps the engine's MLX path runs (captured and not)
-    from mtp_engine.model import gdn, gdn_kernel
+    from mtp_engine.model import gdn
+    from mtp_engine.model import kernels
     d = gdn.Dims(2, 16, 4, 8, 4, 1e-6)
     for s, capture in ((1, False), (5, True), (3, False)):
-        x = gdn_kernel.random_inputs(d, s, seed=s, batch=2)
+        x = kernels.gdn.random_inputs(d, s, seed=s, batch=2)
         a = gdn.mix(d, **x, capture=capture)
         b = gdn.mix(d, **x, capture=capture, fused_steps=False)
         for u, w in zip(a, b):

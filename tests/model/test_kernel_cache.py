@@ -1,4 +1,4 @@
-"""The custom kernels' compiled code kept across processes (model/kernel_cache.py): the names MLX
+"""The custom kernels' compiled code kept across processes (model/kernels/cuda_kernel.py): the names MLX
 gives their modules are reproduced exactly (its hash, its generated source), and on a GPU MLX loads
 what is stored under that name. The hash's expected values come from libstdc++ itself
 (`printf("%zx", std::hash<std::string>{}(s))`, g++ 13 on x86_64)."""
@@ -11,8 +11,8 @@ import uuid
 import mlx.core as mx
 import pytest
 
-from mtp_engine.model import kernel_cache
-from mtp_engine.model.kernel_cache import CudaKernel, build_source, module_path, std_hash, template_suffix
+from mtp_engine.model import kernels
+from mtp_engine.model.kernels.cuda_kernel import CudaKernel, build_source, module_path, std_hash, template_suffix
 
 gpu_only = pytest.mark.gpu  # conftest skips these off CUDA
 
@@ -47,11 +47,11 @@ def test_the_source_declares_what_the_body_uses_as_mlx_does():
 
 def test_off_cuda_nothing_is_stored(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel_cache, "_nvrtc", None)
-    monkeypatch.setattr(kernel_cache, "_nvrtc_error", None)
-    if kernel_cache._compiler() is not None:
+    monkeypatch.setattr(kernels.cuda_kernel, "_nvrtc", None)
+    monkeypatch.setattr(kernels.cuda_kernel, "_nvrtc_error", None)
+    if kernels.cuda_kernel._compiler() is not None:
         pytest.skip("NVRTC is loaded: this is a CUDA machine")
-    assert kernel_cache.store("custom_kernel_x", "int main;") is None and not any(tmp_path.iterdir())
+    assert kernels.cuda_kernel.store("custom_kernel_x", "int main;") is None and not any(tmp_path.iterdir())
 
 
 def _mlx_printed_source(kernel: CudaKernel, **call) -> str:
@@ -74,22 +74,22 @@ def _mlx_printed_source(kernel: CudaKernel, **call) -> str:
 @gpu_only
 def test_mlx_builds_the_source_this_module_hashes():
     """For each engine kernel, MLX's own generated source (printed) equals `variant_source`'s."""
-    from mtp_engine.model import kernels, mma_kernel, norm_kernel
+    from mtp_engine.model import kernels
 
     w = mx.random.normal((64, 256), key=mx.random.key(3))
     q, s, b = mx.quantize(w, group_size=32, bits=4)
     x = mx.random.normal((3, 256), key=mx.random.key(4))
-    kernels.simt_rows(x[:1], q, s, b, 4, 32)
-    mma_kernel.quantized_rows(x, q, s, b, 4, 32)
-    norm_kernel._fused(x, x, w[0], 1e-6)
-    cases = [(kernels._kernel, dict(inputs=[x[:1], q, s, b], template=[("M", 1), ("R", 8), ("BITS", 4), ("GROUP", 32)],
+    kernels.qmv.simt_rows(x[:1], q, s, b, 4, 32)
+    kernels.mma.quantized_rows(x, q, s, b, 4, 32)
+    kernels.norm.launch(x, x, w[0], 1e-6)
+    cases = [(kernels.qmv._kernel, dict(inputs=[x[:1], q, s, b], template=[("M", 1), ("R", 8), ("BITS", 4), ("GROUP", 32)],
                                     grid=(256, 1, 1), threadgroup=(128, 1, 1), output_shapes=[(1, 64)],
                                     output_dtypes=[mx.float32])),
-             (mma_kernel._kernel, dict(inputs=[x, q, s, b], template=[("BITS", 4), ("GROUP", 32), ("TM", 1), ("NW", 8),
+             (kernels.mma._kernel, dict(inputs=[x, q, s, b], template=[("BITS", 4), ("GROUP", 32), ("TM", 1), ("NW", 8),
                                                                        ("ST", 3), ("SPLIT", 2), ("NT", 1)],
                                        grid=(4 * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(3, 64)],
                                        output_dtypes=[mx.float32])),
-             (norm_kernel._kernel, dict(inputs=[x, x, w[0], mx.array([1e-6])], template=[("NT", 256)],
+             (kernels.norm._kernel, dict(inputs=[x, x, w[0], mx.array([1e-6])], template=[("NT", 256)],
                                         grid=(3 * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape, x.shape],
                                         output_dtypes=[mx.float32, mx.float32]))]
     for kernel, call in cases:
@@ -107,10 +107,10 @@ def test_mlx_runs_the_code_stored_under_its_name():
     call = dict(inputs=[x], template=[], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
                 output_dtypes=[mx.float32])
     func, source = k.variant_source([x], [], [mx.float32])
-    nvrtc = kernel_cache._compiler()
-    assert nvrtc is not None, kernel_cache._nvrtc_error
+    nvrtc = kernels.cuda_kernel._compiler()
+    assert nvrtc is not None, kernels.cuda_kernel._nvrtc_error
     code, mangled = nvrtc.compile(source.replace("+ 1.0f", "+ 42.0f"), "probe", "mlx::core::cu::" + func)
-    paths = [module_path(d, f"{func}_{std_hash(source.encode()):x}") for d in kernel_cache.mlx_cache_dirs()]
+    paths = [module_path(d, f"{func}_{std_hash(source.encode()):x}") for d in kernels.cuda_kernel.mlx_cache_dirs()]
     try:
         for path in paths:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,12 +135,12 @@ def test_the_code_is_found_when_mlx_compiled_before_the_cache_folder_was_chosen(
         import os, mlx.core as mx
         mx.eval(mx.compile(lambda a: mx.sin(a) * 2 + 1)(mx.arange(3.0)))  # MLX JIT-compiles a fusion first
         os.environ["MLX_PTX_CACHE_DIR"] = {str(tmp_path)!r}
-        from mtp_engine.model import kernel_cache as kc
+        from mtp_engine.model.kernels import cuda_kernel as kc
         k = kc.CudaKernel(name={name!r}, input_names=["x"], output_names=["out"],
                           source="out[threadIdx.x] = 3.0f * x[threadIdx.x];")
         x = mx.arange(4, dtype=mx.float32)
         func, src = k.variant_source([x], [], [mx.float32])
-        # a decoy (times 5) stored where kernel_cache stores: MLX must run it
+        # a decoy (times 5) stored where kernels.cuda_kernel stores: MLX must run it
         code, mangled = kc._compiler().compile(src.replace("3.0f", "5.0f"), "probe", "mlx::core::cu::" + func)
         paths = [kc.module_path(d, func + "_%x" % kc.std_hash(src.encode())) for d in kc.mlx_cache_dirs()]
         for p in paths:
@@ -168,7 +168,7 @@ def test_a_kernel_is_stored_once_and_then_loaded():
     out = k(inputs=[x], template=[], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
             output_dtypes=[mx.float32])[0]
     func, source = k.variant_source([x], [], [mx.float32])
-    path = module_path(kernel_cache.mlx_cache_dirs()[0], f"{func}_{std_hash(source.encode()):x}")
+    path = module_path(kernels.cuda_kernel.mlx_cache_dirs()[0], f"{func}_{std_hash(source.encode()):x}")
     try:
         assert path.is_file() and path.with_suffix(".txt").read_text().startswith(f"mlx::core::cu::{func}\t")
         assert out.tolist() == [0.0, 2.0, 4.0, 6.0]

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from mtp_engine.model import attn_kernel, gdn_kernel, kernels
+from mtp_engine.model import kernels
 
 
 @pytest.fixture
 def recorded(monkeypatch):
     calls = {"gdn": [], "attn": []}
-    monkeypatch.setattr(kernels, "cuda", lambda: True)
-    monkeypatch.setattr(gdn_kernel, "_tested", None)
-    monkeypatch.setattr(attn_kernel, "_tested", None)
-    monkeypatch.setattr(gdn_kernel, "max_error", lambda d, s, seed=0, **kw: calls["gdn"].append((d, s, kw.get("batch", 1))) or 0.0)
-    monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0, dtype=None: calls["attn"].append(a) or 0.0)
+    monkeypatch.setattr(kernels.cuda_kernel, "cuda", lambda: True)
+    monkeypatch.setattr(kernels, "REGISTRY", kernels.Registry())
+    monkeypatch.setattr(kernels.gdn, "max_error", lambda d, s, seed=0, **kw: calls["gdn"].append((d, s, kw.get("batch", 1))) or 0.0)
+    monkeypatch.setattr(kernels.attn, "max_error", lambda *a, seed=0, dtype=None: calls["attn"].append(a) or 0.0)
     return calls
 
 
@@ -42,56 +41,55 @@ def test_self_tests_use_the_models_shapes(recorded, tiny_q4, monkeypatch, tmp_pa
 
 def test_unsupported_shapes_fall_back_to_the_test_shape(recorded):
     from mtp_engine.model import gdn
-    assert attn_kernel.available((16, 4, 512, 64))  # a head wider than a block
+    assert kernels.available("attn", (16, 4, 512, 64, "float32"))  # a head wider than a block
     assert recorded["attn"][0][:4] == (4, 2, 64, 16)
-    assert gdn_kernel.available(gdn.Dims(2, 66, 4, 64, 4, 1e-6))  # key dim not split over 4 lanes
+    assert kernels.available("gdn", gdn.Dims(2, 66, 4, 64, 4, 1e-6))  # key dim not split over 4 lanes
     assert recorded["gdn"][0][0].kd == 64
 
 
 def test_a_passed_self_test_is_remembered_for_the_next_process(recorded, tiny_q4, monkeypatch, tmp_path):
-    from mtp_engine.model import selftest_cache
+    from mtp_engine.model import kernels
     before = tiny_q4.model.options
     opts = before.updated(kernels="gdn,attn", cache_dir=str(tmp_path))
     try:
         tiny_q4.model.use(opts)  # first process: the checks run and their passes are stored
-        # one check per case of each kernel's `available` (one of them a batch)
+        # one check per case of each kernel's self-test (one of them a batch)
         n_gdn, n_attn = len(recorded["gdn"]), len(recorded["attn"])
         assert n_gdn >= 2 and n_attn >= 2
-        assert (tmp_path / selftest_cache.FILE).exists()
+        assert (tmp_path / kernels.verdicts.FILE).exists()
 
-        gdn_kernel._tested = attn_kernel._tested = None  # a new process
+        kernels.REGISTRY.forget()  # a new process
         tiny_q4.model.use(opts)
         assert len(recorded["gdn"]) == n_gdn and len(recorded["attn"]) == n_attn  # skipped
         assert all(layer.mixer.fused_kernel for layer in tiny_q4.model.layers)
 
-        gdn_kernel._tested = attn_kernel._tested = None  # a new process with a changed kernel
-        monkeypatch.setattr(gdn_kernel, "_SOURCE", gdn_kernel._SOURCE + "\n// changed")
+        kernels.REGISTRY.forget()  # a new process with a changed kernel
+        monkeypatch.setattr(kernels.gdn, "_SOURCE", kernels.gdn._SOURCE + "\n// changed")
         tiny_q4.model.use(opts)
         assert len(recorded["gdn"]) == 2 * n_gdn and len(recorded["attn"]) == n_attn
 
-        gdn_kernel._tested = attn_kernel._tested = None  # a failing check is never remembered
-        monkeypatch.setattr(attn_kernel, "max_error", lambda *a, seed=0, dtype=None: 1.0)
-        monkeypatch.setattr(attn_kernel, "_ATTEND_SOURCE", attn_kernel._ATTEND_SOURCE + "\n// changed")
+        kernels.REGISTRY.forget()  # a failing check is never remembered
+        monkeypatch.setattr(kernels.attn, "max_error", lambda *a, seed=0, dtype=None: 1.0)
+        monkeypatch.setattr(kernels.attn, "_ATTEND_SOURCE", kernels.attn._ATTEND_SOURCE + "\n// changed")
         tiny_q4.model.use(opts)
         assert not any(getattr(layer.mixer, "fused_kernel", False) for layer in tiny_q4.model.layers
                        if hasattr(layer.mixer, "q_norm"))
-        k = selftest_cache.key("attn", attn_kernel._HEADER + attn_kernel._KV_SOURCE + attn_kernel._ATTEND_SOURCE
-                               + attn_kernel._MERGE_SOURCE,
-                               (tiny_q4.model.cfg.n_head, tiny_q4.model.cfg.n_head_kv, tiny_q4.model.cfg.head_dim,
-                                tiny_q4.model.cfg.n_rot, opts.resolve().kv_dtype))
-        assert not selftest_cache.passed(tmp_path, k)
+        k = kernels.verdicts.key("attn", kernels.attn.source(),
+                                 (tiny_q4.model.cfg.n_head, tiny_q4.model.cfg.n_head_kv, tiny_q4.model.cfg.head_dim,
+                                  tiny_q4.model.cfg.n_rot, opts.resolve().kv_dtype))
+        assert not kernels.verdicts.passed(tmp_path, k)
     finally:
         monkeypatch.undo()
         tiny_q4.model.use(before)
 
 
 def test_an_unreadable_verdict_file_means_checking_again(tmp_path):
-    from mtp_engine.model import selftest_cache
-    (tmp_path / selftest_cache.FILE).write_text("{not json")
-    assert not selftest_cache.passed(tmp_path, "k")
-    selftest_cache.remember(tmp_path, "k")
-    assert selftest_cache.passed(tmp_path, "k")
-    assert not selftest_cache.passed(tmp_path / "missing", "k")
+    from mtp_engine.model import kernels
+    (tmp_path / kernels.verdicts.FILE).write_text("{not json")
+    assert not kernels.verdicts.passed(tmp_path, "k")
+    kernels.verdicts.remember(tmp_path, "k")
+    assert kernels.verdicts.passed(tmp_path, "k")
+    assert not kernels.verdicts.passed(tmp_path / "missing", "k")
 
 
 def test_a_first_run_says_which_kernels_it_compiles_and_tests(recorded, tiny_q4, monkeypatch, tmp_path):
@@ -116,7 +114,7 @@ def test_a_first_run_says_which_kernels_it_compiles_and_tests(recorded, tiny_q4,
         assert [ln for ln in lines if "first run of the gdn CUDA kernel" in ln and str(tmp_path) in ln]
         assert [ln for ln in lines if ln.startswith("mtp-engine: attn kernel passed in ")]
         assert len(lines) == 4, lines  # gdn and attn: a start and an end each
-        gdn_kernel._tested = attn_kernel._tested = None  # a new process: the verdicts are kept
+        kernels.REGISTRY.forget()  # a new process: the verdicts are kept
         tiny_q4.model.use(opts)
         assert len(out.getvalue().splitlines()) == 4
     finally:

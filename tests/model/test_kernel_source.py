@@ -1,15 +1,15 @@
-"""What the CUDA kernels hand to MLX (model/kernel_source.py): their sources without commentary,
+"""What the CUDA kernels hand to MLX (model/kernels/source.py): their sources without commentary,
 the code itself unchanged line for line."""
 from __future__ import annotations
 
 import pytest
 
-from mtp_engine.model import attn_kernel, gdn_kernel, kernels, mma_kernel, norm_kernel
-from mtp_engine.model.kernel_source import compact
+from mtp_engine.model import kernels
+from mtp_engine.model.kernels.source import compact
 
-SOURCES = {"kv": attn_kernel._KV_SOURCE, "attend": attn_kernel._ATTEND_SOURCE,
-           "merge": attn_kernel._MERGE_SOURCE, "gdn": gdn_kernel._SOURCE,
-           "qmv": kernels._SOURCE, "mma": mma_kernel.SOURCE, "norm": norm_kernel._SOURCE}
+SOURCES = {"kv": kernels.attn._KV_SOURCE, "attend": kernels.attn._ATTEND_SOURCE,
+           "merge": kernels.attn._MERGE_SOURCE, "gdn": kernels.gdn._SOURCE,
+           "qmv": kernels.qmv._SOURCE, "mma": kernels.mma.SOURCE, "norm": kernels.norm._SOURCE}
 
 
 def test_comments_and_indentation_go_and_code_stays():
@@ -41,12 +41,12 @@ def test_every_kernel_source_compacts_to_the_same_code(name):
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_kernel_sources_use_no_math_macros_the_ahead_compiler_lacks(name):
     """MLX's JIT defines INFINITY and NAN for its own kernels; the compiler that builds ours ahead
-    in worker processes (model/nvrtc.py) includes only what the kernels' signatures need. A source
+    in worker processes (model/kernels/nvrtc.py) includes only what the kernels' signatures need. A source
     using them failed there ("identifier INFINITY is undefined": the attention kernels were never
     kept across processes and compiled anew in every first forward); bit patterns say the same."""
     import re
 
-    headers = {"kv": attn_kernel._HEADER, "attend": attn_kernel._HEADER, "mma": mma_kernel.HEADER}
+    headers = {"kv": kernels.attn._HEADER, "attend": kernels.attn._HEADER, "mma": kernels.mma.HEADER}
     header = "\n".join(line.split("//", 1)[0] for line in headers.get(name, "").splitlines())  # asm strings
     code = compact(SOURCES[name]) + header
     assert not re.search(r"\b(INFINITY|NAN|HUGE_VALF?)\b", code), name

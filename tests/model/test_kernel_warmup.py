@@ -1,4 +1,4 @@
-"""The custom kernels compiled ahead, together (model/kernel_warmup.py, kernel_cache.recording and
+"""The custom kernels compiled ahead, together (model/kernels/warmup.py, cuda_kernel.recording and
 compile_all): the list covers every variant a model's forwards launch, recording launches nothing
 and changes no verdict, and the compiles run at once. All on the CPU: a recording needs no CUDA
 back-end, and the compiler is a stand-in."""
@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from mtp_engine import load
-from mtp_engine.model import attn_kernel, gdn, gdn_kernel, kernel_cache, kernel_warmup, kernels, norm_kernel
+from mtp_engine.model import gdn, kernels
 from mtp_engine.model.batch_cache import BatchCache
 from mtp_engine.model.layers import Linear
 from mtp_engine.model.blocks import GatedAttention, GatedDeltaNet
@@ -22,8 +22,8 @@ def _self_tests(cfg):
     dims = gdn.Dims(cfg.ssm_key_heads, cfg.ssm_key_dim, cfg.ssm_value_heads, cfg.ssm_value_dim, cfg.conv_kernel,
                     cfg.eps)
     shape = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_rot)
-    return [(kernels, kernels.available), (gdn_kernel, lambda: gdn_kernel.available(dims)),
-            (attn_kernel, lambda: attn_kernel.available(shape)), (norm_kernel, norm_kernel.available)]
+    return [kernels.qmv.self_test, lambda: kernels.gdn.self_test(dims), lambda: kernels.attn.self_test(shape),
+            kernels.norm.self_test]
 
 
 def _forwards_with_every_kernel(net) -> dict[str, str]:
@@ -38,8 +38,8 @@ def _forwards_with_every_kernel(net) -> dict[str, str]:
     net.fused_norm = True
     if net.mtp is not None:
         net.mtp.fused_norm = True
-    with kernel_cache.recording() as rec:
-        for s in range(1, kernels.MAX_ROWS + 1):
+    with kernels.cuda_kernel.recording() as rec:
+        for s in range(1, kernels.qmv.MAX_ROWS + 1):
             cache = net.make_cache()
             h = net.forward(mx.array([[3] * s]), cache)
             if net.mtp is not None and s == 1:
@@ -57,12 +57,11 @@ def _forwards_with_every_kernel(net) -> dict[str, str]:
 def test_every_variant_the_forwards_launch_is_compiled_ahead(path, monkeypatch):
     # a model of its own: the kernels are forced on in it below
     net = load(need(Path(path))).model
-    monkeypatch.setattr(kernels, "_cuda", lambda: True)  # the self-tests then run (recorded)
-    for module in (kernels, gdn_kernel, attn_kernel, norm_kernel):
-        monkeypatch.setattr(module, "_tested", None)
-    ahead = kernel_warmup.launched_variants(_self_tests(net.cfg), [p for p in net._parts() if isinstance(p, Linear)],
-                                            net.cfg.hidden_size)
-    assert all(m._tested is None for m in (kernels, gdn_kernel, attn_kernel, norm_kernel))  # no verdict made
+    monkeypatch.setattr(kernels.cuda_kernel, "cuda", lambda: True)
+    monkeypatch.setattr(kernels, "REGISTRY", kernels.Registry())
+    ahead = kernels.warmup.launched_variants(_self_tests(net.cfg), [p for p in net._parts() if isinstance(p, Linear)],
+                                             net.cfg.hidden_size)
+    assert all(kernels.REGISTRY.verdict(name) is None for name in ("qmv", "gdn", "attn", "norm"))  # no verdict made
     launched = _forwards_with_every_kernel(net)
     assert launched, "the forwards launched no custom kernel: the test sees nothing"
     missing = sorted(set(launched) - set(ahead))
@@ -71,8 +70,8 @@ def test_every_variant_the_forwards_launch_is_compiled_ahead(path, monkeypatch):
 
 
 def test_a_recording_launches_nothing_and_returns_the_output_shapes():
-    k = kernel_cache.CudaKernel("probe", ["x"], ["y", "z"], "y[0] = x[0];")
-    with kernel_cache.recording() as rec:  # on this CPU a launch would raise: no CUDA back-end
+    k = kernels.cuda_kernel.CudaKernel("probe", ["x"], ["y", "z"], "y[0] = x[0];")
+    with kernels.cuda_kernel.recording() as rec:  # on this CPU a launch would raise: no CUDA back-end
         y, z = k(inputs=[mx.ones((4,))], template=[("N", 4)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                  output_shapes=[(2, 3), (5,)], output_dtypes=[mx.float32, mx.int32])
     assert y.shape == (2, 3) and z.shape == (5,) and z.dtype == mx.int32
@@ -84,7 +83,7 @@ def test_recordings_are_per_thread():
     """A recording in one thread does not catch another thread's launch: that one runs for real
     (on a CUDA GPU it computes; elsewhere MLX's kernel cannot be built and it raises). The GPU
     suite's one failure: this test used to expect the raise everywhere."""
-    k = kernel_cache.CudaKernel("probe", ["x"], ["y"], "y[0] = x[0];")
+    k = kernels.cuda_kernel.CudaKernel("probe", ["x"], ["y"], "y[0] = x[0];")
     errors, results = [], []
 
     def other():
@@ -95,7 +94,7 @@ def test_recordings_are_per_thread():
         except Exception as e:  # not recorded there: MLX's kernel is built, and off CUDA it raises
             errors.append(e)
 
-    with kernel_cache.recording() as rec:
+    with kernels.cuda_kernel.recording() as rec:
         t = threading.Thread(target=other)
         t.start()
         t.join()
@@ -125,7 +124,7 @@ class Compiler:
 
 
 class _StandIn:
-    """What `kernel_cache._compiler()` returns, pointing the workers at the stand-in."""
+    """What `kernels.cuda_kernel._compiler()` returns, pointing the workers at the stand-in."""
 
     def __init__(self, tmp_path: Path, together: int):
         (tmp_path / "marks").mkdir()
@@ -136,16 +135,16 @@ class _StandIn:
 
 def _cache_in(tmp_path, monkeypatch, together: int) -> None:
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
-    monkeypatch.setattr(kernel_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    monkeypatch.setattr(kernel_cache, "_nvrtc", _StandIn(tmp_path, together))
-    monkeypatch.setattr(kernel_cache, "STATS", dict(kernel_cache.STATS, compiled=0))
+    monkeypatch.setattr(kernels.cuda_kernel.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(kernels.cuda_kernel, "_nvrtc", _StandIn(tmp_path, together))
+    monkeypatch.setattr(kernels.cuda_kernel, "STATS", dict(kernels.cuda_kernel.STATS, compiled=0))
 
 
 def test_compile_all_compiles_in_processes_at_once_and_stores_each_once(tmp_path, monkeypatch):
     _cache_in(tmp_path, monkeypatch, together=4)
     variants = {f"custom_kernel_k{i}": f"source {i}" for i in range(4)}
-    assert kernel_cache.compile_all(variants, workers=4) == 4
-    modules = {name: f"{name}_{kernel_cache.std_hash(source.encode()):x}" for name, source in variants.items()}
+    assert kernels.cuda_kernel.compile_all(variants, workers=4) == 4
+    modules = {name: f"{name}_{kernels.cuda_kernel.std_hash(source.encode()):x}" for name, source in variants.items()}
     marks = {p.name: p.read_text() for p in (tmp_path / "marks").iterdir()}
     assert sorted(marks) == sorted(modules.values()) and len(set(marks.values())) == 4  # four processes
     for name, source in variants.items():
@@ -154,26 +153,26 @@ def test_compile_all_compiles_in_processes_at_once_and_stores_each_once(tmp_path
             assert (folder / f"{modules[name]}.txt").read_text() == f"mlx::core::cu::{name}\tmlx::core::cu::{name}_mangled\n"
     for p in (tmp_path / "marks").iterdir():
         p.unlink()
-    assert kernel_cache.compile_all(variants, workers=4) == 0 and not any((tmp_path / "marks").iterdir())
+    assert kernels.cuda_kernel.compile_all(variants, workers=4) == 0 and not any((tmp_path / "marks").iterdir())
 
 
 def test_compile_all_leaves_a_failing_kernel_to_its_launch(tmp_path, monkeypatch):
     _cache_in(tmp_path, monkeypatch, together=1)
-    assert kernel_cache.compile_all({"custom_kernel_a": "good", "custom_kernel_b": "bad"}, workers=2) == 1
+    assert kernels.cuda_kernel.compile_all({"custom_kernel_a": "good", "custom_kernel_b": "bad"}, workers=2) == 1
     assert [p.name.split("_")[2] for p in (tmp_path / "ptx").glob("*.ptx")] == ["a"]
 
 
 def test_a_worker_that_cannot_start_its_compiler_fails_its_jobs_only(tmp_path, monkeypatch):
     _cache_in(tmp_path, monkeypatch, together=1)
-    kernel_cache._nvrtc.spec = {"lib": str(tmp_path / "no-libnvrtc.so"), "arch": "sm_90a", "includes": []}
-    assert kernel_cache.compile_all({"custom_kernel_a": "x", "custom_kernel_b": "y"}, workers=2) == 0
+    kernels.cuda_kernel._nvrtc.spec = {"lib": str(tmp_path / "no-libnvrtc.so"), "arch": "sm_90a", "includes": []}
+    assert kernels.cuda_kernel.compile_all({"custom_kernel_a": "x", "custom_kernel_b": "y"}, workers=2) == 0
     assert not (tmp_path / "ptx").exists() or not any((tmp_path / "ptx").iterdir())
 
 
 def test_off_cuda_nothing_is_compiled_ahead(tiny_q4):
     if kernels.cuda():
         pytest.skip("a CUDA machine")
-    assert kernel_warmup.compile_ahead([], [p for p in tiny_q4.model._parts() if isinstance(p, Linear)], 64) == 0
+    assert kernels.warmup.compile_ahead([], [p for p in tiny_q4.model._parts() if isinstance(p, Linear)], 64) == 0
 
 
 @pytest.mark.gpu
@@ -181,22 +180,22 @@ def test_code_compiled_in_the_workers_is_what_mlx_runs():
     """Worker processes compile a fresh kernel with MLX's own NVRTC; its launch then finds it stored
     (nothing compiled in this process) and computes the right values."""
     import uuid
-    k = kernel_cache.CudaKernel(name=f"mtp_probe_ahead_{uuid.uuid4().hex[:12]}", input_names=["x"],
+    k = kernels.cuda_kernel.CudaKernel(name=f"mtp_probe_ahead_{uuid.uuid4().hex[:12]}", input_names=["x"],
                                 output_names=["out"], source="out[threadIdx.x] = 7.0f * x[threadIdx.x];")
     x = mx.arange(4, dtype=mx.float32)
     call = dict(inputs=[x], template=[], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
                 output_dtypes=[mx.float32])
-    with kernel_cache.recording() as rec:
+    with kernels.cuda_kernel.recording() as rec:
         k(**call)
     func, source = next(iter(rec.variants.items()))
-    paths = [kernel_cache.module_path(d, f"{func}_{kernel_cache.std_hash(source.encode()):x}")
-             for d in kernel_cache.mlx_cache_dirs()]
+    paths = [kernels.cuda_kernel.module_path(d, f"{func}_{kernels.cuda_kernel.std_hash(source.encode()):x}")
+             for d in kernels.cuda_kernel.mlx_cache_dirs()]
     try:
-        assert kernel_cache.compile_all(rec.variants, workers=2) == 1
+        assert kernels.cuda_kernel.compile_all(rec.variants, workers=2) == 1
         assert all(p.is_file() for p in paths)
-        compiled = kernel_cache.STATS["compiled"]
+        compiled = kernels.cuda_kernel.STATS["compiled"]
         assert k(**call)[0].tolist() == [0.0, 7.0, 14.0, 21.0]
-        assert kernel_cache.STATS["compiled"] == compiled  # found stored, not compiled again
+        assert kernels.cuda_kernel.STATS["compiled"] == compiled  # found stored, not compiled again
     finally:
         for p in paths:
             p.unlink(missing_ok=True)

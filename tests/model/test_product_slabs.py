@@ -25,8 +25,8 @@ def calls(monkeypatch):
         splits.append(split)
         return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group, bits=bits)
 
-    monkeypatch.setattr(kernels, "quantized_rows", stand_in)
-    monkeypatch.setattr(kernels, "supports", lambda w, s, bits, group, rows: 1 <= rows <= kernels.MAX_ROWS)
+    monkeypatch.setattr(kernels.qmv, "quantized_rows", stand_in)
+    monkeypatch.setattr(kernels.qmv, "supports", lambda w, s, bits, group, rows: 1 <= rows <= kernels.qmv.MAX_ROWS)
     seen.splits = splits
     return seen
 
@@ -46,7 +46,7 @@ def test_products_of_many_rows_are_cut_into_slabs_and_put_back(calls, shape):
     assert got.shape == ref.shape
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
     rows = int(np.prod(shape[:-1]))
-    assert calls and all(c <= kernels.MAX_ROWS for c in calls)
+    assert calls and all(c <= kernels.qmv.MAX_ROWS for c in calls)
     assert rows == 1 or all(c >= 2 for c in calls), calls
     assert sum(calls) - rows in (0, 1)  # at most one padding row
     # a sequence's tokens past one slab (a prompt) take x in float32's precision on the tensor cores

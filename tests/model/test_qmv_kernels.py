@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtp_engine.model import kernels, mma_kernel
+from mtp_engine.model import kernels
 from mtp_engine.model.layers import Linear
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +18,7 @@ CASES = [(4, 32, 512, 1024), (4, 64, 272, 512), (4, 128, 256, 1024), (8, 32, 96,
 
 @pytest.mark.parametrize("bits,group,n,k", CASES)
 def test_products_match_mlx_for_1_to_33_rows(bits, group, n, k):
-    assert kernels.available()
+    assert kernels.available("qmv")
     w = mx.random.normal((n, k), key=mx.random.key(bits * group + n)) * k ** -0.5
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     lin = Linear(q, s, b, bits, group, custom_kernel=True)
@@ -54,7 +54,7 @@ def test_products_of_many_rows_run_in_slabs_of_one_arithmetic():
         assert np.array_equal(got[rows - 2:], last), rows
         # every row alone on the tensor-core kernel gives its bits in any slab (columns of an mma
         # never mix); the one-row decode step's CUDA-core kernel sums in another order
-        one = np.array(mma_kernel.quantized_rows(x[rows - 1, 0][None], q, s, b, 4, 32))
+        one = np.array(kernels.mma.quantized_rows(x[rows - 1, 0][None], q, s, b, 4, 32))
         assert np.array_equal(got[rows - 1, 0], one[0]), rows
 
 
@@ -82,6 +82,6 @@ def test_tensor_core_block_shapes_agree():
     x = mx.random.normal((5, 2048), key=mx.random.key(10))
     ref = np.array(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4))
     for warps, tiles, stages in ((4, 2, 3), (4, 1, 4), (2, 4, 3), (8, 1, 3)):
-        a = np.array(mma_kernel.quantized_rows(x, q, s, b, 4, 32, warps, tiles, stages))
-        assert np.array_equal(a, np.array(mma_kernel.quantized_rows(x, q, s, b, 4, 32, warps, tiles, stages)))
+        a = np.array(kernels.mma.quantized_rows(x, q, s, b, 4, 32, warps, tiles, stages))
+        assert np.array_equal(a, np.array(kernels.mma.quantized_rows(x, q, s, b, 4, 32, warps, tiles, stages)))
         np.testing.assert_allclose(a, ref, atol=3e-5 * np.abs(ref).max())

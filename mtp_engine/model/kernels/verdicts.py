@@ -1,7 +1,7 @@
 """The custom kernels' self-test verdicts, kept across processes.
 
 Why: on a GPU each kernel is checked against the MLX operations once per process before a model
-uses it (`kernels.available()`, `gdn_kernel.available()`, ...). With MLX's PTX cache warm the
+uses it (`registry.Registry.available`). With MLX's PTX cache warm the
 compiles are cheap, but the checks still cost ~7 s of a new process's start-up on the H200 (the
 reference operations and their first use). A check that passed for the same kernel source, the same
 shape, the same device and the same MLX version passes again, so its verdict is stored beside the
@@ -30,7 +30,7 @@ def key(name: str, source: str, shape) -> str:
         device = str(mx.device_info().get("device_name", ""))
     except Exception:  # an MLX without device_info: the version alone then
         device = ""
-    # the compiled code now comes from kernel_cache's NVRTC call: verdicts on MLX's own compiles
+    # the compiled code now comes from cuda_kernel's NVRTC call: verdicts on MLX's own compiles
     # (before it) do not vouch for it
     text = json.dumps([name, source, repr(shape), device, mx.__version__, "kernel_cache-1"])
     return hashlib.sha256(text.encode()).hexdigest()

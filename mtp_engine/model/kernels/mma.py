@@ -1,6 +1,6 @@
 """A tensor-core kernel for quantized products of 2..32 rows (verify, draft blocks, a batch's
 steps and verifies, short prompts), via `mx.fast.cuda_kernel`: the cost of a product stays about
-that of reading its weights once, whatever the rows (kernels.py's CUDA-core kernel does 8 rows for
+that of reading its weights once, whatever the rows (qmv.py's CUDA-core kernel does 8 rows for
 4.8x the price of one).
 
 Why tensor cores: with M input rows a CUDA-core kernel does M multiply-adds per weight and loads
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernel_cache import CudaKernel
-from .kernel_source import compact
+from .cuda_kernel import CudaKernel
+from .source import compact
 
 MAX_ROWS = 32  # 4 column tiles of 8 rows
 # Block shape, chosen in the model (`qmv_rows.py --in-model`): a forward's products depend on each

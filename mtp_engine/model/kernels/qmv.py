@@ -1,7 +1,7 @@
 """CUDA kernels for quantized products of a few rows (decode, draft, verify), via
 `mx.fast.cuda_kernel`, with MLX's `quantized_matmul` as the fallback everywhere else:
 `quantized_rows` sends one row to the CUDA-core kernel here (`simt_rows`, the fastest for plain
-decoding) and 2..32 rows to the tensor-core kernel (mma_kernel.py), which costs about one weight
+decoding) and 2..32 rows to the tensor-core kernel (mma.py), which costs about one weight
 read whatever the rows.
 
 Why: MLX's CUDA quantized matrix-vector kernels read 4-bit group-32 weights at about 400 GB/s on an
@@ -17,16 +17,14 @@ for the warp's R rows.
 """
 from __future__ import annotations
 
-import warnings
-
 import mlx.core as mx
 
-from . import mma_kernel
-from .kernel_cache import CudaKernel
-from .kernel_source import compact
+from . import mma
+from .cuda_kernel import CudaKernel
+from .source import compact
 
 SIMT_ROWS = 8  # the most rows of the CUDA-core kernel
-MAX_ROWS = mma_kernel.MAX_ROWS  # the most rows of one product here (the tensor-core kernel's)
+MAX_ROWS = mma.MAX_ROWS  # the most rows of one product here (the tensor-core kernel's)
 ROWS_PER_WARP = 8  # output features per warp (bench_gpu.py measures 2, 4 and 8 through `rows_per_warp=`)
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)
@@ -112,26 +110,19 @@ _SOURCE = """
 """
 
 _kernel = None
-_tested: bool | None = None
 
 
-def _cuda() -> bool:
-    try:
-        return mx.default_device() == mx.gpu and mx.cuda.is_available()
-    except AttributeError:  # an MLX without the CUDA backend (e.g. Metal, CPU)
-        return False
-
-
-def cuda() -> bool:
-    """Whether MLX runs on a CUDA GPU (the only place the custom kernels run)."""
-    return _cuda()
+def source() -> str:
+    """The CUDA text of this module's kernels and the tensor-core one it hands rows to (what a
+    self-test verdict is kept under)."""
+    return _SOURCE + mma.HEADER + mma.SOURCE
 
 
 def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, rows: int) -> bool:
     """Whether `quantized_rows` takes this product: `rows` on the tensor-core kernel
-    (`mma_kernel.supports`), or on the CUDA cores (4- or 8-bit, groups of a multiple of 32, rows
+    (`mma.supports`), or on the CUDA cores (4- or 8-bit, groups of a multiple of 32, rows
     1..SIMT_ROWS, N a multiple of the rows per warp, rows of whole 16-byte chunks, float32 scales)."""
-    if rows >= TENSOR_CORE_ROWS and mma_kernel.supports(weight, scales, bits, group_size, rows):
+    if rows >= TENSOR_CORE_ROWS and mma.supports(weight, scales, bits, group_size, rows):
         return True
     if bits not in (4, 8) or group_size % 32 or not 1 <= rows <= SIMT_ROWS:
         return False
@@ -141,12 +132,12 @@ def supports(weight: mx.array, scales: mx.array, bits: int, group_size: int, row
 
 def quantized_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
                    bits: int, group_size: int, rows_per_warp: int = ROWS_PER_WARP,
-                   split: int = mma_kernel.SPLIT) -> mx.array:
+                   split: int = mma.SPLIT) -> mx.array:
     """x [M, K] (M <= MAX_ROWS) times W^T: [M, N] float32, on the tensor cores for 2.. rows where
-    `mma_kernel.supports` it (`split`: the bf16 parts of x there), else on the CUDA cores
+    `mma.supports` it (`split`: the bf16 parts of x there), else on the CUDA cores
     (`rows_per_warp`: their output features per warp)."""
-    if x.shape[0] >= TENSOR_CORE_ROWS and mma_kernel.supports(weight, scales, bits, group_size, x.shape[0]):
-        return mma_kernel.quantized_rows(x, weight, scales, biases, bits, group_size, split=split)
+    if x.shape[0] >= TENSOR_CORE_ROWS and mma.supports(weight, scales, bits, group_size, x.shape[0]):
+        return mma.quantized_rows(x, weight, scales, biases, bits, group_size, split=split)
     return simt_rows(x, weight, scales, biases, bits, group_size, rows_per_warp)
 
 
@@ -171,32 +162,20 @@ def simt_rows(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
     return out[:m] if rows != m else out
 
 
-def available() -> bool:
-    """Whether the kernels can be used in this process: on a CUDA GPU, after each matched MLX's
-    product once (outside any compiled graph). A compile error or a mismatch warns and answers
-    False from then on, so the engine falls back instead of failing. Whether a model uses it is
-    that model's choice (`EngineOptions.kernels`)."""
-    global _tested
-    if _tested is not None:
-        return _tested
-    if not _cuda():
-        return False
-    try:
-        ok = True
-        for rows in (1, 3):  # the CUDA-core kernel, then the tensor-core one
-            # inputs and reference on the CPU: no GPU JIT compile that decoding never uses
-            with mx.stream(mx.cpu):
-                w = mx.random.normal((64, 256), key=mx.random.key(3))
-                q, s, b = mx.quantize(w, group_size=32, bits=4)
-                x = mx.random.normal((rows, 256), key=mx.random.key(4))
-                ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
-                mx.eval(q, s, b, x, ref)
-            got = quantized_rows(x, q, s, b, 4, 32)
-            mx.eval(got)
-            with mx.stream(mx.cpu):
-                ok = ok and bool(mx.allclose(got, ref, atol=1e-3, rtol=1e-3).item())
-    except Exception as e:  # NVRTC missing or a toolchain that rejects the source
-        warnings.warn(f"mtp-engine: custom quantized kernel unavailable ({e}); using MLX's")
-        ok = False
-    _tested = ok
+def self_test() -> bool:
+    """Whether both kernels match MLX's product on random rows (1: the CUDA-core kernel, 3: the
+    tensor-core one), run outside any compiled graph; inputs and reference on the CPU, so the test
+    compiles no GPU code that decoding never uses. Raises what a compile raises."""
+    ok = True
+    for rows in (1, 3):
+        with mx.stream(mx.cpu):
+            w = mx.random.normal((64, 256), key=mx.random.key(3))
+            q, s, b = mx.quantize(w, group_size=32, bits=4)
+            x = mx.random.normal((rows, 256), key=mx.random.key(4))
+            ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=4)
+            mx.eval(q, s, b, x, ref)
+        got = quantized_rows(x, q, s, b, 4, 32)
+        mx.eval(got)
+        with mx.stream(mx.cpu):
+            ok = ok and bool(mx.allclose(got, ref, atol=1e-3, rtol=1e-3).item())
     return ok

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernel_cache import CudaKernel
-from .kernel_source import compact
+from .cuda_kernel import CudaKernel
+from .source import compact
 
 MAX_TOKENS = 16
 MAX_BATCH = 256  # sequences of a batched step: one block row each (grid y)
@@ -269,8 +269,6 @@ CACHE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _kv_kernel = None
 _attend_kernel = None
 _merge_kernel = None
-_tested: bool | None = None
-tested_for: tuple | None = None  # the (shape, cache type) `_tested` is the verdict for (`expect`)
 
 
 def supports(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, batch: int, tokens: int,
@@ -419,39 +417,22 @@ def max_error(n_head: int, n_head_kv: int, head_dim: int, n_rot: int, s: int, po
     return err
 
 
-def expect(shape: tuple[int, int, int, int], dtype_name: str) -> None:
-    """The next verdict is for this head shape and cache type: another cache type is another
-    kernel, so a verdict for a different one is dropped (a model's `use`)."""
-    global _tested, tested_for
-    if tested_for != (shape, dtype_name):
-        _tested, tested_for = None, (shape, dtype_name)
+def source() -> str:
+    """The three kernels' CUDA text (what a self-test verdict is kept under)."""
+    return _HEADER + _KV_SOURCE + _ATTEND_SOURCE + _MERGE_SOURCE
 
 
-def available(shape: tuple[int, int, int, int] | None = None, dtype: mx.Dtype = mx.float32) -> bool:
-    """Whether the kernels can be used in this process: on a CUDA GPU, after they matched the MLX
-    operations on random inputs (1 and 5 tokens, GQA, partial rope; a batch of 3 sequences at
-    different positions; 700 keys over several blocks); a compile error or a mismatch
-    warns and answers False from then on, so the engine falls back to the MLX path.
+def self_test(shape: tuple[int, int, int, int] | None = None, dtype: mx.Dtype = mx.float32) -> bool:
+    """Whether the kernels match the MLX operations on random inputs (1 and 5 tokens, GQA, partial
+    rope; a batch of 3 sequences at different positions; 700 keys over several blocks). Raises
+    what a compile raises.
 
     `shape` (n_head, n_head_kv, head_dim, n_rot) and `dtype` (the KV cache's): test at the
     model's own shape and cache type, whose compiled kernels (one NVRTC compile per shape and
     type) the model then reuses."""
-    global _tested
-    if _tested is not None:
-        return _tested
-    from . import kernels
-    if not kernels.cuda():
-        return False
     if shape is None or not supports(*shape, 1, 1):
         shape = (4, 2, 64, 16)
-    ok = False
-    try:
-        # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
-        # (2, 700): a cache long enough to split its keys over several blocks
-        ok = all(max_error(*shape, s, pos, seed=s, dtype=dtype) < 2e-3
-                 for s, pos in ((1, 9), (5, 3), (2, [4, 0, 11]), (2, 700)))
-    except Exception as e:  # NVRTC missing or a toolchain that rejects the source
-        import warnings
-        warnings.warn(f"mtp-engine: fused attention kernels unavailable ({e}); using MLX's")
-    _tested = ok
-    return ok
+    # 2e-3: MLX's attention products on a GPU run at reduced (TF32-class) precision
+    # (2, 700): a cache long enough to split its keys over several blocks
+    return all(max_error(*shape, s, pos, seed=s, dtype=dtype) < 2e-3
+               for s, pos in ((1, 9), (5, 3), (2, [4, 0, 11]), (2, 700)))

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernel_cache import CudaKernel
-from .kernel_source import compact
+from .cuda_kernel import CudaKernel
+from .source import compact
 
 MAX_TOKENS = 16
 MAX_BATCH = 256  # sequences of a batched step: one block row each (grid y)
@@ -224,39 +224,26 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
     return outs[0], outs[1], outs[2]
 
 
-_tested: bool | None = None
+def source() -> str:
+    """The kernel's CUDA text (what a self-test verdict is kept under)."""
+    return _SOURCE
 
 
-def available(dims=None) -> bool:
-    """Whether the kernel can be used in this process: on a CUDA GPU, after it matched the pure-MLX
-    mixer (`gdn.mix`) on random inputs (1 token; 5 captured; a batch of 3 sequences of 2 tokens,
-    each from its own slot of an earlier captured pass; 2 sequences of 3 tokens captured into
-    buffers 5 wide), outside any compiled graph. A compile error
-    or a mismatch warns and answers False from then on, so the engine falls back to the MLX path
-    instead of failing. Whether a model uses it is that model's choice (`EngineOptions.kernels`).
+def self_test(dims=None) -> bool:
+    """Whether the kernel matches the pure-MLX mixer (`gdn.mix`) on random inputs (1 token; 5
+    captured; a batch of 3 sequences of 2 tokens, each from its own slot of an earlier captured
+    pass; 2 sequences of 3 tokens captured into buffers 5 wide), outside any compiled graph.
+    Raises what a compile raises.
 
     `dims` (`gdn.Dims`): test at the model's own layer shape. The kernel is compiled per shape
     (NVRTC, ~30 s for a cold 9B-shaped one on the H200), so testing at the shape the model then
     runs shares that compile instead of paying a second one for a test shape."""
-    global _tested
-    if _tested is not None:
-        return _tested
-    from . import kernels
-    if not kernels.cuda():
-        return False
-    from . import gdn
+    from .. import gdn
     if dims is None or not supports(dims.kh, dims.kd, dims.vh, dims.vd, 1, 1):
         dims = gdn.Dims(2, 64, 4, 64, 4, 1e-6)
-    try:
-        ok = all(max_error(dims, s, seed=s, capture=cap, earlier=e, batch=b, width=w) < 1e-3
-                 for s, cap, e, b, w in ((1, False, 0, 1, None), (5, True, 0, 1, None), (2, False, 4, 3, None),
-                                         (3, True, 0, 2, 5)))
-    except Exception as e:  # NVRTC missing or a toolchain that rejects the source
-        import warnings
-        warnings.warn(f"mtp-engine: fused gated-delta-net kernel unavailable ({e}); using MLX's")
-        ok = False
-    _tested = ok
-    return ok
+    return all(max_error(dims, s, seed=s, capture=cap, earlier=e, batch=b, width=w) < 1e-3
+               for s, cap, e, b, w in ((1, False, 0, 1, None), (5, True, 0, 1, None), (2, False, 4, 3, None),
+                                       (3, True, 0, 2, 5)))
 
 
 def random_inputs(d, s: int, seed: int = 0, slices: bool = True, earlier: int = 0,
@@ -294,8 +281,8 @@ def max_error(d, s: int, seed: int = 0, capture: bool = False, earlier: int = 0,
     a captured pass, `width`: into buffers of that many tokens, whose slots past s are not
     compared; `earlier`: starting from a slot of an earlier captured pass of that many tokens;
     `batch`: sequences in one launch)."""
-    from . import gdn
-    from .cache import pick_state
+    from .. import gdn
+    from ..cache import pick_state
     # the inputs and the reference on the CPU: on a GPU each of their operations would be a JIT
     # compile on a fresh machine (tens of seconds at a 9B shape) that decoding never uses
     with mx.stream(mx.cpu):

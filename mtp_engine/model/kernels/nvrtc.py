@@ -3,7 +3,7 @@
 Why a process: NVRTC serialises much of a compile inside one process (measured on this repo's 11
 kernel variants, 2 cores: serial 28.6 s, 2 threads 24.0 s, 2 processes 15.8 s), so compiling a
 model's kernels at once needs processes. The worker is this file run as a script by
-`kernel_cache.compile_all`: standard library only (no MLX, no CUDA context, so it starts in tens of
+`cuda_kernel.compile_all`: standard library only (no MLX, no CUDA context, so it starts in tens of
 milliseconds), told which NVRTC library, architecture and include folders to use, compiling jobs
 from standard input and writing each module as MLX reads it (names first, then the code, each
 file whole). It prints one JSON line per job.

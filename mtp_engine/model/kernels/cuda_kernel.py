@@ -11,7 +11,7 @@ writes the two files where MLX looks; from then on every process loads the store
 Safe by construction: a file is written only under the name MLX derives from the exact source it
 would compile, so a different MLX (another source layout or hash) simply finds nothing and compiles
 as before; files are written whole (a temporary, then a rename), the names before the code. The
-kernels' self-tests (qwen35._checked) and the GPU suite check the stored code like any other, and
+kernels' self-tests (`registry`) and the GPU suite check the stored code like any other, and
 `tests/model/test_kernel_cache.py` checks on a GPU that MLX loads what is stored here.
 
 Where: `$MLX_PTX_CACHE_DIR` (api.load points it into `EngineOptions.cache_dir`), else MLX's
@@ -19,7 +19,7 @@ default `<temp>/mlx/<version>/ptx`.
 
 Ahead: `recording` lists the variants some code would launch without launching them, and
 `compile_all` compiles the missing ones at once in worker processes (`nvrtc.py`), so a first run
-pays for its slowest kernel rather than their sum (`kernel_warmup` does it for a model at load).
+pays for its slowest kernel rather than their sum (`warmup` does it for a model at load).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..options import cuda_home, mlx_kernel_cache_dir
+from ...options import cuda_home, mlx_kernel_cache_dir
 from . import nvrtc
 
 log = logging.getLogger("mtp_engine.kernels")
@@ -51,6 +51,14 @@ _CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int3
                mx.int64: "int64_t", mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t",
                mx.uint64: "uint64_t", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
                mx.float32: "float", mx.float64: "double"}
+
+
+def cuda() -> bool:
+    """Whether MLX runs on a CUDA GPU (the only place the custom kernels run)."""
+    try:
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    except AttributeError:  # an MLX without the CUDA backend (e.g. Metal, CPU)
+        return False
 
 
 def std_hash(data: bytes) -> int:
