@@ -159,7 +159,7 @@ def test_earlier_tool_calls_reach_the_template_as_mappings():
 # ---- the answer, from generated chunks --------------------------------------------------------
 
 def _generation(tools, stream: bool, trace: bool = False):
-    from mtp_engine.server.app import Generation, ServerState
+    from mtp_engine.server.answer import Generation, ServerState
     from mtp_engine.server.schemas import GenRequest
     from mtp_engine.server.worker import Event, Job
 

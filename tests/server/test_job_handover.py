@@ -10,7 +10,7 @@ import time
 from types import SimpleNamespace
 
 from mtp_engine.generation.loop import Chunk
-from mtp_engine.server.app import Generation, _next_event
+from mtp_engine.server.answer import Generation, next_event
 from mtp_engine.server.worker import Event, Job
 
 
@@ -36,7 +36,7 @@ def test_every_event_arrives_once_in_order_under_any_interleaving():
         threading.Thread(target=produce).start()
         got = []
         while True:
-            ev = await _next_event(job, _Request())
+            ev = await next_event(job, _Request())
             if ev.kind == "done":
                 return got
             got.append(ev.chunk.token_ids[0])
@@ -58,7 +58,7 @@ def test_a_stream_writes_what_has_arrived_together_and_every_event_once():
         state = SimpleNamespace(worker=SimpleNamespace(model=SimpleNamespace(tokenizer=None)), model_name="m", metrics=None)
         req = SimpleNamespace(kind="completion", tools=None, logprobs=None, mtp_trace=True, include_usage=False)
         gen = Generation(state, req, job)
-        first = await _next_event(job, _Request())
+        first = await next_event(job, _Request())
         writes = [s async for s in gen.stream(first, _Request())]
         assert len(writes) <= 3, len(writes)  # the tokens, the end, [DONE]
         return "".join(writes)

@@ -554,7 +554,7 @@ def test_requests_open_at_once_are_bounded_with_retry_after():
     Retry-After; the others are served, and a request after them is again."""
     import asyncio
 
-    from mtp_engine.server.app import LimitRequests
+    from mtp_engine.server.guards import LimitRequests
 
     gate = asyncio.Event()
 
