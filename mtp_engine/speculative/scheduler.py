@@ -18,6 +18,7 @@ import statistics
 from collections import deque
 from typing import Callable
 
+from .acceptance_estimate import PositionAcceptance
 from .calibration import MAX_K, default_seed
 from .costmodel import Costs
 
@@ -30,9 +31,6 @@ COMPILED_AUTO_MAX = 4
 PROBE_BUDGET = 0.01  # probes' extra time <= 1% of the decode time so far
 MARGIN = (0.02, 0.005)  # hysteresis: drafting starts above 1.02x plain's rate, stops below 0.995x
 MIN_SAMPLES = 2  # timed rounds before a k's measured time replaces its seed
-_PRIOR = (3.0, 1.0)  # Beta(accepted, rejected) per position: optimistic, so drafting is tried
-_INHERIT = 8.0  # prior strength of position j > 1 around position j-1's estimate
-_DECAY = 0.95  # per observation: a change of text shows within tens of rounds
 _PROBE_EVERY = 16  # plain rounds between probes at least (the budget usually spaces them more)
 _WINDOW = 32  # timed rounds kept per (context range, k); the median is robust to stalls
 _EXPLORE_AFTER = 8  # drafting rounds before a longer draft is explored (a probe's luck is no evidence)
@@ -100,10 +98,7 @@ class DraftLengthScheduler:
         self.seed = _seed_from(costs, prior or default_seed())
         self.k_max = min(k_max, max(self.seed))
         self.budget = budget
-        self.acc = [0.0] * self.k_max  # decayed counts per draft position (prior in `alphas`)
-        self.rej = [0.0] * self.k_max
-        self.seen = [0.0] * self.k_max  # decayed observations per position (the prior fades with them)
-        self.decay = _DECAY
+        self.acceptance = PositionAcceptance(self.k_max)
         self.rounds = 0  # choices made
         self.drafting_rounds = 0  # choices of k > 0 that were not probes
         self._queue: deque = deque()  # (k, probe) chosen but not yet observed
@@ -120,34 +115,17 @@ class DraftLengthScheduler:
         self.decode_seconds = 0.0
         self.probes = 0
         self.probe_seconds = 0.0  # probes' time beyond the plain step each replaced
-        # a choice asks for the same medians and acceptance estimates ~150 times: kept until the
-        # next observation changes them (the choice runs on the host every round)
+        # a choice asks for the same medians ~150 times: kept until the next observation changes
+        # them (the choice runs on the host every round)
         self._medians: dict[tuple[int, int, bool], float | None] = {}
-        self._alphas: list[float] | None = None
 
     # ---- estimates --------------------------------------------------------------------------
     def alphas(self) -> list[float]:
-        """Per position j, the probability that draft j is accepted given 1..j-1 were: the decayed
-        counts, with a prior centred on position j-1's estimate (position 1: 0.75, strength 4; later
-        positions strength 8), so a position drafted rarely is expected to do about as well as the
-        one before it, and one unlucky round does not rule a long draft out."""
-        if self._alphas is not None:
-            return list(self._alphas)
-        out, prior, strength = [], _PRIOR[0] / sum(_PRIOR), sum(_PRIOR)
-        for a, r, seen in zip(self.acc, self.rej, self.seen):
-            w = strength * self.decay ** seen  # the prior fades like an old observation
-            prior = (a + w * prior) / (a + r + w)
-            out.append(prior)
-            strength = _INHERIT
-        self._alphas = out
-        return list(out)
+        """Per draft position, the estimated probability of acceptance (`PositionAcceptance`)."""
+        return self.acceptance.alphas()
 
     def expected_tokens(self, k: int) -> float:
-        e, run = 1.0, 1.0
-        for a in self.alphas()[:k]:
-            run *= a
-            e += run
-        return e
+        return self.acceptance.expected_tokens(k)
 
     def _median(self, k: int, b: int, steady: bool = False) -> float | None:
         """Median seconds of a k-round in context range b, or the nearest range that has enough."""
@@ -318,23 +296,8 @@ class DraftLengthScheduler:
 
     # ---- observations -----------------------------------------------------------------------
     def update(self, k: int, n: int) -> None:
-        """A round drafted k and accepted n: positions 1..n were accepted, n+1 (if drafted) rejected,
-        later positions were never tested: their old counts age all the same, so what a few long
-        drafts once saw fades back to the estimate of the positions before them."""
-        if k <= 0:
-            return
-        self._alphas = None
-        tested = min(n + 1, k, self.k_max)
-        for i in range(self.k_max):
-            self.acc[i] *= self.decay
-            self.rej[i] *= self.decay
-            self.seen[i] *= self.decay
-            if i < tested:
-                self.seen[i] += 1.0
-                if i < n:
-                    self.acc[i] += 1.0
-                else:
-                    self.rej[i] += 1.0
+        """A round drafted k and accepted n (`PositionAcceptance.update`)."""
+        self.acceptance.update(k, n)
 
     def forget_pending(self) -> None:
         """Rounds chosen but never to be observed (a batch dropped them) leave the queue."""
