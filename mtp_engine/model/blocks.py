@@ -76,8 +76,7 @@ class GatedAttention:
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         c = self.cfg
         b, s, _ = x.shape
-        if (self.fused_kernel and self.qkv is not None
-                and attn_kernel.supports(c.n_head, c.n_head_kv, c.head_dim, c.n_rot, b, s, cache.dtype)):
+        if self.fused_kernel and attn_kernel.supports(c.n_head, c.n_head_kv, c.head_dim, c.n_rot, b, s, cache.dtype):
             return self._fused(x, cache)
         d = c.head_dim
         q_x, k_x, v_x = self._inputs(x)
@@ -102,7 +101,10 @@ class GatedAttention:
         """The same layer as two CUDA kernels around the cache append (`attn_kernel`); x [B, S, H],
         each row at its own position in a batch's cache."""
         c = self.cfg
-        y = self.qkv(x)
+        # q (with its gate), k and v side by side: the joined product, or the three products put
+        # together where they are stored differently (a Q4_K_M file keeps v in Q6_K), so those models
+        # take these kernels too
+        y = self.qkv(x) if self.qkv is not None else mx.concatenate([self.q(x), self.k(x), self.v(x)], axis=-1)
         # a Python int, an array inside a compiled step, or a batch's lengths [B]
         start = cache.offset
         pos = (start.reshape(-1) if isinstance(start, mx.array) else mx.array([start])).astype(mx.int32)

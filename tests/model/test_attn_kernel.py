@@ -329,3 +329,37 @@ def test_a_tail_reads_as_the_main_buffer(dtype):
     late = (tail[0], tail[1], mx.array([pos + 1], dtype=mx.int32))
     bad = kernels.attn.attend(y, qn, keys, values, p, nh, nkv, d, nrot, 1e-6, 10000.0, tail=late)
     assert np.isnan(np.array(bad)).all()
+
+
+def test_layers_with_q_k_v_stored_apart_take_the_fused_kernels_too(monkeypatch):
+    """A Q4_K_M file keeps v in Q6_K, so q, k and v cannot be joined into one product at load: the
+    fused path then puts the three products side by side, in the joined product's layout [q and
+    its gate | k | v], instead of leaving such models (the shipped one, llama.cpp's Q4_K_M files) on
+    the MLX path. Routing and layout only, on any device: the kernels are stood in for (their
+    arithmetic is the GPU tests' above)."""
+    from mtp_engine import load
+    from mtp_engine.model.blocks import GatedAttention
+    from tests.conftest import SHIPPED, need
+
+    net = load(need(SHIPPED)).model
+    att = next(o for o in net._parts() if isinstance(o, GatedAttention))
+    assert att.qkv is None and att.v.bits != att.q.bits  # stored apart: what this test is about
+    seen = []
+
+    def new_kv(y, k_norm, pos, n_head, n_head_kv, head_dim, *rest, dtype=None):
+        seen.append(y)
+        b, s, _ = y.shape
+        return mx.zeros((b, n_head_kv, s, head_dim)), mx.zeros((b, n_head_kv, s, head_dim))
+
+    def attend(y, q_norm, keys, values, pos, n_head, n_head_kv, head_dim, *rest, tail=None):
+        return mx.zeros((*y.shape[:2], n_head * head_dim))
+
+    monkeypatch.setattr(kernels.attn, "new_kv", new_kv)
+    monkeypatch.setattr(kernels.attn, "attend", attend)
+    monkeypatch.setattr(kernels.attn, "supports", lambda *a, **k: True)
+    monkeypatch.setattr(att, "fused_kernel", True)
+    x = mx.random.normal((1, 2, net.cfg.hidden_size), key=mx.random.key(0))
+    att(x, net.make_cache().layers[net.cfg.recurrent.index(False)])
+    assert len(seen) == 1
+    q, k, v = att._inputs(x)
+    assert mx.array_equal(seen[0], mx.concatenate([q, k, v], axis=-1))
