@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _random_9b(shipped):
+def _random_9b(shipped, layout: str):
     """The 9B shape with random weights behind the shipped model's tokenizer (see the docstring)."""
     import dataclasses
 
@@ -48,7 +48,7 @@ def _random_9b(shipped):
 
     cfg = dataclasses.replace(config_9b(False), vocab_size=shipped.model.cfg.vocab_size)
     t = time.perf_counter()
-    net = random_model(cfg)
+    net = random_model(cfg, layout)
     print(f"random 9B-shape model built in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     m = Model(model=net, tokenizer=shipped.tokenizer, info=shipped.info, path="")
     evaluate_all(m)  # lazy weights would fail in the scheduler's thread (no stream there for them)
@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--random-9b", action="store_true", help="the 9B shape, random weights (see above)")
+    ap.add_argument("--layout", default="uniform", choices=("uniform", "q4_k_m"),
+                    help="--random-9b's bits: 4 everywhere, or a llama.cpp Q4_K_M file's mix of 4 and 8; "
+                         "mlx-lm's model gets the same")
     ap.add_argument("--peer", action="store_true",
                     help="mlx-lm's batch_generate beside ours at the model's shape (random 4-bit g32 weights; "
                          "always on with --random-9b)")
@@ -159,11 +162,11 @@ def main(argv=None) -> int:
     from mtp_engine import load
 
     levels = [int(x) for x in args.concurrency.split(",")]
-    alone = load(args.model) if not args.random_9b else _random_9b(load(args.model))
+    alone = load(args.model) if not args.random_9b else _random_9b(load(args.model), args.layout)
     peer = None
     if args.random_9b or args.peer:  # mlx-lm's batch_generate at the same shape, beside ours
-        import peer as mlx_lm_peer
-        peer = mlx_lm_peer.build(alone.model.cfg)
+        from harness import peer_model
+        peer = peer_model(alone.model.cfg, args.layout)
     rows = []
     for c in levels:
         batched = load(args.model, parallel=max(c, 2)) if not (args.random_9b or args.oracle is not None) \

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 import harness
 import peer as mlx_lm_peer
-from harness import config_9b, config_a3b, decode_tps, random_model, smoke_config
+from harness import LAYOUTS, config_9b, config_a3b, decode_tps, peer_model, random_model, smoke_config
 
 from mtp_engine.speculative.costmodel import measure
 from mtp_engine.generation.decode import PlainDecoder
@@ -162,6 +162,9 @@ def main() -> int:
                     help="auto section: draft vocabularies, comma-separated (0: all ids; e.g. 0,32768)")
     ap.add_argument("--quick", action="store_true", help="loop+auto in a few minutes: 64 tokens, 1 repeat, "
                                                          "a in 0.5,0.7,0.9, n-max 1..3")
+    ap.add_argument("--layout", default="uniform", choices=LAYOUTS,
+                    help="random weights' bits: 4 everywhere, or a llama.cpp Q4_K_M file's mix of 4 and 8 "
+                         "(its Q6_K tensors as the loader keeps them); mlx-lm gets the same")
     ap.add_argument("--out", default=None, help="write result.json and result.md here")
     a = ap.parse_args()
     if a.quick:
@@ -175,11 +178,12 @@ def main() -> int:
     lengths = [int(x) for x in a.prompt_tokens.split(",")]
     cfg = dataclasses.replace(cfg, context_length=max(cfg.context_length, max(lengths) + a.tokens + 1024))
     t0 = time.perf_counter()
-    model = random_model(cfg)
+    model = random_model(cfg, a.layout)
     nb = model.nbytes()
-    out: dict = {"device": str(mx.default_device()), "layers": cfg.n_layer, "weights_gib": sum(nb.values()) / 2**30}
+    out: dict = {"device": str(mx.default_device()), "layers": cfg.n_layer, "layout": a.layout,
+                 "weights_gib": sum(nb.values()) / 2**30}
     log({"built_s": round(time.perf_counter() - t0, 1), **out})
-    ref = mlx_lm_peer.build(cfg) if sections & {"plain", "prefill", "loop"} and not a.no_peer else None
+    ref = peer_model(cfg, a.layout) if sections & {"plain", "prefill", "loop"} and not a.no_peer else None
     prompt = list(range(100, 164))
 
     if "loop" in sections:
@@ -256,7 +260,7 @@ def main() -> int:
                 mx.clear_cache()
                 t0 = time.perf_counter()
                 moe = smoke_config() if a.smoke else config_a3b(40 if a.layers == 32 else a.layers)
-                model = random_model(dataclasses.replace(moe, context_length=cfg.context_length))
+                model = random_model(dataclasses.replace(moe, context_length=cfg.context_length), a.layout)
                 log({"built": shape, "s": round(time.perf_counter() - t0, 1)})
             for vocab in [int(x) for x in a.draft_vocab.split(",")]:
                 use(model, BEST)

@@ -58,9 +58,33 @@ def smoke_config() -> Qwen35Config:
                         recurrent=[(i + 1) % 4 != 0 for i in range(n)], context_length=8192)
 
 
-def random_model(cfg: Qwen35Config):
-    """Random weights in the loaders' conventions: 4-bit group-32 matrices (stacked experts keep
-    their leading axes), F32 routers as llama.cpp keeps them, plausible recurrent parameters."""
+LAYOUTS = ("uniform", "q4_k_m")
+
+
+def q4_k_m_bits(name: str, n_blocks: int) -> int:
+    """The bits the loader gives a matrix of a llama.cpp Q4_K_M file: its Q6_K tensors (the output
+    head; v, the recurrent layers' qkv and the FFN's down product in the first and last eighth of
+    the blocks and every third block between: llama.cpp's `use_more_bits`) load as 8-bit, its Q4_K
+    ones as 4-bit. A Q4_K_M layer's q, k and v are therefore not all alike."""
+    if name == "output.weight":
+        return 8
+    parts = name.split(".")
+    if parts[0] != "blk" or parts[2] not in ("attn_v", "attn_qkv", "ffn_down", "ffn_down_exps", "ffn_down_shexp"):
+        return 4
+    i = int(parts[1])
+    more = i < n_blocks // 8 or i >= 7 * n_blocks // 8 or (i - n_blocks // 8) % 3 == 2
+    return 8 if more else 4
+
+
+def random_model(cfg: Qwen35Config, layout: str = "uniform"):
+    """Random weights in the loaders' conventions: group-32 matrices, 4-bit everywhere (`layout`
+    "uniform") or in a llama.cpp Q4_K_M file's mix of 4 and 8 bits ("q4_k_m", `q4_k_m_bits`),
+    stacked experts keeping their leading axes, F32 routers as llama.cpp keeps them, plausible
+    recurrent parameters."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, found {layout!r}")
+    n_blocks = cfg.n_layer + cfg.n_mtp
+
     def fetch(name, shape, matrix):
         if matrix and "ffn_gate_inp" in name:
             return Linear(mx.random.normal(shape) * shape[-1] ** -0.5)
@@ -68,13 +92,21 @@ def random_model(cfg: Qwen35Config):
             rows = 1
             for d in shape[:-1]:
                 rows *= d
+            bits = q4_k_m_bits(name, n_blocks) if layout == "q4_k_m" else 4
             w = mx.random.normal((rows, shape[-1])) * (shape[-1] ** -0.5)
-            q = [a.reshape(*shape[:-1], -1) for a in mx.quantize(w, group_size=32, bits=4)]
+            q = [a.reshape(*shape[:-1], -1) for a in mx.quantize(w, group_size=32, bits=bits)]
             mx.eval(q)
-            return Linear(q[0], q[1], q[2], 4, 32)
+            return Linear(q[0], q[1], q[2], bits, 32)
         return random_vector(name, shape)
 
     return build_model(cfg, fetch, lambda n: True)
+
+
+def peer_model(cfg: Qwen35Config, layout: str = "uniform"):
+    """mlx-lm's model at cfg's shape with the same layout of bits as `random_model`'s (None
+    without mlx-lm)."""
+    n_blocks = cfg.n_layer + cfg.n_mtp
+    return mlx_lm_peer.build(cfg, bits_of=(lambda name: q4_k_m_bits(name, n_blocks)) if layout == "q4_k_m" else None)
 
 
 def random_vector(name: str, shape: tuple) -> mx.array:
@@ -228,7 +260,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     m = load(a.model)
-    ref = mlx_lm_peer.build(m.model.cfg)
+    ref = peer_model(m.model.cfg)
     prompt = m.tokenizer.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser(")
     out = loop_section(m.model, ref, prompt, a.tokens, a.repeats,
                        lambda o: print(json.dumps(o), file=sys.stderr, flush=True))

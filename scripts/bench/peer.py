@@ -66,9 +66,30 @@ def import_mlx_lm(stand_ins: bool = False) -> bool:
     return import_mlx_lm(stand_ins=True)
 
 
-def build(cfg: Qwen35Config, bits: int | None = 4, tie: bool | None = None):
+# mlx-lm's module paths -> the GGUF tensor names a per-tensor layout is given in
+_GGUF_NAMES = (("self_attn.v_proj", "attn_v"), ("linear_attn.in_proj_qkv", "attn_qkv"),
+               ("mlp.switch_mlp.down_proj", "ffn_down_exps"), ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
+               ("mlp.down_proj", "ffn_down"))
+
+
+def gguf_name(path: str) -> str:
+    """The GGUF tensor name of an mlx-lm module path ("model.layers.3.self_attn.v_proj" ->
+    "blk.3.attn_v.weight"; the head "output.weight"); others keep their path."""
+    if path == "lm_head":
+        return "output.weight"
+    parts = path.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"]:
+        rest = ".".join(parts[3:])
+        for mine, theirs in _GGUF_NAMES:
+            if rest == mine:
+                return f"blk.{parts[2]}.{theirs}.weight"
+    return path
+
+
+def build(cfg: Qwen35Config, bits: int | None = 4, tie: bool | None = None, bits_of=None):
     """The dense (qwen3_5_text) or MoE (qwen3_5_moe_text) model at cfg's shape, quantized to `bits`
-    with group 32 (None: float32), materialised layer by layer."""
+    with group 32 (None: float32), materialised layer by layer. `bits_of(gguf tensor name)`: each
+    matrix's bits instead (a file's mix, `harness.q4_k_m_bits`)."""
     if not import_mlx_lm():
         return None
     try:
@@ -92,7 +113,11 @@ def build(cfg: Qwen35Config, bits: int | None = 4, tie: bool | None = None):
     if tie is not None:
         kw["tie_word_embeddings"] = tie
     model = qwen3_5.TextModel(qwen3_5.TextModelArgs(**kw))
-    if bits:
+    if bits and bits_of is not None:
+        nn.quantize(model, group_size=32, bits=bits,
+                    class_predicate=lambda path, m: hasattr(m, "to_quantized") and
+                    {"group_size": 32, "bits": bits_of(gguf_name(path))})
+    elif bits:
         nn.quantize(model, group_size=32, bits=bits)
     for layer in model.layers:  # the float init of all MoE experts at once would not fit
         mx.eval(layer.parameters())
