@@ -95,6 +95,17 @@ def _with_scheduler(model, parallel: int, oracle: float | None = None):
     return m
 
 
+def _round_costs(scheduler, batch: int) -> dict:
+    """n-max auto's measured costs at this batch size: {k: t(k)/t(0)} and t(0) in seconds (empty
+    where the scheduler has no controller: plain batching)."""
+    controller = getattr(scheduler, "controller", None)
+    if controller is None:
+        return {}
+    c = controller(batch)
+    t0 = c.step_seconds()
+    return {"t0_s": t0, **{str(k): round(v, 3) for k, v in c.measured_round_steps().items()}}
+
+
 def _prompts(n: int) -> list[str]:
     stems = ["def parse_args(argv):\n", "class Cache:\n    def __init__(self, size):\n", "import json\n\ndef load(",
              "for i in range(10):\n", "def fib(n):\n", "async def fetch(url):\n", "SELECT name FROM", "x = ["]
@@ -191,7 +202,10 @@ def main(argv=None) -> int:
                "outputs_equal": all(b["outputs"] == s["outputs"] and (args.oracle is not None or d["outputs"] == s["outputs"])
                                     for b, d, s in zip(res["batched"], res["batched_mtp"], res["sequential"])),
                "oracle_acceptance": args.oracle,
-               "mtp_rounds_by_k": dict(getattr(batched.scheduler, "rounds_by_k", {}))}
+               "mtp_rounds_by_k": dict(getattr(batched.scheduler, "rounds_by_k", {})),
+               # what auto measured at this batch size: t(k)/t(0) per k and the plain round's seconds
+               # (the cost curve a batch's draft length is chosen on)
+               "mtp_round_steps": _round_costs(batched.scheduler, c)}
         for kind, runs in res.items():
             for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "stream_tok_s"):
                 row[f"{kind}_{key}"] = statistics.median(r[key] for r in runs)
@@ -203,7 +217,7 @@ def main(argv=None) -> int:
         print(f"C={c:2d}  batched {row['batched_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['batched_ttft_p50_s']:.3f} "
               f"p95 {row['batched_ttft_p95_s']:.3f} s, stream {row['batched_stream_tok_s']:.1f})  draft-mtp "
               f"{row['batched_mtp_aggregate_tok_s']:7.1f} (x{row['mtp_ratio']:.2f} of batched plain, rounds by k "
-              f"{row['mtp_rounds_by_k']})  one at a time {row['sequential_aggregate_tok_s']:7.1f} (ttft p50 "
+              f"{row['mtp_rounds_by_k']}, t(k)/t(0) {row['mtp_round_steps']})  one at a time {row['sequential_aggregate_tok_s']:7.1f} (ttft p50 "
               f"{row['sequential_ttft_p50_s']:.3f} s)  batched/one-at-a-time x{row['aggregate_ratio']:.2f}  "
               f"outputs equal: {row['outputs_equal']}"
               + (f"  mlx-lm batch_generate {row['mlx_lm_batch_tok_s']:.1f}" if row.get("mlx_lm_batch_tok_s") else ""),
