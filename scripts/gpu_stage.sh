@@ -48,7 +48,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
     "$wheel" mlx-*.whl gguf-*.whl
 for w in "$here"/pytest_xdist-*.whl "$here"/execnet-*.whl "$here"/uvicorn-*.whl "$here"/h11-*.whl \
          "$here"/click-*.whl "$here"/starlette-*.whl "$here"/anyio-*.whl "$here"/idna-*.whl \
-         "$here"/prometheus_client-*.whl "$here"/mlx_lm-*.whl; do  # optional: the suite over workers, the server, the peer (mlx-lm)
+         "$here"/prometheus_client-*.whl "$here"/mlx_lm-*.whl "$here"/llguidance-*.whl; do
+    # optional: the suite over workers, the server, the peer (mlx-lm), the constraint tests (llguidance)
     [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$w"
 done
 PYTHONPATH=/tmp/site python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'
@@ -65,6 +66,10 @@ python3 -m pip download -q --no-deps -d ".gpu/$n" uvicorn==0.55.0 h11==0.16.0 cl
 # scripts/bench/peer.py: those wheels with theirs are ~34 MB, more than a call carries)
 python3 -m pip download -q --no-deps -d ".gpu/$n" mlx-lm==0.32.2 >/dev/null 2>&1 ||
     echo "gpu_stage: mlx-lm not staged (no package index): the peer columns stay empty" >&2
+# constrained decoding's grammar engine (one abi3 wheel, ~3 MB): without it the GPU suite skips the
+# constraint tests
+python3 -m pip download -q --no-deps -d ".gpu/$n" llguidance==1.9.1 >/dev/null 2>&1 ||
+    echo "gpu_stage: llguidance not staged (no package index): the constraint tests skip on the GPU" >&2
 echo "staged MLX in $n parts (tree $((tree / 1048576)) MiB + at most $(( (wheel / n + extra) / 1048576 + 1)) MiB a call)."
 i=1
 while [ "$i" -lt "$n" ]; do
