@@ -1,5 +1,5 @@
 """Where a new process's start-up goes: import, `load()` (on a GPU it includes the custom kernels'
-self-tests at the model's shapes, reported apart as `self_test_seconds`; `kernels.cuda_kernel` counts the
+self-tests at the model's shapes, reported apart as `self_test_seconds`; `kernel_cache` counts the
 NVRTC compiles and their seconds, wherever they fell), and three 64-token generations on the
 shipped model (plain, then draft-mtp auto twice: the first pays for compiling its shapes);
 `compiled_modules` lists, per phase, the modules that appeared in MLX's PTX folders (MLX's JIT:
@@ -81,7 +81,7 @@ for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
     T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
     seen = phase(f"gen{i}_{spec}", seen, start)
 
-T["kernels.cuda_kernel"] = dict(kernels.cuda_kernel.STATS)  # custom-kernel variants compiled here vs found stored
+T["kernel_cache"] = dict(kernels.cuda_kernel.STATS)  # custom-kernel variants compiled here vs found stored
 # load()'s part spent testing kernels against the MLX path (the rest: GGUF read, upload, MLX's own JIT)
 T["self_test_seconds"] = dict(kernels.verdicts.RUN_SECONDS)
 # what each phase compiled (on a fresh machine, where start-up's seconds go: ~2-6 s a module)
