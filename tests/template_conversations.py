@@ -109,7 +109,7 @@ def compare(source: str, name: str) -> dict:
             else:
                 kinds = {type(error).__name__, type(unbudgeted).__name__}
                 same = (isinstance(unbudgeted, Exception) and str(unbudgeted) == str(error)
-                        and (len(kinds) == 1 or kinds == {"Raised", "_TemplateRaised"}))  # both raise_exception
+                        and (len(kinds) == 1 or kinds == {"Raised", "TemplateRaised"}))  # both raise_exception
                 clean = isinstance(budgeted, MTPEngineError) and _first_line(error) in str(budgeted) \
                     and FIELD in str(budgeted)
                 if same and clean:

@@ -1,6 +1,6 @@
 """The hooks that enforce a chat-template render's budget (`template_budget`).
 
-`chat_template` builds the sandbox that calls these: `instrument` rewrites a parsed template so
+`sandbox` builds the environment that calls these: its `Instrument` rewrites a parsed template so
 that every loop, every ``+`` chain and ``~``, and every output inside a capture (macro, call,
 filter and set blocks, recursive loops) goes through the hook filters; `render_counted` counts the
 top level's output as it is produced; the sandbox's operator and call overrides and the guarded
@@ -29,7 +29,8 @@ from .budget import (
     _COUNTABLE, CURRENT, SIZED, Budget, _len, check_format_string, check_ints, joined_size, replaced_size,
 )
 
-__all__ = ["instrument", "guard_filter", "HOOKS", "render_counted", "WALKING_FILTERS", "PLAIN_FILTERS", "NATIVE_ADD"]
+__all__ = ["guard_filter", "HOOKS", "render_counted", "WALKING_FILTERS", "PLAIN_FILTERS", "NATIVE_ADD",
+           "SHORT_CHAIN", "TemplateRaised", "raise_exception", "strftime_now"]
 
 
 # Filters that cannot build more than a small multiple of their input and run in linear time:
@@ -153,15 +154,15 @@ def _concat(_context: Any, *parts: Any) -> str:
 
 
 # A + chain written straight into the top level's output, led by a string literal and of at most
-# _SHORT_CHAIN operands, is compiled to Python's + (the nodes carry this attribute; see
-# chat_template's code generator): its value is a plain string at most _SHORT_CHAIN times its
+# SHORT_CHAIN operands, is compiled to Python's + (the nodes carry this attribute; see
+# chat_template's code generator): its value is a plain string at most SHORT_CHAIN times its
 # largest operand, which exists already, and it is counted by `render_counted` as soon as it is
 # yielded, which is the check the hook would make once it is built. Anything else is hooked.
 NATIVE_ADD = "mtp_native_add"
 
 # A chain of + with at most this many operands, all plain strings, is checked once built (it is
 # at most this many times its largest operand, which exists already); a longer one before.
-_SHORT_CHAIN = 8
+SHORT_CHAIN = 8
 
 
 def _add(_context: Any, *parts: Any) -> Any:
@@ -170,7 +171,7 @@ def _add(_context: Any, *parts: Any) -> Any:
         if type(p) is not str:
             return _fold(parts)
     b = CURRENT.get()
-    if b is not None and len(parts) > _SHORT_CHAIN:
+    if b is not None and len(parts) > SHORT_CHAIN:
         b.size(sum(map(len, parts)), "the operator +")
     out = "".join(parts)  # the same text as the left fold, built once
     if b is not None and len(out) > b.max_chars:
@@ -246,79 +247,20 @@ def _add6(_context: Any, a: Any, b: Any, c: Any, d: Any, e: Any, f: Any) -> Any:
     return _fold((a, b, c, d, e, f))
 
 
-def instrument(tree: Any, nodes: Any) -> Any:
-    """Routes every loop, ``+`` chain, ``~`` and captured output of the template through the
-    budget hooks (the top level's output is counted by `render_counted`)."""
-    from jinja2.visitor import NodeTransformer
+class TemplateRaised(Exception):
+    """raise_exception() called from a chat template."""
 
-    def hook(name: str, value: Any, *args: Any, lineno: int) -> Any:
-        return nodes.Filter(value, name, list(args), [], None, None, lineno=lineno)
 
-    class Instrument(NodeTransformer):
-        # > 0 inside a scope whose output Jinja collects in a list instead of yielding it (macros,
-        # call, filter and set blocks, recursive loops; blocks, which self.name() collects)
-        captured = 0
+def raise_exception(message: str) -> None:
+    """The templates' `raise_exception` global (transformers'): refuses the input."""
+    raise TemplateRaised(message)
 
-        def _scope(self, node: Any) -> Any:
-            self.captured += 1
-            try:
-                return self.generic_visit(node)
-            finally:
-                self.captured -= 1
 
-        visit_Macro = visit_CallBlock = visit_FilterBlock = visit_AssignBlock = visit_Block = _scope
+def strftime_now(fmt: str) -> str:
+    """The templates' `strftime_now` global (transformers'): the local time, formatted."""
+    import datetime
 
-        def visit_For(self, node: Any) -> Any:
-            node = self._scope(node) if node.recursive else self.generic_visit(node)
-            node.iter = hook("mtp_loop", node.iter, lineno=node.lineno)
-            return node
-
-        def _operands(self, node: Any) -> list:
-            operands = []
-            while isinstance(node, nodes.Add):  # a + b + c parses as ((a + b) + c)
-                operands.append(node.right)
-                node = node.left
-            operands.append(node)
-            return [self.visit(o) for o in reversed(operands)]
-
-        def visit_Add(self, node: Any) -> Any:
-            operands = self._operands(node)
-            name = f"mtp_add{len(operands)}" if len(operands) <= 6 else "mtp_add"
-            return hook(name, operands[0], *operands[1:], lineno=operands[0].lineno)
-
-        def _output_child(self, node: Any) -> Any:
-            """A top-level output item; a short ``+`` chain led by a string literal is left to
-            Python's ``+`` (see NATIVE_ADD)."""
-            if not isinstance(node, nodes.Add):
-                return self.visit(node)
-            operands = self._operands(node)
-            if not (len(operands) <= _SHORT_CHAIN and isinstance(operands[0], nodes.Const)
-                    and type(operands[0].value) is str):
-                return hook(f"mtp_add{len(operands)}" if len(operands) <= 6 else "mtp_add", operands[0],
-                            *operands[1:], lineno=operands[0].lineno)
-            chain = operands[0]
-            for o in operands[1:]:
-                chain = nodes.Add(chain, o, lineno=o.lineno)
-                setattr(chain, NATIVE_ADD, True)
-            return chain
-
-        def visit_Concat(self, node: Any) -> Any:
-            node = self.generic_visit(node)
-            return hook("mtp_concat", node.nodes[0], *node.nodes[1:], lineno=node.lineno)
-
-        def visit_Output(self, node: Any) -> Any:
-            if not self.captured:
-                node.nodes = [self._output_child(c) for c in node.nodes]
-                return node
-            node = self.generic_visit(node)
-            literal = sum(len(c.data) for c in node.nodes if isinstance(c, nodes.TemplateData))
-            wrapped = [c if isinstance(c, nodes.TemplateData) else hook("mtp_out", c, lineno=c.lineno)
-                       for c in node.nodes]
-            head = [hook("mtp_emit", nodes.Const(""), nodes.Const(literal), lineno=node.lineno)] if literal else []
-            node.nodes = head + wrapped
-            return node
-
-    return Instrument().visit(tree)
+    return datetime.datetime.now().strftime(fmt)
 
 
 def render_counted(template: Any, b: Budget, context: dict) -> str:

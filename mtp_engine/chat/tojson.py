@@ -16,9 +16,12 @@ for scalars, keys, separators, ``sort_keys``, circular references and errors; te
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Any
+
+from .budget import CURRENT
 
 __all__ = ["indented_json", "compact_json_bound", "compact_json_size"]
 
@@ -216,3 +219,43 @@ def indented_json(value: Any, *, ensure_ascii: bool, indent: int | str, item_sep
     if size > limit:
         over(size)
     return "".join(out)
+
+
+def tojson_filter(value: Any, ensure_ascii: bool = False, indent: Any = None,
+                  separators: Any = None, sort_keys: bool = False) -> str:
+    """Jinja's `tojson` as transformers gives it (non-ASCII kept), its text counted against the
+    render's budget before or while it is built."""
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                               sort_keys=sort_keys)
+    b = CURRENT.get()
+    if b is None:
+        return encoder.encode(value)
+    if isinstance(indent, int) and indent > b.max_chars:  # the encoder builds ' ' * indent before anything else
+        b.size(indent, "the filter tojson")
+
+    def over(size: int) -> int:
+        b.size(size, "the filter tojson")
+        return b.max_chars  # widened by the input's share
+
+    if indent is None and (separators is None or sum(map(len, separators)) <= 8):
+        # compact: measured first (shared parts once, so a value repeating a large part is refused
+        # before its text exists), then encoded at once in C; the exact count only when the quick
+        # bound is over the budget
+        seps = {"item_separator": encoder.item_separator, "key_separator": encoder.key_separator}
+        if compact_json_bound(value, ensure_ascii=ensure_ascii, **seps) > b.max_chars:
+            compact_json_size(value, ensure_ascii=ensure_ascii, **seps, limit=b.max_chars, over=over)
+        return encoder.encode(value)
+    # indented (or with long separators) it can be far larger than the value (an indent of 10^6 on
+    # a nested value): counted while it is built, and refused before the text exists
+    if (isinstance(indent, (int, str)) and type(encoder.item_separator) is str
+            and type(encoder.key_separator) is str):
+        return indented_json(value, ensure_ascii=ensure_ascii, indent=indent, item_separator=encoder.item_separator,
+                             key_separator=encoder.key_separator, sort_keys=sort_keys, limit=b.max_chars, over=over)
+    parts, size, limit = [], 0, b.max_chars
+    for chunk in encoder.iterencode(value):
+        size += len(chunk)
+        if size > limit:
+            b.size(size, "the filter tojson")
+            limit = b.max_chars  # widened by the input's share
+        parts.append(chunk)
+    return "".join(parts)
