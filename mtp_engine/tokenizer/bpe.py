@@ -170,6 +170,37 @@ class ByteLevelBPE(NamedTuple):
     special_ids: set[int]  # ids of control tokens
 
 
+def _merge_pairs(merges: list[str], file: str | None, merges_field: str) -> list[list[str]]:
+    """Each ``"a b"`` merge as its pair, split at the first space after the first character (as
+    llama.cpp does: a merge may start with a space)."""
+    pairs: list[list[str]] = []
+    for k, m in enumerate(merges):
+        sep = m.find(" ", 1)  # llama.cpp: word.find(' ', 1)
+        if sep < 0:
+            raise MTPEngineError(
+                f"merge {k} ({m!r}) is not of the form 'a b'", file=file, field=merges_field
+            )
+        pairs.append([m[:sep], m[sep + 1:]])
+    return pairs
+
+
+def _added_tokens(tokens: list[str], token_types: list[int]) -> tuple[list[dict], set[int], list[bytes]]:
+    """The control and user-defined tokens as `tokenizers` added tokens (matched literally in the
+    input, not normalized, not pre-tokenized, decoded as their own text), the control ids, and every
+    id's bytes."""
+    added, special_ids, token_bytes = [], set(), []
+    for i, (t, tt) in enumerate(zip(tokens, token_types)):
+        if tt in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+            added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": tt == TOKEN_TYPE_CONTROL})
+            if tt == TOKEN_TYPE_CONTROL:
+                special_ids.add(i)
+            token_bytes.append(t.encode("utf-8"))
+        else:
+            token_bytes.append(byte_level_decode(t))
+    return added, special_ids, token_bytes
+
+
 def build_byte_level_bpe(
     regex: str,
     tokens: list[str],
@@ -189,39 +220,8 @@ def build_byte_level_bpe(
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab[t] = i
-    merge_pairs: list[list[str]] = []
-    for k, m in enumerate(merges):
-        sep = m.find(" ", 1)  # llama.cpp: word.find(' ', 1)
-        if sep < 0:
-            raise MTPEngineError(
-                f"merge {k} ({m!r}) is not of the form 'a b'", file=file, field=merges_field
-            )
-        merge_pairs.append([m[:sep], m[sep + 1:]])
-
-    added_tokens = []
-    special_ids: set[int] = set()
-    token_bytes: list[bytes] = []
-    for i, (t, tt) in enumerate(zip(tokens, token_types)):
-        if tt in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
-            # Matched literally in the input (not normalized, not pre-tokenized) and
-            # decoded as its own text.
-            added_tokens.append(
-                {
-                    "id": i,
-                    "content": t,
-                    "single_word": False,
-                    "lstrip": False,
-                    "rstrip": False,
-                    "normalized": False,
-                    "special": tt == TOKEN_TYPE_CONTROL,
-                }
-            )
-            if tt == TOKEN_TYPE_CONTROL:
-                special_ids.add(i)
-            token_bytes.append(t.encode("utf-8"))
-        else:
-            token_bytes.append(byte_level_decode(t))
-
+    merge_pairs = _merge_pairs(merges, file, merges_field)
+    added_tokens, special_ids, token_bytes = _added_tokens(tokens, token_types)
     spec = _tokenizer_json(regex, vocab, merge_pairs, added_tokens)
     try:
         backend = tokenizers.Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
