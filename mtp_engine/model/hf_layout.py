@@ -27,10 +27,6 @@ from .config import Qwen35Config
 # (1+w) norms, by GGUF suffix; `ssm_norm` is deliberately absent
 OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "q_norm.weight", "k_norm.weight",
                 "output_norm.weight", "enorm.weight", "hnorm.weight", "shared_head_norm.weight")
-# HF (1+w) norm names, for writers that keep HF conventions
-HF_OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
-                   "model.norm.weight", "mtp.norm.weight", "pre_fc_norm_embedding.weight",
-                   "pre_fc_norm_hidden.weight")
 
 
 def canonical_key(key: str) -> str | None:
