@@ -190,6 +190,12 @@ class Qwen35Config:
         prf = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
         theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
         n_vh = int(req("linear_num_value_heads"))
+        experts = {}
+        if moe:
+            expert_ffn = int(req("moe_intermediate_size"))
+            experts = dict(arch="qwen35moe", n_expert=int(req("num_experts")),
+                           n_expert_used=int(req("num_experts_per_tok")), expert_ffn_size=expert_ffn,
+                           shared_ffn_size=int(c.get("shared_expert_intermediate_size", expert_ffn)))
         cfg_ = cls(
             vocab_size=int(req("vocab_size")),
             hidden_size=int(req("hidden_size")),
@@ -210,13 +216,8 @@ class Qwen35Config:
             recurrent=recurrent,
             context_length=int(c.get("max_position_embeddings", 4096)),
             tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+            **experts,
         )
-        if moe:
-            cfg_.arch = "qwen35moe"
-            cfg_.n_expert = int(req("num_experts"))
-            cfg_.n_expert_used = int(req("num_experts_per_tok"))
-            cfg_.expert_ffn_size = int(req("moe_intermediate_size"))
-            cfg_.shared_ffn_size = int(c.get("shared_expert_intermediate_size", cfg_.expert_ffn_size))
         cfg_.validate(source)
         return cfg_
 
