@@ -33,8 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 
 
-import peer as mlx_lm_peer
-from harness import NullTokenizer, config_9b, random_model
+from harness import LAYOUTS, NullTokenizer, config_9b, peer_model, random_model
 
 from mtp_engine.generation.decode import PlainDecoder
 from mtp_engine.generation.loop import run
@@ -321,6 +320,8 @@ def main() -> int:
     ap.add_argument("--rows", default="512,2048,4096", help="the parts section's chunk sizes")
     ap.add_argument("--kv-dtypes", default="", help="cache types run plain beside the default (e.g. float32)")
     ap.add_argument("--no-tail", action="store_true", help="also run plain without the KV tails (KVCache.rebase)")
+    ap.add_argument("--layout", default="uniform", choices=LAYOUTS,
+                    help="random weights' bits: 4 everywhere, or a llama.cpp Q4_K_M file's mix (mlx-lm's the same)")
     ap.add_argument("--out", default="out/context")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -329,7 +330,7 @@ def main() -> int:
     if a.layers not in (8, 32):
         raise SystemExit("--layers: 8 or 32")
     t = time.perf_counter()
-    model = random_model(cfg)
+    model = random_model(cfg, a.layout)
     print(f"9B-shape model ({cfg.n_layer} layers) built in {time.perf_counter() - t:.0f} s on {mx.default_device()}",
           file=sys.stderr, flush=True)
     result: dict = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "layers": cfg.n_layer,
@@ -341,14 +342,14 @@ def main() -> int:
     if "attn" in sections:
         result["attn"] = attn(model, lengths)
     if "context" in sections:
-        peer = mlx_lm_peer.build(cfg) if a.peer_max > 0 else None
+        peer = peer_model(cfg, a.layout) if a.peer_max > 0 else None
         n_maxes = [x if x == "auto" else int(x) for x in a.n_max.split(",") if x]
         others = {}
         for dt in [x for x in a.kv_dtypes.split(",") if x and x != model.options.kv_dtype]:
-            others[f"kv_{dt}"] = random_model(cfg)
+            others[f"kv_{dt}"] = random_model(cfg, a.layout)
             others[f"kv_{dt}"].use(model.options.updated(kv_dtype=dt))
         if a.no_tail:  # the same model without compiled steps' KV tails (what the tail costs or saves)
-            others["no_tail"] = random_model(cfg)
+            others["no_tail"] = random_model(cfg, a.layout)
             others["no_tail"].use(model.options.updated(kv_tail=0))
         result["kv_dtype"] = model.options.kv_dtype
         result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max, n_maxes, others)
