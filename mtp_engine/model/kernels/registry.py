@@ -66,11 +66,15 @@ class Registry:
         and the add+RMSNorm over `norm_width` features launch is compiled at once; then each
         family is tested unless this process or an earlier one on this device passed the same test
         (`verdicts`, in `cache_dir`)."""
-        if cuda_kernel.cuda():
-            pending = [self._test(name, shape) for name, shape in shapes.items()
-                       if (name, shape) not in self._verdicts and not verdicts.passed(cache_dir, self._key(name, shape))]
-            warmup.compile_ahead(pending, linears if "qmv" in shapes else [], norm_width if "norm" in shapes else None)
-        return {name: self._checked(name, shape, cache_dir) for name, shape in shapes.items()}
+        if not cuda_kernel.cuda():
+            return {name: self.available(name, shape) for name, shape in shapes.items()}
+        # each family's verdict key and stored pass, once: the compile-ahead list and the checks share them
+        keys = {name: self._key(name, shape) for name, shape in shapes.items()}
+        stored = {name: verdicts.passed(cache_dir, k) for name, k in keys.items()}
+        pending = [self._test(name, shape) for name, shape in shapes.items()
+                   if (name, shape) not in self._verdicts and not stored[name]]
+        warmup.compile_ahead(pending, linears if "qmv" in shapes else [], norm_width if "norm" in shapes else None)
+        return {name: self._checked(name, shape, cache_dir, keys[name], stored[name]) for name, shape in shapes.items()}
 
     def forget(self) -> None:
         """Drops every verdict of this process (what a new process would start from)."""
@@ -91,13 +95,12 @@ class Registry:
             warnings.warn(f"mtp-engine: {FAMILIES[name][0]} unavailable ({e}); using MLX's")
             return False
 
-    def _checked(self, name: str, shape: Any, cache_dir: Path) -> bool:
-        """`available`, taking a pass an earlier process kept for this exact test; a new pass is
-        kept for the next process."""
-        if (name, shape) in self._verdicts or not cuda_kernel.cuda():
+    def _checked(self, name: str, shape: Any, cache_dir: Path, k: str, stored: bool) -> bool:
+        """`available`, taking the pass an earlier process kept for this exact test (`stored`, under
+        key `k`); a new pass is kept for the next process."""
+        if (name, shape) in self._verdicts:
             return self.available(name, shape)
-        k = self._key(name, shape)
-        if verdicts.passed(cache_dir, k):
+        if stored:
             self._verdicts[(name, shape)] = True
             return True
         log.info("first run of the %s CUDA kernel here (this device, MLX version and model shape): testing it "
