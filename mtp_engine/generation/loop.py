@@ -164,7 +164,6 @@ def _round_meta(decoder, pending: list[int]) -> tuple[list[bool], list[dict] | N
     return drafted, getattr(decoder, "round_logprobs", None), getattr(decoder, "round_n_drafted", 0)
 
 
-
 def _emit(pending: list[int], eos: set[int], max_tokens: int, generated: list[int], out_ids: list[int],
           pieces: list[str], detok, matcher: "_StopMatcher") -> tuple[bool, bool, str]:
     """Hands out a round's tokens one by one, so a round that overshoots EOS, max_tokens or a stop

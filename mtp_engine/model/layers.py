@@ -78,7 +78,7 @@ class Linear:
                 # product they stand in for; a step's and a verify's rows the faster ~17 bits
                 split = 3 if x.shape[-2] > STEP_TOKENS else mma.SPLIT
                 parts = [qmv.quantized_rows(flat[i:i + slab], self.weight, self.scales, self.biases, self.bits,
-                                                self.group_size, split=split) for i in range(0, flat.shape[0], slab)]
+                                            self.group_size, split=split) for i in range(0, flat.shape[0], slab)]
                 y = parts[0] if len(parts) == 1 else mx.concatenate(parts)[:rows]
                 return y.reshape(*x.shape[:-1], y.shape[-1])
             if 1 < rows < self.row_pad:

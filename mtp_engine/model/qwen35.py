@@ -24,7 +24,6 @@ from .layers import Linear
 from .mtp_head import MTPHead
 
 
-
 class TrunkStates(NamedTuple):
     """A trunk forward's hidden states: after `output_norm` (what the output head and the MTP head
     read) and before it (what an ablation feeds the head instead)."""
