@@ -144,6 +144,7 @@ def _load(path, exact, load_mtp, max_context, quantize, distributed, group, dist
         if options is not None:
             m.model.use(opts)
         return m
+    _prepare_mlx_modules()  # in worker processes, while the weights load
     if p.is_dir():
         return _load_checkpoint(p, quantize, load_mtp, max_context, t0, opts, progress)
     if quantize is not None:
@@ -212,6 +213,17 @@ def _persist_kernel_cache(cache_dir: Path) -> None:
     from .model import kernels
     if kernels.cuda():
         keep_mlx_kernels_in(cache_dir / "mlx-ptx" / mx.__version__)
+
+
+def _prepare_mlx_modules() -> None:
+    """MLX's own CUDA modules a first generation needs (a prompt's forward, plain steps, draft-mtp
+    rounds, a batch's), compiled in worker processes while the model loads (`mlx_jit`); off a
+    CUDA GPU, or where earlier runs prepared them, nothing."""
+    from .model import blocks
+    from .model.kernels import mlx_jit
+    from .speculative import round as spec_round
+
+    mlx_jit.prepare([*mlx_jit.GENERIC, *blocks.JIT_RECIPES, *spec_round.JIT_RECIPES])
 
 
 def _resolve(model) -> Model:

@@ -182,6 +182,19 @@ def _sigmoid_gate(x, gate):
     return x * mx.sigmoid(gate)
 
 
+# MLX's modules of the helpers above, compiled ahead at load (`kernels.mlx_jit`): tiny inputs, the
+# real dtypes (a module's name depends on the graph and dtypes, not on sizes)
+def jit_swiglu() -> mx.array:
+    return mx.compile(_swiglu.__wrapped__)(mx.zeros((1, 1, 8)), mx.zeros((1, 1, 8)))
+
+
+def jit_sigmoid_gate() -> mx.array:
+    return mx.compile(_sigmoid_gate.__wrapped__)(mx.zeros((1, 1, 8)), mx.zeros((1, 1, 8)))
+
+
+JIT_RECIPES = [(0, f"{__name__}:jit_swiglu"), (1, f"{__name__}:jit_sigmoid_gate")]  # (phase, recipe)
+
+
 @dataclass
 class DecoderLayer:
     attn_norm: mx.array

@@ -152,9 +152,13 @@ def accept_greedy_device(drafts: mx.array, scored: mx.array, live: mx.array) -> 
     """drafts [B, k] int32, scored [B, k+1, V], live [B, k] bool (drafts that count): (n accepted
     [B], emitted [B, k+1]: the accepted drafts, the target's argmax at row n, then padding)."""
     target = mx.argmax(scored, axis=-1).astype(mx.int32)
-    ok = (drafts == target[:, :-1]) & live
-    n = mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1)
+    n = mx.sum(mx.cumprod(_agreeing(drafts, target, live), axis=1), axis=1)
     return n, _emit(drafts, n, mx.take_along_axis(target, n[:, None], axis=1)[:, 0])
+
+
+def _agreeing(drafts: mx.array, target: mx.array, live: mx.array) -> mx.array:
+    """[B, k] int32: 1 where a live draft equals the target's token at its position."""
+    return ((drafts == target[:, :-1]) & live).astype(mx.int32)
 
 
 @fused
@@ -176,3 +180,42 @@ def accept_sampling_device(drafts: mx.array, p: mx.array, q: mx.array, live: mx.
     at_n = mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]  # [B, V]
     token = mx.random.categorical(mx.log(at_n), key=c_key).astype(mx.int32)
     return n, _emit(drafts, n, token)
+
+
+# ---- MLX's modules a first round needs, compiled ahead at load (`model.kernels.mlx_jit`): each runs
+# this module's compiled graphs on tiny inputs of the real dtypes (a module's name depends on the
+# graph and dtypes, not on sizes; a batch's rows broadcast where one row does not, so both counts).
+# The pieces of the accept graph come alone as well, so that each compiles in its own process.
+def _tiny(rows: str) -> tuple[mx.array, mx.array, mx.array]:
+    b = int(rows)
+    return mx.zeros((b, 3), mx.int32), mx.ones((b, 3), mx.bool_), mx.zeros((b, 4, 16))
+
+
+def jit_accept_greedy(rows: str) -> tuple[mx.array, mx.array]:
+    drafts, live, scored = _tiny(rows)
+    return mx.compile(accept_greedy_device.__wrapped__)(drafts, scored, live)
+
+
+def jit_accept_sampling(rows: str) -> tuple[mx.array, mx.array]:
+    drafts, live, scored = _tiny(rows)
+    p = mx.softmax(scored, axis=-1)
+    return mx.compile(accept_sampling_device.__wrapped__)(drafts, p, p[:, :-1], live, mx.random.key(0))
+
+
+def jit_agreeing(rows: str) -> mx.array:
+    drafts, live, _ = _tiny(rows)
+    return mx.compile(_agreeing)(drafts, mx.zeros((drafts.shape[0], 4), mx.int32), live)
+
+
+def jit_emit(rows: str) -> mx.array:
+    drafts, _, _ = _tiny(rows)
+    b = drafts.shape[0]
+    return mx.compile(_emit)(drafts, mx.zeros((b,), mx.int32), mx.zeros((b,), mx.int32))
+
+
+# (phase, recipe): the draft-mtp round's pieces (2), a batch's and the sampler's (3), then the
+# whole graphs, whose pieces the others compile apart (4)
+JIT_RECIPES = [(2, f"{__name__}:jit_agreeing:1"), (2, f"{__name__}:jit_emit:1"),
+               (3, f"{__name__}:jit_accept_sampling:1"), (3, f"{__name__}:jit_emit:2"),
+               (3, f"{__name__}:jit_agreeing:2"), (3, f"{__name__}:jit_accept_sampling:2"),
+               (4, f"{__name__}:jit_accept_greedy:1"), (4, f"{__name__}:jit_accept_greedy:2")]

@@ -4,7 +4,8 @@ NVRTC compiles and their seconds, wherever they fell), and three 64-token genera
 shipped model (plain, then draft-mtp auto twice: the first pays for compiling its shapes);
 `compiled_modules` lists, per phase, the modules that appeared in MLX's PTX folders (MLX's JIT:
 fused graphs, gathers, quantized products; and our kernels), each with when it was written and the
-gap since the one before (about its compile time, where nothing else ran between). Run it twice: the second process
+gap since the one before (about its compile time, where nothing else ran between; modules MLX's
+worker processes prepared during load, `mlx_prepared`, appear when they were moved in). Run it twice: the second process
 shows what the caches save.
 
 `--root DIR`: every cache this run may read or write lives under DIR (the temp folder, so MLX's
@@ -81,6 +82,9 @@ for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
     T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
     seen = phase(f"gen{i}_{spec}", seen, start)
 
+# MLX's own modules compiled ahead in worker processes during load (recipe, exit status, seconds
+# from the start of their preparation to its end): they appear in the phase they were moved in
+T["mlx_prepared"] = dict(kernels.mlx_jit.STATS)
 T["kernel_cache"] = dict(kernels.cuda_kernel.STATS)  # custom-kernel variants compiled here vs found stored
 # load()'s part spent testing kernels against the MLX path (the rest: GGUF read, upload, MLX's own JIT)
 T["self_test_seconds"] = dict(kernels.verdicts.RUN_SECONDS)

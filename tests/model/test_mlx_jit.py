@@ -1,0 +1,138 @@
+"""MLX's own modules compiled ahead in worker processes (`kernels.mlx_jit`): the recipes reproduce
+the graphs the engine compiles (checked by name on the CPU, where MLX names its compiled C++ the
+way its CUDA backend names modules), and the worker's hand-over into the cache folder."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mtp_engine.model import blocks
+from mtp_engine.model.kernels import mlx_jit
+from mtp_engine.speculative import round as spec_round
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compiled_names(tmp: Path, code: str) -> set[str]:
+    """The compiled graphs' names MLX's CPU backend builds while `code` runs (its cache folder
+    is under TMPDIR, so each run gets its own)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, check=True, timeout=600)
+    names = set()
+    for f in tmp.rglob("*.cpp"):
+        stem = f.stem
+        for tail in ("_contiguous", "_strided"):
+            if tail in stem:
+                stem = stem[:stem.index(tail)]
+        names.add(stem.rsplit("_", 1)[0])  # the constants' hash stays in the name; the variant goes
+    return names
+
+
+def test_recipes_compile_the_graphs_the_round_and_the_model_compile(tmp_path):
+    """Each fused graph the round's accept (one row and a batch's two) and the model's helpers
+    compile is among those the piecewise recipes compile: a change to the round that breaks a
+    recipe's match fails here, not only as a slower first run on a GPU."""
+    real = _compiled_names(tmp_path / "real", """
+        import mlx.core as mx
+        from mtp_engine.speculative.round import accept_greedy_device
+        from mtp_engine.model.blocks import _swiglu, _sigmoid_gate
+        for b in (1, 2):
+            d = mx.array([[3, 1, 2]] * b, mx.int32); live = mx.array([[True, True, False]] * b)
+            mx.eval(mx.compile(accept_greedy_device.__wrapped__)(d, mx.random.normal((b, 4, 32)), live))
+        x = mx.random.normal((1, 5, 64))
+        mx.eval(mx.compile(_swiglu.__wrapped__)(x, x), mx.compile(_sigmoid_gate.__wrapped__)(x, x))
+    """)
+    pieces = [r for phase, r in [*spec_round.JIT_RECIPES, *blocks.JIT_RECIPES] if phase < 4 and "sampling" not in r]
+    warmed = _compiled_names(tmp_path / "recipes", f"""
+        import mlx.core as mx
+        from mtp_engine.model.kernels.mlx_jit import resolve
+        for r in {pieces!r}:
+            mx.eval(resolve(r)())
+    """)
+    assert len(real) >= 4 and real <= warmed, sorted(real - warmed)
+
+
+def test_every_recipe_runs():
+    for _, r in [*mlx_jit.GENERIC, *blocks.JIT_RECIPES, *spec_round.JIT_RECIPES]:
+        mx.eval(mlx_jit.resolve(r)())
+    with pytest.raises(ValueError, match="no recipe"):
+        mlx_jit.resolve(f"{mlx_jit.__name__}:nothing_here")
+
+
+def _module(folder: Path, name: str, code: bytes = b"code") -> Path:
+    p = folder / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.with_suffix(".txt").write_text("kernel\tmangled\n")
+    p.write_bytes(code)
+    return p
+
+
+def test_modules_move_whole_and_never_over_one_there(tmp_path):
+    staging, cache = tmp_path / "staging", tmp_path / "cache"
+    _module(staging, "gather_float32_int32_1.ptx")
+    _module(staging, "a" * 245 + "/tail.ptx")  # MLX's folders for a long name
+    _module(staging, "kept.ptx", b"new")
+    _module(cache, "kept.ptx", b"old")
+    (staging / "half.ptx").write_bytes(b"x")  # code without its names: MLX still writing
+    assert mlx_jit.move_modules(staging, cache) == 2
+    assert (cache / "gather_float32_int32_1.txt").is_file()
+    assert (cache / ("a" * 245) / "tail.ptx").read_bytes() == b"code"
+    assert (cache / "kept.ptx").read_bytes() == b"old" and not (cache / "half.ptx").exists()
+
+
+RECIPE = '''
+import os
+from pathlib import Path
+import mlx.core as mx
+def fake():  # stands in for MLX writing a module into its cache folder (here, the worker's staging)
+    d = Path(os.environ["MLX_PTX_CACHE_DIR"])
+    (d / "fake_module.txt").write_text("k\\tm\\n")
+    (d / "fake_module.ptx").write_bytes(b"ptx")
+    return mx.zeros(1)
+'''
+
+
+def test_a_worker_prepares_once_per_cache_folder(tmp_path, monkeypatch):
+    """A real worker process: runs the recipe with MLX's cache at its staging folder, moves the
+    module into the cache folder, marks the recipe; the next `prepare` starts nothing, and off a
+    CUDA GPU nothing starts at all."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "fake_recipes.py").write_text(RECIPE)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "pkg"), str(ROOT)]))
+    cache = tmp_path / "cache"
+    assert mlx_jit.prepare([(0, "fake_recipes:fake")], cache) is None  # this CPU: no CUDA
+    monkeypatch.setattr(mlx_jit, "cuda", lambda: True)
+    prep = mlx_jit.prepare([(0, "fake_recipes:fake")], cache, workers=1)
+    assert prep is not None and prep.wait(120)
+    assert prep.done and prep.done[0][1] == 0, prep.done
+    assert (cache / "fake_module.ptx").read_bytes() == b"ptx" and (cache / "fake_module.txt").is_file()
+    assert mlx_jit.marker(cache, "fake_recipes:fake").exists()
+    assert not any((cache / mlx_jit.STAGING).iterdir())
+    assert mlx_jit.prepare([(0, "fake_recipes:fake")], cache) is None
+
+
+def test_a_claimed_recipe_is_left_to_its_claimant_until_the_claim_is_stale(tmp_path, monkeypatch):
+    monkeypatch.setattr(mlx_jit, "cuda", lambda: True)
+    monkeypatch.setattr(mlx_jit, "Preparation", lambda todo, cache, n: todo)
+    r = f"{mlx_jit.__name__}:dynamic_offset"
+    assert mlx_jit.prepare([(1, r)], tmp_path) == [r]
+    assert mlx_jit.prepare([(1, r)], tmp_path) is None  # another process holds it
+    claim = mlx_jit.marker(tmp_path, r).with_name(mlx_jit.marker(tmp_path, r).name + ".claim")
+    old = claim.stat().st_mtime - mlx_jit.CLAIM_SECONDS - 1
+    os.utime(claim, (old, old))
+    assert mlx_jit.prepare([(1, r)], tmp_path) == [r]
+
+
+def test_recipes_run_in_phase_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(mlx_jit, "cuda", lambda: True)
+    monkeypatch.setattr(mlx_jit, "Preparation", lambda todo, cache, n: todo)
+    got = mlx_jit.prepare([(3, "m:c"), (0, "m:a"), (2, "m:b"), (0, "m:a")], tmp_path)
+    assert got == ["m:a", "m:b", "m:c"]
