@@ -1,9 +1,10 @@
 """`mtp-engine bench`: the original report's table as one command.
 
 No speculation, then draft-mtp at each n-max (and p-min), on the same prompts at temperature 0:
-per config one precise-profiled pass over the first prompt (the stage breakdown, and the warm-up:
-every shape the timed runs use is compiled there), then timed repeats over all prompts (profiler
-off, interleaved across configs, medians). The cost model's components come from the profiled
+per config an unmeasured warm-up pass over the first prompt (every shape the runs use is compiled
+there: on a fresh GPU the compiles made a profiled pass 20x slower and its cost model meaningless),
+one precise-profiled pass (the stage breakdown), then timed repeats over all prompts (profiler off,
+interleaved across configs, medians). The cost model's components come from the profiled
 passes themselves (no separate calibration), and its predicted speedup stands beside the measured
 one. The stage column is the profiled shares scaled to the timed row's ms per token, so a row and
 its stages agree; a profiled pass that ran far from the timed speed is flagged.
@@ -125,8 +126,10 @@ def run_bench(cfg: BenchConfig, load_progress=None) -> dict:
     m = api.load(cfg.model, exact=cfg.exact, max_context=cfg.max_context, progress=load_progress)
     prompts = [synthetic_prompt(m.tokenizer, cfg.prompt_tokens)] if cfg.prompt_tokens else cfg.prompts or DEFAULT_PROMPTS
     configs = [("none", 0, 0.0)] + [("draft-mtp", k, p) for k in cfg.n_max for p in cfg.p_min]
-    bar = Progress(len(configs) + cfg.repeats * len(prompts))
-    # the profiled pass first: it is the warm-up too (first use of each shape compiles there)
+    bar = Progress(2 * len(configs) + cfg.repeats * len(prompts))
+    for c in configs:  # first use of each shape compiles here, outside every measured pass
+        _run_prompts(m, prompts[:1], cfg, *c)
+        bar.tick(_label(c) + " warm-up")
     profiled: dict = {}
     for c in configs:
         profiled[c] = _run_prompts(m, prompts[:cfg.profile_prompts], cfg, *c, profile="precise")
