@@ -101,5 +101,8 @@ MOE = SimDevice(verify={1: 1.0, 2: 1.37, 3: 1.66, 4: 1.96, 5: 2.81, 6: 2.90, 7: 
 # later 9B rounds on an H100 (docs/benchmarks.md, auto_trace): t(k)/t(0) ~ 1.29, 1.30, 1.44,
 # 1.53 for k = 1..4 (auto's steady rounds at a = 0.5 and 0.8); a round after one of another k cost
 # ~0.4 step more (auto's rounds of each k against fixed n-max's, 25 changes of k in 67 rounds)
+# a batch of 16 rows at the 9B shape on an H100 (bench_batch --oracle 0.8): batched draft-mtp of 4
+# drafts at 0.59x of batched plain, a round ~5.7 plain steps
+H100_9B_B16 = SimDevice(verify={s: 1.0 + 1.15 * (s - 1) for s in range(1, 10)}, draft=0.1)
 H100_9B_S16 = SimDevice(verify={2: 1.15, 3: 1.07, 4: 1.12, 5: 1.12, 6: 1.6, 7: 1.8, 8: 2.0, 9: 2.2}, draft=0.09,
                         switch=0.4)

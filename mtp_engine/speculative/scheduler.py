@@ -91,10 +91,15 @@ class DraftLengthScheduler:
 
     def __init__(self, costs: Costs | dict[int, float] | None = None, k_max: int = AUTO_MAX,
                  budget: float = PROBE_BUDGET, prior: dict[int, float] | None = None,
-                 agree: Callable[[int], int] | None = None):
+                 agree: Callable[[int], int] | None = None, defer_t0: bool = True):
         """`agree`: makes a choice common where several processes decode one sequence (a
-        distributed rank's broadcast of rank 0's); the scheduler then records the common choice."""
+        distributed rank's broadcast of rank 0's); the scheduler then records the common choice.
+        `defer_t0`: whether a choice far above plain's rate may put off measuring a plain round's
+        time (`_SURE_WIN`): right where the prior is close (a sequence alone), wrong where it is a
+        guess (a batch's rows: at 16 rows on an H100 a batch kept drafting 4 at 0.59x of plain,
+        its t(0) never measured)."""
         self.agree = agree
+        self.defer_t0 = defer_t0
         self.seed = _seed_from(costs, prior or default_seed())
         self.k_max = min(k_max, max(self.seed))
         self.budget = budget
@@ -234,7 +239,7 @@ class DraftLengthScheduler:
             self._explored.add((self._bucket, kk))
             k = kk
         elif k and self._plain_unmeasured() and self.rounds % 8 == 3 and (
-                rates[best] < _SURE_WIN or self.rounds >= _DEFER_T0):
+                rates[best] < _SURE_WIN or self.rounds >= _DEFER_T0 or not self.defer_t0):
             # every rate is relative to a plain step's time: measure it, whatever the seed says; a
             # pipelined round times cleanly only between rounds of its own k, so MIN_SAMPLES + 2 in a
             # row give MIN_SAMPLES samples at once (three gave one, and a second stretch followed).

@@ -20,7 +20,7 @@ from mtp_engine.speculative.scheduler import DraftLengthScheduler
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
-from tests.sim_device import CPU, GPU, H200_9B, H200_9B_S11, MOE, H100_9B, H100_9B_S16, simulate
+from tests.sim_device import CPU, GPU, H200_9B, H200_9B_S11, MOE, H100_9B, H100_9B_B16, H100_9B_S16, simulate
 
 
 def _costs(v, c=0.1, f=0.05, k=8):
@@ -249,6 +249,28 @@ def test_a_short_run_measures_plain_steps_once_and_only_where_it_matters():
     longer = simulate(H100_9B, lambda i: 0.95, 120, sched=DraftLengthScheduler(default_seed(gpu=True), k_max=4),
                       pipelined=True, seed=1).chosen
     assert 0 in longer[sch._DEFER_T0:], "a long run still measures t(0)"
+
+
+def test_a_batch_controller_learns_fast_that_its_rows_make_drafting_lose():
+    """At 16 rows a verify of 16 (k+1) rows leaves the products' cheap range (an H100 batch kept
+    drafting 4 at 0.59x of plain: the alone prior said 2x plain's rate, so its t(0) was deferred
+    past the run). A batch's controller starts from the prior scaled to its rows and measures t(0)
+    early: within a 20-round run (64 tokens) it is back to plain steps, near plain's rate."""
+    from mtp_engine.batching.mtp import batch_prior
+
+    prior = default_seed(gpu=True)
+    assert batch_prior(prior, 1) == prior and batch_prior(prior, 4) == prior
+    assert batch_prior(prior, 16)[4] > batch_prior(prior, 8)[4] > prior[4]
+    rates, before = [], []
+    for seed in range(8):
+        s = DraftLengthScheduler(k_max=4, prior=batch_prior(prior, 16), defer_t0=False)
+        run = simulate(H100_9B_B16, lambda i: 0.8, 20, sched=s, seed=seed, pipelined=True)
+        plain = simulate(H100_9B_B16, lambda i: 0.8, 20, fixed_k=0, seed=seed)
+        rates.append(run.rate / plain.rate)
+        assert run.chosen[-8:].count(0) >= 6, run.chosen
+        alone = DraftLengthScheduler(k_max=4, prior=prior)  # the alone prior, t(0) deferred: the old batch's
+        before.append(simulate(H100_9B_B16, lambda i: 0.8, 20, sched=alone, seed=seed, pipelined=True).rate / plain.rate)
+    assert statistics.mean(rates) >= 0.9 and statistics.mean(rates) > statistics.mean(before) + 0.1, (rates, before)
 
 
 def test_the_first_runs_prior_fits_the_model_kind_in_a_128_token_run():
