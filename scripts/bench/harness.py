@@ -139,22 +139,34 @@ class NullTokenizer:
         return D()
 
 
+# n-max auto's round costs as earlier runs on each model measured them (per model object): what
+# the API keeps in the cache folder (`speculative.calibration`), so an auto run here starts where
+# the ones before it ended, as a user's second run does
+STORED: dict[int, dict[int, float]] = {}
+
+
 def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=None, scheduler_type=DraftLengthScheduler,
-               decoders: list | None = None) -> tuple[float, dict]:
+               decoders: list | None = None, stored: bool = True) -> tuple[float, dict]:
     """tok/s and stats of one greedy run; `decoders` (a list) receives the decoder, for its clock
-    and scheduler."""
+    and scheduler. n-max auto starts from `costs`, else (`stored`) from what earlier auto runs on
+    this model measured (`STORED`), else from the prior."""
     sampler = Sampler(SamplerConfig(seed=0))
+    sched = None
     if spec is None:
         dec = PlainDecoder(model, sampler)
     else:
         # as the API builds it (compiled steps: drafts up to 4)
-        sched = scheduler_type.for_model(model, costs) if n_max == "auto" else None
+        if n_max == "auto":
+            seed = costs if costs is not None else (STORED.get(id(model)) if stored else None)
+            sched = scheduler_type.for_model(model, seed)
         dec = ablation_decoder(model, sampler, DraftParams(n_max), scheduler=sched, oracle_acceptance=oracle)
     if decoders is not None:
         decoders.append(dec)
     last = None
     for last in run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True):
         pass
+    if sched is not None and stored:
+        STORED.setdefault(id(model), {}).update(sched.measured_round_steps())
     s = last.stats
     return s["decode_tokens_per_second"], s
 
@@ -189,7 +201,9 @@ def loop_section(model, ref, prompt, tokens: int, repeats: int, log) -> dict:
 
 
 def auto_section(model, prompt, tokens: int, repeats: int, accs, ks, log, shape: str) -> dict:
-    """Speedup over plain at each oracle acceptance for each fixed n-max and auto."""
+    """Speedup over plain at each oracle acceptance for each fixed n-max and auto. Auto's timed
+    runs start from the round costs its warm-up runs measured (`STORED`): a user's second run on
+    this model and device, which finds them in the cache folder."""
     configs = list(ks) + ["auto"]
     t = time.perf_counter()
     decode_tps(model, prompt, 16)
