@@ -185,15 +185,11 @@ def accept_sampling_device(drafts: mx.array, p: mx.array, q: mx.array, live: mx.
 # ---- MLX's modules a first round needs, compiled ahead at load (`model.kernels.mlx_jit`): each runs
 # this module's compiled graphs on tiny inputs of the real dtypes (a module's name depends on the
 # graph and dtypes, not on sizes; a batch's rows broadcast where one row does not, so both counts).
-# The pieces of the accept graph come alone as well, so that each compiles in its own process.
+# The greedy accept graph comes in its pieces (each fused part alone, its gathers in `mlx_jit`'s
+# generic recipes), so that they compile in parallel.
 def _tiny(rows: str) -> tuple[mx.array, mx.array, mx.array]:
     b = int(rows)
     return mx.zeros((b, 3), mx.int32), mx.ones((b, 3), mx.bool_), mx.zeros((b, 4, 16))
-
-
-def jit_accept_greedy(rows: str) -> tuple[mx.array, mx.array]:
-    drafts, live, scored = _tiny(rows)
-    return mx.compile(accept_greedy_device.__wrapped__)(drafts, scored, live)
 
 
 def jit_accept_sampling(rows: str) -> tuple[mx.array, mx.array]:
@@ -213,9 +209,8 @@ def jit_emit(rows: str) -> mx.array:
     return mx.compile(_emit)(drafts, mx.zeros((b,), mx.int32), mx.zeros((b,), mx.int32))
 
 
-# (phase, recipe): the draft-mtp round's pieces (2), a batch's and the sampler's (3), then the
-# whole graphs, whose pieces the others compile apart (4)
-JIT_RECIPES = [(2, f"{__name__}:jit_agreeing:1"), (2, f"{__name__}:jit_emit:1"),
-               (3, f"{__name__}:jit_accept_sampling:1"), (3, f"{__name__}:jit_emit:2"),
-               (3, f"{__name__}:jit_agreeing:2"), (3, f"{__name__}:jit_accept_sampling:2"),
-               (4, f"{__name__}:jit_accept_greedy:1"), (4, f"{__name__}:jit_accept_greedy:2")]
+# (phase, recipe): the greedy round's pieces (2: a round alone compiled both forms of the emit on an
+# H100), a batch's and the sampler's (3)
+JIT_RECIPES = [(2, f"{__name__}:jit_agreeing:1"), (2, f"{__name__}:jit_emit:1"), (2, f"{__name__}:jit_emit:2"),
+               (3, f"{__name__}:jit_agreeing:2"), (3, f"{__name__}:jit_accept_sampling:1"),
+               (3, f"{__name__}:jit_accept_sampling:2")]

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,7 +50,7 @@ def test_recipes_compile_the_graphs_the_round_and_the_model_compile(tmp_path):
         x = mx.random.normal((1, 5, 64))
         mx.eval(mx.compile(_swiglu.__wrapped__)(x, x), mx.compile(_sigmoid_gate.__wrapped__)(x, x))
     """)
-    pieces = [r for phase, r in [*spec_round.JIT_RECIPES, *blocks.JIT_RECIPES] if phase < 4 and "sampling" not in r]
+    pieces = [r for _, r in [*spec_round.JIT_RECIPES, *blocks.JIT_RECIPES] if "sampling" not in r]
     warmed = _compiled_names(tmp_path / "recipes", f"""
         import mlx.core as mx
         from mtp_engine.model.kernels.mlx_jit import resolve
@@ -87,36 +88,48 @@ def test_modules_move_whole_and_never_over_one_there(tmp_path):
     assert (cache / "kept.ptx").read_bytes() == b"old" and not (cache / "half.ptx").exists()
 
 
-RECIPE = '''
+RECIPE = """
 import os
 from pathlib import Path
 import mlx.core as mx
-def fake():  # stands in for MLX writing a module into its cache folder (here, the worker's staging)
+def fake(name):  # stands in for MLX writing a module into its cache folder (here, the worker's staging)
     d = Path(os.environ["MLX_PTX_CACHE_DIR"])
-    (d / "fake_module.txt").write_text("k\\tm\\n")
-    (d / "fake_module.ptx").write_bytes(b"ptx")
+    (d / f"{name}.txt").write_text("k\\tm\\n")
+    (d / f"{name}.ptx").write_bytes(b"ptx")
     return mx.zeros(1)
-'''
+def broken():
+    raise RuntimeError("no such graph")
+"""
 
 
-def test_a_worker_prepares_once_per_cache_folder(tmp_path, monkeypatch):
-    """A real worker process: runs the recipe with MLX's cache at its staging folder, moves the
-    module into the cache folder, marks the recipe; the next `prepare` starts nothing, and off a
-    CUDA GPU nothing starts at all."""
+def test_workers_prepare_once_per_cache_folder(tmp_path, monkeypatch):
+    """Real worker processes, two for three recipes: each runs its recipes with MLX's cache at its
+    staging folder, moves the modules into the cache folder and marks the recipes; a failing recipe
+    is said and left to the main process; the next `prepare` starts nothing for what was done, and
+    off a CUDA GPU nothing starts at all."""
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "fake_recipes.py").write_text(RECIPE)
     monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "pkg"), str(ROOT)]))
     cache = tmp_path / "cache"
-    assert mlx_jit.prepare([(0, "fake_recipes:fake")], cache) is None  # this CPU: no CUDA
+    recipes = [(0, "fake_recipes:fake:one"), (0, "fake_recipes:broken"), (1, "fake_recipes:fake:two")]
+    assert mlx_jit.prepare(recipes, cache) is None  # this CPU: no CUDA
     monkeypatch.setattr(mlx_jit, "cuda", lambda: True)
-    prep = mlx_jit.prepare([(0, "fake_recipes:fake")], cache, workers=1)
+    prep = mlx_jit.prepare(recipes, cache, workers=2)
     assert prep is not None and prep.wait(120)
-    assert prep.done and prep.done[0][1] == 0, prep.done
-    assert (cache / "fake_module.ptx").read_bytes() == b"ptx" and (cache / "fake_module.txt").is_file()
-    assert mlx_jit.marker(cache, "fake_recipes:fake").exists()
+    assert sorted((r, rc) for r, rc, _ in prep.done) == [
+        ("fake_recipes:broken", 1), ("fake_recipes:fake:one", 0), ("fake_recipes:fake:two", 0)], prep.done
+    for name in ("one", "two"):
+        assert (cache / f"{name}.ptx").read_bytes() == b"ptx" and (cache / f"{name}.txt").is_file()
+        assert mlx_jit.marker(cache, f"fake_recipes:fake:{name}").exists()
+    assert not mlx_jit.marker(cache, "fake_recipes:broken").exists()
+    deadline = time.time() + 30
+    while any((cache / mlx_jit.STAGING).iterdir()) and time.time() < deadline:  # workers end when stdin closes
+        time.sleep(0.05)
     assert not any((cache / mlx_jit.STAGING).iterdir())
-    assert mlx_jit.prepare([(0, "fake_recipes:fake")], cache) is None
+    monkeypatch.setattr(mlx_jit, "_claim", lambda done: True)  # the failed recipe's claim is still fresh
+    again = mlx_jit.prepare(recipes, cache, workers=1)
+    assert again is not None and again.wait(120) and [r for r, _, _ in again.done] == ["fake_recipes:broken"]
 
 
 def test_a_claimed_recipe_is_left_to_its_claimant_until_the_claim_is_stale(tmp_path, monkeypatch):

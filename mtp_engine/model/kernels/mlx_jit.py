@@ -9,12 +9,13 @@ through the same operation in another process compiles the module a 9B model wil
 
 How: a recipe is a function (`"package.module:function"`, imported in the worker, so recipes live
 with the code whose modules they warm: the model's helpers, the speculative round's) that runs
-that code on tiny inputs and returns what to evaluate. `prepare` starts one worker process per
-recipe, a few at a time, longest first, each with its own staging folder as MLX's cache; a worker
-evaluates its recipe, then moves each new module into the real cache folder whole (the kernel
-names before the code, each a rename: MLX reads a module the moment it needs one, and reading code
-without names fails) and leaves a marker so later processes start nothing. Whatever a recipe
-misses, the main process compiles at first use as before: a missed recipe costs time, never
+that code on tiny inputs and returns what to evaluate. `prepare` starts a few worker processes
+(each with its own staging folder as MLX's cache, at a lower CPU priority than the loading
+process) that take the recipes from one queue, those of a prompt's forward first; after each, a
+worker moves the new modules into the real cache folder whole (the kernel names before the code,
+each a rename: MLX reads a module the moment it needs one, and reading code without names fails)
+and leaves a marker so later processes start nothing. Whatever a recipe misses, the main process
+compiles at first use as before: a missed recipe costs time, never
 correctness. Off a CUDA GPU nothing runs.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -113,17 +115,32 @@ def move_modules(staging: Path, cache_dir: Path) -> int:
     return moved
 
 
-def work(cache_dir: Path, staging: Path, recipe: str) -> int:
-    """Runs in the worker (MLX's cache pointed at `staging`): evaluates `recipe`, moves what it
-    compiled into `cache_dir`, marks the recipe done."""
+def work(cache_dir: Path, staging: Path, recipes=None, out=None) -> int:
+    """Runs in the worker (MLX's cache pointed at `staging`, a lower CPU priority than the loading
+    process, whose own kernels' compiles come first): for each recipe named on a line of `recipes`
+    (stdin), evaluates it, moves what it compiled into `cache_dir`, marks it done and says so on a
+    line of `out` (stdout): "ok RECIPE N" or "failed RECIPE: why"."""
+    recipes = sys.stdin if recipes is None else recipes
+    out = sys.stdout if out is None else out
     try:
-        mx.eval(resolve(recipe)())
-        moved = move_modules(staging, cache_dir)
-        m = marker(cache_dir, recipe)
-        m.parent.mkdir(parents=True, exist_ok=True)
-        m.touch()
-        m.with_name(m.name + ".claim").unlink(missing_ok=True)
-        print(f"{recipe}: {moved} module(s)", flush=True)
+        os.nice(5)
+    except (AttributeError, OSError):
+        pass
+    try:
+        for line in recipes:
+            recipe = line.strip()
+            if not recipe:
+                continue
+            try:
+                mx.eval(resolve(recipe)())
+                moved = move_modules(staging, cache_dir)
+                m = marker(cache_dir, recipe)
+                m.parent.mkdir(parents=True, exist_ok=True)
+                m.touch()
+                m.with_name(m.name + ".claim").unlink(missing_ok=True)
+                print(f"ok {recipe} {moved}", file=out, flush=True)
+            except Exception as e:  # the main process compiles what this one could not, at first use
+                print(f"failed {recipe}: {type(e).__name__}: {str(e)[:500]}".replace("\n", " "), file=out, flush=True)
         return 0
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -149,53 +166,70 @@ def _claim(done: Path) -> bool:
 
 # ---- the caller ------------------------------------------------------------------------------
 class Preparation:
-    """The worker processes `prepare` started (a thread keeps `workers` of them running)."""
+    """The worker processes `prepare` started: `workers` of them, each running recipes one after
+    another from a shared queue (a process's start, ~2.5 s of Python and CUDA set-up under load, is
+    paid once per worker, not per recipe), a thread per worker feeding it."""
 
     def __init__(self, recipes: list[str], cache_dir: Path, workers: int):
-        self.recipes, self.cache_dir, self.workers = recipes, cache_dir, workers
-        self.done: list[tuple[str, int, float]] = []  # recipe, exit status, seconds
+        self.cache_dir = cache_dir
+        self.done: list[tuple[str, int, float]] = []  # recipe, 0 (done) or 1 (failed), seconds since the start
         self.started = time.perf_counter()
-        self._spawned = 0
-        self._thread = threading.Thread(target=self._run, name="mtp-mlx-jit", daemon=True)
-        self._thread.start()
+        self._queue: queue.Queue = queue.Queue()
+        for r in recipes:
+            self._queue.put(r)
+        self._threads = [threading.Thread(target=self._feed, args=(i,), name=f"mtp-mlx-jit-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
 
-    def _spawn(self, recipe: str) -> subprocess.Popen:
-        self._spawned += 1
-        staging = self.cache_dir / STAGING / f"{os.getpid()}-{self._spawned}"
+    def _spawn(self, i: int) -> subprocess.Popen:
+        staging = self.cache_dir / STAGING / f"{os.getpid()}-{i}"
         staging.mkdir(parents=True, exist_ok=True)
         # the worker imports this package as this process does, wherever it came from
         root = str(Path(__file__).resolve().parents[3])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, MLX_PTX_CACHE_DIR=str(staging), PYTHONPATH=path)
-        return subprocess.Popen([sys.executable, "-m", __name__, str(self.cache_dir), str(staging), recipe],
-                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        return subprocess.Popen([sys.executable, "-m", __name__, str(self.cache_dir), str(staging)],
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, start_new_session=True)
 
-    def _run(self) -> None:
-        todo, running = list(self.recipes), {}
-        while todo or running:
-            while todo and len(running) < self.workers:
-                r = todo.pop(0)
+    def _feed(self, i: int) -> None:
+        p = None
+        try:
+            while True:
                 try:
-                    running[r] = (self._spawn(r), time.perf_counter())
-                except OSError as e:  # no process to be had: the main process compiles it at first use
-                    log.debug("MLX module recipe %s not started: %s", r, e)
-                    self.done.append((r, -1, 0.0))
-            time.sleep(0.02)
-            for r, (p, t0) in list(running.items()):
-                if p.poll() is not None:
-                    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
-                    p.stderr and p.stderr.close()
-                    if p.returncode:
-                        log.debug("MLX module recipe %s failed: %s", r, err[-2000:])
-                    self.done.append((r, p.returncode, time.perf_counter() - t0))
-                    STATS["done"].append((r, p.returncode, round(time.perf_counter() - self.started, 2)))
-                    del running[r]
+                    r = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                if p is None:
+                    p = self._spawn(i)
+                p.stdin.write(r + "\n")
+                p.stdin.flush()
+                said = p.stdout.readline()
+                if not said:  # the worker died: what is left goes to the other workers
+                    log.debug("MLX module worker %d ended at recipe %s", i, r)
+                    return
+                ok = said.startswith("ok ")
+                if not ok:
+                    log.debug("MLX module recipe %s", said.strip())
+                entry = (r, 0 if ok else 1, round(time.perf_counter() - self.started, 2))
+                self.done.append(entry)
+                STATS["done"].append(entry)
+        except OSError as e:  # no process to be had: the main process compiles at first use
+            log.debug("MLX module worker %d: %s", i, e)
+        finally:
+            if p is not None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits for every worker; True when all ended."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Waits for every recipe to be handed out and answered; True when all were."""
+        end = None if timeout is None else time.perf_counter() + timeout
+        for t in self._threads:
+            t.join(None if end is None else max(end - time.perf_counter(), 0.0))
+        return not any(t.is_alive() for t in self._threads)
 
 
 def prepare(recipes: Iterable[tuple[int, str]], cache_dir: Path | None = None,
@@ -215,10 +249,10 @@ def prepare(recipes: Iterable[tuple[int, str]], cache_dir: Path | None = None,
     if not todo:
         return None
     STATS["started"] += len(todo)
-    n = workers or max(2, min(len(todo), (os.cpu_count() or 4) // 2, 8))
+    n = workers or max(1, min(len(todo), (os.cpu_count() or 4) // 4, 4))
     log.info("preparing MLX's kernel modules ahead: %d recipes in %d processes", len(todo), n)
     return Preparation(todo, cache_dir, n)
 
 
 if __name__ == "__main__":
-    raise SystemExit(work(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]))
+    raise SystemExit(work(Path(sys.argv[1]), Path(sys.argv[2])))
