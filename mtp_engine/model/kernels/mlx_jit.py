@@ -69,7 +69,7 @@ def dynamic_offset() -> mx.array:
 _M = __name__
 GENERIC = [(0, f"{_M}:gather:float32,int32"), (0, f"{_M}:gather:uint32,int32"), (0, f"{_M}:gather:float32,uint32"),
            (1, f"{_M}:dynamic_offset"), (1, f"{_M}:gather:int32,uint32"), (2, f"{_M}:gather_axis:int32,int32"),
-           (2, f"{_M}:gather:uint32,uint32"), (3, f"{_M}:gather_axis:float32,int32"), (3, f"{_M}:gather:int32,int32")]
+           (2, f"{_M}:gather:uint32,uint32"), (2, f"{_M}:gather_axis:float32,int32"), (1, f"{_M}:gather:int32,int32")]
 
 
 # ---- the worker ------------------------------------------------------------------------------
