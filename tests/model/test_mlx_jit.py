@@ -25,7 +25,9 @@ def _compiled_names(tmp: Path, code: str) -> set[str]:
     is under TMPDIR, so each run gets its own)."""
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, check=True, timeout=600)
+    # MLX's CPU backend names its compiled C++ as the CUDA backend names modules, on any machine
+    code = "import mlx.core as mx\nmx.set_default_device(mx.cpu)\n" + textwrap.dedent(code)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
     names = set()
     for f in tmp.rglob("*.cpp"):
         stem = f.stem
