@@ -9,8 +9,10 @@ one call the same way):
             row's length: masked, and rewritten);
   draft     step 1 reads each row's last valid block row; steps 2..k read the drafts before them
             and the head's own output; their rows are guesses, dropped (the lengths return);
-  commit    a drafting round's emitted rows become the next block; a plain round runs the block at
-            once (the head stays one row behind the trunk, so the next draft costs no catch-up).
+  commit    a drafting round's emitted rows become the next block; a plain round's row joins the
+            block after the rows that count, and the block runs when it would outgrow the widest
+            of `WIDTHS` or at the next draft (a stretch of plain rounds, n-max auto's k = 0, runs the
+            head once per 8 of them, as a sequence alone's owed rows do, instead of every round).
 Every count stays on the device: the host learns a round's accepted lengths one round late.
 """
 from __future__ import annotations
@@ -19,6 +21,9 @@ import mlx.core as mx
 
 from ..model.batch_cache import BatchCache
 from ..model.qwen35 import Qwen35Model
+
+
+WIDTHS = (1, 2, 4, 8)  # block widths a plain stretch pads to: the head's compiled shapes stay few
 
 
 class MTPRowsDrafter:
@@ -33,6 +38,7 @@ class MTPRowsDrafter:
         self.tokens: mx.array | None = None  # [B, w] int32
         self.hidden: mx.array | None = None  # [B, w, H]
         self.valid: mx.array | None = None  # [B] int32: each row's rows of the block that count
+        self._most = 0  # the host's bound of `valid` (a drafting round's counts are device values)
 
     def __len__(self) -> int:
         return len(self.cache)
@@ -46,7 +52,7 @@ class MTPRowsDrafter:
         tok = mx.array(tokens, mx.int32)[:, None]
         valid = mx.ones((len(tokens),), mx.int32)
         if self.tokens is None:
-            self.tokens, self.hidden, self.valid = tok, hidden, valid
+            self.tokens, self.hidden, self.valid, self._most = tok, hidden, valid, 1
             return
         w = int(self.tokens.shape[1])
         self.tokens = mx.concatenate([self.tokens, mx.pad(tok, [(0, 0), (0, w - 1)])])
@@ -100,13 +106,29 @@ class MTPRowsDrafter:
         """A drafting round emitted `emitted[b, :n[b]+1]` per row (accepted drafts, then the
         trunk's token): they, with the verify's hidden states [B, k+1, H], are the next block."""
         self.tokens, self.hidden, self.valid = emitted, hidden, n + 1
+        self._most = int(emitted.shape[1])
 
     def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
-        """A plain round emitted `token` [B] from trunk states `hidden` [B, 1, H]: the block runs
-        now, and the token's row is the next one."""
-        self._run_block()
-        self.tokens, self.hidden = token[:, None], hidden
-        self.valid = mx.ones(token.shape, mx.int32)
+        """A plain round emitted `token` [B] from trunk states `hidden` [B, 1, H]: the token's row
+        joins each row's block right after the rows that count; a block that would outgrow the
+        widest width runs first and the token's row starts the next one."""
+        need = self._most + 1
+        if self.tokens is None or need > WIDTHS[-1]:
+            if self.tokens is not None:
+                self._run_block()
+            self.tokens, self.hidden, self._most = token[:, None], hidden, 1
+            self.valid = mx.ones(token.shape, mx.int32)
+            return
+        w = int(self.tokens.shape[1])
+        if need > w:
+            wider = next(x for x in WIDTHS if x >= need)
+            self.tokens = mx.pad(self.tokens, [(0, 0), (0, wider - w)])
+            self.hidden = mx.pad(self.hidden, [(0, 0), (0, wider - w), (0, 0)])
+        at = mx.arange(self.tokens.shape[1])[None, :] == self.valid[:, None]  # [B, W]: each row's next
+        self.tokens = mx.where(at, token[:, None], self.tokens)
+        self.hidden = mx.where(at[..., None], hidden.astype(self.hidden.dtype), self.hidden)
+        self.valid = self.valid + 1
+        self._most = need
 
     def arrays(self) -> list[mx.array]:
         """What a queued round leaves for the head (evaluated with it)."""

@@ -824,3 +824,61 @@ def test_a_padded_prefill_step_pads_at_most_half_its_rows():
     for lengths in ([1, 2, 3, 40], [16, 1, 1, 1, 1], [9, 9]):
         w = _padded_width(lengths)
         assert w in lengths and len(lengths) * w <= 2 * sum(min(w, n) for n in lengths)
+
+
+def test_plain_rounds_join_the_heads_block_and_later_drafts_are_those_of_a_head_run_every_round(shipped_model,
+                                                                                                monkeypatch):
+    """A stretch of plain rounds (n-max auto's k = 0) adds each round's row to the head's block
+    instead of running the head every round (at 16 rows on an H100 auto's plain rounds ran at 0.84x
+    of plain batching): the head runs once per 8 of them, and the drafts after the stretch are the
+    drafts of a head run every round, so acceptance is unchanged, and so is every answer. (Both
+    sequences are queued before the loop runs, so they join at the same step in both runs.)"""
+    import time as _time
+
+    from mtp_engine.batching import MTPBatchScheduler
+    from mtp_engine.speculative import mtp_rows
+
+    class Stretch(MTPBatchScheduler):  # 11 plain rounds, then rounds of 2 drafts
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.drafts: list = []
+            self.runs = 0
+
+        def _draft_length(self, rows):
+            return 0 if self.steps < 11 else 2
+
+        def _accept(self, drafts, logits, q, live):
+            self.drafts.append(drafts)
+            return super()._accept(drafts, logits, q, live)
+
+    def run(widths):
+        monkeypatch.setattr(mtp_rows, "WIDTHS", widths)
+        sched = Stretch(replace(shipped_model, scheduler=None), 2, own_thread=False)
+        real = sched.drafter._run_block
+
+        def counted():
+            sched.runs += 1
+            return real()
+        monkeypatch.setattr(sched.drafter, "_run_block", counted)
+        m = replace(shipped_model, scheduler=sched)
+        got: dict[int, list[int]] = {}
+
+        def one(i):
+            got[i] = generate(PROMPTS[i + 1], m, max_tokens=18, ignore_eos=True, spec="draft-mtp", n_max=2).token_ids
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = _time.time() + 60
+        while len(sched._waiting) < 2 and _time.time() < deadline:
+            _time.sleep(0.01)
+        sched.drive(lambda: len(got) == 2)
+        for t in threads:
+            t.join(60)
+        # per round, the rows' drafts in any order: the two threads may queue in either order
+        return [got[0], got[1]], [sorted(d.tolist()) for d in sched.drafts], sched.runs
+
+    lazy, eager = run((1, 2, 4, 8)), run((1,))
+    assert lazy[0] == eager[0] == [w.token_ids for w in _alone(shipped_model, PROMPTS[1:3], max_tokens=18,
+                                                              ignore_eos=True)]
+    assert lazy[1] and lazy[1] == eager[1], (lazy[1], eager[1])
+    assert lazy[2] < eager[2] - 5, (lazy[2], eager[2])
