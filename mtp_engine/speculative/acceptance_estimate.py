@@ -11,12 +11,16 @@ from __future__ import annotations
 PRIOR = (3.0, 1.0)  # Beta(accepted, rejected) of position 1: optimistic, so drafting is tried
 INHERIT = 8.0  # prior strength of position j > 1 around position j-1's estimate
 DECAY = 0.95  # per observation: a change of text shows within tens of rounds
+STARTED = 4.0  # prior strength of a position started from an earlier run's estimate (`start`)
 
 
 class PositionAcceptance:
     """Decayed accept / reject counts per draft position, 1..k_max."""
 
-    def __init__(self, k_max: int, decay: float = DECAY):
+    def __init__(self, k_max: int, decay: float = DECAY, start: list[float] | None = None):
+        """`start`: per position, what an earlier run on this model ended at (the stored
+        calibration's), the prior's centre instead of the default's; positions past it inherit."""
+        self.start = [min(max(float(a), 0.01), 0.99) for a in start or []][:k_max]
         self.acc = [0.0] * k_max  # decayed counts per draft position (prior in `alphas`)
         self.rej = [0.0] * k_max
         self.seen = [0.0] * k_max  # decayed observations per position (the prior fades with them)
@@ -27,11 +31,14 @@ class PositionAcceptance:
         """Per position j, the probability that draft j is accepted given 1..j-1 were: the decayed
         counts, with a prior centred on position j-1's estimate (position 1: 0.75, strength 4; later
         positions strength 8), so a position drafted rarely is expected to do about as well as the
-        one before it, and one unlucky round does not rule a long draft out."""
+        one before it, and one unlucky round does not rule a long draft out; a position an earlier
+        run measured (`start`) is centred there instead (strength 4)."""
         if self._alphas is not None:
             return list(self._alphas)
         out, prior, strength = [], PRIOR[0] / sum(PRIOR), sum(PRIOR)
-        for a, r, seen in zip(self.acc, self.rej, self.seen):
+        for j, (a, r, seen) in enumerate(zip(self.acc, self.rej, self.seen)):
+            if j < len(self.start):
+                prior, strength = self.start[j], STARTED
             w = strength * self.decay ** seen  # the prior fades like an old observation
             prior = (a + w * prior) / (a + r + w)
             out.append(prior)

@@ -78,10 +78,24 @@ def load_seed(model_path: str, model, folder: Path) -> dict[int, float] | None:
     return seed or None
 
 
-def save(model_path: str, model, round_steps: dict[int, float], step_ms: float | None, folder: Path) -> None:
-    """Merges this run's measured round costs into the store (a read-only home only costs the
-    next run its seed)."""
-    if not model_path or not round_steps:
+def load_acceptance(model_path: str, model, folder: Path) -> list[float] | None:
+    """Per draft position, the acceptance the last run on this model and device ended at, or None."""
+    if not model_path:
+        return None
+    d = _read_all(folder).get(costs_key(model_path, model))
+    acc = d.get("acceptance") if isinstance(d, dict) else None
+    try:
+        out = [float(a) for a in acc] if isinstance(acc, list) else None
+    except (TypeError, ValueError):
+        return None
+    return out if out and all(0.0 <= a <= 1.0 for a in out) else None
+
+
+def save(model_path: str, model, round_steps: dict[int, float], step_ms: float | None, folder: Path,
+         acceptance: list[float] | None = None) -> None:
+    """Merges this run's measured round costs (and the acceptance per draft position it ended at)
+    into the store (a read-only home only costs the next run its seed)."""
+    if not model_path or not (round_steps or acceptance):
         return
     data = _read_all(folder)
     key = costs_key(model_path, model)
@@ -92,6 +106,8 @@ def save(model_path: str, model, round_steps: dict[int, float], step_ms: float |
     entry["round_steps"] = {str(k): round(v, 4) for k, v in sorted(merged.items())}
     if step_ms:
         entry["step_ms"] = round(step_ms, 4)
+    if acceptance:
+        entry["acceptance"] = [round(float(a), 4) for a in acceptance]
     data[key] = entry
     try:
         path = cache_file(folder)

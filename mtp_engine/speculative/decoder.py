@@ -280,7 +280,8 @@ class SpeculativeDecoder(DecoderBase):
         if self.scheduler and self.calibration_path:
             t0 = self.scheduler.step_seconds()
             calibration.save(self.calibration_path, self.model, self.scheduler.measured_round_steps(),
-                             t0 * 1e3 if t0 else None, self.model.options.cache_path)
+                             t0 * 1e3 if t0 else None, self.model.options.cache_path,
+                             self.scheduler.measured_acceptance())
 
     # ---- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -83,27 +83,32 @@ class DraftLengthScheduler:
 
     @classmethod
     def for_model(cls, model, costs: Costs | dict[int, float] | None = None,
-                  agree: Callable[[int], int] | None = None) -> "DraftLengthScheduler":
-        """The scheduler a run of `model` starts with: its draft-length cap (`auto_k_max`) and the
-        prior of this device and model kind (dense or MoE)."""
+                  agree: Callable[[int], int] | None = None,
+                  acceptance: list[float] | None = None) -> "DraftLengthScheduler":
+        """The scheduler a run of `model` starts with: its draft-length cap (`auto_k_max`), the
+        prior of this device and model kind (dense or MoE), and what earlier runs stored (`costs`,
+        and per draft position the `acceptance` the last one ended at)."""
         cfg = getattr(model, "cfg", None)
-        return cls(costs, k_max=auto_k_max(model), prior=default_seed(moe=bool(cfg and cfg.is_moe)), agree=agree)
+        return cls(costs, k_max=auto_k_max(model), prior=default_seed(moe=bool(cfg and cfg.is_moe)), agree=agree,
+                   acceptance=acceptance)
 
     def __init__(self, costs: Costs | dict[int, float] | None = None, k_max: int = AUTO_MAX,
                  budget: float = PROBE_BUDGET, prior: dict[int, float] | None = None,
-                 agree: Callable[[int], int] | None = None, defer_t0: bool = True):
+                 agree: Callable[[int], int] | None = None, defer_t0: bool = True,
+                 acceptance: list[float] | None = None):
         """`agree`: makes a choice common where several processes decode one sequence (a
         distributed rank's broadcast of rank 0's); the scheduler then records the common choice.
         `defer_t0`: whether a choice far above plain's rate may put off measuring a plain round's
         time (`_SURE_WIN`): right where the prior is close (a sequence alone), wrong where it is a
         guess (a batch's rows: at 16 rows on an H100 a batch kept drafting 4 at 0.59x of plain,
-        its t(0) never measured)."""
+        its t(0) never measured). `acceptance`: per draft position, where an earlier run's estimate
+        ended (`PositionAcceptance`'s start)."""
         self.agree = agree
         self.defer_t0 = defer_t0
         self.seed = _seed_from(costs, prior or default_seed())
         self.k_max = min(k_max, max(self.seed))
         self.budget = budget
-        self.acceptance = PositionAcceptance(self.k_max)
+        self.acceptance = PositionAcceptance(self.k_max, start=acceptance)
         self.rounds = 0  # choices made
         self.drafting_rounds = 0  # choices of k > 0 that were not probes
         self._queue: deque = deque()  # (k, probe) chosen but not yet observed
@@ -370,6 +375,11 @@ class DraftLengthScheduler:
         # steady rounds only: a probe's time carries the catch-up of a plain stretch
         return {k: self._median(k, b, True) / t0 for k in range(1, self.k_max + 1)
                 if self._median(k, b, True) is not None}
+
+    def measured_acceptance(self) -> list[float] | None:
+        """Per draft position, the acceptance this run ended at, worth storing for the next run
+        once it drafted `_EXPLORE_AFTER` rounds or more (else None: the prior still speaks)."""
+        return [round(a, 4) for a in self.alphas()] if self.drafting_rounds >= _EXPLORE_AFTER else None
 
     def message(self) -> str | None:
         """Why auto did not draft, when it did not (shown once, in the stats)."""

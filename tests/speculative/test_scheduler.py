@@ -418,3 +418,63 @@ def test_an_agreed_choice_is_the_one_recorded():
     assert s.drafting_rounds == 4
     alone = DraftLengthScheduler(_costs(lambda n: float(n), c=0.3))
     assert alone.next_k() == 0
+
+
+def test_a_second_run_starts_from_the_acceptance_the_first_ended_at(tiny, tmp_path):
+    """What a run learned of acceptance per draft position is stored beside its round costs and is
+    the next run's starting estimate (its prior's centre, strength 4, fading as rounds are seen):
+    a run on text its drafts rarely match starts plain instead of drafting to find out, and one on
+    text they nearly always match starts at its longest draft. On the simulated device a second
+    run at acceptance 0.5 then comes closer to the best fixed n-max than one seeded with costs alone."""
+    from tests.sim_device import MOE
+
+    assert calibration.load_acceptance(tiny.path, tiny.model, tmp_path) is None
+    calibration.save(tiny.path, tiny.model, {}, None, tmp_path, [0.9, 0.8, 0.7])
+    assert calibration.load_acceptance(tiny.path, tiny.model, tmp_path) == [0.9, 0.8, 0.7]
+    store = tmp_path / "costs.json"
+    data = json.loads(store.read_text())
+    next(iter(data.values()))["acceptance"] = ["high", 2]
+    store.write_text(json.dumps(data))
+    assert calibration.load_acceptance(tiny.path, tiny.model, tmp_path) is None  # refused, never a crash
+
+    costs = {k: 1.2 + 0.12 * k for k in range(1, 5)}
+    low = DraftLengthScheduler(costs, k_max=4, acceptance=[0.2] * 4)
+    high = DraftLengthScheduler(costs, k_max=4, acceptance=[0.97] * 4)
+    assert low.alphas()[0] == pytest.approx(0.2) and low.next_k() == 0
+    assert high.next_k() == 4 and DraftLengthScheduler(costs, k_max=4).alphas()[0] == pytest.approx(0.75)
+    for _ in range(60):  # the stored start fades as the run's own rounds come in
+        low.update(2, 2)
+    assert low.alphas()[0] > 0.9
+
+    short = DraftLengthScheduler(costs, k_max=4)
+    assert short.measured_acceptance() is None  # nothing drafted: nothing worth storing
+    for _ in range(sch._EXPLORE_AFTER):
+        short.next_k()
+    assert (short.measured_acceptance() is None) == (short.drafting_rounds < sch._EXPLORE_AFTER)
+
+    before = tiny.model.options  # a finished run stores it, as it stores its round costs
+    tiny.model.use(before.updated(cache_dir=str(tmp_path / "runs")))
+    try:
+        ran = DraftLengthScheduler(costs, k_max=4)
+        for _ in range(20):
+            k = ran.next_k(100)
+            ran.observe(k, k, 0.01 * (1.2 + 0.12 * k) if k else 0.01, 100)
+        dec = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(None), scheduler=ran)
+        dec.calibration_path = tiny.path
+        dec.finish()
+        got = calibration.load_acceptance(tiny.path, tiny.model, tmp_path / "runs")
+        assert ran.drafting_rounds >= sch._EXPLORE_AFTER and got == pytest.approx(ran.alphas(), abs=1e-4)
+    finally:
+        tiny.model.use(before)
+
+    prior = default_seed(gpu=True, moe=True)
+    with_costs, with_both = [], []
+    for seed in range(12):
+        first = DraftLengthScheduler(None, k_max=4, prior=prior)
+        simulate(MOE, lambda i: 0.5, 45, sched=first, seed=seed, pipelined=True)
+        best = max(simulate(MOE, lambda i: 0.5, 45, fixed_k=k, seed=seed + 100, pipelined=True).rate for k in range(5))
+        stored = first.measured_round_steps() or None
+        for runs, acc in ((with_costs, None), (with_both, first.measured_acceptance())):
+            s = DraftLengthScheduler(stored, k_max=4, prior=prior, acceptance=acc)
+            runs.append(simulate(MOE, lambda i: 0.5, 45, sched=s, seed=seed + 100, pipelined=True).rate / best)
+    assert statistics.mean(with_both) > statistics.mean(with_costs) + 0.02, (with_both, with_costs)
