@@ -28,6 +28,7 @@ from typing import Mapping
 from .errors import MTPEngineError
 
 ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
+ENV_PREPARE = "MTP_ENGINE_MLX_PREPARE_WORKERS"  # processes compiling MLX's modules ahead at load (0: none)
 ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
        "dequant_rows": "MTP_ENGINE_DEQUANT_ROWS", "prefill_chunk": "MTP_ENGINE_PREFILL_CHUNK",
        "kv_dtype": "MTP_ENGINE_KV_DTYPE", "draft_vocab": "MTP_ENGINE_DRAFT_VOCAB", "kv_tail": "MTP_ENGINE_KV_TAIL",
@@ -91,6 +92,27 @@ def keep_mlx_kernels_in(folder: str | os.PathLike) -> None:
     the environment (written here, the one module that touches it)."""
     if mlx_kernel_cache_dir() is None:
         os.environ["MLX_PTX_CACHE_DIR"] = str(folder)
+
+
+def mlx_prepare_workers(environ: Mapping[str, str] | None = None) -> int | None:
+    """$MTP_ENGINE_MLX_PREPARE_WORKERS: how many worker processes compile MLX's own CUDA modules
+    while a model loads (`model/kernels/mlx_jit.py`; 0: none, the first run compiles them as it
+    meets them; unset: the engine's choice from the machine's cores)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_PREPARE, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) > 64:
+        raise MTPEngineError(f"expected a whole number of processes from 0 to 64, found {raw!r}", field=ENV_PREPARE)
+    return int(raw)
+
+
+def worker_environment(python_path: str, **extra: str) -> dict[str, str]:
+    """This process's environment for one of the engine's worker processes: `python_path` first
+    on its PYTHONPATH (it imports the package as this process does, wherever that came from),
+    and `extra`."""
+    path = os.pathsep.join(p for p in (python_path, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def cuda_home() -> str:

@@ -151,3 +151,19 @@ def test_recipes_run_in_phase_order(tmp_path, monkeypatch):
     monkeypatch.setattr(mlx_jit, "Preparation", lambda todo, cache, n: todo)
     got = mlx_jit.prepare([(3, "m:c"), (0, "m:a"), (2, "m:b"), (0, "m:a")], tmp_path)
     assert got == ["m:a", "m:b", "m:c"]
+
+
+def test_the_worker_count_comes_from_the_environment_and_zero_turns_it_off(tmp_path, monkeypatch):
+    from mtp_engine.errors import MTPEngineError
+    from mtp_engine.options import ENV_PREPARE, mlx_prepare_workers
+
+    assert mlx_prepare_workers({}) is None and mlx_prepare_workers({ENV_PREPARE: " 3 "}) == 3
+    for bad in ("-1", "two", "65"):
+        with pytest.raises(MTPEngineError, match=ENV_PREPARE):
+            mlx_prepare_workers({ENV_PREPARE: bad})
+    monkeypatch.setattr(mlx_jit, "cuda", lambda: True)
+    monkeypatch.setattr(mlx_jit, "Preparation", lambda todo, cache, n: (todo, n))
+    monkeypatch.setenv(ENV_PREPARE, "0")
+    assert mlx_jit.prepare([(0, "m:a")], tmp_path) is None
+    monkeypatch.setenv(ENV_PREPARE, "3")
+    assert mlx_jit.prepare([(0, "m:a"), (1, "m:b")], tmp_path) == (["m:a", "m:b"], 3)

@@ -36,6 +36,7 @@ from typing import Callable, Iterable
 
 import mlx.core as mx
 
+from ...options import mlx_kernel_cache_dir, mlx_prepare_workers, worker_environment
 from .cuda_kernel import cuda
 
 log = logging.getLogger("mtp_engine.kernels")
@@ -185,10 +186,7 @@ class Preparation:
     def _spawn(self, i: int) -> subprocess.Popen:
         staging = self.cache_dir / STAGING / f"{os.getpid()}-{i}"
         staging.mkdir(parents=True, exist_ok=True)
-        # the worker imports this package as this process does, wherever it came from
-        root = str(Path(__file__).resolve().parents[3])
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(staging), PYTHONPATH=path)
+        env = worker_environment(str(Path(__file__).resolve().parents[3]), MLX_PTX_CACHE_DIR=str(staging))
         return subprocess.Popen([sys.executable, "-m", __name__, str(self.cache_dir), str(staging)],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, start_new_session=True)
@@ -236,11 +234,15 @@ def prepare(recipes: Iterable[tuple[int, str]], cache_dir: Path | None = None,
             workers: int | None = None) -> Preparation | None:
     """Starts the workers for the `recipes` ((phase, recipe): the phase that needs it first runs
     first) not marked done in `cache_dir` (default: the folder MLX reads, `$MLX_PTX_CACHE_DIR`);
-    returns at once. None off a CUDA GPU or with nothing to do."""
+    returns at once. `workers`: how many processes (default `options.mlx_prepare_workers()`, else
+    a quarter of the cores, 1 to 4; 0: none). None off a CUDA GPU or with nothing to do."""
     if not cuda():
         return None
-    from ...options import mlx_kernel_cache_dir
     from .cuda_kernel import mlx_cache_dirs
+
+    workers = mlx_prepare_workers() if workers is None else workers
+    if workers == 0:
+        return None
 
     cache_dir = Path(cache_dir or mlx_kernel_cache_dir() or mlx_cache_dirs()[0])
     ordered = list(dict.fromkeys(r for _, r in sorted(recipes, key=lambda pr: pr[0])))
