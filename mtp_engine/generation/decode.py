@@ -142,11 +142,17 @@ class DecoderBase:
             self.budget -= len(tokens)
         return tokens
 
-    def _prefill_trunk(self, ids: list[int], pick: Callable[[mx.array, mx.array], mx.array] | None = None) -> mx.array:
+    def _prefill_trunk(self, ids: list[int], pick: Callable[[mx.array, mx.array], mx.array] | None = None,
+                       start: int = 0, whole: int | None = None) -> mx.array:
         """Runs the prompt through the trunk in chunks; returns every row's post-norm hidden state,
-        or `pick(post, pre)` of it (what a drafter is fed)."""
+        or `pick(post, pre)` of it (what a drafter is fed). `ids` sit at `start` of a prompt of
+        `whole` tokens: `progress` is told the prompt's tokens handled of all of them, once before
+        the first chunk (those reused from a prompt cache) and after each chunk."""
         if not ids:
             return mx.zeros((1, 0, self.model.cfg.hidden_size))
+        whole = start + len(ids) if whole is None else whole
+        if self.progress is not None:
+            self.progress(start, whole)
         hiddens = []
         chunk = self.prefill_chunk or self.model.options.prefill_chunk
         for s in range(0, len(ids), chunk):
@@ -155,7 +161,7 @@ class DecoderBase:
             mx.eval(h, *self.cache.arrays())
             hiddens.append(h)
             if self.progress is not None:
-                self.progress(min(s + chunk, len(ids)), len(ids))
+                self.progress(start + min(s + chunk, len(ids)), whole)
         return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
 
     def _reuse_prefix(self, prefix: list[int], drafter: str | None = None):
@@ -221,9 +227,9 @@ class PlainDecoder(DecoderBase):
                 h = self._prefill_trunk(ids, pick=last)
             else:  # all but the last token, kept for the next prompt that starts with them
                 self._reuse_prefix(ids[:-1])
-                self._prefill_trunk(ids[self.cached_tokens:-1], pick=last)
+                self._prefill_trunk(ids[self.cached_tokens:-1], pick=last, start=self.cached_tokens, whole=len(ids))
                 self.prompt_cache.keep(self.model, ids[:-1], self.cache)
-                h = self._prefill_trunk(ids[-1:])
+                h = self._prefill_trunk(ids[-1:], start=len(ids) - 1, whole=len(ids))
             logits = self.model.logits(h[0, -1])
             if self._pipelined():
                 cur = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))

@@ -37,8 +37,10 @@ class GenerationRequest:
     `max_tokens`: the most tokens to generate; with `fit_context` it shrinks to what the context
     leaves after the prompt (the server's default and the chat's turns) instead of being refused.
     `profile`: None, "off", "round" or "precise". `prompt_cache`: where successive requests keep
-    and reuse prompt state. `progress(done, total)`: told the prompt tokens prefilled after each
-    prefill chunk (the command line's progress line for a long prompt)."""
+    and reuse prompt state. `progress(done, total)`: told the prompt's tokens handled of all
+    `total`, once before the first prefill chunk (done: those reused from `prompt_cache`) and after
+    each chunk, `total` of `total` at the end (the command line's progress line for a long prompt,
+    a streamed server answer's `prompt_progress`)."""
 
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None

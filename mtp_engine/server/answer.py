@@ -143,19 +143,24 @@ class Generation:
     async def stream(self, first: Event, request: Request) -> AsyncIterator[str]:
         ev, last, opened = first, None, False
         try:
-            while ev.kind == "chunk":
+            while ev.kind in ("chunk", "progress"):
                 # every chunk that has arrived goes out in one write: one send per loop turn, not
                 # per token (the client sees the same events)
                 parts = []
                 while True:
-                    c = last = ev.chunk
-                    last_ev = ev
-                    if c.text or c.token_ids:  # the final chunk only carries the finish reason and stats
-                        for body in self._chunk_bodies(ev, not opened):
-                            opened = True
-                            parts.append(f"data: {json.dumps(body, ensure_ascii=False)}\n\n")
+                    if ev.kind == "progress":  # llama-server's: an empty delta with prompt_progress
+                        body = self._body(None, None, False)
+                        body["prompt_progress"] = ev.progress
+                        parts.append(f"data: {json.dumps(body)}\n\n")
+                    else:
+                        c = last = ev.chunk
+                        last_ev = ev
+                        if c.text or c.token_ids:  # the final chunk only carries the finish reason and stats
+                            for body in self._chunk_bodies(ev, not opened):
+                                opened = True
+                                parts.append(f"data: {json.dumps(body, ensure_ascii=False)}\n\n")
                     nxt = self.job.pop()
-                    if nxt is None or nxt.kind != "chunk":
+                    if nxt is None or nxt.kind not in ("chunk", "progress"):
                         break
                     ev = nxt
                 if parts:

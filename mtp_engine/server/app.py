@@ -3,6 +3,8 @@ and the page at `/`. Handlers run on the event loop; generation runs on the work
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import asyncio
 import logging
 import os
@@ -91,6 +93,8 @@ async def _answer(request: Request, parse) -> Response:
     except ClientDisconnect:
         return Response(status_code=499)
     job = Job(prepared, req.mtp_trace, asyncio.get_running_loop())
+    if req.stream and req.return_progress:  # the engine tells the job how the prompt's reading goes
+        job.prepared = replace(prepared, request=replace(prepared.request, progress=job.prompt_progress))
     try:
         state.worker.submit(job)
     except ShuttingDown as e:

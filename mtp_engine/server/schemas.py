@@ -78,6 +78,7 @@ class GenRequest:
     logprobs: int | None = None  # alternatives per token; None: no logprobs in the answer
     tools: list[dict] | None = None  # tools the template renders and the answer may call (chat only)
     forced_call: dict | None = None  # tool_choice "required" / a named tool: {"name", "parallel"}
+    return_progress: bool = False  # llama-server's: a streamed answer reports the prompt's reading
 
 
 # the engine's names of the fields a request's own checks refuse, as this API spells them
@@ -328,7 +329,8 @@ def parse_chat(body: dict, d: ServerDefaults) -> GenRequest:
         raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     kw["messages"] = clean
     return GenRequest("chat", kw, _boolean(body, "stream"), _stream_options(body),
-                      _boolean(body, "mtp_trace"), (top or 0) if want else None, tools, forced)
+                      _boolean(body, "mtp_trace"), (top or 0) if want else None, tools, forced,
+                      _boolean(body, "return_progress"))
 
 
 def parse_completion(body: dict, d: ServerDefaults) -> GenRequest:
@@ -348,4 +350,5 @@ def parse_completion(body: dict, d: ServerDefaults) -> GenRequest:
     kw["prompt"] = prompt
     lp = _integer(body, "logprobs", 0, MAX_LOGPROBS, None)
     return GenRequest("completion", kw, _boolean(body, "stream"),
-                      _stream_options(body), _boolean(body, "mtp_trace"), lp)
+                      _stream_options(body), _boolean(body, "mtp_trace"), lp,
+                      return_progress=_boolean(body, "return_progress"))

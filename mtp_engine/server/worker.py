@@ -37,11 +37,12 @@ log = logging.getLogger("mtp_engine.server")
 class Event:
     """What a job reports: a chunk (with each token's text when traced), the end, or an error."""
 
-    kind: str  # "chunk", "done", "error"
+    kind: str  # "chunk", "done", "error", "progress"
     chunk: Chunk | None = None
     pieces: list[str] = field(default_factory=list)
     error: BaseException | None = None
     prompt_tokens: int = 0
+    progress: dict | None = None  # a "progress" event's prompt_progress (llama-server's fields)
 
 
 class Job:
@@ -63,9 +64,23 @@ class Job:
         self.checked_at: float | None = None  # when its handler last asked whether the client is there
         self.cancelled = threading.Event()
         self.started = threading.Event()
+        self._progress_start: float | None = None
+        self._progress_cache = 0
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def prompt_progress(self, done: int, total: int) -> None:
+        """The engine's `progress(done, total)` (the worker thread's): an event with llama-server's
+        `prompt_progress` fields: `total` prompt tokens, `cache` those reused (what the first report
+        says was handled before any chunk ran), `processed` those handled so far, cache included
+        (processed / total is the share read), `time_ms` since the prompt's reading began."""
+        now = time.perf_counter()
+        if self._progress_start is None:
+            self._progress_start, self._progress_cache = now, int(done)
+        self.put(Event("progress", progress={"total": int(total), "cache": self._progress_cache,
+                                             "processed": int(done),
+                                             "time_ms": round((now - self._progress_start) * 1e3, 1)}))
 
     def put(self, event: Event) -> None:
         """Queues an event for the handler (any thread)."""

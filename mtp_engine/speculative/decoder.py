@@ -91,7 +91,10 @@ class SpeculativeDecoder(DecoderBase):
         self._emitted([], 0, 0, None)
         with self.prof.stage("prefill"):
             kept = self._reuse_prefix(ids[:-1], self.drafter.name)
-            h = self._prefill_trunk(ids[self.cached_tokens:-1], pick=self._fed)
+            h = self._prefill_trunk(ids[self.cached_tokens:-1], pick=self._fed, start=self.cached_tokens,
+                                    whole=len(ids))
+            if self.progress is not None:  # the last token is read by the first round, at once
+                self.progress(len(ids), len(ids))
             if self.model.compile_steps:  # one verify graph per width, whatever the round before drafted
                 longest = self.scheduler.k_max if self.scheduler is not None else self.params.k_max
                 capture_at_width(self.cache.layers, longest + 1)

@@ -666,3 +666,42 @@ def test_memory_returns_after_a_burst_by_itself():
         assert now <= 1.15 * idle, (idle, grown, now)
     finally:
         s.stop()
+
+
+def test_a_streamed_answer_reports_the_prompts_reading_when_asked(server, tiny):
+    """`return_progress` (llama-server's): a streamed answer first reports the prompt's reading,
+    chunk by chunk, as empty deltas carrying `prompt_progress` {total, cache, processed, time_ms}
+    (processed / total the share read, cache included); a prompt the server keeps is reported as
+    reused the next time; without the field nothing changes; a non-boolean is refused."""
+    prompt = "".join(f"value_{i} = compute({i}, scale={i % 7})\n" for i in range(150))
+    n = len(tiny.tokenizer.encode(prompt))
+    assert n > 1100  # three prefill chunks of 512 on this CPU
+    runs = []
+    for _ in range(2):
+        c, resp = server.open_stream("/v1/completions", {"prompt": prompt, "max_tokens": 2, "return_progress": True})
+        events = sse_events(resp)
+        c.close()
+        assert events[-1] == "[DONE]"
+        prog = [e["prompt_progress"] for e in events[:-1] if "prompt_progress" in e]
+        first_text = next(i for i, e in enumerate(events[:-1]) if e["choices"] and e["choices"][0].get("text"))
+        assert prog and all("prompt_progress" not in e for e in events[first_text:-1])
+        assert all(p["total"] == n for p in prog) and prog[-1]["processed"] == n
+        assert [p["processed"] for p in prog] == sorted(p["processed"] for p in prog)
+        assert all(e["choices"][0]["text"] == "" for e in events[:-1] if "prompt_progress" in e)
+        runs.append(prog)
+    assert runs[0][0]["cache"] == 0 and len(runs[0]) >= 4  # before the first chunk, then each of 3+
+    assert runs[1][0]["cache"] > n // 2 and runs[1][0]["processed"] == runs[1][0]["cache"]  # kept from the first
+    c, resp = server.open_stream("/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    plain = sse_events(resp)
+    c.close()
+    assert plain[-1] == "[DONE]" and not any("prompt_progress" in e for e in plain[:-1])
+    c, resp = server.open_stream("/v1/chat/completions", {"messages": _chat(prompt), "max_tokens": 2,
+                                                          "return_progress": True})
+    chat = sse_events(resp)
+    c.close()
+    prog = [e for e in chat[:-1] if "prompt_progress" in e]
+    assert prog and all(e["choices"][0]["delta"].get("content") in (None, "") for e in prog)
+    assert prog[-1]["prompt_progress"]["processed"] == prog[-1]["prompt_progress"]["total"] > n
+    assert any(e["choices"][0]["delta"].get("role") == "assistant" for e in chat[len(prog):-1])
+    status, err = server.request("POST", "/v1/completions", {"prompt": "x", "return_progress": "yes"})
+    assert status == 400 and "return_progress" in err["error"]["message"]
