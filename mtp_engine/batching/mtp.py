@@ -154,6 +154,7 @@ class MTPBatchScheduler(BatchScheduler):
             mx.eval(*[s.h_prev for s in self._joining], *self._group.arrays(), *self._head_group.arrays())
             for b, s in enumerate(self._joining):
                 s.prefilled += valid[b]
+                s.report_progress()
                 if s.prefilled < len(s.prompt_ids) - 1:
                     continue
                 ready.append(b)
@@ -169,6 +170,7 @@ class MTPBatchScheduler(BatchScheduler):
         for b, s in zip(ready, joined):
             s.length = self._group.host_lengths[b]
             s.last_token = s.prompt_ids[-1]
+            s.report_progress(whole=True)  # its last token is read by its first round
         self._batch.extend(self._group, ready)
         self.drafter.join(self._head_group, ready, [s.last_token for s in joined],
                           mx.concatenate([s.h_prev for s in joined], axis=0))

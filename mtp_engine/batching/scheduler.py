@@ -201,6 +201,7 @@ class BatchScheduler:
             s.joined = time.perf_counter()
             s.sampler.begin(s.prompt_ids)
             self._start_prefill(s)
+            s.report_progress()  # before its first chunk: what a kept prompt state supplied
             self._joining.append(s)
         gone = [i for i, s in enumerate(self._joining) if s.cancelled.is_set()]
         if gone:
@@ -268,6 +269,7 @@ class BatchScheduler:
         done = []
         for b, s in enumerate(self._joining):
             s.prefilled += valid[b]
+            s.report_progress()
             n = len(s.prompt_ids)
             if s.prompt_cache is not None and s.prefilled == n - 1:
                 kept = self._group.row(b)  # a copy, never written: handed over at once

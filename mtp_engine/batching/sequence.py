@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Callable
 
 from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler
@@ -16,8 +17,12 @@ class Sequence:
     reach the reader through (items: (tokens, logprobs), an exception, or None for the end)."""
 
     def __init__(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
-                 prompt_cache: PromptCache | None = None, draft: bool = False, n_max: int | None = None):
+                 prompt_cache: PromptCache | None = None, draft: bool = False, n_max: int | None = None,
+                 progress: Callable[[int, int], None] | None = None):
+        """`progress(done, total)`: the request's (`GenerationRequest.progress`), told how the
+        prompt's reading goes as a sequence alone tells it."""
         self.prompt_ids, self.sampler, self.max_tokens = list(prompt_ids), sampler, max_tokens
+        self.progress = progress
         self.prompt_cache = prompt_cache  # reused from and kept in as by a plain decoder alone
         self.cached = 0  # prompt tokens its prompt cache supplied
         self.out: queue.Queue = queue.Queue()
@@ -34,6 +39,12 @@ class Sequence:
         self.counts = RoundCounts()  # its rounds' statistics
         self.h_prev = None  # the trunk hidden state its next head row reads (MTP batches, while it prefills)
         self.length = 0  # tokens in its trunk cache rows, as of the last round the host read
+
+    def report_progress(self, whole: bool = False) -> None:
+        """Tells `progress` the prompt tokens handled so far (all of them once `whole`)."""
+        if self.progress is not None:
+            n = len(self.prompt_ids)
+            self.progress(n if whole else min(self.prefilled, n), n)
 
     def cancel(self) -> None:
         """Its reader is done: the row leaves before the next step."""

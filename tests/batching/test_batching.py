@@ -882,3 +882,25 @@ def test_plain_rounds_join_the_heads_block_and_later_drafts_are_those_of_a_head_
                                                               ignore_eos=True)]
     assert lazy[1] and lazy[1] == eager[1], (lazy[1], eager[1])
     assert lazy[2] < eager[2] - 5, (lazy[2], eager[2])
+
+
+@pytest.mark.parametrize("spec", ["none", "draft-mtp"])
+def test_a_batched_prompt_reports_its_reading_as_one_alone_does(parallel_model, shipped_model, monkeypatch, spec):
+    """`GenerationRequest.progress` in a batch: the prompt's tokens handled of all of them, before
+    its first chunk and after each, all of them at the end, as the same request alone reports."""
+    from mtp_engine import GenerationRequest, SpecConfig, stream_request
+    from mtp_engine.batching.scheduler import BatchScheduler
+
+    monkeypatch.setattr(BatchScheduler, "prefill_chunk", 4)
+    prompt = PROMPTS[3]
+    n = len(shipped_model.tokenizer.encode(prompt))
+    reports: dict[str, list] = {"batch": [], "alone": []}
+    for name, m in (("batch", parallel_model), ("alone", shipped_model)):
+        req = GenerationRequest(prompt=prompt, max_tokens=3, spec=SpecConfig(spec),
+                                progress=lambda d, t, r=reports[name]: r.append((d, t)))
+        chunks = list(stream_request(req, m))
+        assert ("batch_size_mean" in chunks[-1].stats) == (name == "batch")  # it ran where meant
+    got = reports["batch"]
+    assert got and all(t == n for _, t in got) and got[0][0] == 0 and got[-1][0] == n
+    assert [d for d, _ in got] == sorted(d for d, _ in got) and len(got) >= n // 4
+    assert reports["alone"][0] == (0, n) and reports["alone"][-1] == (n, n)
