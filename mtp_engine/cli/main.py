@@ -301,7 +301,7 @@ def _bench(args) -> int:
                       repeats=args.repeats, prompts=_load_prompts(args.prompts) if args.prompts else None,
                       out=args.out, exact=args.exact, max_context=args.max_context, prompt_tokens=args.prompt_tokens)
     result = run_bench(cfg, load_progress=load_progress(model_label(args.model)))
-    from .bench import format_markdown
+    from .bench_report import format_markdown
     print(format_markdown(result))
     print(f"wrote {args.out}/bench.md, bench.csv, bench.json, bench.png", file=sys.stderr)
     return 0

@@ -124,6 +124,8 @@ class DraftLengthScheduler:
         self._explored: set[tuple[int, int]] = set()  # (context bucket, k) explored
         self.decode_seconds = 0.0
         self.probes = 0
+        self.plain_why = {"measuring": 0, "no_gain": 0}  # plain rounds by reason (probes apart)
+        self._no_gain = [0.0, 0.0]  # over the no-gain rounds: summed best expected rate, draft 1's acceptance
         self.probe_seconds = 0.0  # probes' time beyond the plain step each replaced
         # a choice asks for the same medians ~150 times: kept until the next observation changes
         # them (the choice runs on the host every round)
@@ -235,8 +237,9 @@ class DraftLengthScheduler:
                 best = last
         threshold = 1.0 + MARGIN[0] if last == 0 else 1.0 - MARGIN[1]
         k = best if rates[best] > threshold else 0
+        why = "no_gain"
         if self._forced_plain:
-            k, self._forced_plain = 0, self._forced_plain - 1
+            k, self._forced_plain, why = 0, self._forced_plain - 1, "measuring"
         elif self._exploring and k:
             k = self._exploring.pop()
         elif k and (kk := self._worth_exploring(rates[best])):
@@ -250,7 +253,7 @@ class DraftLengthScheduler:
             # row give MIN_SAMPLES samples at once (three gave one, and a second stretch followed).
             # A choice far above plain's rate does not hang on t(0): in a short run its measurement
             # would cost more than it could change, so it waits for a longer one
-            k, self._forced_plain = 0, MIN_SAMPLES + 1
+            k, self._forced_plain, why = 0, MIN_SAMPLES + 1, "measuring"
         probe = False
         if k == 0:
             self._plain_streak += 1
@@ -264,6 +267,11 @@ class DraftLengthScheduler:
             agreed = self.agree(k)
             probe, k = probe and agreed == k, agreed
         self._last_k = 0 if probe else k
+        if k == 0:  # why it is plain: a plain step's time measured, or no draft length expected to pay
+            self.plain_why[why] += 1
+            if why == "no_gain":
+                self._no_gain[0] += rates[best]
+                self._no_gain[1] += self.alphas()[0]
         self.rounds += 1
         self.drafting_rounds += int(k > 0 and not probe)
         self._queue.append((k, probe))
@@ -394,6 +402,11 @@ class DraftLengthScheduler:
                 f"{self.alphas()[0]:.2f}; a one-draft round costs {r1:.2f} plain steps)")
 
     def stats(self) -> dict:
-        return {"auto_round_steps": {str(k): round(v, 3) for k, v in self.measured_round_steps().items()},
+        n = self.plain_why["no_gain"]
+        why = {"auto_plain_rounds": dict(self.plain_why)}
+        if n:  # what auto believed in those rounds: drafting's best rate over plain's, draft 1's acceptance
+            why["auto_no_gain_rate"] = round(self._no_gain[0] / n, 3)
+            why["auto_no_gain_acceptance"] = round(self._no_gain[1] / n, 3)
+        return {**why, "auto_round_steps": {str(k): round(v, 3) for k, v in self.measured_round_steps().items()},
                 "auto_probes": self.probes, "auto_probe_seconds": self.probe_seconds,
                 "auto_probe_share": self.probe_seconds / self.decode_seconds if self.decode_seconds else 0.0}

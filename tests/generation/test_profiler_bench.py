@@ -136,7 +136,7 @@ def test_bench_at_a_chosen_prompt_length(tmp_path, capsys):
 
 
 def test_the_plot_marks_noisy_rows_as_the_table_does():
-    from mtp_engine.cli.bench import bar_labels
+    from mtp_engine.cli.bench_report import bar_labels
     rows = [{"spec": "none", "n_max": 0, "p_min": 0.0, "profile_overhead": 1.02},
             {"spec": "draft-mtp", "n_max": 3, "p_min": 0.0, "profile_overhead": 3.1, "profiled_tok_s": 9.0},
             {"spec": "draft-mtp", "n_max": 2, "p_min": 0.5}]
@@ -146,7 +146,7 @@ def test_the_plot_marks_noisy_rows_as_the_table_does():
 def test_a_speedup_that_says_nothing_is_marked():
     """The bench table's speedup cell says when its ratio is noise: a draft-mtp run that drafted in
     no round decoded plainly, and a ratio inside plain's spread over the repeats is within noise."""
-    from mtp_engine.cli.bench import _within_noise
+    from mtp_engine.cli.bench_report import _within_noise
 
     plain = {"spec": "none", "speedup": 1.0, "tok_s_all": [100.0, 104.0]}
     assert _within_noise(plain, plain) == ""

@@ -478,3 +478,27 @@ def test_a_second_run_starts_from_the_acceptance_the_first_ended_at(tiny, tmp_pa
             s = DraftLengthScheduler(stored, k_max=4, prior=prior, acceptance=acc)
             runs.append(simulate(MOE, lambda i: 0.5, 45, sched=s, seed=seed + 100, pipelined=True).rate / best)
     assert statistics.mean(with_both) > statistics.mean(with_costs) + 0.02, (with_both, with_costs)
+
+
+def test_auto_says_why_its_plain_rounds_were_plain():
+    """Each plain round auto chose is counted by its reason (a plain step's time measured, or no
+    draft length expected to pay, with the rate and acceptance it believed then), and `mtp-engine
+    bench` prints them beside the k it chose: a run plain in half its rounds says why."""
+    from mtp_engine.cli.bench import _plain_reasons
+
+    low = DraftLengthScheduler({k: 1.2 + 0.12 * k for k in range(1, 5)}, k_max=4, acceptance=[0.1] * 4)
+    for _ in range(10):
+        k = low.next_k(100)
+        low.observe(k, 0, 0.01, 100)
+    st = low.stats()
+    assert st["auto_plain_rounds"]["no_gain"] + st["auto_plain_rounds"]["measuring"] + low.probes == 10
+    assert st["auto_plain_rounds"]["no_gain"] >= 6 and st["auto_no_gain_rate"] < 1.0
+    assert st["auto_no_gain_acceptance"] == pytest.approx(0.1, abs=0.05)
+    text = _plain_reasons([st, st])
+    assert f"{2 * st['auto_plain_rounds']['no_gain']} where drafting was expected at" in text
+    fresh = DraftLengthScheduler({k: 1.2 + 0.12 * k for k in range(1, 5)}, k_max=4, defer_t0=False)
+    for _ in range(8):
+        k = fresh.next_k(100)
+        fresh.observe(k, k, 0.01 * (1.2 + 0.12 * k) if k else 0.01, 100)
+    assert fresh.stats()["auto_plain_rounds"]["measuring"] == sch.MIN_SAMPLES + 2
+    assert _plain_reasons([{"auto_plain_rounds": {"measuring": 0, "no_gain": 0}}]) == ""
