@@ -103,6 +103,9 @@ MOE = SimDevice(verify={1: 1.0, 2: 1.37, 3: 1.66, 4: 1.96, 5: 2.81, 6: 2.90, 7: 
 # ~0.4 step more (auto's rounds of each k against fixed n-max's, 25 changes of k in 67 rounds)
 # a batch of 16 rows at the 9B shape on an H100 (bench_batch --oracle 0.8): batched draft-mtp of 4
 # drafts at 0.59x of batched plain, a round ~5.7 plain steps
+# a batch of 4 rows: rounds cost in proportion to the verify's extra rows (t(4) ~2.8 plain steps,
+# bench_batch --oracle 0.8 at 4 streams on an H100), so a short draft is the best one there
+H100_9B_B4 = SimDevice(verify={1: 1.0, **{s: 0.85 + 0.43 * (s - 1) for s in range(2, 10)}}, draft=0.1)
 H100_9B_B16 = SimDevice(verify={s: 1.0 + 1.15 * (s - 1) for s in range(1, 10)}, draft=0.1)
 H100_9B_S16 = SimDevice(verify={2: 1.15, 3: 1.07, 4: 1.12, 5: 1.12, 6: 1.6, 7: 1.8, 8: 2.0, 9: 2.2}, draft=0.09,
                         switch=0.4)

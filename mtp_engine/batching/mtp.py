@@ -45,11 +45,15 @@ def bucket(batch: int) -> int:
 
 def batch_prior(prior: dict[int, float], batch: int) -> dict[int, float]:
     """Round costs in plain steps at `batch` rows before any is measured: a sequence alone's
-    (`prior`) up to 4 rows, each draft's extra cost growing with the rows beyond (a verify of B(k+1)
-    rows leaves the products' memory-bound range: on an H100 at the 9B shape a round of 4 drafts
-    cost ~2 plain steps at 1 row, ~2.7 at 8, ~5.7 at 16; oracle acceptance 0.8, bench_batch)."""
-    g = max(1.0, batch / 4)
-    return {k: 1.0 + (v - 1.0) * g for k, v in prior.items()}
+    (`prior`, a fixed part and a little per draft) for 1 and 2 rows; from 4 rows a verify of B (k+1)
+    rows costs in proportion to its extra rows, 1 + c k: on an H100 at the 9B shape (oracle 0.8,
+    bench_batch) a round of 4 drafts cost ~2.7-2.9 plain steps at 4 and 8 rows (c ~0.45), ~5.7 at
+    16 (c ~1.15), never less than the alone prior says. Measured rounds then scale the estimates
+    of the lengths not yet measured (`DraftLengthScheduler.round_steps`)."""
+    if batch <= 2:
+        return dict(prior)
+    c = 0.45 if batch <= 8 else 1.15 * batch / 16
+    return {k: max(v, 1.0 + c * k) for k, v in prior.items()}
 
 
 def _auto(rows: list[Sequence]) -> bool:

@@ -172,7 +172,9 @@ class DraftLengthScheduler:
         """t(k) / t(0): measured where possible; else the seed plus the measured k's errors against
         their seeds (interpolated between the nearest measured k's, extrapolated with their trend
         beyond them): a seed off by 0.3 steps is corrected by one measured k, one with the wrong
-        slope by two, and the seed's shape (e.g. a cheap 8-row verify) is kept."""
+        slope by two, and the seed's shape (e.g. a cheap 8-row verify) is kept. A length shorter
+        than the one measured length scales with it instead (its cost beyond a plain step in the
+        seed's proportion)."""
         if k == 0:
             return 1.0
         b = self._bucket if b is None else b
@@ -195,8 +197,17 @@ class DraftLengthScheduler:
             return self.seed[k] + (1 - w) * err[lo] + w * err[hi]
         side = below[-2:] if below else above[:2]
         near = side[-1] if below else side[0]
-        slope = (err[side[-1]] - err[side[0]]) / (side[-1] - side[0]) if len(side) == 2 else 0.0
-        est = self.seed[k] + err[near] + slope * (k - near)
+        if len(side) == 2:
+            slope = (err[side[-1]] - err[side[0]]) / (side[-1] - side[0])
+            est = self.seed[k] + err[near] + slope * (k - near)
+        elif k < near and self.seed[near] > 1.0:
+            # one measured length, a shorter one asked: a round's cost beyond a plain step scales
+            # with its rows (a batch's verify of B (k+1) rows: at 4 rows an H100 round of 4 drafts
+            # cost 2.7 steps where the alone prior said 1.7; a shift by that error made 2 drafts
+            # look like 2.5 steps and the batch never tried them)
+            est = 1.0 + (self.seed[k] - 1.0) * (r[near] - 1.0) / (self.seed[near] - 1.0)
+        else:
+            est = self.seed[k] + err[near]
         # a longer draft than one measured costs at least as much (and a shorter one at most)
         return max(est, r[near]) if k > near else min(max(est, 1.0), r[near])
 
