@@ -21,10 +21,10 @@ class OracleBatchScheduler(MTPBatchScheduler):
     """`MTPBatchScheduler` whose greedy drafts are accepted with probability `oracle` each."""
 
     def __init__(self, model: Model, max_batch: int = 8, oracle: float = 0.8, seed: int = 0,
-                 own_thread: bool = True):
+                 own_thread: bool = True, profile: str = "off"):
         if not 0.0 <= oracle <= 1.0:
             raise MTPEngineError(f"expected an acceptance in [0, 1], found {oracle}", field="oracle")
-        super().__init__(model, max_batch, own_thread)
+        super().__init__(model, max_batch, own_thread, profile=profile)
         self.oracle = oracle
         self._key = mx.random.key(seed)
 

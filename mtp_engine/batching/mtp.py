@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MTPEngineError
+from ..generation.profiler import Profiler
 from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache, capture_at_width
 from ..model.loaded import Model
@@ -67,15 +68,17 @@ class MTPBatchScheduler(BatchScheduler):
     """`BatchScheduler` whose rounds draft with the model's MTP head (see the module docstring)."""
 
     def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True, max_draft: int = AUTO_MAX,
-                 prior: dict[int, float] | None = None):
+                 prior: dict[int, float] | None = None, profile: str = "off"):
         """`max_draft`: the longest draft any round runs, whatever its rows ask for. `prior`: round
         costs in plain steps before any is measured (`calibration.default_seed`, None: this
-        device's and model kind's, as a sequence alone starts from)."""
+        device's and model kind's, as a sequence alone starts from). `profile`: "precise" times
+        every round's stages (`self.prof`; a benchmark's breakdown, each stage synchronised)."""
         if model.model.mtp is None:
             raise MTPEngineError("draft-mtp batches need a model with an MTP head", field="spec")
         super().__init__(model, max_batch, own_thread)
         self.max_draft = max_draft
-        self.drafter = MTPRowsDrafter(model.model)
+        self.prof = Profiler(profile)
+        self.drafter = MTPRowsDrafter(model.model, self.prof.stage)
         self._head_group = BatchCache(model.model)  # the joining sequences' head rows
         self.rounds_by_k: dict[int, int] = {}
         self.prior = prior or default_seed(moe=model.model.is_moe)
@@ -105,7 +108,7 @@ class MTPBatchScheduler(BatchScheduler):
         super()._end_all(error)
         for c in self.controllers.values():
             c.forget_pending()
-        self.drafter = MTPRowsDrafter(self.model.model)
+        self.drafter = MTPRowsDrafter(self.model.model, self.prof.stage)
         self._head_group = BatchCache(self.model.model)
 
     def _keep_rows(self, keep: list[int]) -> None:
@@ -201,11 +204,11 @@ class MTPBatchScheduler(BatchScheduler):
             later = any(self._may_draft(s) for s in rows) and \
                 not (_auto(rows) and not self.controller(len(rows)).can_win)
             drafter = self.drafter if later else None
-            return plain_round(m, self._batch, drafter, last, greedy, post_norm)
+            return plain_round(m, self._batch, drafter, last, greedy, post_norm, self.prof.stage)
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
             capture_at_width(self._batch.layers, max(k, self._k_max) + 1)
         return draft_round(m, self._batch, self.drafter, last, k, self._accept, post_norm,
-                           drafting=mx.array([s.draft for s in rows]))
+                           drafting=mx.array([s.draft for s in rows]), stage=self.prof.stage)
 
     def _draft_length(self, rows: list[Sequence]) -> int:
         """The round's k: 0 when no sequence drafts, else the smallest n-max the drafting

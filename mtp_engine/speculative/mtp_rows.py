@@ -17,10 +17,13 @@ Every count stays on the device: the host learns a round's accepted lengths one 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 
 from ..model.batch_cache import BatchCache
 from ..model.qwen35 import Qwen35Model
+from .round import no_stage
 
 
 WIDTHS = (1, 2, 4, 8)  # block widths a plain stretch pads to: the head's compiled shapes stay few
@@ -32,8 +35,10 @@ class MTPRowsDrafter:
 
     name = "draft-mtp"
 
-    def __init__(self, model: Qwen35Model):
+    def __init__(self, model: Qwen35Model, stage: Callable = no_stage):
+        """`stage(name)`: the batch's profiler stage (`catch_up`: the block, `draft`: the chain)."""
         self.model = model
+        self.stage = stage
         self.cache = BatchCache(model)
         self.tokens: mx.array | None = None  # [B, w] int32
         self.hidden: mx.array | None = None  # [B, w, H]
@@ -86,18 +91,22 @@ class MTPRowsDrafter:
         """k greedy drafts per row as device values: (tokens [B, k] int32, None (no distributions:
         rows that sample do not draft), whether each passed p-min [B, k] when p-min is set)."""
         m, cache = self.model, self.cache
-        h = self._run_block()
+        with self.stage("catch_up") as out:
+            h = self._run_block()
+            out.append(h)
         kept, kept_host = cache.lengths, list(cache.host_lengths)
         drafts, confident = [], []
-        for i in range(k):
-            logits = m.draft_logits(h[:, 0])  # [B, V]
-            d = mx.argmax(logits, axis=-1).astype(mx.int32)
-            if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
-                confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1]), axis=-1), axis=-1),
-                                        axis=-1) >= p_min)
-            drafts.append(d)
-            if i + 1 < k:
-                h = m.mtp.forward_batch(m.embed_tokens(d[:, None]), h, cache)
+        with self.stage("draft") as out:
+            for i in range(k):
+                logits = m.draft_logits(h[:, 0])  # [B, V]
+                d = mx.argmax(logits, axis=-1).astype(mx.int32)
+                if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
+                    confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1]), axis=-1),
+                                                       axis=-1), axis=-1) >= p_min)
+                drafts.append(d)
+                if i + 1 < k:
+                    h = m.mtp.forward_batch(m.embed_tokens(d[:, None]), h, cache)
+            out.extend(drafts)
         cache.lengths, cache.host_lengths = kept, kept_host  # rows of steps 2..k were the head's guesses
         self.tokens = self.hidden = self.valid = None  # run: the round's commit sets the next block
         return mx.stack(drafts, axis=1), None, (mx.stack(confident, axis=1) if confident else None)

@@ -82,17 +82,38 @@ def mlx_lm_batch(net, prompt_ids: list[list[int]], tokens: int) -> float | None:
     return rate
 
 
-def _with_scheduler(model, parallel: int, oracle: float | None = None):
+def _with_scheduler(model, parallel: int, oracle: float | None = None, profile: str = "off"):
     """Another handle on the same weights whose generations share batches of `parallel` (with
-    `oracle`, draft-mtp rounds accept each draft with that probability: benchmark-only)."""
+    `oracle`, draft-mtp rounds accept each draft with that probability: benchmark-only; `profile`
+    "precise": an MTP batch that times its rounds' stages)."""
     import dataclasses
 
-    from mtp_engine.batching import batch_scheduler
+    from mtp_engine.batching import MTPBatchScheduler, batch_scheduler
     from mtp_engine.batching.ablations import OracleBatchScheduler
 
     m = dataclasses.replace(model, scheduler=None)
-    m.scheduler = batch_scheduler(m, parallel) if oracle is None else OracleBatchScheduler(m, parallel, oracle)
+    if oracle is not None:
+        m.scheduler = OracleBatchScheduler(m, parallel, oracle, profile=profile)
+    else:
+        m.scheduler = batch_scheduler(m, parallel) if profile == "off" else MTPBatchScheduler(m, parallel, profile=profile)
     return m
+
+
+def _stage_breakdown(alone, parallel: int, oracle: float | None, prompts: list[str], tokens: int) -> dict:
+    """A plain run and a draft-mtp run, each through a fresh MTP batch that times every round's
+    stages (each synchronised: slower than the timed runs, for where a batch round's time goes;
+    the graphs are compiled by then): ms per stage call, calls, and the draft-mtp run's rounds by k."""
+    out = {}
+    for spec in ("none", "draft-mtp"):
+        m = _with_scheduler(alone, parallel, oracle, "precise")
+        try:
+            run_streams(m, prompts, tokens, True, spec)
+        finally:
+            m.scheduler.stop()
+        out[spec] = {name: {"ms": round(v["seconds"] * 1e3 / max(v["count"], 1), 3), "calls": v["count"]}
+                     for name, v in m.scheduler.prof.report()["stages"].items() if v["count"]}
+        out["rounds_by_k"] = dict(m.scheduler.rounds_by_k)
+    return out
 
 
 def _round_costs(scheduler, batch: int) -> dict:
@@ -164,6 +185,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", action="store_true",
                     help="mlx-lm's batch_generate beside ours at the model's shape (random 4-bit g32 weights; "
                          "always on with --random-9b)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each concurrency's timed runs, one plain and one draft-mtp run whose rounds' stages "
+                         "are timed (synchronised: where a batch round's time goes)")
     ap.add_argument("--oracle", type=float, default=None,
                     help="draft-mtp rounds accept each draft with this probability (random weights draft nothing "
                          "useful); their outputs are then not compared")
@@ -213,6 +237,8 @@ def main(argv=None) -> int:
         if peer_rates:
             row["mlx_lm_batch_tok_s"] = statistics.median(peer_rates)
         row["mtp_ratio"] = row["batched_mtp_aggregate_tok_s"] / row["batched_aggregate_tok_s"]
+        if args.profile:
+            row["stages"] = _stage_breakdown(alone, max(c, 2), args.oracle, prompts, args.tokens)
         rows.append(row)
         print(f"C={c:2d}  batched {row['batched_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['batched_ttft_p50_s']:.3f} "
               f"p95 {row['batched_ttft_p95_s']:.3f} s, stream {row['batched_stream_tok_s']:.1f})  draft-mtp "
@@ -222,6 +248,13 @@ def main(argv=None) -> int:
               f"outputs equal: {row['outputs_equal']}"
               + (f"  mlx-lm batch_generate {row['mlx_lm_batch_tok_s']:.1f}" if row.get("mlx_lm_batch_tok_s") else ""),
               flush=True)
+        if "stages" in row:  # ms per call of each stage, synchronised
+            for spec in ("none", "draft-mtp"):
+                st = row["stages"][spec]
+                print(f"      stages {spec:9s} " + ", ".join(f"{k} {v['ms']:.2f} ms x{v['calls']}"
+                                                          for k, v in sorted(st.items(), key=lambda kv: -kv[1]["ms"] * kv[1]["calls"])),
+                      flush=True)
+            print(f"      stages rounds by k {row['stages']['rounds_by_k']}", flush=True)
     report = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens,
               "repeats": args.repeats, "model": args.model or "models/ (default)", "rows": rows}
     if args.out:
