@@ -904,3 +904,27 @@ def test_a_batched_prompt_reports_its_reading_as_one_alone_does(parallel_model, 
     assert got and all(t == n for _, t in got) and got[0][0] == 0 and got[-1][0] == n
     assert [d for d, _ in got] == sorted(d for d, _ in got) and len(got) >= n // 4
     assert reports["alone"][0] == (0, n) and reports["alone"][-1] == (n, n)
+
+
+def test_a_precise_profile_times_a_batch_rounds_stages(shipped_model):
+    """`MTPBatchScheduler(profile="precise")` times each round's stages as a sequence alone's
+    precise profile does (the head's block, its chain, verify, accept, rollback; plain rounds'
+    decode), and the answers stay the plain greedy ones."""
+    from mtp_engine.batching import MTPBatchScheduler
+
+    sched = MTPBatchScheduler(replace(shipped_model, scheduler=None), 2, profile="precise")
+    m = replace(shipped_model, scheduler=sched)
+    got: dict[int, list[int]] = {}
+
+    def one(i):
+        got[i] = generate(PROMPTS[i + 1], m, max_tokens=8, ignore_eos=True, spec="draft-mtp" if i else "none",
+                          n_max=2).token_ids
+    try:
+        _in_threads(one, range(2))
+    finally:
+        sched.stop()
+    assert [got[0], got[1]] == [w.token_ids for w in _alone(shipped_model, PROMPTS[1:3], max_tokens=8, ignore_eos=True)]
+    stages = sched.prof.report()["stages"]
+    assert {"catch_up", "draft", "verify", "accept", "rollback"} <= set(stages), stages
+    assert all(v["seconds"] > 0 and v["count"] > 0 for k, v in stages.items() if k != "other")
+    assert MTPBatchScheduler(replace(shipped_model, scheduler=None), 2, own_thread=False).prof.mode == "off"
