@@ -252,7 +252,8 @@ def prepare(recipes: Iterable[tuple[int, str]], cache_dir: Path | None = None,
         return None
     STATS["started"] += len(todo)
     n = workers or max(1, min(len(todo), (os.cpu_count() or 4) // 4, 4))
-    log.info("preparing MLX's kernel modules ahead: %d recipes in %d processes", len(todo), n)
+    log.info("first run on this GPU and MLX version: compiling %d groups of MLX's own kernels in %d background "
+             "processes while the model loads (kept in %s)", len(todo), n, cache_dir)
     return Preparation(todo, cache_dir, n)
 
 
