@@ -227,8 +227,10 @@ def auto_section(model, prompt, tokens: int, repeats: int, accs, ks, log, shape:
                     r["draft_lengths"] = st.get("draft_length_histogram")
                     r["auto_message"] = st.get("auto_message")
                     r["compile_seconds"] = st.get("compile_seconds")
+                    r["plain_rounds"] = st.get("auto_plain_rounds")  # why its plain rounds were plain
                 log({"shape": shape, "rep": rep + 1, "a": a, "n_max": k, "speedup": round(tps / plain, 3),
-                     **({"draft_lengths": st.get("draft_length_histogram")} if k == "auto" else {})})
+                     **({"draft_lengths": st.get("draft_length_histogram"), "plain_rounds": st.get("auto_plain_rounds"),
+                         "no_gain_rate": st.get("auto_no_gain_rate")} if k == "auto" else {})})
     table = []
     for a in accs:
         row = {"a": a}
