@@ -192,7 +192,7 @@ def jit_sigmoid_gate() -> mx.array:
     return mx.compile(_sigmoid_gate.__wrapped__)(mx.zeros((1, 1, 8)), mx.zeros((1, 1, 8)))
 
 
-JIT_RECIPES = [(0, f"{__name__}:jit_swiglu"), (1, f"{__name__}:jit_sigmoid_gate")]  # (phase, recipe)
+JIT_RECIPES = [(0, f"{__name__}:jit_swiglu"), (3, f"{__name__}:jit_sigmoid_gate")]  # (phase, recipe)
 
 
 @dataclass

@@ -209,8 +209,7 @@ def jit_emit(rows: str) -> mx.array:
     return mx.compile(_emit)(drafts, mx.zeros((b,), mx.int32), mx.zeros((b,), mx.int32))
 
 
-# (phase, recipe): the greedy round's pieces (2: a round alone compiled both forms of the emit on an
-# H100), a batch's and the sampler's (3)
-JIT_RECIPES = [(2, f"{__name__}:jit_agreeing:1"), (2, f"{__name__}:jit_emit:1"), (2, f"{__name__}:jit_emit:2"),
+# (phase, recipe): the greedy round's pieces (2), a batch's and the sampler's (3)
+JIT_RECIPES = [(2, f"{__name__}:jit_agreeing:1"), (2, f"{__name__}:jit_emit:1"), (3, f"{__name__}:jit_emit:2"),
                (3, f"{__name__}:jit_agreeing:2"), (3, f"{__name__}:jit_accept_sampling:1"),
                (3, f"{__name__}:jit_accept_sampling:2")]
