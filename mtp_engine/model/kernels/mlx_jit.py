@@ -66,9 +66,10 @@ def dynamic_offset() -> mx.array:
     return mx.slice_update(mx.zeros((1, 2, 8, 4)), mx.ones((1, 2, 1, 4)), mx.array([3], mx.int32), axes=(2,))
 
 
-# (phase, recipe): a prompt's forward (0), a plain step (1), a greedy draft-mtp round (2), the rest
-# (3): the modules a fresh H100's first runs compiled one after another in those phases, before any
-# were prepared (docs/bench/h100-2026-12-06-s24/startup_before_prepare.json), then the sampler's
+# (phase, recipe): a prompt's forward (0), a plain step (1), a greedy draft-mtp round (2): the
+# modules a fresh H100's first runs compiled one after another in those phases before any were
+# prepared (docs/bench/h100-2026-12-06-s24/startup_before_prepare.json); then the rest (3: the
+# sampler's, a batch's)
 _M = __name__
 GENERIC = [(0, f"{_M}:gather:float32,int32"), (0, f"{_M}:gather:uint32,int32"), (0, f"{_M}:gather:float32,uint32"),
            (1, f"{_M}:dynamic_offset"), (1, f"{_M}:gather:int32,uint32"), (2, f"{_M}:gather_axis:int32,int32"),
