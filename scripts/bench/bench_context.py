@@ -33,7 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 
 
-from harness import LAYOUTS, NullTokenizer, config_9b, peer_model, random_model
+from harness import LAYOUTS, STORED, NullTokenizer, config_9b, peer_model, random_model
 
 from mtp_engine.generation.decode import PlainDecoder
 from mtp_engine.generation.loop import run
@@ -220,12 +220,16 @@ def _ours(model, prompt, tokens, spec, n_max=None, oracle=None, on=None) -> dict
     if spec == "none":
         dec = PlainDecoder(model, sampler)
     else:
-        sched = DraftLengthScheduler.for_model(model, None) if n_max == "auto" else None
+        # auto starts from the round costs earlier runs on this model measured (the API's cache
+        # folder; the untimed run of each length measures them first)
+        sched = DraftLengthScheduler.for_model(model, STORED.get(id(model))) if n_max == "auto" else None
         dec = ablation_decoder(model, sampler, DraftParams(None if n_max == "auto" else n_max), scheduler=sched,
                                oracle_acceptance=oracle)
     last = None
     for last in run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True):
         pass
+    if spec != "none" and n_max == "auto":
+        STORED.setdefault(id(model), {}).update(sched.measured_round_steps())
     st = last.stats
     return {"ttft_s": st["time_to_first_token_seconds"], "prefill_tok_s": len(prompt) / st["prefill_seconds"],
             "decode_tok_s": st["decode_tokens_per_second"]}
