@@ -219,10 +219,11 @@ class Preparation:
         except OSError as e:  # no process to be had: the main process compiles at first use
             log.debug("MLX module worker %d: %s", i, e)
         finally:
-            if p is not None:
+            if p is not None:  # its stdin closed, the worker ends; reaped here (a server lives on)
                 try:
                     p.stdin.close()
-                except OSError:
+                    p.wait(timeout=60)
+                except (OSError, subprocess.TimeoutExpired):
                     pass
 
     def wait(self, timeout: float | None = None) -> bool:
