@@ -3,8 +3,6 @@ and the page at `/`. Handlers run on the event loop; generation runs on the work
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import asyncio
 import logging
 import os
@@ -92,9 +90,7 @@ async def _answer(request: Request, parse) -> Response:
                                     f"{PREPARE_TIMEOUT_S:.0f} s to compile: simplify it"))
     except ClientDisconnect:
         return Response(status_code=499)
-    job = Job(prepared, req.mtp_trace, asyncio.get_running_loop())
-    if req.stream and req.return_progress:  # the engine tells the job how the prompt's reading goes
-        job.prepared = replace(prepared, request=replace(prepared.request, progress=job.prompt_progress))
+    job = Job(prepared, req.mtp_trace, asyncio.get_running_loop(), progress=req.stream and req.return_progress)
     try:
         state.worker.submit(job)
     except ShuttingDown as e:

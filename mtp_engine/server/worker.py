@@ -16,7 +16,7 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -54,7 +54,10 @@ class Job:
     the loop's time per token that the generation thread waited for under the GIL (measured,
     docs/benchmarks.md "Server hand-over"); the handler now takes whatever has arrived at each turn."""
 
-    def __init__(self, prepared: Prepared, trace: bool, loop: asyncio.AbstractEventLoop):
+    def __init__(self, prepared: Prepared, trace: bool, loop: asyncio.AbstractEventLoop, progress: bool = False):
+        """`progress`: the engine reports the prompt's reading as "progress" events (`prompt_progress`)."""
+        if progress:
+            prepared = replace(prepared, request=replace(prepared.request, progress=self.prompt_progress))
         self.prepared = prepared  # the request made concrete for the model (request.prepare)
         self.trace = trace
         self.loop = loop
