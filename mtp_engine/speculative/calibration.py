@@ -1,7 +1,8 @@
 """Per model and device: what a round with k drafts costs, in plain decode steps, as measured by
 earlier runs (`costs.json` in the folder `EngineOptions.cache_dir` names: the model's
-`options.cache_path`). It seeds n-max auto's estimates before the current run has measured
-anything; nothing is measured before the first token.
+`options.cache_path`), and the acceptance per draft position the last run ended at. They seed
+n-max auto's estimates before the current run has measured anything (`seed_costs` completes a
+stored entry from the device's prior); nothing is measured before the first token.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 from pathlib import Path
 
 import mlx.core as mx
+
+from .costmodel import Costs
 
 MAX_K = 8  # longest draft n-max auto considers (speculative/scheduler.py's AUTO_MAX)
 
@@ -118,3 +121,27 @@ def save(model_path: str, model, round_steps: dict[int, float], step_ms: float |
     except OSError:
         pass
 
+
+def seed_costs(costs: Costs | dict | None, prior: dict[int, float]) -> dict[int, float]:
+    """Round costs {k: plain steps} a run starts from: the stored ones (or the old calibration's
+    `Costs`), every length they lack taken from `prior` (`_complete`); the prior when none."""
+    if costs is None:
+        return dict(prior)
+    if isinstance(costs, Costs):
+        seed = {k: costs.verify[k + 1] + k * costs.draft + costs.fixed for k in range(1, MAX_K + 1)
+                if k + 1 in costs.verify}
+    else:
+        seed = {int(k): float(v) for k, v in costs.items() if 1 <= int(k) <= MAX_K}
+    return _complete(seed, prior) if seed else dict(prior)
+
+
+def _complete(seed: dict[int, float], prior: dict[int, float]) -> dict[int, float]:
+    """A stored entry holds only the draft lengths a run measured ({2: .., 4: ..}): the others take
+    the device prior moved by the nearest stored length's error against it, so every k has a cost
+    (a missing one crashed the first round's choice) and an unmeasured longer draft stays in reach."""
+    out = dict(seed)
+    for k in range(1, MAX_K + 1):
+        if k not in out and k in prior:
+            near = min(seed, key=lambda kk: (abs(kk - k), kk))
+            out[k] = max(prior[k] + seed[near] - prior.get(near, seed[near]), 1.0)
+    return dict(sorted(out.items()))

@@ -19,7 +19,7 @@ from collections import deque
 from typing import Callable
 
 from .acceptance_estimate import PositionAcceptance
-from .calibration import MAX_K, default_seed
+from .calibration import MAX_K, default_seed, seed_costs
 from .costmodel import Costs
 
 AUTO_MAX = MAX_K  # longest draft auto considers
@@ -52,29 +52,6 @@ def context_bucket(context: int) -> int:
     return max(0, int(context).bit_length() - 9)
 
 
-def _seed_from(costs: Costs | dict | None, prior: dict[int, float]) -> dict[int, float]:
-    if costs is None:
-        return dict(prior)
-    if isinstance(costs, Costs):
-        seed = {k: costs.verify[k + 1] + k * costs.draft + costs.fixed for k in range(1, AUTO_MAX + 1)
-                if k + 1 in costs.verify}
-    else:
-        seed = {int(k): float(v) for k, v in costs.items() if 1 <= int(k) <= AUTO_MAX}
-    return _complete(seed, prior) if seed else dict(prior)
-
-
-def _complete(seed: dict[int, float], prior: dict[int, float]) -> dict[int, float]:
-    """A stored entry holds only the draft lengths a run measured ({2: .., 4: ..}): the others take
-    the device prior moved by the nearest stored length's error against it, so every k has a cost
-    (a missing one crashed the first round's choice) and an unmeasured longer draft stays in reach."""
-    out = dict(seed)
-    for k in range(1, AUTO_MAX + 1):
-        if k not in out and k in prior:
-            near = min(seed, key=lambda kk: (abs(kk - k), kk))
-            out[k] = max(prior[k] + seed[near] - prior.get(near, seed[near]), 1.0)
-    return dict(sorted(out.items()))
-
-
 class DraftLengthScheduler:
     """Chooses k each round; learns acceptance per draft position and time per round from the rounds
     it observes. `costs`: stored round costs {k: plain steps}, the old calibration's `Costs`, or None
@@ -105,7 +82,7 @@ class DraftLengthScheduler:
         ended (`PositionAcceptance`'s start)."""
         self.agree = agree
         self.defer_t0 = defer_t0
-        self.seed = _seed_from(costs, prior or default_seed())
+        self.seed = seed_costs(costs, prior or default_seed())
         self.k_max = min(k_max, max(self.seed))
         self.budget = budget
         self.acceptance = PositionAcceptance(self.k_max, start=acceptance)
