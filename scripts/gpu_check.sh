@@ -30,7 +30,9 @@ group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.p
     tests/generation/test_pipeline.py tests/generation/test_profiler_bench.py tests/model/test_product_slabs.py"
 gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU
     t=$(left 580 120 "$1") || return 0
-    timeout "$t" python3 -m pytest -q -p no:cacheprovider --tb=short --durations=12 $workers -k "not serve_parallel" \
+    # MLX's modules are not prepared in worker processes here: 8 test processes, each with its own
+    # cache folder, would start 4 workers each (a CUDA context apiece) for modules the tests compile anyway
+    MTP_ENGINE_MLX_PREPARE_WORKERS=0 timeout "$t" python3 -m pytest -q -p no:cacheprovider --tb=short --durations=12 $workers -k "not serve_parallel" \
         $2 > "$out/$1.log" 2>&1
     echo "$1 rc=$?"; grep -E "passed|failed" "$out/$1.log" | tail -1
 }
@@ -43,7 +45,7 @@ fi
 [ "$what" = tests1 ] && gpu_tests tests1 "$group1"
 [ "$what" = tests2 ] && gpu_tests tests2 "$group2"
 if [ "$what" = kernels ]; then  # the custom kernels alone against the MLX path (a few minutes)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/model/test_gdn_kernel.py \
+    MTP_ENGINE_MLX_PREPARE_WORKERS=0 timeout 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/model/test_gdn_kernel.py \
         tests/model/test_attn_kernel.py tests/model/test_qmv_kernels.py tests/model/test_kernel_selftest.py \
         tests/model/test_kernel_source.py > "$out/kernels.log" 2>&1
     echo "kernels rc=$?"; grep -E "passed|failed" "$out/kernels.log" | tail -1
