@@ -20,6 +20,14 @@ from mtp_engine.speculative import round as spec_round
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _engine_choice_of_workers(monkeypatch):
+    """These tests set the worker count themselves (gpu_check turns the workers off for the suite)."""
+    from mtp_engine.options import ENV_PREPARE
+
+    monkeypatch.delenv(ENV_PREPARE, raising=False)
+
+
 def _compiled_names(tmp: Path, code: str) -> set[str]:
     """The compiled graphs' names MLX's CPU backend builds while `code` runs (its cache folder
     is under TMPDIR, so each run gets its own)."""
