@@ -20,6 +20,7 @@ correctness. Off a CUDA GPU nothing runs.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -37,7 +38,7 @@ from typing import Callable, Iterable
 import mlx.core as mx
 
 from ...options import mlx_kernel_cache_dir, mlx_prepare_workers, worker_environment
-from .cuda_kernel import cuda
+from .cuda_kernel import cuda, mlx_cache_dirs
 
 log = logging.getLogger("mtp_engine.kernels")
 
@@ -88,19 +89,30 @@ def resolve(recipe: str) -> Callable[[], object]:
     return lambda: fn(*(args.split(",") if args else ()))
 
 
+@functools.lru_cache(maxsize=None)
+def _source_digest(module: str) -> str:
+    """A module's source, hashed once per process (several recipes share a module)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return ""
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+
+
 def key(recipe: str) -> str:
     """The marker's key: MLX's version and the source of the recipe's module (a change there may
     change the graphs it warms)."""
-    h = hashlib.sha256(f"{mx.__version__}\n{recipe}\n".encode())
-    spec = importlib.util.find_spec(recipe.partition(":")[0])
-    if spec is not None and spec.origin and os.path.isfile(spec.origin):
-        h.update(Path(spec.origin).read_bytes())
-    return h.hexdigest()[:16]
+    text = f"{mx.__version__}\n{recipe}\n{_source_digest(recipe.partition(':')[0])}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def marker(cache_dir: Path, recipe: str) -> Path:
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in recipe)[-120:]
     return cache_dir / MARKERS / f"{safe}.{key(recipe)}"
+
+
+def _claim_path(done: Path) -> Path:
+    """Where a process notes that it took the recipe whose marker is `done`."""
+    return done.with_name(done.name + ".claim")
 
 
 def move_modules(staging: Path, cache_dir: Path) -> int:
@@ -141,7 +153,7 @@ def work(cache_dir: Path, staging: Path, recipes=None, out=None) -> int:
                 m = marker(cache_dir, recipe)
                 m.parent.mkdir(parents=True, exist_ok=True)
                 m.touch()
-                m.with_name(m.name + ".claim").unlink(missing_ok=True)
+                _claim_path(m).unlink(missing_ok=True)
                 print(f"ok {recipe} {moved}", file=out, flush=True)
             except Exception as e:  # the main process compiles what this one could not, at first use
                 print(f"failed {recipe}: {type(e).__name__}: {str(e)[:500]}".replace("\n", " "), file=out, flush=True)
@@ -154,7 +166,7 @@ def _claim(done: Path) -> bool:
     """Whether this process takes the recipe: processes loading at once (a test run's workers, a
     server's ranks) start one worker per recipe between them. A claim older than `CLAIM_SECONDS`
     is a process that died: taken over."""
-    claim = done.with_name(done.name + ".claim")
+    claim = _claim_path(done)
     claim.parent.mkdir(parents=True, exist_ok=True)
     try:
         if time.time() - claim.stat().st_mtime > CLAIM_SECONDS:
@@ -242,15 +254,13 @@ def prepare(recipes: Iterable[tuple[int, str]], cache_dir: Path | None = None,
     a quarter of the cores, 1 to 4; 0: none). None off a CUDA GPU or with nothing to do."""
     if not cuda():
         return None
-    from .cuda_kernel import mlx_cache_dirs
-
     workers = mlx_prepare_workers() if workers is None else workers
     if workers == 0:
         return None
 
     cache_dir = Path(cache_dir or mlx_kernel_cache_dir() or mlx_cache_dirs()[0])
     ordered = list(dict.fromkeys(r for _, r in sorted(recipes, key=lambda pr: pr[0])))
-    todo = [r for r in ordered if not marker(cache_dir, r).exists() and _claim(marker(cache_dir, r))]
+    todo = [r for r in ordered if not (m := marker(cache_dir, r)).exists() and _claim(m)]
     STATS["skipped"] += len(ordered) - len(todo)
     if not todo:
         return None
