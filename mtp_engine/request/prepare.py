@@ -136,9 +136,8 @@ def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int
     scheduler = None
     if params.auto:
         # no calibration pass: stored costs from earlier runs (or a prior) seed what this run measures
-        folder = model.options.cache_path
-        costs = calibration.load_seed(model.path, model.model, folder) if stored else None
-        acceptance = calibration.load_acceptance(model.path, model.model, folder) if stored else None
+        costs, acceptance = calibration.load(model.path, model.model, model.options.cache_path) if stored \
+            else (None, None)
         scheduler = DraftLengthScheduler.for_model(model.model, costs, agree, acceptance)
     return build_decoder(spec.method, model.model, sampler, params, profiler, scheduler,
                          prompt_cache=req.prompt_cache, calibration_path=model.path if stored else "",

@@ -60,13 +60,33 @@ def default_seed(gpu: bool | None = None, moe: bool = False) -> dict[int, float]
     return {k: 0.95 * (k + 1) + 0.3 * k + 0.05 for k in range(1, MAX_K + 1)}
 
 
+def load(model_path: str, model, folder: Path) -> tuple[dict[int, float] | None, list[float] | None]:
+    """(`load_seed`, `load_acceptance`) of this model and device from one read of the store (what
+    a run of n-max auto starts from)."""
+    d = _entry(model_path, model, folder)
+    return _seed_of(d), _acceptance_of(d)
+
+
 def load_seed(model_path: str, model, folder: Path) -> dict[int, float] | None:
     """The stored round costs {k: steps} of this model and device, or None. Entries written by the
     old calibration pass (V(S), c, f) are converted: a round of k drafts costs V(k+1) + k c + f."""
+    return _seed_of(_entry(model_path, model, folder))
+
+
+def load_acceptance(model_path: str, model, folder: Path) -> list[float] | None:
+    """Per draft position, the acceptance the last run on this model and device ended at, or None."""
+    return _acceptance_of(_entry(model_path, model, folder))
+
+
+def _entry(model_path: str, model, folder: Path) -> dict | None:
     if not model_path:
         return None
     d = _read_all(folder).get(costs_key(model_path, model))
-    if not isinstance(d, dict):
+    return d if isinstance(d, dict) else None
+
+
+def _seed_of(d: dict | None) -> dict[int, float] | None:
+    if d is None:
         return None
     try:
         if isinstance(d.get("round_steps"), dict):
@@ -81,12 +101,8 @@ def load_seed(model_path: str, model, folder: Path) -> dict[int, float] | None:
     return seed or None
 
 
-def load_acceptance(model_path: str, model, folder: Path) -> list[float] | None:
-    """Per draft position, the acceptance the last run on this model and device ended at, or None."""
-    if not model_path:
-        return None
-    d = _read_all(folder).get(costs_key(model_path, model))
-    acc = d.get("acceptance") if isinstance(d, dict) else None
+def _acceptance_of(d: dict | None) -> list[float] | None:
+    acc = d.get("acceptance") if d is not None else None
     try:
         out = [float(a) for a in acc] if isinstance(acc, list) else None
     except (TypeError, ValueError):
