@@ -33,7 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 
 
-from harness import LAYOUTS, STORED, NullTokenizer, config_9b, peer_model, random_model
+from harness import LAYOUTS, NullTokenizer, config_9b, peer_model, random_model, store, stored_scheduler
 
 from mtp_engine.generation.decode import PlainDecoder
 from mtp_engine.generation.loop import run
@@ -42,7 +42,6 @@ from mtp_engine.model import delta_rule
 from mtp_engine.model import kernels
 from mtp_engine.speculative.ablations import ablation_decoder
 from mtp_engine.speculative.config import DraftParams
-from mtp_engine.speculative.scheduler import DraftLengthScheduler
 
 
 def _ms(fn, repeats: int = 5) -> float:
@@ -217,19 +216,20 @@ def step(model, lengths, steps: int = 40) -> list[dict]:
 def _ours(model, prompt, tokens, spec, n_max=None, oracle=None, on=None) -> dict:
     model = on if on is not None else model
     sampler = Sampler(SamplerConfig(seed=0))
+    sched = None
     if spec == "none":
         dec = PlainDecoder(model, sampler)
     else:
         # auto starts from the round costs earlier runs on this model measured (the API's cache
         # folder; the untimed run of each length measures them first)
-        sched = DraftLengthScheduler.for_model(model, STORED.get(id(model))) if n_max == "auto" else None
+        sched = stored_scheduler(model) if n_max == "auto" else None
         dec = ablation_decoder(model, sampler, DraftParams(None if n_max == "auto" else n_max), scheduler=sched,
                                oracle_acceptance=oracle)
     last = None
     for last in run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True):
         pass
-    if spec != "none" and n_max == "auto":
-        STORED.setdefault(id(model), {}).update(sched.measured_round_steps())
+    if sched is not None:
+        store(model, sched)
     st = last.stats
     return {"ttft_s": st["time_to_first_token_seconds"], "prefill_tok_s": len(prompt) / st["prefill_seconds"],
             "decode_tok_s": st["decode_tokens_per_second"]}

@@ -145,6 +145,16 @@ class NullTokenizer:
 STORED: dict[int, dict[int, float]] = {}
 
 
+def stored_scheduler(model, scheduler_type=DraftLengthScheduler):
+    """n-max auto for a run of `model`, starting from what earlier auto runs on it measured."""
+    return scheduler_type.for_model(model, STORED.get(id(model)))
+
+
+def store(model, sched) -> None:
+    """Keeps what an auto run measured for the next run on `model` (the API's `calibration.save`)."""
+    STORED.setdefault(id(model), {}).update(sched.measured_round_steps())
+
+
 def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=None, scheduler_type=DraftLengthScheduler,
                decoders: list | None = None, stored: bool = True) -> tuple[float, dict]:
     """tok/s and stats of one greedy run; `decoders` (a list) receives the decoder, for its clock
@@ -157,8 +167,8 @@ def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=Non
     else:
         # as the API builds it (compiled steps: drafts up to 4)
         if n_max == "auto":
-            seed = costs if costs is not None else (STORED.get(id(model)) if stored else None)
-            sched = scheduler_type.for_model(model, seed)
+            sched = scheduler_type.for_model(model, costs) if costs is not None or not stored \
+                else stored_scheduler(model, scheduler_type)
         dec = ablation_decoder(model, sampler, DraftParams(n_max), scheduler=sched, oracle_acceptance=oracle)
     if decoders is not None:
         decoders.append(dec)
@@ -166,7 +176,7 @@ def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=Non
     for last in run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True):
         pass
     if sched is not None and stored:
-        STORED.setdefault(id(model), {}).update(sched.measured_round_steps())
+        store(model, sched)
     s = last.stats
     return s["decode_tokens_per_second"], s
 
