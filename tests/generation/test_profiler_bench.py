@@ -27,7 +27,10 @@ def test_precise_stages_add_up_to_wall_time(tiny, spec):
     stages = prof["stages"]
     named = sum(v["seconds"] for k, v in stages.items() if k != "other")
     assert prof["wall_seconds"] > 0
-    assert abs(named - prof["wall_seconds"]) / prof["wall_seconds"] < 0.05, stages
+    # the rest is the loop's own bookkeeping between stages: a few percent of a CPU run, and about
+    # 0.2 ms a round where a tiny model's round takes 3 ms on a GPU
+    slack = max(0.05 * prof["wall_seconds"], 3e-4 * stages["emit"]["count"])
+    assert abs(named - prof["wall_seconds"]) < slack, stages
     expected = {"prefill", "decode", "sync", "emit"} if spec is None else \
         {"prefill", "draft", "verify", "sample", "sync", "accept", "rollback", "catch_up", "emit"}
     assert expected <= set(stages)
