@@ -9,12 +9,11 @@ from tests.conftest import TINY_Q4, need
 from mtp_engine import EngineOptions, MTPEngineError, load
 from mtp_engine import generate
 from mtp_engine.model import kernels
-from mtp_engine.model.layers import Linear
 from mtp_engine.options import ENV
 
 
 def _linears(model):
-    return [p for p in model.model._parts() if isinstance(p, Linear)]
+    return model.model.linears()
 
 
 @pytest.fixture

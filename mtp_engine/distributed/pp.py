@@ -20,6 +20,7 @@ from ..model.layers import Linear
 from ..model.blocks import run_layers
 from ..model.mtp_head import MTPHead
 from ..model.qwen35 import Qwen35Model, TrunkStates
+from ..model.step import Pass
 from .runtime import Comm
 from .shard import split
 from .tp import VocabShardHead
@@ -63,11 +64,10 @@ class PPModel(Qwen35Model):
                                          c.ssm_value_dim) if rec else KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype))
         return TrunkCache(caches)
 
-    def forward_states(self, ids: mx.array, cache: TrunkCache, capture: bool = False, resident: bool = False,
-                       one_off: bool = False) -> TrunkStates:
-        # `one_off` (a prompt's prefill) changes nothing here: a stage's forward is never compiled
+    def forward_states(self, ids: mx.array, cache: TrunkCache, how: Pass = Pass.STEP) -> TrunkStates:
+        # a prefill runs as a step here: a stage's forward is never compiled (nor in a device round)
         s = int(ids.shape[1])
-        if capture:
+        if how.capture:
             cache.begin_capture(s)
         comm, r, n = self.comm, self.comm.rank, self.comm.size
         shape = (1, s, self.cfg.hidden_size)

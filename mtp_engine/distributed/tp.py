@@ -9,9 +9,8 @@ on top and decide identically.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ..errors import MTPEngineError
@@ -26,8 +25,7 @@ from .runtime import Comm
 from .shard import TPPlan
 
 
-@dataclass
-class NullMixer:
+class NullMixer(nn.Module):
     """The mixer of a rank that holds none of a block's heads: it adds nothing to the sum."""
 
     def __call__(self, x: mx.array, cache) -> mx.array:
@@ -49,25 +47,25 @@ class NullRecurrentCache(RecurrentCache):
         self.release()
 
 
-@dataclass
-class SummedMixer:
+class SummedMixer(nn.Module):
     """A mixer whose per-rank partial output is all-reduced."""
 
-    inner: object
-    comm: Comm
+    def __init__(self, inner: nn.Module, comm: Comm):
+        super().__init__()
+        self.inner, self.comm = inner, comm
 
     def __call__(self, x: mx.array, cache) -> mx.array:
         return self.comm.all_sum(self.inner(x, cache))
 
 
-@dataclass
-class SummedFFN:
+class SummedFFN(nn.Module):
     """An FFN (dense or MoE) whose per-rank partial output is all-reduced: each rank computes
     its intermediate columns, and both the routed experts' weighted sum and the gated shared
     expert are linear in those."""
 
-    inner: object
-    comm: Comm
+    def __init__(self, inner: nn.Module, comm: Comm):
+        super().__init__()
+        self.inner, self.comm = inner, comm
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.comm.all_sum(self.inner(x))
@@ -77,11 +75,12 @@ class SummedFFN:
         return getattr(self.inner, "record", None)
 
 
-class VocabShardHead:
+class VocabShardHead(nn.Module):
     """The output head split by vocabulary rows: local logits, then an all-gather (the last rank's
     share is padded to the common size, then cut off)."""
 
     def __init__(self, local: Linear, vocab: int, comm: Comm):
+        super().__init__()
         self.local, self.vocab, self.comm = local, vocab, comm
         self.per = -(-vocab // comm.size)
 

@@ -17,6 +17,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..model.qwen35 import Qwen35Model
+from ..model.step import Pass
 from .profiler import Profiler
 from .prompt_cache import PromptCache
 from .sampling import Sampler, check_finite
@@ -156,7 +157,7 @@ class DecoderBase:
         hiddens = []
         chunk = self.prefill_chunk or self.model.options.prefill_chunk
         for s in range(0, len(ids), chunk):
-            post, pre = self.model.forward_states(mx.array([ids[s:s + chunk]]), self.cache, one_off=True)
+            post, pre = self.model.forward_states(mx.array([ids[s:s + chunk]]), self.cache, Pass.PREFILL)
             h = pick(post, pre) if pick else post
             mx.eval(h, *self.cache.arrays())
             hiddens.append(h)

@@ -4,10 +4,10 @@ portable path is pure MLX; the fused CUDA kernels (`kernels.attn`, `kernels.gdn`
 behind it, chosen from the model's options."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from . import gdn
 from .kernels import attn as attn_kernel
@@ -23,12 +23,13 @@ from .kernels.norm import add_rms_norm
 FFN = Callable[[mx.array], mx.array]
 
 
-@dataclass
-class MLP:
-    gate: Linear | None
-    up: Linear | None
-    down: Linear
-    gate_up: Linear | None = None  # gate and up as one product, when `fuse` could join them
+class MLP(nn.Module):
+    """The SwiGLU FFN: down(silu(gate x) * up x)."""
+
+    def __init__(self, gate: Linear | None, up: Linear | None, down: Linear, gate_up: Linear | None = None):
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+        self.gate_up = gate_up  # gate and up as one product, when `fuse` could join them
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up is not None:
@@ -44,19 +45,17 @@ class MLP:
         return self
 
 
-@dataclass
-class GatedAttention:
+class GatedAttention(nn.Module):
     """Full attention with per-head q/k RMSNorm, partial NEOX rope, GQA and a sigmoid output gate."""
 
-    q: Linear | None  # per head: head_dim query rows then head_dim gate rows
-    k: Linear | None
-    v: Linear | None
-    o: Linear
-    q_norm: mx.array
-    k_norm: mx.array
-    cfg: Qwen35Config
-    qkv: Linear | None = None  # q, k and v as one product, when `fuse` could join them
-    fused_kernel: bool = False  # the fused CUDA attention (attn_kernel), from the model's options
+    def __init__(self, q: Linear | None, k: Linear | None, v: Linear | None, o: Linear, q_norm: mx.array,
+                 k_norm: mx.array, cfg: Qwen35Config, qkv: Linear | None = None, fused_kernel: bool = False):
+        super().__init__()
+        self.q, self.k, self.v, self.o = q, k, v, o  # q per head: head_dim query rows, then head_dim gate rows
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.cfg = cfg
+        self.qkv = qkv  # q, k and v as one product, when `fuse` could join them
+        self.fused_kernel = fused_kernel  # the fused CUDA attention (attn_kernel), from the model's options
 
     def fuse(self) -> "GatedAttention":
         """Joins the q, k and v products into one when they are stored alike (at load)."""
@@ -116,22 +115,21 @@ class GatedAttention:
         return self.o(attn_kernel.attend(y, self.q_norm, keys, values, pos, *dims, tail=tail))
 
 
-@dataclass
-class GatedDeltaNet:
+class GatedDeltaNet(nn.Module):
     """Linear-attention mixer: causal depthwise conv, then the gated delta rule per value head."""
 
-    qkv: Linear | None
-    z: Linear | None
-    alpha: Linear | None
-    beta: Linear | None
-    conv_w: mx.array  # [channels, kernel]
-    a: mx.array  # -exp(A_log), [Vh]
-    dt_bias: mx.array  # [Vh]
-    norm: mx.array  # [Vd], plain multiplier
-    out: Linear
-    cfg: Qwen35Config
-    in_proj: Linear | None = None  # qkv, z, alpha, beta as one product, when `fuse` could join them
-    fused_kernel: bool = False  # the fused CUDA layer (gdn_kernel), from the model's options
+    def __init__(self, qkv: Linear | None, z: Linear | None, alpha: Linear | None, beta: Linear | None,
+                 conv_w: mx.array, a: mx.array, dt_bias: mx.array, norm: mx.array, out: Linear, cfg: Qwen35Config,
+                 in_proj: Linear | None = None, fused_kernel: bool = False):
+        super().__init__()
+        self.qkv, self.z, self.alpha, self.beta, self.out = qkv, z, alpha, beta, out
+        self.conv_w = conv_w  # [channels, kernel]
+        self.a = a  # -exp(A_log), [Vh]
+        self.dt_bias = dt_bias  # [Vh]
+        self.norm = norm  # [Vd], plain multiplier
+        self.cfg = cfg
+        self.in_proj = in_proj  # qkv, z, alpha, beta as one product, when `fuse` could join them
+        self.fused_kernel = fused_kernel  # the fused CUDA layer (gdn_kernel), from the model's options
 
     def fuse(self) -> "GatedDeltaNet":
         """Joins the four input products into one when they are stored alike (at load)."""
@@ -195,13 +193,13 @@ def jit_sigmoid_gate() -> mx.array:
 JIT_RECIPES = [(0, f"{__name__}:jit_swiglu"), (3, f"{__name__}:jit_sigmoid_gate")]  # (phase, recipe)
 
 
-@dataclass
-class DecoderLayer:
-    attn_norm: mx.array
-    mixer: GatedAttention | GatedDeltaNet
-    post_norm: mx.array
-    mlp: FFN
-    eps: float
+class DecoderLayer(nn.Module):
+    """A mixer (attention or delta net) and an FFN, each after an RMSNorm, each added to the stream."""
+
+    def __init__(self, attn_norm: mx.array, mixer: GatedAttention | GatedDeltaNet, post_norm: mx.array, mlp: FFN,
+                 eps: float):
+        super().__init__()
+        self.attn_norm, self.mixer, self.post_norm, self.mlp, self.eps = attn_norm, mixer, post_norm, mlp, eps
 
     def __call__(self, x: mx.array, cache) -> mx.array:
         h = x + self.mixer(rms_norm(x, self.attn_norm, self.eps), cache)

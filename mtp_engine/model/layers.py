@@ -2,9 +2,8 @@
 and token embeddings that stay quantized in memory."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
+import mlx.nn as nn
 
 from . import kernels
 from .kernels import mma, qmv
@@ -26,23 +25,25 @@ STEP_TOKENS = 8
 CUDA_G128_MAX_ROWS = 32
 
 
-@dataclass
-class Linear:
-    """y = x @ W^T with W either a float matrix or MLX affine-quantized (`weight`, `scales`, `biases`)."""
+class Linear(nn.Module):
+    """y = x @ W^T with W either a float matrix or MLX affine-quantized (`weight`, `scales`, `biases`).
 
-    weight: mx.array
-    scales: mx.array | None = None
-    biases: mx.array | None = None
-    bits: int = 0
-    group_size: int = 0
-    # how products run, set from the model's EngineOptions when it is built (`Qwen35Model.use`):
-    # the custom few-row CUDA kernel where it applies; else 2..row_pad-1 rows padded to row_pad
-    # (MLX's GPU path for 2..7 rows costs more than its 8-row one; on the CPU every row costs the same)
-    custom_kernel: bool = False
-    row_pad: int = 0
-    # products of at least this many tokens per sequence (a prefill chunk) dequantize W for a dense
-    # product (DEQUANT_DTYPE): on a GPU several times the 4-bit product's rate; 0: never
-    dequant_rows: int = 0
+    How products run comes from the model's options when it is built (`Qwen35Model.use`):
+    `custom_kernel`, the custom few-row CUDA kernel where it applies; else 2..row_pad-1 rows padded
+    to `row_pad` (MLX's GPU path for 2..7 rows costs more than its 8-row one; on the CPU every row
+    costs the same); products of at least `dequant_rows` tokens per sequence (a prefill chunk)
+    dequantize W for a dense product (DEQUANT_DTYPE): on a GPU several times the 4-bit product's
+    rate (0: never)."""
+
+    def __init__(self, weight: mx.array, scales: mx.array | None = None, biases: mx.array | None = None,
+                 bits: int = 0, group_size: int = 0, custom_kernel: bool = False, row_pad: int = 0,
+                 dequant_rows: int = 0):
+        super().__init__()
+        self.weight = weight
+        self.scales = scales
+        self.biases = biases
+        self.bits, self.group_size = bits, group_size
+        self.custom_kernel, self.row_pad, self.dequant_rows = custom_kernel, row_pad, dequant_rows
 
     @property
     def quantized(self) -> bool:

@@ -11,9 +11,10 @@ expert once, with no Python loop over experts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .expert_use import ExpertUse, Slot
 from .layers import Linear
@@ -25,7 +26,6 @@ from .qwen35 import Qwen35Model
 SORT_THRESHOLD = 64
 
 
-@dataclass
 class ExpertLinear(Linear):
     """`n_expert` stacked matrices W[e] of shape [out, in]: float `weight` [E, out, in], or MLX
     affine-quantized (`weight` [E, out, in*bits/32] uint32, `scales`/`biases` [E, out, in/group_size]).
@@ -59,13 +59,12 @@ def _sort_by_expert(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array,
     return x.flatten(0, -3)[order // k], flat[order], mx.argsort(order)
 
 
-@dataclass
-class SwitchGLU:
+class SwitchGLU(nn.Module):
     """The routed experts: a SwiGLU MLP per expert, applied to the experts each row picked."""
 
-    gate: ExpertLinear
-    up: ExpertLinear
-    down: ExpertLinear
+    def __init__(self, gate: ExpertLinear, up: ExpertLinear, down: ExpertLinear):
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [..., H], indices [..., k] -> each picked expert's output [..., k, H]."""
@@ -81,20 +80,22 @@ class SwitchGLU:
         return y.squeeze(-2)
 
 
-@dataclass
-class MoE:
+class MoE(nn.Module):
     """Router, routed experts and the sigmoid-gated shared expert of one block."""
 
-    router: Linear  # ffn_gate_inp [E, H]
-    experts: SwitchGLU  # ffn_{gate,up,down}_exps
-    shared: MLP  # ffn_{gate,up,down}_shexp
-    shared_gate: mx.array  # ffn_gate_inp_shexp [H]
-    n_used: int
-    # tests and diagnostics: when a list, each forward appends its routing (see `__call__`)
-    record: list | None = field(default=None, repr=False)
-    # the model's observer of routing (expert counts for the profiler) and this block's slot in it
-    observer: ExpertUse | None = field(default=None, repr=False)
-    slot: Slot = None
+    def __init__(self, router: Linear, experts: SwitchGLU, shared: MLP, shared_gate: mx.array, n_used: int,
+                 observer: ExpertUse | None = None, slot: Slot = None):
+        super().__init__()
+        self.router = router  # ffn_gate_inp [E, H]
+        self.experts = experts  # ffn_{gate,up,down}_exps
+        self.shared = shared  # ffn_{gate,up,down}_shexp
+        self.shared_gate = shared_gate  # ffn_gate_inp_shexp [H]
+        self.n_used = n_used
+        # the model's observer of routing (expert counts for the profiler) and this block's slot in it
+        self.observer, self.slot = observer, slot
+        # tests and diagnostics: when set, each forward hands it its routing (see `__call__`), and
+        # forwards stay uncompiled (a trace cannot hand out every forward's values)
+        self.record: Callable[[dict], None] | None = None
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(router logits [..., E], chosen experts [..., k] in no particular order, their
@@ -114,8 +115,8 @@ class MoE:
         routed = (self.experts(x, indices) * weights[..., None]).sum(axis=-2)
         gate = mx.sigmoid(x @ self.shared_gate[:, None])  # one scalar per token
         if self.record is not None:
-            self.record.append({"router_logits": logits, "experts": indices, "weights": weights,
-                                "shexp_gate": gate[..., 0]})
+            self.record({"router_logits": logits, "experts": indices, "weights": weights,
+                         "shexp_gate": gate[..., 0]})
         return routed + gate * self.shared(x)
 
 

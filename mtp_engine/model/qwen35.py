@@ -6,10 +6,11 @@ a block is any `FFN`: the dense `MLP` here, or the mixture of experts of `moe.py
 """
 from __future__ import annotations
 
-from dataclasses import is_dataclass
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..options import EngineOptions
 from . import gdn, kernels
@@ -32,14 +33,15 @@ class TrunkStates(NamedTuple):
     pre: mx.array
 
 
-class Qwen35Model:
+class Qwen35Model(nn.Module):
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
-    resident_rounds = True  # `forward(resident=True)` takes device KV offsets (speculative/resident.py)
+    resident_rounds = True  # its forwards take device KV offsets in a device-resident round (Pass.ROUND_*)
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
                  lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None,
                  expert_use: ExpertUse | None = None):
+        super().__init__()
         self.cfg = cfg
         self.expert_use = expert_use  # the MoE blocks' routing observer; None for a dense model
         self.embed = embed
@@ -64,12 +66,12 @@ class Qwen35Model:
         attn_shape = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot)
         kv_dtype = getattr(mx, opts.kv_dtype)
         shapes = {"qmv": None, "gdn": gdn_dims, "attn": attn_shape + (opts.kv_dtype,), "norm": None}
-        linears = [o for o in self._parts() if isinstance(o, Linear)]
+        linears = self.linears()
         ok = kernels.check({name: shapes[name] for name in shapes if name in allowed}, opts.cache_path,
                            linears, c.hidden_size)
         ok = {name: ok.get(name, False) for name in shapes}
         qmv, fused_gdn, fused_attn, self.fused_norm = ok["qmv"], ok["gdn"], ok["attn"], ok["norm"]
-        for obj in self._parts():
+        for obj in self._unique_modules():
             if isinstance(obj, Linear):
                 obj.custom_kernel, obj.row_pad, obj.dequant_rows = qmv, opts.row_pad, opts.dequant_rows
             elif isinstance(obj, GatedDeltaNet):
@@ -78,8 +80,10 @@ class Qwen35Model:
                 obj.fused_kernel = fused_attn
         self.kv_dtype = kv_dtype
         n = opts.draft_vocab  # a sharded head (tensor parallel) holds other rows: it drafts over all of them
-        self.draft_head = self.lm_head.first_outputs(n) if (isinstance(self.lm_head, Linear)
-                                                            and 0 < n < self.lm_head.out_features) else None
+        # a view of the output head's rows, not weights of its own (the leading "_" keeps it out of
+        # `parameters()`)
+        self._draft_head = self.lm_head.first_outputs(n) if (isinstance(self.lm_head, Linear)
+                                                             and 0 < n < self.lm_head.out_features) else None
         if self.mtp is not None:
             self.mtp.fused_norm, self.mtp.kv_dtype = self.fused_norm, self.kv_dtype
         for owner in (self, self.mtp):
@@ -88,21 +92,14 @@ class Qwen35Model:
         self.options = opts
         self.compile_steps = opts.compile_steps
 
-    def _parts(self) -> Iterator[object]:
-        """Every weight container of the trunk and the MTP head (Linear, mixers, FFNs), once each."""
+    def _unique_modules(self) -> list[nn.Module]:
+        """Every module of the trunk and the MTP head once (a tied output head is the embedding)."""
         seen: set[int] = set()
-        stack: list[object] = [self.embed, self.lm_head, *self.layers] + ([self.mtp] if self.mtp is not None else [])
-        while stack:
-            obj = stack.pop()
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            yield obj
-            if isinstance(obj, (list, tuple)):
-                stack.extend(obj)
-            elif is_dataclass(obj) and not isinstance(obj, Qwen35Config):
-                stack.extend(v for k, v in vars(obj).items()
-                             if not k.startswith("_") and (isinstance(v, (list, tuple)) or is_dataclass(v)))
+        return [m for m in self.modules() if not (id(m) in seen or seen.add(id(m)))]
+
+    def linears(self) -> list[Linear]:
+        """Every product of the trunk and the MTP head, once each."""
+        return [m for m in self._unique_modules() if isinstance(m, Linear)]
 
     @property
     def compile_steps(self) -> bool:
@@ -136,40 +133,38 @@ class Qwen35Model:
     def embed_tokens(self, ids: mx.array) -> mx.array:
         return self.embed.rows(ids)
 
-    def forward(self, ids: mx.array, cache: "TrunkCache | BatchCache", capture: bool = False,
-                resident: bool = False, one_off: bool = False) -> mx.array:
+    def forward(self, ids: mx.array, cache: "TrunkCache | BatchCache",
+                how: compiled.Pass = compiled.Pass.STEP) -> mx.array:
         """Runs ids [B, S] through the trunk, appending to `cache` (a sequence's `TrunkCache`, B =
         1, or a `BatchCache` of B sequences each at its own length: `forward_batch`); returns the
         hidden state after `output_norm` [B, S, H] (what the output head and the MTP head read;
-        `forward_states` also gives the state before it). With `capture`, the caches keep what a
-        rollback needs to keep only the first n of these tokens. `resident`: a device-resident
-        round's forward (KV offsets may be device values; `cache.offset`, the host's count, is
-        left to the round). `one_off`: a forward whose shape may not recur (a prompt's prefill):
-        compiled only when its graph is traced already (`step.traced`), so a new prompt length
-        costs no trace."""
-        return self.forward_states(ids, cache, capture, resident, one_off).post
+        `forward_states` also gives the state before it). `how` (`step.Pass`) says what the
+        forward is for: a step, a prompt's prefill, a verify that keeps rollback states, or either
+        inside a device-resident round (there `cache.offset`, the host's count, is left to the
+        round)."""
+        return self.forward_states(ids, cache, how).post
 
-    def forward_states(self, ids: mx.array, cache: "TrunkCache | BatchCache", capture: bool = False,
-                       resident: bool = False, one_off: bool = False) -> TrunkStates:
+    def forward_states(self, ids: mx.array, cache: "TrunkCache | BatchCache",
+                       how: compiled.Pass = compiled.Pass.STEP) -> TrunkStates:
         """`forward`, returning the hidden states before `output_norm` too."""
         if isinstance(cache, BatchCache):
-            return self._batch_states(ids, cache, capture=capture)
+            return self._batch_states(ids, cache, capture=how.capture)
         s = int(ids.shape[1])
-        if capture:
+        if how.capture:
             cache.begin_capture(s)
         fits = s <= compiled.MAX_TOKENS and all(compilable_ffn(l.mlp) for l in self.layers) and \
-            (not one_off or compiled.traced(self.graphs, cache.layers, s, capture))
-        if (self._compile_steps and fits) or resident:
+            (how is not compiled.Pass.PREFILL or compiled.traced(self.graphs, cache.layers, s, how.capture))
+        if (self._compile_steps and fits) or how.resident:
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \
                 else (None, None)
             # no rollback returns below the trunk's host count (committed tokens): KV tails may move there
-            post, x = compiled.run(self.graphs, self._body, [ids], cache.layers, s, capture=capture,
+            post, x = compiled.run(self.graphs, self._body, [ids], cache.layers, s, capture=how.capture,
                                    side=side, set_side=set_side, compiled=self._compile_steps and fits,
                                    floor=int(cache.offset))
         else:
             post, x = self._body(ids, cache.layers)
-        if not resident:
+        if not how.resident:
             cache.offset += s
         return TrunkStates(post, x)
 
@@ -211,29 +206,22 @@ class Qwen35Model:
         """The MTP head's scores for a draft: `logits`, or with `EngineOptions.draft_vocab` N the
         first N tokens' scored and the rest -inf (same shape, so penalties, sampling and the
         acceptance rule read them as they read full logits)."""
-        if self.draft_head is None:
+        if self._draft_head is None:
             return self.logits(hidden)
-        head = self.draft_head(hidden)
+        head = self._draft_head(hidden)
         rest = mx.full((*head.shape[:-1], self.lm_head.out_features - head.shape[-1]), -mx.inf, head.dtype)
         return mx.concatenate([head, rest], axis=-1)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of weights held by the trunk and by the MTP head's own tensors."""
-        def lin_bytes(obj) -> int:
-            total = 0
-            for name, v in vars(obj).items():
-                if name.startswith("_"):  # per-forward state (e.g. an MoE's last routing), not weights
-                    continue
-                if isinstance(v, mx.array):
-                    total += v.nbytes
-                elif callable(getattr(v, "nbytes", None)):  # Linear and the MoE's stacked experts
-                    total += v.nbytes()
-                elif is_dataclass(v) and not isinstance(v, Qwen35Config):
-                    total += lin_bytes(v)
-            return total
+        """Bytes of weights held by the trunk and by the MTP head's own tensors (an array shared by
+        both, as a tied output head's, counted once, in the trunk)."""
+        seen: set[int] = set()
 
-        trunk = self.embed.nbytes() + self.output_norm.nbytes + sum(lin_bytes(layer) for layer in self.layers)
-        if self.lm_head is not self.embed:
-            trunk += self.lm_head.nbytes()
-        mtp = lin_bytes(self.mtp) if self.mtp is not None else 0
-        return {"trunk": int(trunk), "mtp": int(mtp)}
+        def total(params) -> int:
+            arrays = [a for _, a in tree_flatten(params) if isinstance(a, mx.array) and id(a) not in seen]
+            seen.update(id(a) for a in arrays)
+            return sum(a.nbytes for a in arrays)
+
+        params = self.parameters()
+        mtp = params.pop("mtp", None)
+        return {"trunk": int(total(params)), "mtp": int(total(mtp) if mtp is not None else 0)}

@@ -17,6 +17,7 @@ capacity).
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -26,6 +27,31 @@ from .cache import RecurrentCache
 from .kv_cache import KVCache, shift_offsets
 
 MAX_TOKENS = 16
+
+
+class Pass(Enum):
+    """What a forward of the trunk or the MTP head is for, which decides how it runs.
+
+    STEP: a decode step, a draft, a catch-up: one compiled graph when it fits (`MAX_TOKENS`).
+    PREFILL: a prompt's rows, a shape that may not recur: compiled only when its graph is traced
+    already (`traced`), so a new prompt length costs no trace.
+    VERIFY: a step whose caches keep what a rollback needs to keep only its first n tokens.
+    ROUND_STEP, ROUND_VERIFY: the same inside a device-resident round (`speculative.round`): KV
+    offsets may be device values and the host's token count is left to the round."""
+
+    STEP = "step"
+    PREFILL = "prefill"
+    VERIFY = "verify"
+    ROUND_STEP = "round_step"
+    ROUND_VERIFY = "round_verify"
+
+    @property
+    def capture(self) -> bool:
+        return self in (Pass.VERIFY, Pass.ROUND_VERIFY)
+
+    @property
+    def resident(self) -> bool:
+        return self in (Pass.ROUND_STEP, Pass.ROUND_VERIFY)
 
 
 class StepGraphs:

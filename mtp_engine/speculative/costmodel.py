@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import mlx.core as mx
 
 from ..model.qwen35 import Qwen35Model
+from ..model.step import Pass
 
 
 @dataclass
@@ -81,7 +82,7 @@ def measure(model: Qwen35Model, max_verify: int, context: int = 64, repeats: int
         ids = ids_all[:, context:context + s]
 
         def verify():
-            h = model.forward(ids, cache, capture=True)
+            h = model.forward(ids, cache, Pass.VERIFY)
             lg = model.logits(h[0])
             mx.eval(lg, *cache.arrays())
             cache.rollback(0)

@@ -30,6 +30,7 @@ from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler, check_finite, distribution
 from ..model.cache import capture_at_width
 from ..model.qwen35 import Qwen35Model
+from ..model.step import Pass
 from . import calibration
 from .accept import accept_greedy, accept_sampling
 from .config import DraftParams
@@ -227,7 +228,7 @@ class SpeculativeDecoder(DecoderBase):
     def _trunk(self, ids: mx.array, capture: bool) -> tuple[mx.array, mx.array]:
         """Trunk forward: (post-norm hidden for the logits, the state the drafter is fed). A round
         without drafts is a plain step: nothing to roll back, so nothing to capture."""
-        post, pre = self.model.forward_states(ids, self.cache, capture=capture)
+        post, pre = self.model.forward_states(ids, self.cache, Pass.VERIFY if capture else Pass.STEP)
         return post, self._fed(post, pre)
 
     def accept(self, drafts, logits: mx.array, q: mx.array | None, target: mx.array | None = None,

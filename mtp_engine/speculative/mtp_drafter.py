@@ -20,6 +20,7 @@ from ..errors import MTPEngineError
 from ..generation.decode import kv_capacity
 from ..generation.sampling import distribution
 from ..model.kv_cache import KVCache
+from ..model.step import Pass
 from .drafter import Draft, DraftContext, Drafter
 from .round import no_stage
 
@@ -111,7 +112,7 @@ class MTPDrafter(Drafter):
         chunk = self.prefill_chunk or self.model.options.prefill_chunk
         for s in range(0, len(head), chunk):
             e = slice(s, s + chunk)
-            m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache, one_off=True)
+            m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache, Pass.PREFILL)
             mx.eval(m, *self.cache.state())
 
     def draft(self, k: int, p_min: float = 0.0) -> Draft:
@@ -268,7 +269,7 @@ class MTPDrafter(Drafter):
         if w > tokens.shape[0]:
             tokens = mx.pad(tokens, [(0, w - tokens.shape[0])])
             hidden = mx.pad(hidden, [(0, 0), (0, w - hidden.shape[1]), (0, 0)])
-        h = self.model.mtp(self.model.embed_tokens(tokens[None]), hidden, cache, resident=True)
+        h = self.model.mtp(self.model.embed_tokens(tokens[None]), hidden, cache, Pass.ROUND_STEP)
         cache.offset, cache.bound = base + b.valid, bound + w  # rows past valid are stale, masked, rewritten
         if isinstance(b.valid, int):
             return h[:, b.valid - 1:b.valid]
@@ -308,7 +309,7 @@ class MTPDrafter(Drafter):
                     confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) >= p_min)
                 drafts.append(d.astype(mx.int32))
                 if i + 1 < k:
-                    h = model.mtp(model.embed_tokens(d.reshape(1, 1)), h, cache, resident=True)
+                    h = model.mtp(model.embed_tokens(d.reshape(1, 1)), h, cache, Pass.ROUND_STEP)
                 out.extend([drafts[-1], h])
         cache.offset, cache.bound = kept, bound  # rows of steps 2..k were the head's own guesses
         return (mx.stack(drafts)[None], mx.stack(qs)[None] if qs else None,

@@ -23,6 +23,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..model.fused import fused
+from ..model.step import Pass
 
 
 @dataclass
@@ -88,8 +89,8 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
     if drafting is not None:
         live = live & drafting[:, None]
     with stage("verify") as out:
-        post, pre = model.forward_states(mx.concatenate([last[:, None], drafts], axis=1), cache, capture=True,
-                                         resident=True)
+        post, pre = model.forward_states(mx.concatenate([last[:, None], drafts], axis=1), cache,
+                                         Pass.ROUND_VERIFY)
         logits = model.logits(post)
         out.append(logits)
     with stage("sample") as out:
@@ -111,7 +112,7 @@ def plain_round(model, cache, drafter, last: mx.array, pick: Callable, fed: Call
     """A round without drafts: one trunk step per row from `last` [B]; `pick(logits [B, V]) -> [B]`
     int32 the tokens; `drafter` (None: none) keeps its head in step."""
     with stage("decode") as out:
-        post, pre = model.forward_states(last[:, None], cache, resident=True)
+        post, pre = model.forward_states(last[:, None], cache, Pass.ROUND_STEP)
         logits = model.logits(post)
         token = pick(logits[:, 0])
         out.append(token)

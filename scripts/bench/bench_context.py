@@ -32,12 +32,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-
 from harness import LAYOUTS, NullTokenizer, config_9b, peer_model, random_model, store, stored_scheduler
 
 from mtp_engine.generation.decode import PlainDecoder
 from mtp_engine.generation.loop import run
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
+from mtp_engine.model.step import Pass
 from mtp_engine.model import delta_rule
 from mtp_engine.model import kernels
 from mtp_engine.speculative.ablations import ablation_decoder
@@ -103,7 +103,7 @@ def parts(model, rows_list=(512, 2048, 4096)) -> list[dict]:
             row[f"attn_mixer_at{offset}_ms"] = round(_ms(attn), 2)
         row["mlp_ms"] = round(_ms(lambda: attn_layer.mlp(x)), 2)
         ids = mx.array([[(7 * i) % 8000 + 5 for i in range(rows)]])
-        row["forward_ms"] = round(_ms(lambda: model.forward(ids, model.make_cache(), one_off=True), repeats=3), 1)
+        row["forward_ms"] = round(_ms(lambda: model.forward(ids, model.make_cache(), Pass.PREFILL), repeats=3), 1)
         row["forward_tok_s"] = round(rows / row["forward_ms"] * 1e3)
         out.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)

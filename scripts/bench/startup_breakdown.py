@@ -68,9 +68,10 @@ if "--first-forward" in sys.argv:
     # one uncompiled one-token forward on a scratch cache before the first generation: the GPU's
     # first-use costs (library handles, module loads, first allocations) apart from the generation's
     import mlx.core as mx
+    from mtp_engine.model.step import Pass
     start = time.time()
     t = time.perf_counter()
-    mx.eval(m.model.forward(mx.array([[1]]), m.model.make_cache(), one_off=True))
+    mx.eval(m.model.forward(mx.array([[1]]), m.model.make_cache(), Pass.PREFILL))
     T["first_forward"] = time.perf_counter() - t
     seen = phase("first_forward", seen, start)
 for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):

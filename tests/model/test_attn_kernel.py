@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import mlx.core as mx
+from mtp_engine.model.step import Pass
 
 from mtp_engine.model import kernels
 
@@ -260,7 +261,7 @@ def _logits_after(model, ids, chunks, fused: bool, compiled: bool, kv_dtype: str
                    if hasattr(layer.mixer, "q_norm"))
         cache, out, i = model.make_cache(), [], 0
         for n in chunks:
-            h = model.forward(mx.array([ids[i:i + n]]), cache, capture=True)
+            h = model.forward(mx.array([ids[i:i + n]]), cache, Pass.VERIFY)
             out.append(np.array(model.logits(h[0, -1])))
             i += n
             if n > 2:
@@ -342,7 +343,7 @@ def test_layers_with_q_k_v_stored_apart_take_the_fused_kernels_too(monkeypatch):
     from tests.conftest import SHIPPED, need
 
     net = load(need(SHIPPED)).model
-    att = next(o for o in net._parts() if isinstance(o, GatedAttention))
+    att = next(o for o in net.modules() if isinstance(o, GatedAttention))
     assert att.qkv is None and att.v.bits != att.q.bits  # stored apart: what this test is about
     seen = []
 

@@ -3,6 +3,7 @@ same speculative rounds, across KV capacity growth, for dense and MoE models."""
 from __future__ import annotations
 
 import mlx.core as mx
+from mtp_engine.model.step import Pass
 import numpy as np
 import pytest
 
@@ -185,7 +186,7 @@ def test_a_device_rollback_starts_the_next_forward_from_the_kept_slot(compiled, 
             cache = model.make_cache()
             model.forward(mx.array([toks[:prefix]]), cache)
             cache.kv_to_device()
-            model.forward(mx.array([toks[prefix:prefix + s]]), cache, capture=True, resident=True)
+            model.forward(mx.array([toks[prefix:prefix + s]]), cache, Pass.ROUND_VERIFY)
             cache.rollback_lazy(mx.array(n, dtype=mx.int32))
             cache.offset += n  # resident forwards leave the host's count to the round's read
             rec = [c for c in cache.layers if not isinstance(c, KVCache)]
@@ -195,7 +196,7 @@ def test_a_device_rollback_starts_the_next_forward_from_the_kept_slot(compiled, 
             # states are not gathered before it; then rolled back to keep both of its tokens
             cache.begin_capture(len(nxt))
             assert all(c.window is not None and isinstance(c.kept, mx.array) for c in rec)
-            h = model.forward(mx.array([nxt]), cache, capture=True, resident=True)
+            h = model.forward(mx.array([nxt]), cache, Pass.ROUND_VERIFY)
             cache.rollback_lazy(mx.array(len(nxt), dtype=mx.int32))
             cache.offset += len(nxt)
             cache.to_host()

@@ -8,6 +8,7 @@ every position."""
 from __future__ import annotations
 
 import mlx.core as mx
+from mtp_engine.model.step import Pass
 import numpy as np
 import pytest
 
@@ -100,7 +101,7 @@ def _pass(model, ids, s, n_keep, fused: bool):
     try:
         cache = model.make_cache()
         model.forward(mx.array([ids[:8]]), cache)
-        model.forward(mx.array([ids[8:8 + s]]), cache, capture=True)
+        model.forward(mx.array([ids[8:8 + s]]), cache, Pass.VERIFY)
         cache.rollback(n_keep)
         h = model.forward(mx.array([[ids[8 + n_keep]]]), cache)
         logits = model.logits(h[0, -1])

@@ -30,7 +30,7 @@ def _forwards_with_every_kernel(net) -> dict[str, str]:
     """What the model's forwards launch with every kernel on: the trunk at 1..8 rows (decode,
     verify), the MTP head's step, a batch of two sequences' step, recorded (nothing runs)."""
     net.compile_steps = False
-    for part in net._parts():
+    for part in net.modules():
         if isinstance(part, Linear):
             part.custom_kernel = True
         elif isinstance(part, (GatedAttention, GatedDeltaNet)):
@@ -59,7 +59,7 @@ def test_every_variant_the_forwards_launch_is_compiled_ahead(path, monkeypatch):
     net = load(need(Path(path))).model
     monkeypatch.setattr(kernels.cuda_kernel, "cuda", lambda: True)
     monkeypatch.setattr(kernels, "REGISTRY", kernels.Registry())
-    ahead = kernels.warmup.launched_variants(_self_tests(net.cfg), [p for p in net._parts() if isinstance(p, Linear)],
+    ahead = kernels.warmup.launched_variants(_self_tests(net.cfg), net.linears(),
                                              net.cfg.hidden_size)
     assert all(kernels.REGISTRY.verdict(name) is None for name in ("qmv", "gdn", "attn", "norm"))  # no verdict made
     launched = _forwards_with_every_kernel(net)
@@ -172,7 +172,7 @@ def test_a_worker_that_cannot_start_its_compiler_fails_its_jobs_only(tmp_path, m
 def test_off_cuda_nothing_is_compiled_ahead(tiny_q4):
     if kernels.cuda():
         pytest.skip("a CUDA machine")
-    assert kernels.warmup.compile_ahead([], [p for p in tiny_q4.model._parts() if isinstance(p, Linear)], 64) == 0
+    assert kernels.warmup.compile_ahead([], [p for p in tiny_q4.model.modules() if isinstance(p, Linear)], 64) == 0
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mtp_engine.model.step import Pass
 import numpy as np
 import pytest
 
@@ -353,7 +354,7 @@ AFTER = 3
 
 @pytest.mark.parametrize("prefix", [0, 3])
 def test_rollback_equals_fresh_cache(case, prefix):
-    """forward(capture=True) over S tokens then rollback(n) == a fresh cache fed only prefix + n tokens,
+    """forward(Pass.VERIFY) over S tokens then rollback(n) == a fresh cache fed only prefix + n tokens,
     for every n in 0..S; forwards after the rollback match too."""
     model, toks = case.model, case.tokens
     S = ROLLBACK_S
@@ -362,7 +363,7 @@ def test_rollback_equals_fresh_cache(case, prefix):
         cache = model.make_cache()
         if prefix:
             model.forward(ids(toks[:prefix]), cache)
-        h_cap = model.forward(ids(toks[prefix:prefix + S]), cache, capture=True)
+        h_cap = model.forward(ids(toks[prefix:prefix + S]), cache, Pass.VERIFY)
         mx.eval(h_cap, *cache.arrays())
         cache.rollback(n)
         mx.eval(*cache.arrays())
@@ -398,7 +399,7 @@ def test_repeated_capture_rollback_rounds(case):
     at = 0
     for size, keep in [(4, 2), (3, 3), (4, 0), (2, 1), (3, 2)]:
         chunk = toks[at:at + size]
-        h = model.forward(ids(chunk), cache, capture=True)
+        h = model.forward(ids(chunk), cache, Pass.VERIFY)
         mx.eval(h, *cache.arrays())
         cache.rollback(keep)
         kept += chunk[:keep]
@@ -414,6 +415,6 @@ def test_repeated_capture_rollback_rounds(case):
 
 def test_rollback_past_capture_raises(case):
     cache = case.model.make_cache()
-    case.model.forward(ids(case.tokens[:3]), cache, capture=True)
+    case.model.forward(ids(case.tokens[:3]), cache, Pass.VERIFY)
     with pytest.raises(ValueError):
         cache.rollback(4)

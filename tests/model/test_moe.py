@@ -273,9 +273,10 @@ def test_moe_block_matches_float64_reference(quantized, e, k, rows):
     h, f = 64, 96
     block, w64 = _random_moe(rng, h, f, e, k, quantized)
     x = rng.normal(0, 1, (1, rows, h)).astype(np.float32)
-    block.record = []
+    records: list[dict] = []
+    block.record = records.append
     out = np.array(block(mx.array(x))[0], np.float64)
-    rec = block.record[0]
+    rec = records[0]
     experts, weights = _best_first(np.array(rec["experts"][0]), np.array(rec["weights"][0]))
     for r in range(rows):
         want, routing = moe_ffn(x[0, r].astype(np.float64), *w64, k)
@@ -348,13 +349,14 @@ def test_trunk_routing_and_mtp_match_llamacpp(ref, k):
     m = _load()
     tokens = ref[f"tokens_p{k}"]
     layers = _moe_layers(m.model)
-    for layer in layers:
-        layer.record = []
+    records: list[list[dict]] = [[] for _ in layers]
+    for layer, rec in zip(layers, records):
+        layer.record = rec.append
     try:
         h = m.model.forward(mx.array(tokens[None]), m.model.make_cache())
         logits = np.array(m.model.logits(h)[0])
         for i, layer in enumerate(layers):
-            _check_routing(layer.record[0], ref[f"router_logits_p{k}"][i], ref[f"experts_p{k}"][i],
+            _check_routing(records[i][0], ref[f"router_logits_p{k}"][i], ref[f"experts_p{k}"][i],
                            ref[f"expert_weights_p{k}"][i], ref[f"shexp_gate_p{k}"][i], f"p{k} blk.{i}")
     finally:
         for layer in layers:
@@ -365,10 +367,11 @@ def test_trunk_routing_and_mtp_match_llamacpp(ref, k):
     assert err < TOL and herr < HIDDEN_TOL
 
     mtp = m.model.mtp.layer.mlp
-    mtp.record = []
+    mtp_records: list[dict] = []
+    mtp.record = mtp_records.append
     try:
         mtp_logits, mtp_hidden, _ = _mtp_teacher_forced(m, tokens, h)
-        _check_routing(mtp.record[0], ref[f"mtp_router_logits_p{k}"], ref[f"mtp_experts_p{k}"],
+        _check_routing(mtp_records[0], ref[f"mtp_router_logits_p{k}"], ref[f"mtp_experts_p{k}"],
                        ref[f"mtp_expert_weights_p{k}"], ref[f"mtp_shexp_gate_p{k}"], f"p{k} MTP")
     finally:
         mtp.record = None
