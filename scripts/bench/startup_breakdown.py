@@ -15,7 +15,10 @@ an empty DIR is a fresh machine's start-up on any machine, the same DIR again it
 `--first-forward`: before the first generation, one uncompiled one-token forward on a scratch
 cache (reported as `first_forward`): the GPU's first-use costs apart from the generation's own.
 
-Usage: python3 scripts/bench/startup_breakdown.py [--root DIR] [--first-forward] > startup.json
+`--batch`: then a server's first batched steps (four prompts together, plain and draft-mtp, each
+twice: `batch0_*` against `batch1_*` is what the first one compiled).
+
+Usage: python3 scripts/bench/startup_breakdown.py [--root DIR] [--first-forward] [--batch] > startup.json
 """
 from __future__ import annotations
 
@@ -82,6 +85,17 @@ for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
             "acceptance_rate", "auto_message")
     T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
     seen = phase(f"gen{i}_{spec}", seen, start)
+if "--batch" in sys.argv:
+    # a server's first batched steps (`serve --parallel 4`): four prompts decoding together, plain and
+    # draft-mtp, each twice; the first call's wall beyond the second's is what it compiled
+    prompts = ["def parse_args(argv):", "class Stack:", "import os\n", "def main():"]
+    for spec in ("none", "draft-mtp"):
+        for rep in (0, 1):
+            start = time.time()
+            t = time.perf_counter()
+            me.batch_generate(prompts, model=m, max_tokens=32, parallel=4, spec=spec)
+            T[f"batch{rep}_{spec}"] = {"wall": time.perf_counter() - t}
+            seen = phase(f"batch{rep}_{spec}", seen, start)
 
 # MLX's own modules compiled ahead in worker processes during load (recipe, exit status, seconds
 # from the start of their preparation to its end): they appear in the phase they were moved in
