@@ -16,7 +16,7 @@ from .cache import RecurrentCache, pick_state
 from .config import Qwen35Config
 from .fused import fused
 from .kv_cache import KVCache
-from .layers import Linear, concat_outputs, rms_norm
+from .layers import Linear, concat_outputs, rms_norm, stored
 from .kernels.norm import add_rms_norm
 
 # x [..., H] -> [..., H]; a block's FFN only ever sees the post-attention-normed hidden state
@@ -25,6 +25,10 @@ FFN = Callable[[mx.array], mx.array]
 
 class MLP(nn.Module):
     """The SwiGLU FFN: down(silu(gate x) * up x)."""
+
+    record = None  # an FFN's routing hook (`compilable_ffn`): a dense one has no routing
+
+    gate, up, down, gate_up = stored(4)
 
     def __init__(self, gate: Linear | None, up: Linear | None, down: Linear, gate_up: Linear | None = None):
         super().__init__()
@@ -47,6 +51,8 @@ class MLP(nn.Module):
 
 class GatedAttention(nn.Module):
     """Full attention with per-head q/k RMSNorm, partial NEOX rope, GQA and a sigmoid output gate."""
+
+    q, k, v, o, qkv, q_norm, k_norm = stored(7)
 
     def __init__(self, q: Linear | None, k: Linear | None, v: Linear | None, o: Linear, q_norm: mx.array,
                  k_norm: mx.array, cfg: Qwen35Config, qkv: Linear | None = None, fused_kernel: bool = False):
@@ -117,6 +123,9 @@ class GatedAttention(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """Linear-attention mixer: causal depthwise conv, then the gated delta rule per value head."""
+
+    qkv, z, alpha, beta, out, in_proj = stored(6)
+    conv_w, a, dt_bias, norm = stored(4)
 
     def __init__(self, qkv: Linear | None, z: Linear | None, alpha: Linear | None, beta: Linear | None,
                  conv_w: mx.array, a: mx.array, dt_bias: mx.array, norm: mx.array, out: Linear, cfg: Qwen35Config,
@@ -195,6 +204,8 @@ JIT_RECIPES = [(0, f"{__name__}:jit_swiglu"), (3, f"{__name__}:jit_sigmoid_gate"
 
 class DecoderLayer(nn.Module):
     """A mixer (attention or delta net) and an FFN, each after an RMSNorm, each added to the stream."""
+
+    attn_norm, mixer, post_norm, mlp = stored(4)
 
     def __init__(self, attn_norm: mx.array, mixer: GatedAttention | GatedDeltaNet, post_norm: mx.array, mlp: FFN,
                  eps: float):

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .expert_use import ExpertUse, Slot
-from .layers import Linear
+from .layers import Linear, stored
 from .blocks import MLP
 from .qwen35 import Qwen35Model
 
@@ -62,6 +62,8 @@ def _sort_by_expert(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array,
 class SwitchGLU(nn.Module):
     """The routed experts: a SwiGLU MLP per expert, applied to the experts each row picked."""
 
+    gate, up, down = stored(3)
+
     def __init__(self, gate: ExpertLinear, up: ExpertLinear, down: ExpertLinear):
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
@@ -82,6 +84,8 @@ class SwitchGLU(nn.Module):
 
 class MoE(nn.Module):
     """Router, routed experts and the sigmoid-gated shared expert of one block."""
+
+    router, experts, shared, shared_gate = stored(4)
 
     def __init__(self, router: Linear, experts: SwitchGLU, shared: MLP, shared_gate: mx.array, n_used: int,
                  observer: ExpertUse | None = None, slot: Slot = None):

@@ -10,12 +10,14 @@ from .blocks import DecoderLayer, compilable_ffn, run_layers
 from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .kv_cache import KVCache
-from .layers import Linear, rms_norm
+from .layers import Linear, rms_norm, stored
 
 class MTPHead(nn.Module):
     """One extra decoder layer that, from (token t, trunk hidden at t-1), predicts token t+1.
 
     Shares the trunk's embedding and output head; has its own attention KV cache."""
+
+    eh_proj, enorm, hnorm, layer, shared_head_norm = stored(5)
 
     def __init__(self, eh_proj: Linear, enorm: mx.array, hnorm: mx.array, layer: DecoderLayer,
                  shared_head_norm: mx.array, cfg: Qwen35Config, expert_use: ExpertUse | None = None):

@@ -21,7 +21,7 @@ from .cache import RecurrentCache, TrunkCache
 from .config import Qwen35Config
 from .expert_use import ExpertUse
 from .kv_cache import KVCache
-from .layers import Linear
+from .layers import Linear, stored
 from .mtp_head import MTPHead
 
 
@@ -37,6 +37,8 @@ class Qwen35Model(nn.Module):
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
     resident_rounds = True  # its forwards take device KV offsets in a device-resident round (Pass.ROUND_*)
+
+    embed, output_norm, lm_head, mtp, _draft_head = stored(5)
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,
                  lm_head: Linear, mtp: MTPHead | None, options: EngineOptions | None = None,
