@@ -9,6 +9,10 @@ from mtp_engine.threads import evaluate_all
 from mtp_engine.model.step import Pass
 
 SMALL = 'small' in sys.argv
+if "slab16" in sys.argv:  # products in slabs of at most 16 rows (2 column tiles) instead of 32
+    from mtp_engine.model.kernels import qmv
+    qmv.MAX_ROWS = 16
+    print("slabs of 16 rows", flush=True)
 from harness import smoke_config
 m = random_model(smoke_config() if SMALL else config_9b(False))
 H = m.cfg.hidden_size
@@ -31,6 +35,22 @@ def ms(fn, reps=15):
     return statistics.median(t)
 
 
+def batch_of(B):
+    """B prefilled rows; their step ids, verify ids and a verify of 5 tokens keeping 1."""
+    batch = BatchCache(m)
+    for _ in range(B):
+        batch.add(prefilled())
+    capture_at_width(batch.layers, 5)
+    ids1, ids5 = mx.full((B, 1), 5, mx.int32), mx.full((B, 5), 5, mx.int32)
+    keep = mx.full((B,), 1, mx.int32)
+
+    def verify():
+        h = m.forward_batch(ids5, batch, capture=True)
+        batch.rollback_lazy(keep)
+        return h
+    return batch, ids1, ids5, verify
+
+
 c = prefilled()
 capture_at_width(c.layers, 5)
 def alone_verify():
@@ -39,16 +59,7 @@ def alone_verify():
     return h
 print(f"alone  S=1 {ms(lambda: m.forward(mx.array([[5]]), c)):.2f} ms  S=5 capture {ms(alone_verify):.2f} ms", flush=True)
 for B in ((1, 4) if SMALL else (1, 4, 8, 16)):
-    batch = BatchCache(m)
-    for _ in range(B):
-        batch.add(prefilled())
-    capture_at_width(batch.layers, 5)
-    ids1, ids5 = mx.full((B, 1), 5, mx.int32), mx.full((B, 5), 5, mx.int32)
-    keep = mx.full((B,), 1, mx.int32)
-    def verify():
-        h = m.forward_batch(ids5, batch, capture=True)
-        batch.rollback_lazy(keep)
-        return h
+    batch, ids1, ids5, verify = batch_of(B)
     t1 = ms(lambda: m.forward_batch(ids1, batch))
     t5c = ms(verify)
     t5 = ms(lambda: m.forward_batch(ids5, batch))
@@ -63,15 +74,6 @@ full = m.options
 for B in ((4,) if SMALL else (4, 8)):
     for ks in ("qmv,gdn,attn,norm", "gdn,attn,norm", "qmv,attn,norm", "qmv,gdn,norm", "mlx"):
         m.use(full.updated(kernels=ks))
-        batch = BatchCache(m)
-        for _ in range(B):
-            batch.add(prefilled())
-        capture_at_width(batch.layers, 5)
-        ids1, ids5 = mx.full((B, 1), 5, mx.int32), mx.full((B, 5), 5, mx.int32)
-        keep = mx.full((B,), 1, mx.int32)
-        def verify():
-            h = m.forward_batch(ids5, batch, capture=True)
-            batch.rollback_lazy(keep)
-            return h
+        batch, ids1, ids5, verify = batch_of(B)
         print(f"B={B} kernels {ks:18s} S=1 {ms(lambda: m.forward_batch(ids1, batch)):.2f} ms  S=5 capture {ms(verify):.2f}", flush=True)
 m.use(full)
