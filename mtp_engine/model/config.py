@@ -13,16 +13,29 @@ MOE_ARCHITECTURES = ("qwen35moe",)
 _MAX_EXPERTS = 4096
 
 
+# The fields read the same way from both sources: (GGUF key after "<arch>.", HF config.json key,
+# default where the key may be missing; None: required). The rest are derived (head sizes, flags,
+# per-block widths, experts) by `from_gguf` and `from_hf` each.
+_SCALARS: dict[str, tuple[str, str, int | float | None]] = {
+    "hidden_size": ("embedding_length", "hidden_size", None),
+    "n_head": ("attention.head_count", "num_attention_heads", None),
+    "conv_kernel": ("ssm.conv_kernel", "linear_conv_kernel_dim", None),
+    "ssm_key_dim": ("ssm.state_size", "linear_key_head_dim", None),
+    "ssm_key_heads": ("ssm.group_count", "linear_num_key_heads", None),
+    "ssm_value_heads": ("ssm.time_step_rank", "linear_num_value_heads", None),
+    "rope_base": ("rope.freq_base", "rope_theta", 10000.0),
+    "eps": ("attention.layer_norm_rms_epsilon", "rms_norm_eps", 1e-6),
+    "context_length": ("context_length", "max_position_embeddings", 4096),
+}
+
 # config field -> GGUF key (after the architecture prefix), for error messages
 _GGUF_KEYS = {
-    "vocab_size": "vocab_size", "hidden_size": "embedding_length", "n_layer": "block_count",
-    "n_mtp": "nextn_predict_layers", "ffn_size": "feed_forward_length", "n_head": "attention.head_count",
-    "n_head_kv": "attention.head_count_kv", "head_dim": "attention.key_length", "n_rot": "rope.dimension_count",
-    "rope_base": "rope.freq_base", "eps": "attention.layer_norm_rms_epsilon", "conv_kernel": "ssm.conv_kernel",
-    "ssm_key_dim": "ssm.state_size", "ssm_key_heads": "ssm.group_count", "ssm_value_heads": "ssm.time_step_rank",
-    "ssm_inner": "ssm.inner_size", "recurrent": "attention.recurrent_layers", "n_expert": "expert_count",
-    "n_expert_used": "expert_used_count", "expert_ffn_size": "expert_feed_forward_length",
-    "shared_ffn_size": "expert_shared_feed_forward_length", "context_length": "context_length",
+    **{name: keys[0] for name, keys in _SCALARS.items()},
+    "vocab_size": "vocab_size", "n_layer": "block_count", "n_mtp": "nextn_predict_layers",
+    "ffn_size": "feed_forward_length", "n_head_kv": "attention.head_count_kv", "head_dim": "attention.key_length",
+    "n_rot": "rope.dimension_count", "ssm_inner": "ssm.inner_size", "recurrent": "attention.recurrent_layers",
+    "n_expert": "expert_count", "n_expert_used": "expert_used_count", "expert_ffn_size": "expert_feed_forward_length",
+    "shared_ffn_size": "expert_shared_feed_forward_length",
 }
 
 
@@ -142,24 +155,18 @@ class Qwen35Config:
         if n_mtp < 0 or n_mtp >= n_block:
             k.fail(f"expected 0..{n_block - 1} (block_count {n_block}), found {n_mtp}", "nextn_predict_layers")
         n_layer, moe = n_block - n_mtp, arch in MOE_ARCHITECTURES
-        n_head = k.req("attention.head_count")
-        if n_head <= 0:
-            k.fail(f"expected a positive head count, found {n_head}", "attention.head_count")
-        hidden = k.req("embedding_length")
-        head_dim = k.opt("attention.key_length", int, max(hidden // n_head, 1))
+        v = {name: k.req(g) if d is None else k.opt(g, type(d), d) for name, (g, _, d) in _SCALARS.items()}
+        if v["n_head"] <= 0:
+            k.fail(f"expected a positive head count, found {v['n_head']}", "attention.head_count")
+        head_dim = k.opt("attention.key_length", int, max(v["hidden_size"] // v["n_head"], 1))
         vdim = k.opt("attention.value_length", int, head_dim)
         if vdim != head_dim:
             k.fail(f"expected value_length == key_length ({head_dim}), found {vdim}", "attention.value_length")
         sections = k.get("rope.dimension_sections", []) or []
-        cfg = cls(vocab_size=k.vocab(), hidden_size=hidden, n_layer=n_layer, n_mtp=n_mtp,
-                  ffn_size=k.ffn_sizes(n_block, moe), n_head=n_head, n_head_kv=k.kv_heads(n_head),
-                  head_dim=head_dim, n_rot=k.opt("rope.dimension_count", int, head_dim),
-                  rope_base=k.opt("rope.freq_base", float, 10000.0),
-                  eps=k.opt("attention.layer_norm_rms_epsilon", float, 1e-6),
-                  conv_kernel=k.req("ssm.conv_kernel"), ssm_key_dim=k.req("ssm.state_size"),
-                  ssm_key_heads=k.req("ssm.group_count"), ssm_value_heads=k.req("ssm.time_step_rank"),
-                  ssm_inner=k.req("ssm.inner_size"), recurrent=k.recurrent(n_layer),
-                  context_length=k.opt("context_length", int, 4096), tied_embeddings=not gf.has_tensor("output.weight"),
+        cfg = cls(**v, vocab_size=k.vocab(), n_layer=n_layer, n_mtp=n_mtp, ffn_size=k.ffn_sizes(n_block, moe),
+                  n_head_kv=k.kv_heads(v["n_head"]), head_dim=head_dim,
+                  n_rot=k.opt("rope.dimension_count", int, head_dim), ssm_inner=k.req("ssm.inner_size"),
+                  recurrent=k.recurrent(n_layer), tied_embeddings=not gf.has_tensor("output.weight"),
                   rope_sections=list(sections) if isinstance(sections, list) else [], arch=arch,
                   **(k.experts() if moe else {}))
         cfg.validate(gf.path, {key: k.p + v for key, v in _GGUF_KEYS.items()})
@@ -185,39 +192,22 @@ class Qwen35Config:
         else:
             interval = int(c.get("full_attention_interval", 4))
             recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
-        head_dim = int(c.get("head_dim", req("hidden_size") // req("num_attention_heads")))
+        v = {name: int(req(h)) if d is None else type(d)(c.get(h, d)) for name, (_, h, d) in _SCALARS.items()}
+        head_dim = int(c.get("head_dim", v["hidden_size"] // v["n_head"]))
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         prf = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
-        theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-        n_vh = int(req("linear_num_value_heads"))
+        v["rope_base"] = float(rope.get("rope_theta", v["rope_base"]))
         experts = {}
         if moe:
             expert_ffn = int(req("moe_intermediate_size"))
             experts = dict(arch="qwen35moe", n_expert=int(req("num_experts")),
                            n_expert_used=int(req("num_experts_per_tok")), expert_ffn_size=expert_ffn,
                            shared_ffn_size=int(c.get("shared_expert_intermediate_size", expert_ffn)))
-        cfg_ = cls(
-            vocab_size=int(req("vocab_size")),
-            hidden_size=int(req("hidden_size")),
-            n_layer=n_layer,
-            n_mtp=n_mtp,
-            ffn_size=[] if moe else [int(req("intermediate_size"))] * (n_layer + n_mtp),
-            n_head=int(req("num_attention_heads")),
-            n_head_kv=int(c.get("num_key_value_heads", req("num_attention_heads"))),
-            head_dim=head_dim,
-            n_rot=int(head_dim * prf),
-            rope_base=theta,
-            eps=float(c.get("rms_norm_eps", 1e-6)),
-            conv_kernel=int(req("linear_conv_kernel_dim")),
-            ssm_key_dim=int(req("linear_key_head_dim")),
-            ssm_key_heads=int(req("linear_num_key_heads")),
-            ssm_value_heads=n_vh,
-            ssm_inner=n_vh * int(req("linear_value_head_dim")),
-            recurrent=recurrent,
-            context_length=int(c.get("max_position_embeddings", 4096)),
-            tied_embeddings=bool(c.get("tie_word_embeddings", False)),
-            **experts,
-        )
+        cfg_ = cls(**v, vocab_size=int(req("vocab_size")), n_layer=n_layer, n_mtp=n_mtp,
+                   ffn_size=[] if moe else [int(req("intermediate_size"))] * (n_layer + n_mtp),
+                   n_head_kv=int(c.get("num_key_value_heads", v["n_head"])), head_dim=head_dim,
+                   n_rot=int(head_dim * prf), ssm_inner=v["ssm_value_heads"] * int(req("linear_value_head_dim")),
+                   recurrent=recurrent, tied_embeddings=bool(c.get("tie_word_embeddings", False)), **experts)
         cfg_.validate(source)
         return cfg_
 
