@@ -96,8 +96,10 @@ class Qwen35Model(nn.Module):
 
     def _unique_modules(self) -> list[nn.Module]:
         """Every module of the trunk and the MTP head once (a tied output head is the embedding)."""
-        seen: set[int] = set()
-        return [m for m in self.modules() if not (id(m) in seen or seen.add(id(m)))]
+        unique: dict[int, nn.Module] = {}
+        for m in self.modules():
+            unique.setdefault(id(m), m)
+        return list(unique.values())
 
     def linears(self) -> list[Linear]:
         """Every product of the trunk and the MTP head, once each."""
