@@ -1,6 +1,8 @@
-"""Where a batch verify's time goes: trunk forwards of B rows x S tokens, alone and batched, compiled."""
+"""Where a batch verify's time goes: trunk forwards of B rows x S tokens, alone and batched, compiled.
+
+    PYTHONPATH=scripts/bench python3 docs/bench/h100-2026-12-06-s25/batchprobe.py [small] [quick] [slab16]
+"""
 import statistics, sys, time
-sys.path.insert(0, "scripts/bench")
 import mlx.core as mx
 from harness import config_9b, random_model
 from mtp_engine.model.batch_cache import BatchCache
