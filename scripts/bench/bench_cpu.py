@@ -14,7 +14,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import fields, is_dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -22,30 +21,18 @@ import numpy as np
 import peer as mlx_lm_peer
 
 from mtp_engine import load
-from mtp_engine.model.layers import Linear
 
 TRAINED = "models/qwen35-mtp-code-Q4_K_M.gguf"
 
 
-def dequantize_all(obj, seen=None) -> None:
-    """Every quantized Linear reachable from obj becomes a float32 matrix."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, Linear):
-        if obj.quantized:
-            obj.weight, obj.scales, obj.biases, obj.bits, obj.group_size = obj.dense(), None, None, 0, 0
-            mx.eval(obj.weight)
-        return
-    items = ([getattr(obj, f.name) for f in fields(obj)] if is_dataclass(obj)
-             else list(vars(obj).values()) if hasattr(obj, "__dict__") else [])
-    for v in items:
-        if isinstance(v, list):
-            for x in v:
-                dequantize_all(x, seen)
-        elif isinstance(v, Linear) or is_dataclass(v) or type(v).__module__.startswith("mtp_engine"):
-            dequantize_all(v, seen)
+def dequantize_all(model) -> None:
+    """Every quantized product of the model becomes a float32 matrix (its draft head, a view of
+    the output head's rows, is made again from it)."""
+    for lin in model.linears():
+        if lin.quantized:
+            lin.weight, lin.scales, lin.biases, lin.bits, lin.group_size = lin.dense(), None, None, 0, 0
+            mx.eval(lin.weight)
+    model.use(model.options)
 
 
 def ours_ms(model, compiled: bool, tokens: int) -> float:
