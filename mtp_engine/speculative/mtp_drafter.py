@@ -259,6 +259,17 @@ class MTPDrafter(Drafter):
             return w
         return next((x for x in self.BLOCK_WIDTHS if x >= w), w)
 
+    def round_shapes(self, k: int) -> list:
+        """The head's forward shapes in a device round of k drafts (the block, then the chained
+        steps): a shape's first use is a trace and compiles, not a sample of a round's cost."""
+        cap = kv_capacity(self.cache)
+        return [("mtp", self.block_width(), cap)] + ([("mtp", 1, cap)] if k > 1 else [])
+
+    def trunk_committed(self, rows: int) -> None:
+        """The trunk holds `rows` committed tokens (the host's count, a round late): the head holds
+        at most one row past them (its last token's), whatever rounds are queued."""
+        self.cache.bound = min(self.cache.bound, rows + 1)
+
     def _run_block(self) -> mx.array:
         """The block through the head (its valid rows stay, the cache's device offset moves past
         them; padding rows are written past them, masked and rewritten like stale rows); the last

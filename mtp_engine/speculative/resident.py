@@ -159,9 +159,7 @@ class ResidentRounds:
         return accept_sampling_device(drafts, scored, q, live, sub)
 
     def _shapes(self, k: int) -> list:
-        w, head_cap = self.drafter.block_width(), kv_capacity(self.drafter.cache)
-        head = [("mtp", w, head_cap)] + ([("mtp", 1, head_cap)] if k > 1 else [])
-        return head + [("trunk", k + 1, True, kv_capacity(self.cache))]
+        return self.drafter.round_shapes(k) + [("trunk", k + 1, True, kv_capacity(self.cache))]
 
     # ---- the host's read, one round late -------------------------------------------------------
     def _complete_resident(self, r: Queued) -> list[int]:
@@ -177,9 +175,7 @@ class ResidentRounds:
         token = emitted[n]
         self.cache.offset += n + 1
         self.cache.set_bound(self.cache.offset + sum(q.rows for q in self._queued))
-        # the head holds at most one row past the trunk's (its last token's), whatever is queued
-        head = self.drafter.cache
-        head.bound = min(head.bound, self.cache.offset + 1)
+        self.drafter.trunk_committed(self.cache.offset)
         self.last_token = token
         self._count_experts("verify" if r.k else "step")
         return self._finish_round(emitted[:n] + drafts[n:], n, token, r)
