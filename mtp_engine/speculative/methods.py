@@ -15,7 +15,7 @@ from ..model.qwen35 import Qwen35Model
 from .config import SPEC_METHODS, DraftParams
 from .decoder import SpeculativeDecoder
 from .draft_mtp import DraftMTPDecoder
-from .ngram import NGramDrafter
+from .ngram import NGramDecoder
 from .scheduler import DraftLengthScheduler
 
 Build = Callable[..., SpeculativeDecoder]
@@ -26,7 +26,7 @@ def _draft_mtp(model, sampler, params, prof, scheduler, **state) -> SpeculativeD
 
 
 def _ngram(model, sampler, params, prof, scheduler, **state) -> SpeculativeDecoder:
-    return SpeculativeDecoder(model, sampler, params, NGramDrafter, prof, scheduler, **state)
+    return NGramDecoder(model, sampler, params, prof, scheduler=scheduler, **state)
 
 
 DECODERS: dict[str, Build] = {"draft-mtp": _draft_mtp, "ngram": _ngram}

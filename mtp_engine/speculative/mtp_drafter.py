@@ -259,6 +259,11 @@ class MTPDrafter(Drafter):
             return w
         return next((x for x in self.BLOCK_WIDTHS if x >= w), w)
 
+    reads_history = False  # its drafts come from device values: rounds may be queued ahead of the read
+
+    def round_read(self, tokens: list[int]) -> None:
+        """The host read a round that emitted `tokens`: the head already took them on the device."""
+
     def round_shapes(self, k: int) -> list:
         """The head's forward shapes in a device round of k drafts (the block, then the chained
         steps): a shape's first use is a trace and compiles, not a sample of a round's cost."""

@@ -4,16 +4,28 @@ last few tokens are proposed as drafts (Saxena's prompt-lookup decoding, llama.c
 is the smallest drafter the interface admits, and it pays on text that repeats its prompt
 (editing code, quoting, extraction).
 
-    from mtp_engine.speculative.decoder import SpeculativeDecoder
-    from mtp_engine.speculative.ngram import NGramDrafter
-    dec = SpeculativeDecoder(model, sampler, DraftParams(4), lambda ctx: NGramDrafter(ctx, max_ngram=3))
+    from mtp_engine.speculative.ngram import NGramDecoder
+    dec = NGramDecoder(model, sampler, DraftParams(4))
+
+Its rounds are the device round (`resident.ResidentRounds`, `round.draft_round`) with drafts
+looked up on the host: a round is launched after the host read the one before it, whose tokens its
+lookup needs. A grammar keeps the host round (`SpeculativeDecoder` with this drafter).
 """
 from __future__ import annotations
 
 import mlx.core as mx
 
 from ..errors import MTPEngineError
+from ..generation.decode import Progress
+from ..generation.profiler import Profiler
+from ..generation.prompt_cache import PromptCache
+from ..generation.sampling import Sampler
+from ..model.qwen35 import Qwen35Model
+from .config import DraftParams
+from .decoder import SpeculativeDecoder
 from .drafter import Draft, DraftContext, Drafter
+from .resident import ResidentRounds
+from .scheduler import DraftLengthScheduler
 
 
 class NGramDrafter(Drafter):
@@ -76,3 +88,60 @@ class NGramDrafter(Drafter):
 
     def stats(self) -> dict:
         return {"ngram_lookups": self.lookups, "ngram_hits": self.hits}
+
+    # ---- device-resident rounds (speculative/resident.py): drafts from the host's history -----------
+    reads_history = True  # a round's lookup needs the tokens of the round before it, read on the host
+
+    def available(self, k: int) -> int:
+        """How many of k drafts the next round gets (a lookup, counted as the round's)."""
+        self.lookups += 1
+        n = len(self.lookup(k))
+        self.hits += n > 0
+        return n
+
+    def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, None]:
+        """The k drafts `available(k)` promised, as a round's one row [1, k] (their one-hot
+        distributions [1, k, V] when sampling); `p_min` does not apply."""
+        drafts = mx.array([self.lookup(k)], dtype=mx.int32)
+        q = None
+        if not self.ctx.sampler.cfg.greedy:
+            q = (mx.arange(self.ctx.model.cfg.vocab_size)[None, None, :] == drafts[..., None]).astype(mx.float32)
+        return drafts, q, None
+
+    def round_read(self, tokens: list[int]) -> None:
+        self._extend(tokens)
+
+    def to_device(self) -> None:
+        """Nothing on the device: the history stays on the host."""
+
+    def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
+        """Nothing: the host's read extends the history (`round_read`)."""
+
+    def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
+        """Nothing: the host's read extends the history (`round_read`)."""
+
+    def pending_arrays(self) -> list[mx.array]:
+        return []
+
+    def round_shapes(self, k: int) -> list:
+        return []
+
+    def trunk_committed(self, rows: int) -> None:
+        """Nothing: no cache of its own."""
+
+
+class NGramDecoder(ResidentRounds, SpeculativeDecoder):
+    """Speculative decoding with prompt-lookup drafts, on device-resident rounds (module
+    docstring); a round drafts what the lookup has, at most k (none: a plain round)."""
+
+    def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
+                 profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,
+                 prompt_cache: PromptCache | None = None, calibration_path: str = "",
+                 progress: Progress | None = None, pipeline: bool = True):
+        super().__init__(model, sampler, params, NGramDrafter, profiler, scheduler, prompt_cache=prompt_cache,
+                         calibration_path=calibration_path, progress=progress, pipeline=pipeline)
+
+    def _choose_k(self) -> int:
+        k = super()._choose_k()
+        # the host round looks up in its own draft stage
+        return self.drafter.available(k) if k and self._resident else k

@@ -54,9 +54,11 @@ class Queued:
 
 
 class ResidentRounds:
-    """Mixin for `SpeculativeDecoder` with an `MTPDrafter`: rounds as device values (see the
-    module docstring). `resident_rounds = False` (a class that must see each round on the host,
-    e.g. the re-decoding rollback ablation) keeps the host round."""
+    """Mixin for `SpeculativeDecoder`: rounds as device values (see the module docstring). Its
+    drafter (`MTPDrafter`, `NGramDrafter`) also offers `to_device`, `draft_resident`, `commit`,
+    `accept_plain`, `pending_arrays`, `round_shapes`, `trunk_committed`, `round_read` and
+    `reads_history`. `resident_rounds = False` (a class that must see each round on the host, e.g.
+    the re-decoding rollback ablation) keeps the host round."""
 
     resident_rounds = True
 
@@ -88,7 +90,7 @@ class ResidentRounds:
         if not self._resident:
             return super().step()
         cur = self._queued.pop(0) if self._queued else self._launch_resident(self._choose_k())
-        if self._pipelined_rounds() and self._wanted() > 1:
+        if self._ahead() and self._wanted() > 1:
             # queued before the host reads `cur`: it starts from cur's device values
             t = time.perf_counter()
             nxt = self._launch_resident(self._choose_k())
@@ -99,10 +101,15 @@ class ResidentRounds:
             # sees drafting as free (it kept drafting at acceptance 0.5 and lost 40% on the H200)
             cur.shift = cur.launch_s - nxt.launch_s
             cur.steady = self._prev_k == cur.k == nxt.k
-        elif self._pipelined_rounds():
+        elif self._ahead():
             cur.steady = False  # the last round: nothing queued behind it
         self._prev_k = cur.k
         return self._complete_resident(cur)
+
+    def _ahead(self) -> bool:
+        """Whether the next round is queued before the host reads this one: not for a drafter whose
+        drafts come from the tokens the host has read (`reads_history`)."""
+        return self._pipelined_rounds() and not self.drafter.reads_history
 
     def plain_step(self) -> list[int]:
         if not self._resident:
@@ -139,7 +146,7 @@ class ResidentRounds:
         return mx.random.categorical(mx.log(distribution(scored, cfg)), key=sub).astype(mx.int32)
 
     def _queue(self, r: Queued) -> Queued:
-        if self._pipelined_rounds():
+        if self._ahead():
             mx.async_eval(*r.read(), *self.drafter.pending_arrays())
         return r
 
@@ -173,6 +180,7 @@ class ResidentRounds:
             n, drafted, emitted = d.n[0], d.drafted[0], d.emitted[0]
             drafts = d.drafts[0][:drafted] if d.drafts is not None else []
         token = emitted[n]
+        self.drafter.round_read(emitted[:n + 1])
         self.cache.offset += n + 1
         self.cache.set_bound(self.cache.offset + sum(q.rows for q in self._queued))
         self.drafter.trunk_committed(self.cache.offset)

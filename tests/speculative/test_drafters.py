@@ -17,7 +17,7 @@ from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.decoder import SpeculativeDecoder
 from mtp_engine.speculative.drafter import DraftContext
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
-from mtp_engine.speculative.ngram import NGramDrafter
+from mtp_engine.speculative.ngram import NGramDecoder, NGramDrafter
 
 IDS = [349, 220, 451, 72, 389, 349, 220, 451, 72, 389, 349, 220]
 
@@ -61,6 +61,32 @@ def test_ngram_drafter_greedy_equals_plain(tiny, n_max):
         assert got == ref
         assert st["drafted"] > 0 and st["ngram_hits"] > 0  # the interface was exercised, not bypassed
         assert st["rounds"] == st["ngram_lookups"]
+
+
+@pytest.mark.parametrize("n_max", [1, 3])
+def test_ngram_rounds_on_the_device_equal_plain(tiny, n_max):
+    """The n-gram decoder runs the device round (drafts looked up on the host, each round launched
+    after the read of the one before): greedy output is plain decoding's, at fixed n-max, with and
+    without pipelining asked for."""
+    n = 40
+    ref = generate(IDS, tiny, max_tokens=n, ignore_eos=True).token_ids
+    for pipeline in (True, False):
+        dec = NGramDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max), pipeline=pipeline)
+        got, st = _tokens(dec, tiny.tokenizer, n)
+        assert dec._resident and got == ref
+        assert st["drafted"] > 0 and st["ngram_hits"] > 0 and st["ngram_lookups"] == st["rounds"]
+        assert st["drafted"] <= n_max * st["rounds"]
+
+
+def test_ngram_rounds_on_the_device_sample_reproducibly(tiny):
+    def once():
+        dec = NGramDecoder(tiny.model, Sampler(SamplerConfig(temperature=0.8, seed=3)), DraftParams(3))
+        return _tokens(dec, tiny.tokenizer, 24), dec
+
+    (a, st), dec = once()
+    assert dec._resident and a == once()[0][0] and len(a) == 24
+    assert all(0 <= t < tiny.model.cfg.vocab_size for t in a)
+    assert st["drafted"] > 0
 
 
 def _scan(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
