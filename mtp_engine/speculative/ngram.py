@@ -16,16 +16,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import MTPEngineError
-from ..generation.decode import Progress
 from ..generation.profiler import Profiler
-from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler
 from ..model.qwen35 import Qwen35Model
 from .config import DraftParams
 from .decoder import SpeculativeDecoder
 from .drafter import Draft, DraftContext, Drafter
 from .resident import ResidentRounds
-from .scheduler import DraftLengthScheduler
 
 
 class NGramDrafter(Drafter):
@@ -135,11 +132,10 @@ class NGramDecoder(ResidentRounds, SpeculativeDecoder):
     docstring); a round drafts what the lookup has, at most k (none: a plain round)."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
-                 profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,
-                 prompt_cache: PromptCache | None = None, calibration_path: str = "",
-                 progress: Progress | None = None, pipeline: bool = True):
-        super().__init__(model, sampler, params, NGramDrafter, profiler, scheduler, prompt_cache=prompt_cache,
-                         calibration_path=calibration_path, progress=progress, pipeline=pipeline)
+                 profiler: Profiler | None = None, **options):
+        """`options`: `SpeculativeDecoder`'s keywords (scheduler, prompt_cache, calibration_path,
+        progress, pipeline)."""
+        super().__init__(model, sampler, params, NGramDrafter, profiler, **options)
 
     def _choose_k(self) -> int:
         k = super()._choose_k()
