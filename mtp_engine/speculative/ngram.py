@@ -42,6 +42,7 @@ class NGramDrafter(Drafter):
         self._latest: dict[int, dict[tuple, int]] = {}
         self.lookups = 0
         self.hits = 0
+        self._next: list[int] = []  # the device round's lookup (`available`), drafted by `draft_resident`
 
     def begin(self, prompt: list[int], hidden: mx.array) -> None:
         self.history, self._latest = [], {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
@@ -66,19 +67,27 @@ class NGramDrafter(Drafter):
                 return h[start + n:start + n + k]
         return []
 
-    def draft(self, k: int, p_min: float = 0.0) -> Draft:
-        """`p_min` does not apply: the drafter has no probabilities of its own."""
+    def _proposal(self, k: int) -> list[int]:
+        """A round's lookup of up to k tokens, counted in the statistics."""
         self.lookups += 1
         tokens = self.lookup(k)
+        self.hits += bool(tokens)
+        return tokens
+
+    def _one_hot(self, drafts: mx.array) -> mx.array | None:
+        """The drafts' distributions [..., V] when sampling (a deterministic proposal: one-hot rows),
+        None when greedy."""
+        if self.ctx.sampler.cfg.greedy:
+            return None
+        return (mx.arange(self.ctx.model.cfg.vocab_size) == drafts[..., None]).astype(mx.float32)
+
+    def draft(self, k: int, p_min: float = 0.0) -> Draft:
+        """`p_min` does not apply: the drafter has no probabilities of its own."""
+        tokens = self._proposal(k)
         if not tokens:
             return Draft()
-        self.hits += 1
         drafts = mx.array(tokens, dtype=mx.int32)
-        q = None
-        if not self.ctx.sampler.cfg.greedy:  # a deterministic proposal: one-hot distributions
-            vocab = self.ctx.model.cfg.vocab_size
-            q = (mx.arange(vocab)[None, :] == drafts[:, None]).astype(mx.float32)
-        return Draft(drafts, q)
+        return Draft(drafts, self._one_hot(drafts))
 
     def accept(self, accepted: list[int], token: int, hidden: mx.array) -> None:
         self._extend(list(accepted) + [token])
@@ -90,20 +99,15 @@ class NGramDrafter(Drafter):
     reads_history = True  # a round's lookup needs the tokens of the round before it, read on the host
 
     def available(self, k: int) -> int:
-        """How many of k drafts the next round gets (a lookup, counted as the round's)."""
-        self.lookups += 1
-        n = len(self.lookup(k))
-        self.hits += n > 0
-        return n
+        """How many of k drafts the next round gets (the round's lookup, kept for `draft_resident`)."""
+        self._next = self._proposal(k)
+        return len(self._next)
 
     def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, None]:
-        """The k drafts `available(k)` promised, as a round's one row [1, k] (their one-hot
+        """The k drafts `available(k)` found, as a round's one row [1, k] (their one-hot
         distributions [1, k, V] when sampling); `p_min` does not apply."""
-        drafts = mx.array([self.lookup(k)], dtype=mx.int32)
-        q = None
-        if not self.ctx.sampler.cfg.greedy:
-            q = (mx.arange(self.ctx.model.cfg.vocab_size)[None, None, :] == drafts[..., None]).astype(mx.float32)
-        return drafts, q, None
+        drafts = mx.array([self._next[:k]], dtype=mx.int32)
+        return drafts, self._one_hot(drafts), None
 
     def round_read(self, tokens: list[int]) -> None:
         self._extend(tokens)
