@@ -68,12 +68,13 @@ class Qwen35Model(nn.Module):
         attn_shape = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot)
         kv_dtype = getattr(mx, opts.kv_dtype)
         shapes = {"qmv": None, "gdn": gdn_dims, "attn": attn_shape + (opts.kv_dtype,), "norm": None}
-        linears = self.linears()
+        parts = self._unique_modules()
+        linears = [m for m in parts if isinstance(m, Linear)]
         ok = kernels.check({name: shapes[name] for name in shapes if name in allowed}, opts.cache_path,
                            linears, c.hidden_size)
         ok = {name: ok.get(name, False) for name in shapes}
         qmv, fused_gdn, fused_attn, self.fused_norm = ok["qmv"], ok["gdn"], ok["attn"], ok["norm"]
-        for obj in self._unique_modules():
+        for obj in parts:
             if isinstance(obj, Linear):
                 obj.custom_kernel, obj.row_pad, obj.dequant_rows = qmv, opts.row_pad, opts.dequant_rows
             elif isinstance(obj, GatedDeltaNet):
