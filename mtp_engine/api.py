@@ -144,7 +144,7 @@ def _load(path, exact, load_mtp, max_context, quantize, distributed, group, dist
         if options is not None:
             m.model.use(opts)
         return m
-    _prepare_mlx_modules()  # in worker processes, while the weights load
+    _prepare_mlx_modules(p)  # in worker processes, while the weights load
     if p.is_dir():
         return _load_checkpoint(p, quantize, load_mtp, max_context, t0, opts, progress)
     if quantize is not None:
@@ -215,15 +215,18 @@ def _persist_kernel_cache(cache_dir: Path) -> None:
         keep_mlx_kernels_in(cache_dir / "mlx-ptx" / mx.__version__)
 
 
-def _prepare_mlx_modules() -> None:
+def _prepare_mlx_modules(path: Path) -> None:
     """MLX's own CUDA modules a first generation needs (a prompt's forward, plain steps, draft-mtp
-    rounds, a batch's), compiled in worker processes while the model loads (`mlx_jit`); off a
-    CUDA GPU, or where earlier runs prepared them, nothing."""
+    rounds; for a GGUF file also a long prompt's and a batch's, on the model's miniature), compiled
+    in worker processes while the model loads (`mlx_jit`); off a CUDA GPU, or where earlier runs
+    prepared them, nothing."""
+    from .batching import warm
     from .model import blocks
     from .model.kernels import mlx_jit
     from .speculative import round as spec_round
 
-    mlx_jit.prepare([*mlx_jit.GENERIC, *blocks.JIT_RECIPES, *spec_round.JIT_RECIPES])
+    model = warm.recipes(str(path)) if path.is_file() else []
+    mlx_jit.prepare([*mlx_jit.GENERIC, *blocks.JIT_RECIPES, *spec_round.JIT_RECIPES, *model])
 
 
 def _resolve(model) -> Model:

@@ -78,6 +78,14 @@ Q6K_MODES = ("q8", "f32")
 SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in (*_FLOAT_TYPES, *_QUANT_BITS))
 
 
+def loaded_bits(qtype: QT | int) -> int | None:
+    """The bits a tensor of `qtype` is loaded at (None: a float type, or one not loaded quantized)."""
+    try:
+        return _QUANT_BITS.get(QT(int(qtype)))
+    except ValueError:
+        return None
+
+
 @dataclass
 class QuantizedWeight:
     """A matrix in MLX affine-quantized form, ready for ``mx.quantized_matmul``.

@@ -210,7 +210,8 @@ def jit_emit(rows: str) -> mx.array:
     return mx.compile(_emit)(drafts, mx.zeros((b,), mx.int32), mx.zeros((b,), mx.int32))
 
 
-# (phase, recipe): the greedy round's pieces (2), a batch's and the sampler's (3)
+# (phase, recipe): the greedy round's pieces (2), a batch's (3), the sampler's (4: after a long
+# prompt's and a batch's, `batching.warm`)
 JIT_RECIPES = [(2, f"{__name__}:jit_agreeing:1"), (2, f"{__name__}:jit_emit:1"), (3, f"{__name__}:jit_emit:2"),
-               (3, f"{__name__}:jit_agreeing:2"), (3, f"{__name__}:jit_accept_sampling:1"),
-               (3, f"{__name__}:jit_accept_sampling:2")]
+               (3, f"{__name__}:jit_agreeing:2"), (4, f"{__name__}:jit_accept_sampling:1"),
+               (4, f"{__name__}:jit_accept_sampling:2")]

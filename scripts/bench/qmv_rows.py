@@ -78,16 +78,22 @@ def main() -> None:
                 sp = sp[0] if sp else kernels.mma.SPLIT
                 fns[f"tc{wv}x{tm}x{st}x{sp}"] = (lambda wv, tm, st, sp: lambda x, q, s, b: kernels.mma.quantized_rows(
                     x, q, s, b, a.bits, a.group, warps=wv, tiles=tm, stages=st, split=sp))(wv, tm, st, sp)
+        # the default tensor-core product over slabs of at most 16 rows (two column tiles, none padded)
+        fns["tc-slab16"] = lambda x, q, s, b: mx.concatenate(
+            [kernels.mma.quantized_rows(x[i:i + 16], q, s, b, a.bits, a.group) for i in range(0, x.shape[0], 16)])
         print(f"\n{n}x{k} {a.bits}-bit g{a.group}: {nbytes / 1e6:.1f} MB per copy, {copies} copies; "
               "us per product (GB/s)", flush=True)
         print("rows " + "".join(f"{name:>18}" for name in fns))
         for rows in (int(r) for r in a.rows.split(",")):
             x = mx.random.normal((rows, k), key=mx.random.key(7))
-            times: dict[str, list[float]] = {name: [] for name in fns}
-            for name, f in fns.items():  # warm-up (compiles)
+            # the SIMT kernel takes at most its largest row variant
+            live = {name: f for name, f in fns.items()
+                    if name != "simt" or rows <= max(kernels.qmv.ROW_VARIANTS)}
+            times: dict[str, list[float]] = {name: [] for name in live}
+            for name, f in live.items():  # warm-up (compiles)
                 mx.eval([f(x, *wt) for wt in weights[:2]])
             for _ in range(a.repeats):
-                for name, f in fns.items():
+                for name, f in live.items():
                     outs = [f(x, *wt) for _ in range(2) for wt in weights]  # graph built untimed
                     mx.synchronize()
                     t0 = time.perf_counter()
@@ -96,6 +102,9 @@ def main() -> None:
                     times[name].append((time.perf_counter() - t0) / (2 * copies))
             cells = []
             for name in fns:
+                if name not in live:
+                    cells.append(f"{'-':>18}")
+                    continue
                 t = statistics.median(times[name])
                 cells.append(f"{t * 1e6:8.1f} ({nbytes / t / 1e9:5.0f})")
             print(f"{rows:>4} " + "".join(f"{c:>18}" for c in cells), flush=True)

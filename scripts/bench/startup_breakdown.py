@@ -15,10 +15,12 @@ an empty DIR is a fresh machine's start-up on any machine, the same DIR again it
 `--first-forward`: before the first generation, one uncompiled one-token forward on a scratch
 cache (reported as `first_forward`): the GPU's first-use costs apart from the generation's own.
 
+`--long N`: then a first prompt of N tokens alone, plain and draft-mtp (MLX's own prompt path).
+
 `--batch`: then a server's first batched steps (four prompts together, plain and draft-mtp, each
 twice: `batch0_*` against `batch1_*` is what the first one compiled).
 
-Usage: python3 scripts/bench/startup_breakdown.py [--root DIR] [--first-forward] [--batch] > startup.json
+Usage: python3 scripts/bench/startup_breakdown.py [--root DIR] [--first-forward] [--long N] [--batch] > startup.json
 """
 from __future__ import annotations
 
@@ -85,6 +87,19 @@ for i, spec in enumerate(["none", "draft-mtp", "draft-mtp"]):
             "acceptance_rate", "auto_message")
     T[f"gen{i}_{spec}"] = {"wall": time.perf_counter() - t, **{k: r.stats.get(k) for k in keys}}
     seen = phase(f"gen{i}_{spec}", seen, start)
+if "--long" in sys.argv:
+    # a first long prompt alone (MLX's own prompt path past the delta-net kernel's 16 tokens, and
+    # past the dequantized products' threshold): plain, then draft-mtp
+    n = int(sys.argv[sys.argv.index("--long") + 1])
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(n))
+    ids = m.tokenizer.encode(text)[:n]
+    for spec in ("none", "draft-mtp"):
+        start = time.time()
+        t = time.perf_counter()
+        r = me.generate(ids, model=m, max_tokens=16, spec=spec)
+        T[f"long_{spec}"] = {"wall": time.perf_counter() - t, "prompt_tokens": len(ids),
+                             "time_to_first_token_seconds": r.stats.get("time_to_first_token_seconds")}
+        seen = phase(f"long_{spec}", seen, start)
 if "--batch" in sys.argv:
     # a server's first batched steps (`serve --parallel 4`): four prompts decoding together, plain and
     # draft-mtp, each twice; the first call's wall beyond the second's is what it compiled

@@ -28,11 +28,13 @@ def _engine_choice_of_workers(monkeypatch):
     monkeypatch.delenv(ENV_PREPARE, raising=False)
 
 
-def _compiled_names(tmp: Path, code: str) -> set[str]:
+def _compiled_names(tmp: Path, code: str, env: dict | None = None, keep_hash: bool = False) -> set[str]:
     """The compiled graphs' names MLX's CPU backend builds while `code` runs (its cache folder
-    is under TMPDIR, so each run gets its own)."""
+    is under TMPDIR, so each run gets its own); `keep_hash`: with the hash of the constants written
+    into each graph (a graph whose epsilon or scale differs is another module)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT),
+               **(env or {}))
     # MLX's CPU backend names its compiled C++ as the CUDA backend names modules, on any machine
     code = "import mlx.core as mx\nmx.set_default_device(mx.cpu)\n" + textwrap.dedent(code)
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
@@ -42,7 +44,7 @@ def _compiled_names(tmp: Path, code: str) -> set[str]:
         for tail in ("_contiguous", "_strided"):
             if tail in stem:
                 stem = stem[:stem.index(tail)]
-        names.add(stem.rsplit("_", 1)[0])  # the constants' hash stays in the name; the variant goes
+        names.add(stem if keep_hash else stem.rsplit("_", 1)[0])  # the variant goes; the hash ends the stem
     return names
 
 
@@ -109,6 +111,8 @@ def fake(name):  # stands in for MLX writing a module into its cache folder (her
     return mx.zeros(1)
 def broken():
     raise RuntimeError("no such graph")
+def die():  # a worker that ends mid-recipe (killed, out of memory)
+    os._exit(3)
 """
 
 
@@ -126,7 +130,10 @@ def test_workers_prepare_once_per_cache_folder(tmp_path, monkeypatch):
     assert mlx_jit.prepare(recipes, cache) is None  # this CPU: no CUDA
     monkeypatch.setattr(mlx_jit, "cuda", lambda: True)
     prep = mlx_jit.prepare(recipes, cache, workers=2)
-    assert prep is not None and prep.wait(120)
+    assert prep is not None
+    mlx_jit.wait_for("fake_recipes:fake:", 120)  # a first use waits for its recipes only
+    assert not any(":fake:" in r for r in prep.pending)
+    assert prep.wait(120)
     assert sorted((r, rc) for r, rc, _ in prep.done) == [
         ("fake_recipes:broken", 1), ("fake_recipes:fake:one", 0), ("fake_recipes:fake:two", 0)], prep.done
     for name in ("one", "two"):
@@ -175,3 +182,74 @@ def test_the_worker_count_comes_from_the_environment_and_zero_turns_it_off(tmp_p
     assert mlx_jit.prepare([(0, "m:a")], tmp_path) is None
     monkeypatch.setenv(ENV_PREPARE, "3")
     assert mlx_jit.prepare([(0, "m:a"), (1, "m:b")], tmp_path) == (["m:a", "m:b"], 3)
+
+
+def test_the_miniature_warms_every_graph_of_a_long_prompt_and_a_batch(tmp_path):
+    """The warm recipes (`batching.warm`: the model's miniature through a long prompt alone and a
+    server's first batched steps, plain and draft-mtp) compile every fused graph the real model's
+    same runs compile, constants included (the name carries their hash), under compiled steps as
+    on a GPU: the graphs a fresh GPU compiled one by one in a server's first step (48.6 s)."""
+    from tests.conftest import SHIPPED
+
+    model = str(SHIPPED)
+    # the recipes first, then the real runs in the same cache folder: a graph they compile anew is
+    # one the recipes missed (each compile is seconds on this CPU: the real runs mostly read)
+    warmed = _compiled_names(tmp_path, f"""
+        import mlx.core as mx
+        from mtp_engine.batching import warm
+        from mtp_engine.model.kernels.mlx_jit import resolve
+        for _, r in warm.recipes({model!r}):
+            mx.eval(resolve(r)())
+    """, env={"MTP_ENGINE_COMPILE": "1"}, keep_hash=True)
+    real = _compiled_names(tmp_path, f"""
+        import mtp_engine as me
+        m = me.load({model!r})
+        long = [(7 * i + 3) % 500 + 1 for i in range(300)]
+        me.generate(long[:40], model=m, max_tokens=6)
+        me.generate(long, model=m, max_tokens=6)
+        me.generate(long[:40], model=m, max_tokens=6, spec="draft-mtp", n_max=2)
+        for spec in ("none", "draft-mtp"):
+            me.batch_generate([long[:40], [5, 6, 7, 8, 9]], model=m, max_tokens=6, spec=spec, parallel=2)
+            me.batch_generate([[1, 2, 3, 4, 5], [5, 6, 7, 8, 9]], model=m, max_tokens=6, spec=spec, parallel=2)
+    """, env={"MTP_ENGINE_COMPILE": "1"}, keep_hash=True)
+    assert len(warmed) >= 20 and real <= warmed, sorted(real - warmed)
+
+
+def test_the_miniature_keeps_the_constants_and_the_bits(models):
+    """Every constant a graph may hold (epsilon, head sizes, stream width, experts per token) and
+    each matrix's bits are the real file's, for a dense and an MoE model; the layers stop after the
+    first attention layer and the vocabulary is small."""
+    from tests.conftest import MOE_Q4, SHIPPED, need
+
+    from mtp_engine.batching import warm
+    from mtp_engine.model.miniature import VOCAB, miniature
+
+    for path in (SHIPPED, need(MOE_Q4)):
+        real = models(path).model
+        mini = miniature(str(path))
+        c, r = mini.cfg, real.cfg
+        for f in ("hidden_size", "eps", "head_dim", "n_head", "n_head_kv", "n_rot", "rope_base", "ssm_key_dim",
+                  "ssm_key_heads", "ssm_value_heads", "ssm_inner", "conv_kernel", "n_expert_used", "arch"):
+            assert getattr(c, f) == getattr(r, f), f
+        assert c.vocab_size == VOCAB and c.recurrent == r.recurrent[:c.n_layer] and not c.recurrent[-1]
+        assert mini.mtp is not None
+        assert {lin.bits for lin in mini.linears()} <= {lin.bits for lin in real.linears()}
+        for _, recipe in warm.recipes(str(path))[:1]:
+            mx.eval(mlx_jit.resolve(recipe)())
+
+
+def test_a_first_use_never_waits_on_a_worker_that_died(tmp_path, monkeypatch):
+    """A worker that ends mid-recipe leaves it unanswered: once no feeder is left, whatever is
+    pending is given up (the main process compiles it at first use), so `wait_for` returns at
+    once rather than after its timeout; with nothing prepared it does not wait at all."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "fake_recipes.py").write_text(RECIPE)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "pkg"), str(ROOT)]))
+    assert mlx_jit.wait_for(":nothing:", 5) == 0.0
+    monkeypatch.setattr(mlx_jit, "cuda", lambda: True)
+    prep = mlx_jit.prepare([(0, "fake_recipes:die"), (1, "fake_recipes:fake:late")], tmp_path / "cache", workers=1)
+    assert prep is not None
+    t0 = time.perf_counter()
+    mlx_jit.wait_for("fake_recipes:", 100)
+    assert time.perf_counter() - t0 < 60 and not prep.pending
