@@ -225,6 +225,8 @@ class DraftLengthScheduler:
                 best = last
         threshold = 1.0 + MARGIN[0] if last == 0 else 1.0 - MARGIN[1]
         k = best if rates[best] > threshold else 0
+        if not k and self.can_win:
+            k = self._unsure(threshold)
         why = "no_gain"
         if self._forced_plain:
             k, self._forced_plain, why = 0, self._forced_plain - 1, "measuring"
@@ -264,6 +266,20 @@ class DraftLengthScheduler:
         self.drafting_rounds += int(k > 0 and not probe)
         self._queue.append((k, probe))
         return k
+
+    def _unsure(self, threshold: float) -> int:
+        """Where the estimates say no draft pays: the measured k that would pay were acceptance one
+        standard deviation above its estimate (`PositionAcceptance.optimistic`), else 0 (a length
+        never timed is the exploration's to try, on firm acceptance). Plain rounds teach
+        nothing of acceptance, so a stop on thin evidence would last the run; drafting on until the
+        evidence is firm costs a few rounds where acceptance is truly low."""
+        measured = [k for k in range(1, self.k_max + 1) if self._median(k, self._bucket, True) is not None]
+        if not measured:
+            return 0
+        up = self.acceptance.optimistic(1.0)
+        rates = {k: self.acceptance.expected_tokens(k, up) / self.round_steps(k) for k in measured}
+        k = max(rates, key=rates.get)
+        return k if rates[k] > threshold else 0
 
     def _worth_exploring(self, best_rate: float) -> int:
         """A draft length longer than every measured one that could beat the best estimate, else
@@ -373,9 +389,10 @@ class DraftLengthScheduler:
                 if self._median(k, b, True) is not None}
 
     def measured_acceptance(self) -> list[float] | None:
-        """Per draft position, the acceptance this run ended at, worth storing for the next run
-        once it drafted `_EXPLORE_AFTER` rounds or more (else None: the prior still speaks)."""
-        return [round(a, 4) for a in self.alphas()] if self.drafting_rounds >= _EXPLORE_AFTER else None
+        """Per draft position, the acceptance this run saw (its share of accepted tests, where tested
+        often enough), worth storing for the next run once it drafted `_EXPLORE_AFTER` rounds or
+        more (else None: the prior still speaks)."""
+        return [round(a, 4) for a in self.acceptance.run_means()] if self.drafting_rounds >= _EXPLORE_AFTER else None
 
     def message(self) -> str | None:
         """Why auto did not draft, when it did not (shown once, in the stats)."""
