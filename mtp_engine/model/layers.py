@@ -99,8 +99,8 @@ class Linear(nn.Module):
             # slabs decided by the tokens per sequence too: a prompt prefilled beside others takes
             # the arithmetic it takes alone (the tensor-core kernel's rows do not mix)
             if self.custom_kernel and x.shape[-2] <= SLAB_ROWS and \
-                    qmv.supports(self.weight, self.scales, self.bits, self.group_size, min(rows, qmv.MAX_ROWS)):
-                flat, slab = x.reshape(rows, x.shape[-1]), qmv.MAX_ROWS
+                    qmv.supports(self.weight, self.scales, self.bits, self.group_size, min(rows, qmv.SLAB)):
+                flat, slab = x.reshape(rows, x.shape[-1]), qmv.SLAB
                 if rows > slab and rows % slab == 1:  # a last slab of one row would take the one-row
                     flat = mx.pad(flat, [(0, 1), (0, 0)])  # kernel: every row of a product takes one arithmetic
                 # a prompt's tokens take x in float32's precision on the tensor cores, as MLX's

@@ -31,11 +31,12 @@ def calls(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (8, 64), (9, 64), (16, 64), (17, 64), (SLAB_ROWS, 64),
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (8, 64), (9, 64), (16, 64), (17, 64), (20, 64), (33, 64),
+                                   (SLAB_ROWS, 64),
                                    (3, 1, 64), (16, 1, 64), (4, 5, 64), (16, 5, 64), (2, SLAB_ROWS, 64)])
 def test_products_of_many_rows_are_cut_into_slabs_and_put_back(calls, shape):
-    """Up to SLAB_ROWS tokens per sequence (whatever the batch's rows): slabs of at most the
-    kernel's rows, never a slab of one row in a product of several, the rows back in order and
+    """Up to SLAB_ROWS tokens per sequence (whatever the batch's rows): slabs of at most
+    `qmv.SLAB` rows (two column tiles), never a slab of one row in a product of several, the rows back in order and
     shape."""
     w = mx.random.normal((48, 64), key=mx.random.key(1))
     q, s, b = mx.quantize(w, group_size=32, bits=4)
@@ -46,7 +47,7 @@ def test_products_of_many_rows_are_cut_into_slabs_and_put_back(calls, shape):
     assert got.shape == ref.shape
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
     rows = int(np.prod(shape[:-1]))
-    assert calls and all(c <= kernels.qmv.MAX_ROWS for c in calls)
+    assert calls and all(c <= kernels.qmv.SLAB for c in calls)
     assert rows == 1 or all(c >= 2 for c in calls), calls
     assert sum(calls) - rows in (0, 1)  # at most one padding row
     # a sequence's tokens past one slab (a prompt) take x in float32's precision on the tensor cores

@@ -25,6 +25,10 @@ from .source import compact
 
 SIMT_ROWS = 8  # the most rows of the CUDA-core kernel
 MAX_ROWS = mma.MAX_ROWS  # the most rows of one product here (the tensor-core kernel's)
+# the most rows a caller sends in one launch (`layers.Linear` cuts longer products in slabs): two
+# column tiles; 17-32 rows take four, padded, and cost more than two launches of 16 (H100, 9B
+# forward of 20 rows 19.9 -> 16.3 ms, 40 rows 26.4 -> 25.3, 80 rows 46.9 -> 44.3 in slabs of 16)
+SLAB = 16
 ROWS_PER_WARP = 8  # output features per warp (bench_gpu.py measures 2, 4 and 8 through `rows_per_warp=`)
 # row counts the kernel is compiled for; others are padded up to the next (each variant is an
 # NVRTC compile of ~1 s at first use, so there are few of them)

@@ -23,8 +23,8 @@ log = logging.getLogger("mtp_engine.kernels")
 def launched_variants(self_tests: Iterable[Callable[[], bool]], linears: Iterable[object],
                       norm_width: int | None = None) -> dict[str, str]:
     """What `self_tests` (each a kernel family's self-test at the model's shape), the few-row
-    products of `linears` (quantized `Linear`s, 1..MAX_ROWS rows each: decode, draft, verify, a
-    batch's step) and the fused add+RMSNorm over `norm_width` features would compile: module
+    products of `linears` (quantized `Linear`s, 1..SLAB rows each, as `Linear` sends them: decode,
+    draft, verify, a batch's step) and the fused add+RMSNorm over `norm_width` features would compile: module
     function name -> source. Nothing is launched and no verdict is made."""
     with cuda_kernel.recording() as rec, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -41,7 +41,7 @@ def launched_variants(self_tests: Iterable[Callable[[], bool]], linears: Iterabl
             if key in seen:
                 continue
             seen.add(key)
-            for rows in range(1, qmv.MAX_ROWS + 1):
+            for rows in range(1, qmv.SLAB + 1):
                 if qmv.supports(lin.weight, lin.scales, lin.bits, lin.group_size, rows):
                     for split in ((2, 3) if rows > 1 else (2,)):  # a step's x, a prompt's (`Linear`)
                         qmv.quantized_rows(mx.zeros((rows, lin.in_features)), lin.weight, lin.scales,
