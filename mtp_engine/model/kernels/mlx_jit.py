@@ -292,12 +292,12 @@ def prepare(recipes: Iterable[tuple[int, str]], cache_dir: Path | None = None,
     """Starts the workers for the `recipes` ((phase, recipe): the phase that needs it first runs
     first) not marked done in `cache_dir` (default: the folder MLX reads, `$MLX_PTX_CACHE_DIR`);
     returns at once. `workers`: how many processes (default `options.mlx_prepare_workers()`, else
-    3 in 8 of the cores, 1 to 8; 0: none). None off a CUDA GPU or with nothing to do.
+    half the cores, 1 to 8; 0: none). None off a CUDA GPU or with nothing to do.
 
     On a 16-core H100 host, fresh root, import to first plain token + the first draft-mtp round's
     compiles: 17.2 + 12.4 s with no workers, 10.2 + 5.1 with 2, 8.5 + 4.4 with 4, 9.8 + 0.2 with 6
-    (load itself 5.5-6.3 s throughout): each module takes a worker ~1 s, so more workers finish
-    the first round's modules before it meets them."""
+    (load itself 5.5-6.3 s throughout), and 6.5 + 2.3 with 6 in a second run: each module takes a
+    worker ~1 s, so more workers finish the first round's modules before it meets them."""
     if not cuda():
         return None
     workers = mlx_prepare_workers() if workers is None else workers
@@ -311,7 +311,7 @@ def prepare(recipes: Iterable[tuple[int, str]], cache_dir: Path | None = None,
     if not todo:
         return None
     STATS["started"] += len(todo)
-    n = workers or max(1, min(len(todo), (os.cpu_count() or 4) * 3 // 8, 8))
+    n = workers or max(1, min(len(todo), (os.cpu_count() or 4) // 2, 8))
     log.info("first run on this GPU and MLX version: compiling %d groups of MLX's own kernels in %d background "
              "processes while the model loads (kept in %s)", len(todo), n, cache_dir)
     return Preparation(todo, cache_dir, n)
