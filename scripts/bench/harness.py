@@ -18,14 +18,13 @@ import statistics
 import sys
 import time
 
-import mlx.core as mx
 
 import peer as mlx_lm_peer
 from mtp_engine.generation.decode import PlainDecoder
 from mtp_engine.generation.loop import run
 from mtp_engine.model.build import build_model
 from mtp_engine.model.config import Qwen35Config
-from mtp_engine.model.layers import Linear
+from mtp_engine.model.miniature import random_linear, random_vector
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.ablations import ablation_decoder
 from mtp_engine.speculative.config import DraftParams
@@ -86,17 +85,8 @@ def random_model(cfg: Qwen35Config, layout: str = "uniform"):
     n_blocks = cfg.n_layer + cfg.n_mtp
 
     def fetch(name, shape, matrix):
-        if matrix and "ffn_gate_inp" in name:
-            return Linear(mx.random.normal(shape) * shape[-1] ** -0.5)
         if matrix:
-            rows = 1
-            for d in shape[:-1]:
-                rows *= d
-            bits = q4_k_m_bits(name, n_blocks) if layout == "q4_k_m" else 4
-            w = mx.random.normal((rows, shape[-1])) * (shape[-1] ** -0.5)
-            q = [a.reshape(*shape[:-1], -1) for a in mx.quantize(w, group_size=32, bits=bits)]
-            mx.eval(q)
-            return Linear(q[0], q[1], q[2], bits, 32)
+            return random_linear(name, shape, q4_k_m_bits(name, n_blocks) if layout == "q4_k_m" else 4)
         return random_vector(name, shape)
 
     return build_model(cfg, fetch, lambda n: True)
@@ -107,20 +97,6 @@ def peer_model(cfg: Qwen35Config, layout: str = "uniform"):
     without mlx-lm)."""
     n_blocks = cfg.n_layer + cfg.n_mtp
     return mlx_lm_peer.build(cfg, bits_of=(lambda name: q4_k_m_bits(name, n_blocks)) if layout == "q4_k_m" else None)
-
-
-def random_vector(name: str, shape: tuple) -> mx.array:
-    """A non-matrix tensor of a random model: values in each parameter's natural range (decays,
-    time-step biases, conv taps, the shared expert's gate), ones for norms."""
-    if name.endswith("ssm_a"):
-        return -mx.exp(mx.random.uniform(-3, 0, shape))
-    if name.endswith("ssm_dt.bias"):
-        return mx.random.uniform(-1, 0, shape)
-    if name.endswith("ssm_conv1d.weight"):
-        return mx.random.normal(shape) * 0.5
-    if name.endswith("ffn_gate_inp_shexp.weight"):
-        return mx.random.normal(shape) * shape[-1] ** -0.5
-    return mx.ones(shape)
 
 
 class NullTokenizer:
