@@ -32,7 +32,6 @@ import mlx.core as mx
 from ..errors import MTPEngineError
 from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
-from ..model.kernels import mlx_jit
 from ..model.loaded import Model
 from ..speculative.round import Round, greedy, plain_round, post_norm
 from ..threads import quiesce_at_exit
@@ -198,8 +197,6 @@ class BatchScheduler:
         with self._cv:
             free = self.max_batch - len(self._rows) - len(self._joining)
             new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        if new:  # a batch's prefill and rounds: their modules may be compiling ahead (`batching.warm`)
-            mlx_jit.wait_for(":jit_batch:")
         for s in new:
             s.joined = time.perf_counter()
             s.sampler.begin(s.prompt_ids)

@@ -6,8 +6,10 @@ the masked attention, MLX's quantized or dequantized products); prompts of sever
 together add the padding's masks; a batch's rounds add their row bookkeeping and sampler. On a fresh
 H100 a server's first batched step compiled 22 such modules one after another (48.6 s). Each recipe
 here runs the real code on the model's miniature (`model.miniature`: the same graphs and constants,
-a few layers wide), so the modules it compiles are those the model will ask for; the recipes are
-split so that the workers compile them side by side.
+a few layers deep), so the modules it compiles are those the model will ask for; the recipes are
+split so that the workers compile them side by side. A module a worker has moved into the cache
+folder is read, not compiled, by a first use that meets it later; one that meets it earlier compiles
+it as it always did.
 """
 from __future__ import annotations
 

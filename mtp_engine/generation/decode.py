@@ -16,8 +16,6 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..model.gdn import SEQUENTIAL_MAX
-from ..model.kernels import mlx_jit
 from ..model.qwen35 import Qwen35Model
 from ..model.step import Pass
 from .profiler import Profiler
@@ -158,8 +156,6 @@ class DecoderBase:
             self.progress(start, whole)
         hiddens = []
         chunk = self.prefill_chunk or self.model.options.prefill_chunk
-        if len(ids) > SEQUENTIAL_MAX:  # MLX's own prompt path: its modules may be compiling ahead
-            mlx_jit.wait_for(":jit_prompt:")
         for s in range(0, len(ids), chunk):
             post, pre = self.model.forward_states(mx.array([ids[s:s + chunk]]), self.cache, Pass.PREFILL)
             h = pick(post, pre) if pick else post

@@ -45,10 +45,7 @@ log = logging.getLogger("mtp_engine.kernels")
 MARKERS = ".prepared"  # sub-folder of the cache: one empty file per recipe done (name.key)
 STAGING = ".staging"
 CLAIM_SECONDS = 120.0
-STATS: dict = {"started": 0, "skipped": 0, "done": [], "waited": {}}  # this process's: recipes started,
-# found done, ended; seconds the main process waited for recipes it was about to need (`wait_for`)
-WAIT_SECONDS = 60.0  # the most a first use waits for its recipes (a worker stuck is not waited for longer)
-_ACTIVE: list["Preparation"] = []  # this process's preparations
+STATS: dict = {"started": 0, "skipped": 0, "done": []}  # this process's: recipes started, found done, ended
 
 
 # ---- generic recipes: MLX primitives whose module name is their dtypes -----------------------
@@ -193,9 +190,6 @@ class Preparation:
         self.cache_dir = cache_dir
         self.done: list[tuple[str, int, float]] = []  # recipe, 0 (done) or 1 (failed), seconds since the start
         self.started = time.perf_counter()
-        self.pending = set(recipes)  # not yet answered (`wait_for`)
-        self._answered = threading.Condition()
-        _ACTIVE.append(self)
         self._queue: queue.Queue = queue.Queue()
         for r in recipes:
             self._queue.put(r)
@@ -234,7 +228,6 @@ class Preparation:
                 entry = (r, 0 if ok else 1, round(time.perf_counter() - self.started, 2))
                 self.done.append(entry)
                 STATS["done"].append(entry)
-                self._answer([r])
         except OSError as e:  # no process to be had: the main process compiles at first use
             log.debug("MLX module worker %d: %s", i, e)
         finally:
@@ -244,24 +237,6 @@ class Preparation:
                     p.wait(timeout=60)
                 except (OSError, subprocess.TimeoutExpired):
                     pass
-            if not self._threads_alive(but=i):  # the last feeder: a recipe no worker answered never will be
-                self._answer(list(self.pending))
-
-    def _answer(self, recipes: list[str]) -> None:
-        with self._answered:
-            self.pending.difference_update(recipes)
-            self._answered.notify_all()
-
-    def _threads_alive(self, but: int) -> bool:
-        return any(t.is_alive() for j, t in enumerate(self._threads) if j != but)
-
-    def wait_for(self, fragment: str, timeout: float) -> float:
-        """Waits until no recipe containing `fragment` is left unanswered, at most `timeout`
-        seconds; returns the seconds waited."""
-        t0 = time.perf_counter()
-        with self._answered:
-            self._answered.wait_for(lambda: not any(fragment in r for r in self.pending), timeout)
-        return time.perf_counter() - t0
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for every recipe to be handed out and answered; True when all were."""
@@ -269,22 +244,6 @@ class Preparation:
         for t in self._threads:
             t.join(None if end is None else max(end - time.perf_counter(), 0.0))
         return not any(t.is_alive() for t in self._threads)
-
-
-def wait_for(fragment: str, timeout: float = WAIT_SECONDS) -> float:
-    """Before a first use whose modules recipes containing `fragment` are compiling: waits until
-    those recipes are answered (at most `timeout` seconds), so the workers' parallel compiles are
-    its cost rather than the same modules compiled again here one after another (on a fresh H100 a
-    server's first batched step compiled 22 of them in 48.6 s). Returns the seconds waited (0 when
-    nothing is pending: off a CUDA GPU, on a machine that prepared them before)."""
-    waited = 0.0
-    _ACTIVE[:] = [p for p in _ACTIVE if p.pending]
-    for prep in list(_ACTIVE):
-        if any(fragment in r for r in prep.pending):
-            waited += prep.wait_for(fragment, max(timeout - waited, 0.0))
-    if waited:
-        STATS["waited"][fragment] = round(STATS["waited"].get(fragment, 0.0) + waited, 3)
-    return waited
 
 
 def prepare(recipes: Iterable[tuple[int, str]], cache_dir: Path | None = None,
