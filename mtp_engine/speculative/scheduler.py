@@ -83,6 +83,8 @@ class DraftLengthScheduler:
         self.agree = agree
         self.defer_t0 = defer_t0
         self.seed = seed_costs(costs, prior or default_seed())
+        # the lengths an earlier run on this device timed (a store's; every one for the old `Costs`)
+        self.stored = set(self.seed) if isinstance(costs, Costs) else {int(k) for k in (costs or {}) if int(k) in self.seed}
         self.k_max = min(k_max, max(self.seed))
         self.budget = budget
         self.acceptance = PositionAcceptance(self.k_max, start=acceptance)
@@ -268,12 +270,13 @@ class DraftLengthScheduler:
         return k
 
     def _unsure(self, threshold: float) -> int:
-        """Where the estimates say no draft pays: the measured k that would pay were acceptance one
-        standard deviation above its estimate (`PositionAcceptance.optimistic`), else 0 (a length
-        never timed is the exploration's to try, on firm acceptance). Plain rounds teach
+        """Where the estimates say no draft pays: the k timed here or by an earlier run that would pay
+        were acceptance one standard deviation above its estimate (`PositionAcceptance.optimistic`),
+        else 0 (a length never timed is the exploration's to try, on firm acceptance). Plain rounds teach
         nothing of acceptance, so a stop on thin evidence would last the run; drafting on until the
         evidence is firm costs a few rounds where acceptance is truly low."""
-        measured = [k for k in range(1, self.k_max + 1) if self._median(k, self._bucket, True) is not None]
+        measured = [k for k in range(1, self.k_max + 1)
+                    if k in self.stored or self._median(k, self._bucket, True) is not None]
         if not measured:
             return 0
         up = self.acceptance.optimistic(1.0)
