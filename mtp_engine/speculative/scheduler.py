@@ -289,7 +289,8 @@ class DraftLengthScheduler:
         0. Estimates beyond the measured k's extrapolate the seed's shape, which can hide a cheap
         long draft (on the H200 a 5-row verify costs less than a 4-row one, and auto drafted 2 where
         4 was 8% faster): k is tried once, for a few rounds, when even at the cost of the longest
-        measured draft it would beat the best. (Between measured k's the interpolation holds.)"""
+        measured draft it would beat the best. (Between measured k's the interpolation holds; a
+        length an earlier run on this device timed is no extrapolation: its stored cost stands.)"""
         b = self._bucket
         t0 = self.step_seconds(b)
         if t0 is None or self.drafting_rounds < _EXPLORE_AFTER:  # acceptance learned first
@@ -300,7 +301,7 @@ class DraftLengthScheduler:
             return 0
         longest = max(measured)
         for k in range(self.k_max, longest, -1):
-            if (b, k) not in self._explored and self.expected_tokens(k) / measured[longest] > best_rate * (1.0 + MARGIN[0]):
+            if (b, k) not in self._explored and k not in self.stored and self.expected_tokens(k) / measured[longest] > best_rate * (1.0 + MARGIN[0]):
                 return k
         return 0
 

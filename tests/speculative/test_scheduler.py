@@ -478,7 +478,8 @@ def test_a_second_run_starts_from_the_acceptance_the_first_ended_at(tiny, tmp_pa
         for runs, acc in ((with_costs, None), (with_both, first.measured_acceptance())):
             s = DraftLengthScheduler(stored, k_max=4, prior=prior, acceptance=acc)
             runs.append(simulate(MOE, lambda i: 0.5, 45, sched=s, seed=seed + 100, pipelined=True).rate / best)
-    assert statistics.mean(with_both) > statistics.mean(with_costs) + 0.02, (with_both, with_costs)
+    # (a store's lengths no longer explored again made the costs-only second run 0.876 -> 0.891)
+    assert statistics.mean(with_both) > statistics.mean(with_costs) + 0.01, (with_both, with_costs)
 
 
 def test_auto_says_why_its_plain_rounds_were_plain():
