@@ -100,6 +100,26 @@ def test_modules_move_whole_and_never_over_one_there(tmp_path):
     assert (cache / "kept.ptx").read_bytes() == b"old" and not (cache / "half.ptx").exists()
 
 
+def test_a_worker_reads_what_others_compiled(tmp_path):
+    """Before each recipe a worker links into its staging folder every whole module the cache
+    folder holds (its MLX then reads them rather than compiling them again), never another
+    worker's staging, a marker or a module still without its names; what it had stays."""
+    staging, cache = tmp_path / "staging", tmp_path / "cache"
+    _module(cache, "gather_float32_int32_1.ptx")
+    _module(cache, "deep/Cf4_VV_f4_123.ptx", b"fused")
+    _module(cache, ".staging/77-0/other.ptx")
+    (cache / "half.ptx").write_bytes(b"x")
+    _module(staging, "mine.ptx", b"own")
+    _module(cache, "mine.ptx", b"cached")
+    assert mlx_jit.share_modules(cache, staging) == 2
+    assert (staging / "deep" / "Cf4_VV_f4_123.ptx").read_bytes() == b"fused"
+    assert (staging / "gather_float32_int32_1.txt").is_file()
+    assert not (staging / ".staging").exists() and not (staging / "half.ptx").exists()
+    assert (staging / "mine.ptx").read_bytes() == b"own"
+    assert mlx_jit.share_modules(cache, staging) == 0
+    assert mlx_jit.move_modules(staging, cache) == 0  # nothing new: what was linked stays where it was
+
+
 RECIPE = """
 import os
 from pathlib import Path

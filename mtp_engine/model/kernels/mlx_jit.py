@@ -131,11 +131,33 @@ def move_modules(staging: Path, cache_dir: Path) -> int:
     return moved
 
 
+def share_modules(cache_dir: Path, staging: Path) -> int:
+    """Links into `staging` each module the cache folder holds and it lacks (names before code), so
+    the worker's MLX reads what other workers already compiled instead of compiling it again:
+    recipes that run a model share most of their graphs. Returns how many it linked."""
+    linked = 0
+    for ptx in cache_dir.rglob("*.ptx"):
+        rel = ptx.relative_to(cache_dir)
+        if rel.parts[0] in (STAGING, MARKERS) or (staging / rel).exists() or not ptx.with_suffix(".txt").is_file():
+            continue
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        for src in (ptx.with_suffix(".txt"), ptx):
+            try:
+                os.link(src, staging / rel.with_suffix(src.suffix))
+            except FileExistsError:
+                pass
+            except OSError:
+                shutil.copyfile(src, staging / rel.with_suffix(src.suffix))
+        linked += 1
+    return linked
+
+
 def work(cache_dir: Path, staging: Path, recipes=None, out=None) -> int:
     """Runs in the worker (MLX's cache pointed at `staging`, a lower CPU priority than the loading
     process, whose own kernels' compiles come first): for each recipe named on a line of `recipes`
-    (stdin), evaluates it, moves what it compiled into `cache_dir`, marks it done and says so on a
-    line of `out` (stdout): "ok RECIPE N" or "failed RECIPE: why"."""
+    (stdin), links what the cache folder already holds (`share_modules`), evaluates it, moves what
+    it compiled into `cache_dir`, marks it done and says so on a line of `out` (stdout): "ok RECIPE
+    N" or "failed RECIPE: why"."""
     recipes = sys.stdin if recipes is None else recipes
     out = sys.stdout if out is None else out
     try:
@@ -148,6 +170,7 @@ def work(cache_dir: Path, staging: Path, recipes=None, out=None) -> int:
             if not recipe:
                 continue
             try:
+                share_modules(cache_dir, staging)
                 mx.eval(resolve(recipe)())
                 moved = move_modules(staging, cache_dir)
                 m = marker(cache_dir, recipe)
