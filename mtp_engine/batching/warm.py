@@ -13,6 +13,8 @@ it as it always did.
 """
 from __future__ import annotations
 
+import os
+
 from ..generation.decode import PlainDecoder
 from ..generation.sampling import Sampler, SamplerConfig
 from ..model.loaded import Model
@@ -35,12 +37,13 @@ def _ids(n: int, salt: int = 0) -> list[int]:
 
 
 def _path(hexpath: str) -> str:
-    return bytes.fromhex(hexpath).decode()
+    return os.fsdecode(bytes.fromhex(hexpath))
 
 
 def recipe_path(path: str) -> str:
-    """A model file's path as a recipe's argument (recipe arguments are split at commas)."""
-    return str(path).encode().hex()
+    """A model file's path as a recipe's argument (recipe arguments are split at commas; any name
+    the file system allows)."""
+    return os.fsencode(str(path)).hex()
 
 
 def jit_prompt(hexpath: str, spec: str, n: str) -> list:
