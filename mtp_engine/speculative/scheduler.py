@@ -84,7 +84,8 @@ class DraftLengthScheduler:
         self.defer_t0 = defer_t0
         self.seed = seed_costs(costs, prior or default_seed())
         # the lengths an earlier run on this device timed (a store's; every one for the old `Costs`)
-        self.stored = set(self.seed) if isinstance(costs, Costs) else {int(k) for k in (costs or {}) if int(k) in self.seed}
+        self.stored = set(self.seed) if isinstance(costs, Costs) else \
+            {int(k) for k in (costs or {}) if int(k) in self.seed}
         self.k_max = min(k_max, max(self.seed))
         self.budget = budget
         self.acceptance = PositionAcceptance(self.k_max, start=acceptance)
@@ -301,7 +302,9 @@ class DraftLengthScheduler:
             return 0
         longest = max(measured)
         for k in range(self.k_max, longest, -1):
-            if (b, k) not in self._explored and k not in self.stored and self.expected_tokens(k) / measured[longest] > best_rate * (1.0 + MARGIN[0]):
+            if (b, k) in self._explored or k in self.stored:
+                continue
+            if self.expected_tokens(k) / measured[longest] > best_rate * (1.0 + MARGIN[0]):
                 return k
         return 0
 
