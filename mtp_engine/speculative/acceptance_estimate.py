@@ -45,10 +45,10 @@ class PositionAcceptance:
         the rounds this run tested it in, the prior's weight added) while fewer than `THIN` rounds
         tested it, but never above where the run started (the prior's centre, or the stored
         estimate), the later positions' priors centred on it: what acceptance could still be after
-        few rounds, not a hope beyond what was ever believed. A run that stops drafting learns nothing more, so stopping asks that even this
-        does not pay: three unlucky rounds at acceptance 0.5 (p = 1/8) took the estimate from a
-        stored 0.61 to 0.33 and a 128-token run plain, at 0.94x where drafting 2 gave 1.18x (H100,
-        9B shape)."""
+        few rounds, not a hope beyond what was ever believed. A run that stops drafting learns
+        nothing more, so stopping asks that even this does not pay: three unlucky rounds at
+        acceptance 0.5 (p = 1/8) took the estimate from a stored 0.61 to 0.33 and a 128-token run
+        plain, at 0.94x where drafting 2 gave 1.18x (H100, 9B shape)."""
         return self._chain(z)
 
     def _chain(self, z: float) -> list[float]:
