@@ -291,7 +291,8 @@ class DraftLengthScheduler:
         long draft (on the H200 a 5-row verify costs less than a 4-row one, and auto drafted 2 where
         4 was 8% faster): k is tried once, for a few rounds, when even at the cost of the longest
         measured draft it would beat the best. (Between measured k's the interpolation holds; a
-        length an earlier run on this device timed is no extrapolation: its stored cost stands.)"""
+        length an earlier run on this device timed is no extrapolation: its stored cost stands.)
+        Where a single length is timed and a plain step is not, the one below it is tried."""
         b = self._bucket
         t0 = self.step_seconds(b)
         if t0 is None or self.drafting_rounds < _EXPLORE_AFTER:  # acceptance learned first
@@ -306,6 +307,12 @@ class DraftLengthScheduler:
                 continue
             if self.expected_tokens(k) / measured[longest] > best_rate * (1.0 + MARGIN[0]):
                 return k
+        shorter = longest - 1
+        if len(measured) == 1 and self._plain_unmeasured() and shorter >= 1 and (b, shorter) not in self._explored:
+            # one length timed and no plain step: every cost is the seed's shape scaled to that one
+            # length, and a seed that underrates it (the MoE shape's 5-row verify: 3.3 steps where
+            # the prior says 2.5) keeps the run there; the length below it, timed, gives the slope
+            return shorter
         return 0
 
     def _probe_allowed(self) -> bool:
