@@ -225,7 +225,7 @@ def _prepare_mlx_modules(path: Path) -> None:
     from .model.kernels import mlx_jit
     from .speculative import round as spec_round
 
-    model = warm.recipes(str(path)) if path.is_file() else []
+    model = warm.recipes(str(path.resolve())) if path.is_file() else []
     mlx_jit.prepare([*mlx_jit.GENERIC, *blocks.JIT_RECIPES, *spec_round.JIT_RECIPES, *model])
 
 
