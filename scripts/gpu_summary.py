@@ -51,6 +51,10 @@ def startup_rows(out: Path) -> list[list[str]]:
                 f"{plain.get('time_to_first_token_seconds', 0):.2f} s (total {total:.1f} s), first draft-mtp "
                 f"compile {mtp.get('compile_seconds', 0):.2f} s; kernels compiled {kc.get('compiled', '?')}, "
                 f"found {kc.get('found', '?')}")
+        # a long prompt alone, a server's batches (`--long`, `--batch`): the first of each pays its compiles
+        firsts = {k: v["wall"] for k, v in d.items() if k.startswith(("long_", "batch")) and isinstance(v, dict)}
+        if firsts:
+            cell += "; " + ", ".join(f"{k} {v:.2f} s" for k, v in firsts.items())
         st = d.get("self_test_seconds") or {}
         if st:
             cell += "; self-tests " + ", ".join(f"{k} {v:.1f} s" for k, v in st.items())
