@@ -7,7 +7,7 @@ dtypes and the constants written into it (norm epsilons, attention scales, the k
 (its delta-net and attention head sizes, its experts per token, each matrix's bits) but has few
 layers, narrow FFNs and a small vocabulary runs the same graphs in a fraction of the memory
 and time: `kernels.mlx_jit`'s worker processes run it through a long prompt and a server's batched
-steps while the real model loads (`generation.warm`, `batching.warm`).
+steps while the real model loads (`batching.warm`).
 """
 from __future__ import annotations
 

@@ -423,10 +423,11 @@ def test_an_agreed_choice_is_the_one_recorded():
 
 def test_a_second_run_starts_from_the_acceptance_the_first_ended_at(tiny, tmp_path):
     """What a run saw of acceptance per draft position (its share of accepted tests) is stored
-    beside its round costs and is the next run's starting estimate (its prior's centre, strength 4, fading as rounds are seen):
-    a run on text its drafts rarely match starts plain instead of drafting to find out, and one on
-    text they nearly always match starts at its longest draft. On the simulated device a second
-    run at acceptance 0.5 then comes closer to the best fixed n-max than one seeded with costs alone."""
+    beside its round costs and is the next run's starting estimate (its prior's centre, strength 4,
+    fading as rounds are seen): a run on text its drafts rarely match starts plain instead of
+    drafting to find out, and one on text they nearly always match starts at its longest draft. On
+    the simulated device a second run at acceptance 0.5 then comes closer to the best fixed n-max
+    than one seeded with costs alone."""
     from tests.sim_device import MOE
 
     assert calibration.load_acceptance(tiny.path, tiny.model, tmp_path) is None
