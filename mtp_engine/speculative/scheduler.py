@@ -228,7 +228,7 @@ class DraftLengthScheduler:
                 best = last
         threshold = 1.0 + MARGIN[0] if last == 0 else 1.0 - MARGIN[1]
         k = best if rates[best] > threshold else 0
-        if not k and self.can_win:
+        if not k and not self._forced_plain and self.can_win:  # (a measuring round is plain whatever)
             k = self._unsure(threshold)
         why = "no_gain"
         if self._forced_plain:
