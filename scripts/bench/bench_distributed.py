@@ -31,7 +31,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[2]
 
 from mtp_engine import api
-from mtp_engine.distributed import build, share_decisions
+from mtp_engine.distributed import build
 from mtp_engine.distributed.local import spawn
 from mtp_engine.distributed.runtime import Comm, init_group
 from mtp_engine.model.build import build_model
@@ -72,7 +72,7 @@ class RandomSource:
         lead = list(gshape[:-1])
         n_rows = len(rows) if rows is not None else None
         if not matrix:
-            from harness import random_vector
+            from mtp_engine.model.miniature import random_vector
             return random_vector(name, tuple([n_rows if n_rows is not None else gshape[0], *gshape[1:]]))
         total_rows = 1
         for d in lead:
@@ -163,10 +163,10 @@ def random_runs(model, comm: Comm | None, tokens: int, oracle: float) -> dict:
             if name == "plain":
                 dec = PlainDecoder(model, sampler)
             else:
+                # ranks draft rank 0's lengths, as `api` builds a distributed run's scheduler
+                agree = comm.broadcast_int if comm is not None and comm.size > 1 else None
                 dec = ablation_decoder(model, sampler, DraftParams("auto"), oracle_acceptance=oracle,
-                                       scheduler=DraftLengthScheduler(None, k_max=COMPILED_AUTO_MAX))
-                if comm is not None:
-                    share_decisions(dec, comm)
+                                       scheduler=DraftLengthScheduler(None, k_max=COMPILED_AUTO_MAX, agree=agree))
             chunks = run(dec, NullTokenizer(), prompt, tokens, ignore_eos=True)
             if comm is not None:
                 chunks = comm.guard(chunks)
