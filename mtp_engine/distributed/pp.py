@@ -20,6 +20,7 @@ from ..model.layers import Linear
 from ..model.blocks import run_layers
 from ..model.mtp_head import MTPHead
 from ..model.qwen35 import Qwen35Model, TrunkStates
+from ..model import step
 from ..model.step import Pass
 from .runtime import Comm
 from .shard import split
@@ -47,7 +48,6 @@ def pp_selection(cfg: Qwen35Config, rank: int, size: int):
 class PPModel(Qwen35Model):
     """A `Qwen35Model` holding one pipeline stage; `forward` runs the whole pipeline."""
 
-    resident_rounds = False  # `forward` is the pipeline's own (host KV offsets)
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list, output_norm: mx.array, lm_head,
                  mtp: MTPHead | None, *, comm: Comm, first_layer: int, expert_use: ExpertUse | None = None):
@@ -65,12 +65,24 @@ class PPModel(Qwen35Model):
         return TrunkCache(caches)
 
     def forward_states(self, ids: mx.array, cache: TrunkCache, how: Pass = Pass.STEP) -> TrunkStates:
-        # a prefill runs as a step here: a stage's forward is never compiled (nor in a device round)
+        # a prefill runs as a step here: a stage's forward is never compiled; a device round's (its
+        # KV offsets device values) runs the same stages through the uncompiled graph runner
         s = int(ids.shape[1])
         if how.capture:
             cache.begin_capture(s)
+        if how.resident:
+            post, x = step.run(self.graphs, self._stages, [ids], cache.layers, s, capture=how.capture,
+                               compiled=False, floor=int(cache.offset))
+            return TrunkStates(post, x)
+        post, x = self._stages(ids, cache.layers)
+        cache.offset += s
+        return TrunkStates(post, x)
+
+    def _stages(self, ids: mx.array, caches: list) -> list[mx.array]:
+        """The pipeline over `caches` (this stage's layers'): the last stage's output, post- and
+        pre-norm hidden states, on every rank."""
         comm, r, n = self.comm, self.comm.rank, self.comm.size
-        shape = (1, s, self.cfg.hidden_size)
+        shape = (1, int(ids.shape[1]), self.cfg.hidden_size)
         # Each stage boundary is an all-sum to which only the sending stage contributes; the others
         # add zeros that depend on the previous boundary. A send/recv pair would leave the recv with
         # no input, and MLX may then schedule it before collectives of independent branches (the
@@ -80,19 +92,16 @@ class PPModel(Qwen35Model):
         post = x
         for stage in range(n):
             if stage == r and self.layers:
-                post, x = run_layers(self.layers, x, cache.layers, self.output_norm, self.cfg.eps)
+                post, x = run_layers(self.layers, x, caches, self.output_norm, self.cfg.eps)
             if stage == n - 1:
                 break
             part = x if stage == r else mx.depends(mx.zeros(shape), dep)
             dep = comm.all_sum(part)
             if stage + 1 == r:
                 x = dep
-        # the last stage's output, post- and pre-norm, on every rank
-        part = mx.concatenate([post, x], axis=0) if r == n - 1 else mx.depends(mx.zeros((2, s, shape[2])), dep)
+        part = mx.concatenate([post, x], axis=0) if r == n - 1 else mx.depends(mx.zeros((2, *shape[1:])), dep)
         both = comm.all_sum(part)
-        post, x = both[0:1], both[1:2]
-        cache.offset += s
-        return TrunkStates(post, x)
+        return [both[0:1], both[1:2]]
 
 
 def build_pp(cfg: Qwen35Config, source, comm: Comm, load_mtp: bool = True) -> PPModel:

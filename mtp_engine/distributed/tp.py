@@ -103,10 +103,6 @@ class VocabShardHead(nn.Module):
 class TPModel(Qwen35Model):
     """A `Qwen35Model` whose blocks hold one rank's share; caches follow the local heads."""
 
-    # a rank without a layer's heads holds no recurrent state to roll back on the device; ranks
-    # keep the host round (one sync per round is also what keeps their collectives in step)
-    resident_rounds = False
-
     def __init__(self, local: Qwen35Config, embed: Linear, layers: list, output_norm: mx.array, lm_head,
                  mtp, *, comm: Comm, global_cfg: Qwen35Config, compiled: bool = True, expert_use=None):
         """A rank's share: `local` its configuration (its heads and widths), `global_cfg` the

@@ -5,7 +5,7 @@ attention layers' are in `kv_cache.py`.
 Gated-delta-net caches keep, after a captured forward, the conv input window and the recurrent
 state after every position, so rollback is choosing the state after the last accepted token (an
 index the next forward reads, like vLLM's per-position state slots). Device-resident rounds
-(speculative/resident.py) keep a device count of tokens (`rollback_lazy`), so the next round can
+(speculative/decoder.py) keep a device count of tokens (`rollback_lazy`), so the next round can
 be queued before the host knows how many drafts were accepted.
 """
 from __future__ import annotations

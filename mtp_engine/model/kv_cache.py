@@ -1,6 +1,6 @@
 """Attention KV caches: preallocated buffers with a write offset, so rollback is moving the offset.
 
-Device-resident rounds (speculative/resident.py) keep the lengths on the device: a KV cache's
+Device-resident rounds (speculative/decoder.py) keep the lengths on the device: a KV cache's
 `offset` is then an MLX scalar the host has not read, `bound` a host upper bound of it (what
 capacity is reserved for). Compiled steps write into a tail (`KVCache`'s docstring says why).
 """

@@ -36,8 +36,6 @@ class TrunkStates(NamedTuple):
 class Qwen35Model(nn.Module):
     """The trunk (embedding, decoder layers, output norm, output head) and its optional MTP head."""
 
-    resident_rounds = True  # its forwards take device KV offsets in a device-resident round (Pass.ROUND_*)
-
     embed, output_norm, lm_head, mtp, _draft_head = stored(5)
 
     def __init__(self, cfg: Qwen35Config, embed: Linear, layers: list[DecoderLayer], output_norm: mx.array,

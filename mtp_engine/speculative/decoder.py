@@ -1,64 +1,76 @@
-"""The speculative decoder: any drafter proposes, one trunk forward verifies.
+"""The speculative decoder: any drafter proposes, one trunk forward verifies, in rounds that stay
+on the device.
 
-One round, each stage a method named as in the loop that calls it:
-  draft     the drafter's proposal, up to k tokens (speculative/drafter.py); k from the scheduler
-            (`n-max auto`, speculative/scheduler.py) or n-max.
-  verify    one trunk forward over [last token, d1..dk], capturing per-position recurrent states.
-  accept    greedy prefix match, or lossless speculative sampling (speculative/accept.py); the one
-            host sync of a round.
-  rollback  KV caches truncated; gated-delta-net states set to the captured state after the last
-            accepted token (no re-decoding); the drafter drops what its rejected drafts left.
-  catch_up  the drafter is told what the round emitted, with the trunk's hidden states.
-A round with k = 0 is exactly a plain step (no capture, no drafter work).
+A round is `round.draft_round` (draft, verify, accept, commit: every decision a lazy MLX value)
+over the sequence's one row; this module is the pipelining layer around it:
 
-Pipelining (`pipeline`, and a budget from the caller): a greedy plain round queues the next plain
-round from its token still on the device; any round queues the next one right after its host
-read, so device work overlaps the caller's detokenization.
+  - the host queues round r+1 before it reads round r (from r's device values: the next round's
+    first input is `emitted[n]`, KV offsets are `base + n + 1`, gated-delta-net states the masked
+    `state_after` of n + 1 tokens), then reads r's (emitted, n), detokenizes and checks stops
+    while the device runs r+1;
+  - k comes from the scheduler (`n-max auto`, speculative/scheduler.py) or n-max; only k changes
+    the graphs, accepted lengths never do; k = 0 is `round.plain_round`;
+  - where the next round needs this one on the host it is launched after the read: a drafter
+    whose drafts come from the host's history (n-gram lookup), sampling with penalties (they score
+    with the emitted history), a grammar (its masks follow the emitted tokens), a precise profile
+    (each stage evaluated at its end).
+
+A run that will not draft (n-max 0, or auto where even fully accepted drafts cannot pay on this
+device: MLX's CPU backend) decodes as `PlainDecoder` does, step for step. Output is plain
+decoding's: greedy token-identical, sampling lossless (speculative/accept.py's rule on the device).
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
 from ..errors import MTPEngineError
-from ..generation.decode import DecoderBase, Progress, kv_capacity
+from ..generation.decode import PlainDecoder, Progress, kv_capacity
 from ..generation.profiler import Profiler
 from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler, check_finite, distribution
 from ..model.cache import capture_at_width
 from ..model.qwen35 import Qwen35Model
-from ..model.step import Pass
 from . import calibration
-from .accept import accept_greedy, accept_sampling
 from .config import DraftParams
-from .drafter import Draft, DraftContext, Drafter, DrafterFactory
+from .drafter import DraftContext, Drafter, DrafterFactory
+from .round import Round, accept_greedy_device, accept_sampling_device, draft_round, plain_round
 from .scheduler import DraftLengthScheduler
 from .stats import RoundCounts
 
 
 @dataclass
-class _Round:
-    """A round queued on the device, completed (host read, accept, rollback) later."""
+class Queued:
+    """A round queued on the device (`round.Round`), read by the host later."""
 
-    k: int  # drafts asked for (the scheduler's choice, or n-max)
-    plain: bool
+    round: Round
+    rows: int  # trunk rows it runs (its bound on the KV offsets' growth)
     shapes: list = field(default_factory=list)  # forward shapes it runs (first use = a compile)
-    logits: mx.array | None = None
-    token: mx.array | None = None  # greedy plain step: its argmax, on the device
-    finite: mx.array | None = None
-    fed: mx.array | None = None  # the trunk hidden states the drafter is fed, one per row run
-    draft: Draft = field(default_factory=Draft)
-    target: mx.array | None = None
+    launch_s: float = 0.0  # host seconds it took to queue, when queued ahead of another round's read
+    shift: float = 0.0  # correction to its timed interval (`step`)
+    steady: bool = True  # queued between rounds of its own k: its time is a sample of t(k)
+
+    @property
+    def k(self) -> int:
+        return self.round.k
+
+    @property
+    def logits(self) -> mx.array:
+        """The rows that scored its emitted tokens, [k+1, V] (the sequence is row 0)."""
+        return self.round.logits[0]
+
+    def read(self) -> list[mx.array]:
+        return self.round.read()
 
 
-class SpeculativeDecoder(DecoderBase):
-    """Speculative decoding with any `Drafter`: verify, acceptance, trunk rollback, scheduling and
-    statistics. `drafter`: a drafter class (or any `DrafterFactory`), built here with this
-    decoder's model, sampler and profiler. `scheduler` is required when `params.n_max` is None
-    (auto)."""
+class SpeculativeDecoder(PlainDecoder):
+    """Speculative decoding with any `Drafter`: rounds, acceptance, scheduling and statistics.
+    `drafter`: a drafter class (or any `DrafterFactory`), built here with this decoder's model,
+    sampler and profiler; it offers the device round's stages (`draft`, `commit`, `accept_plain`,
+    ...: speculative/drafter.py). `scheduler` is required when `params.n_max` is None (auto)."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams, drafter: DrafterFactory,
                  profiler: Profiler | None = None, scheduler: DraftLengthScheduler | None = None, *,
@@ -74,19 +86,25 @@ class SpeculativeDecoder(DecoderBase):
         self.k_histogram: Counter = Counter()  # auto: the draft length chosen, per completed round
         self.trace: list[dict] | None = None  # per-round record, when a caller sets it to []
         self.calibration_path = calibration_path  # model file whose stored costs this run updates
-        self._pending: _Round | None = None
-        self._held_k: int | None = None
-        self._verify_rows = 0  # rows of the last verify forward (1: no drafts, nothing captured)
+        # decided once per run; a run that does not draft leaves nothing for the next one to learn
+        # beyond its plain steps' time (a device's costs, not its acceptance, rule drafting out)
+        self.drafting = self.scheduler.can_win if self.scheduler is not None else params.k_max > 0
+        self._queued: list[Queued] = []
+        self._prev_k = -1
+        self._last_dev: mx.array | None = None  # the next round's first input, on the device
+        self._key: mx.array | None = None  # the device's random draws (seeded from the sampler's)
 
-    # ---- what the drafter is fed (an ablation feeds another state) ---------------------------------
     def _fed(self, post: mx.array, pre: mx.array) -> mx.array:
-        """The trunk state a drafter reads: the post-norm hidden state (what the output head reads)."""
+        """The trunk state a drafter reads: the post-norm hidden state (what the output head reads;
+        an ablation feeds another)."""
         return post
 
     # ---- prompt -------------------------------------------------------------------------------
     def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
         """Prefills all but the last prompt token (as llama.cpp's draft-mtp does), so the first
         round drafts from the last prompt token and its verify yields the first new token."""
+        if not self.drafting:
+            return super().prefill(ids, budget)
         self.budget = budget
         self.sampler.begin(ids)
         self._emitted([], 0, 0, None)
@@ -107,180 +125,146 @@ class SpeculativeDecoder(DecoderBase):
             if self.prompt_cache is not None:
                 self.prompt_cache.keep(self.model, ids[:-1], self.cache, self.drafter.name,
                                        self.drafter.prefix_state())
+        self._queued, self._prev_k = [], -1
+        self._last_dev = mx.array([ids[-1]], dtype=mx.int32)
+        self._key = mx.random.key(int(self.sampler.rng.integers(0, 2**63)))
+        self.cache.kv_to_device()
+        self.drafter.to_device()
         self.clock.start()
         return []
 
     # ---- one round ----------------------------------------------------------------------------
     def step(self) -> list[int]:
-        if not self.pipeline:
-            return self._complete(self._launch(self._choose_k()))
-        cur = self._pending or self._launch(self._choose_k())
-        self._pending = None
-        wanted = self._wanted()
-        if cur.plain and cur.token is not None and wanted > 1:
-            # queue the next round before the host reads this one: another plain step can start
-            # from the token still on the device; a drafting round needs it on the host first
-            k = self._choose_k()
-            if k == 0:
-                self._pending = self._launch_plain(cur)
-            else:
-                self._held_k = k
-        emitted = self._complete(cur)
-        if self._pending is None and wanted > len(emitted):
-            # the next round's device work overlaps the caller's detokenization and stop checks
-            k, self._held_k = (self._held_k if self._held_k is not None else self._choose_k()), None
-            self._pending = self._launch(k)
-        return emitted
+        if not self.drafting:
+            return self._plain_run_step()
+        cur = self._queued.pop(0) if self._queued else self._launch(self._choose_k())
+        if self._ahead() and self._wanted() > 1:
+            # queued before the host reads `cur`: it starts from cur's device values
+            t = time.perf_counter()
+            nxt = self._launch(self._choose_k())
+            nxt.launch_s = time.perf_counter() - t
+            self._queued.append(nxt)
+            # cur's timed interval (host read to host read) holds nxt's queuing, not its own: swap
+            # them, or a plain round before a drafting one times like a drafting round and auto
+            # sees drafting as free (it kept drafting at acceptance 0.5 and lost 40%)
+            cur.shift = cur.launch_s - nxt.launch_s
+            cur.steady = self._prev_k == cur.k == nxt.k
+        elif self._ahead():
+            cur.steady = False  # the last round: nothing queued behind it
+        self._prev_k = cur.k
+        return self._complete(cur)
 
     def plain_step(self) -> list[int]:
-        """A round without drafting: exactly a plain decode step (no capture, no drafter work)."""
-        return self._complete_plain(self._launch_plain(None))
+        """A round without drafting (the drafter kept in step)."""
+        if not self.drafting:
+            return self._plain_run_step()
+        return self._complete(self._launch_plain())
+
+    def _plain_run_step(self) -> list[int]:
+        """A step of a run that does not draft: `PlainDecoder`'s, counted as a round of none."""
+        emitted = super().step()
+        _, seconds, first_use = self.clock.rounds[-1]
+        self.counts.record(0, 0)
+        self.k_histogram[0] += 1
+        if self.scheduler:
+            self.scheduler.observe(0, 0, seconds, self.cache.offset, first_use, True)
+        return emitted
 
     def _choose_k(self) -> int:
-        return self.scheduler.next_k(self.cache.offset) if self.scheduler else self.params.k_max
+        k = self.scheduler.next_k(self.cache.offset) if self.scheduler else self.params.k_max
+        return self.drafter.available(k) if k else 0
 
-    def _launch(self, k: int) -> _Round:
-        return self._launch_plain(None, k) if k == 0 else self._launch_draft(k)
-
-    def _complete(self, r: _Round) -> list[int]:
-        return self._complete_plain(r) if r.plain else self._complete_draft(r)
-
-    def _pipelined_rounds(self) -> bool:
-        # a queued round would be scored against a penalty history that lacks this round's tokens
+    def _ahead(self) -> bool:
+        """Whether the next round is queued before the host reads this one (module docstring)."""
         return (self.pipeline and not self.prof.enabled and not self.sampler.cfg.penalties.active
-                and self.sampler.grammar is None)
+                and self.sampler.grammar is None and not self.drafter.reads_history)
 
-    def _launch_draft(self, k: int) -> _Round:
-        draft = self.drafter.draft(k, self.params.p_min)
-        if 0 < len(draft) < self.params.n_min:  # too few survived p-min: decode plainly
-            draft = Draft([], None, draft.shapes)
-        fed, logits = self.verify(draft.tokens)
-        cfg = self.sampler.cfg
-        with self.prof.stage("sample") as out:
-            # row i scores the position after drafts 1..i: its penalties count them as generated
-            scored = self.sampler.penalize(logits, draft.tokens if len(draft) else None)
-            scored = self.sampler.constrain(scored, draft.tokens if len(draft) else None)
-            target = mx.argmax(scored, axis=-1) if cfg.greedy else distribution(scored, cfg)
-            finite = mx.all(mx.isfinite(logits))
-            out.extend([target, finite])
-        if self._pipelined_rounds():
-            mx.async_eval(target, finite, *([draft.tokens] if len(draft) else []))
-        shapes = draft.shapes + [("trunk", 1 + len(draft), len(draft) > 0, kv_capacity(self.cache))]
-        return _Round(k, False, shapes, logits=logits, finite=finite, fed=fed, draft=draft, target=target)
+    # ---- launch -------------------------------------------------------------------------------
+    def _launch(self, k: int) -> Queued:
+        if k == 0:
+            return self._launch_plain()
+        shapes = self._shapes(k)
+        r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k, self._accept, self._fed,
+                        self.params.p_min, self.params.n_min, score=self._score, stage=self.prof.stage)
+        self._last_dev = r.last
+        return self._queue(Queued(r, k + 1, shapes))
 
-    def _complete_draft(self, r: _Round) -> list[int]:
-        n, token, host_drafts = self.accept(r.draft.tokens, r.logits, r.draft.q, r.target, r.finite)
-        self._count_experts("verify")
-        self.rollback(n)
-        self.catch_up(host_drafts[:n], token, r.fed)
-        return self._finish_round(host_drafts, n, token, r)
+    def _shapes(self, k: int) -> list:
+        """The forward shapes a round of k drafts runs (a first use compiles)."""
+        return self.drafter.round_shapes(k) + [("trunk", k + 1, True, kv_capacity(self.cache))]
 
-    def _launch_plain(self, prev: _Round | None, k: int = 0) -> _Round:
-        """A plain step from the host's last token, or (pipelined) from `prev`'s token on the device."""
-        inp = prev.token.reshape(1, 1).astype(mx.int32) if prev is not None else mx.array([[self.last_token]])
-        with self.prof.stage("decode") as out:
-            post, pre = self.model.forward_states(inp, self.cache)
-            logits = self.model.logits(post[0, -1])
-            out.append(logits)
-        r = _Round(k, True, [("trunk", 1, False, kv_capacity(self.cache))], logits=logits, fed=self._fed(post, pre))
-        if self._pipelined():
-            r.token, r.finite = mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits))
-            mx.async_eval(r.token, r.finite)
+    def _launch_plain(self) -> Queued:
+        r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed, self.prof.stage)
+        self._last_dev = r.last
+        return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
+
+    def _queue(self, r: Queued) -> Queued:
+        if self._ahead():
+            mx.async_eval(*r.read(), *self.drafter.pending_arrays())
         return r
 
-    def _complete_plain(self, r: _Round) -> list[int]:
-        with self.prof.stage("sync"):
-            token = self._read((r.token, r.finite)) if r.token is not None else self.sampler.sample(r.logits)
-        self._count_experts("step")
-        self.drafter.accept([], token, r.fed)
-        self.last_token = token
-        return self._finish_round([], 0, token, r)
+    def _pick(self, logits: mx.array) -> mx.array:
+        """A plain round's token [1] from its logits [1, V] (one row), on the device."""
+        cfg = self.sampler.cfg
+        scored = self.sampler.constrain(self.sampler.penalize(logits))
+        if cfg.greedy:
+            return mx.argmax(scored, axis=-1).astype(mx.int32)
+        self._key, sub = mx.random.split(self._key)
+        return mx.random.categorical(mx.log(distribution(scored, cfg)), key=sub).astype(mx.int32)
 
-    def _finish_round(self, drafts: list[int], n: int, token: int, r: _Round) -> list[int]:
+    def _score(self, drafts: mx.array, logits: mx.array) -> mx.array:
+        """What the rule compares, for the one row's drafts [1, k] and logits [1, k+1, V]: the
+        penalised (and grammar-masked) logits, row i counting drafts 1..i as generated, or when
+        sampling the distributions drawn from."""
+        scored = self.sampler.constrain(self.sampler.penalize(logits[0], drafts[0]), drafts[0])[None]
+        return scored if self.sampler.cfg.greedy else distribution(scored, self.sampler.cfg)
+
+    def _accept(self, drafts: mx.array, scored: mx.array, q: mx.array | None,
+                live: mx.array) -> tuple[mx.array, mx.array]:
+        """(n accepted [1], emitted [1, k+1]) as device values."""
+        if self.sampler.cfg.greedy:
+            return accept_greedy_device(drafts, scored, live)
+        self._key, sub = mx.random.split(self._key)
+        return accept_sampling_device(drafts, scored, q, live, sub)
+
+    # ---- the host's read, one round late -------------------------------------------------------
+    def _complete(self, r: Queued) -> list[int]:
+        with self.prof.stage("sync"):
+            # this round's block is evaluated with it; once a later round is queued the block is
+            # that round's (its `_queue` evaluates it): waiting for it here would serialise them
+            block = [] if self._queued else self.drafter.pending_arrays()
+            mx.eval(*r.read(), *block)
+            d = r.round.host()
+            check_finite(d.finite[0])
+            n, drafted, emitted = d.n[0], d.drafted[0], d.emitted[0]
+            drafts = d.drafts[0][:drafted] if d.drafts is not None else []
+        token = emitted[n]
+        self.drafter.round_read(emitted[:n + 1])
+        self.cache.offset += n + 1
+        self.cache.set_bound(self.cache.offset + sum(q.rows for q in self._queued))
+        self.drafter.trunk_committed(self.cache.offset)
+        self.last_token = token
+        self._count_experts("verify" if r.k else "step")
+        return self._finish_round(emitted[:n] + drafts[n:], n, token, r)
+
+    def _finish_round(self, drafts: list[int], n: int, token: int, r: Queued) -> list[int]:
         """Statistics, the round's time, the scheduler's observation and the trace; its emitted
         tokens (`r.logits`: the rows that scored them, for logprobs)."""
         emitted = self._emitted(drafts[:n] + [token], n, len(drafts), r.logits)
-        seconds, first_use = self.clock.lap(r.k, r.shapes, getattr(r, "shift", 0.0))
+        seconds, first_use = self.clock.lap(r.k, r.shapes, r.shift)
         self.counts.record(len(drafts), n)
         self.k_histogram[r.k] += 1
         if self.scheduler:
-            self.scheduler.observe(len(drafts), n, seconds, self.cache.offset, first_use,
-                                   getattr(r, "steady", True))
+            self.scheduler.observe(len(drafts), n, seconds, self.cache.offset, first_use, r.steady)
         if self.trace is not None:
             self.trace.append({"draft": drafts, "n_accepted": n, "emitted": emitted})
         return emitted
 
-    # ---- the stages ---------------------------------------------------------------------------
-    def verify(self, drafts) -> tuple[mx.array, mx.array]:
-        """One trunk forward over [last token, d1..dk]: (the state the drafter is fed, logits for
-        every row)."""
-        with self.prof.stage("verify") as out:
-            self._verify_rows = 1 + len(drafts)
-            post, fed = self._trunk(self._verify_input(drafts)[None], capture=len(drafts) > 0)
-            logits = self.model.logits(post[0])
-            out.append(logits)
-        return fed, logits
-
-    def _verify_input(self, drafts) -> mx.array:
-        last = mx.array([self.last_token], dtype=mx.int32)
-        return mx.concatenate([last, drafts.astype(mx.int32)]) if len(drafts) else last
-
-    def _trunk(self, ids: mx.array, capture: bool) -> tuple[mx.array, mx.array]:
-        """Trunk forward: (post-norm hidden for the logits, the state the drafter is fed). A round
-        without drafts is a plain step: nothing to roll back, so nothing to capture."""
-        post, pre = self.model.forward_states(ids, self.cache, Pass.VERIFY if capture else Pass.STEP)
-        return post, self._fed(post, pre)
-
-    def accept(self, drafts, logits: mx.array, q: mx.array | None, target: mx.array | None = None,
-               finite: mx.array | None = None) -> tuple[int, int, list[int]]:
-        """How many drafts survive, the token after them, and the drafts on the host. Holds the
-        round's one host sync. `target`/`finite`: the argmax (or distribution) and finiteness of
-        `logits` when already queued."""
-        cfg = self.sampler.cfg
-        if target is None:
-            with self.prof.stage("sample") as out:
-                scored = self.sampler.penalize(logits, drafts if len(drafts) else None)
-                scored = self.sampler.constrain(scored, drafts if len(drafts) else None)
-                target = mx.argmax(scored, axis=-1) if cfg.greedy else distribution(scored, cfg)
-                finite = mx.all(mx.isfinite(logits))
-                out.extend([target, finite])
-        with self.prof.stage("sync"):
-            mx.eval(target, finite)
-            check_finite(finite)
-            host_target = np.array(target, dtype=np.float64 if not cfg.greedy else None)
-            d = np.array(drafts) if len(drafts) else np.zeros(0, dtype=np.int64)
-            host_q = np.array(q, dtype=np.float64) if q is not None and len(drafts) else None
-        with self.prof.stage("accept"):
-            return self._decide(d, host_target, host_q)
-
-    def _decide(self, d: np.ndarray, target: np.ndarray, q: np.ndarray | None) -> tuple[int, int, list[int]]:
-        """The acceptance rule on host arrays: (accepted, token after them, the drafts as a list)."""
-        if self.sampler.cfg.greedy:
-            n, token = accept_greedy(d, target)
-        elif len(d):
-            n, token = accept_sampling(d, target, q, self.sampler)
-        else:
-            n, token = 0, self.sampler.categorical(target[0])
-        return n, token, d.tolist()
-
-    def rollback(self, n: int) -> None:
-        """Keeps last token + n accepted drafts in the trunk (from the states captured in verify;
-        a draft-less round captured nothing and has nothing to drop); the drafter forgets the rest."""
-        with self.prof.stage("rollback"):
-            if self._verify_rows > 1:
-                self.cache.rollback(n + 1)
-            self.drafter.rollback(n)
-
-    def catch_up(self, accepted: list[int], token: int, fed: mx.array) -> None:
-        """The drafter learns what the round emitted (an MTP head queues its owed rows)."""
-        with self.prof.stage("catch_up"):
-            self.drafter.accept(accepted, token, fed)
-        self.last_token = token
-
     def finish(self) -> None:
         """The generation is over: a queued round is dropped, and what this run measured of its
         rounds' costs is kept for the next run on this model and device."""
-        self._pending = None
+        self._queued = []
+        super().finish()
         if self.scheduler and self.calibration_path:
             t0 = self.scheduler.step_seconds()
             calibration.save(self.calibration_path, self.model, self.scheduler.measured_round_steps(),

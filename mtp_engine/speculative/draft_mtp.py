@@ -1,8 +1,8 @@
 """draft-mtp: the speculative decoder with the model's own MTP head as its drafter.
 
-The round (draft → verify → accept → rollback → catch_up) is `SpeculativeDecoder`'s
-(speculative/decoder.py); the drafting, the head's cache and its owed catch-up rows are
-`MTPDrafter`'s (speculative/mtp_drafter.py). Experiment variants (re-decode rollback, pre-norm
+The round (draft → verify → accept → commit) is `SpeculativeDecoder`'s (speculative/decoder.py,
+speculative/round.py); the drafting, the head's cache and the rows it is owed are `MTPDrafter`'s
+(speculative/mtp_drafter.py). Experiment variants (re-decode rollback, pre-norm
 feed, oracle acceptance) are in speculative/ablations.py.
 """
 from __future__ import annotations
@@ -15,16 +15,13 @@ from ..model.qwen35 import Qwen35Model
 from .config import DraftParams
 from .decoder import SpeculativeDecoder
 from .mtp_drafter import MTPDrafter
-from .resident import ResidentRounds
 from .scheduler import DraftLengthScheduler
 
 __all__ = ["DraftMTPDecoder", "DraftParams"]
 
 
-class DraftMTPDecoder(ResidentRounds, SpeculativeDecoder):
-    """Speculative decoding with the model's MTP head as the drafter; rounds are device-resident
-    (speculative/resident.py; a precise profile times their stages) unless a grammar needs the
-    host round."""
+class DraftMTPDecoder(SpeculativeDecoder):
+    """Speculative decoding with the model's MTP head as the drafter."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,

@@ -2,21 +2,23 @@
 
 In the spirit of llama.cpp's `common_speculative` (begin / draft / accept): the decoder owns the
 trunk (verify, acceptance, trunk rollback, scheduling, statistics); a drafter owns only its own
-state (an MTP head's KV cache and owed catch-up rows, an n-gram table, ...). One round:
+state (an MTP head's KV cache and the rows it is owed, an n-gram table, ...). A round
+(`round.draft_round`) is device values end to end, so the drafter's stages are too:
 
-    draft = drafter.draft(k, p_min)        up to k tokens after the last emitted token
+    tokens, q, confident = drafter.draft(k, p_min)   k drafts after the last emitted token
     ... the decoder verifies them in one trunk forward and accepts n of them ...
-    drafter.rollback(n)                    forget what was derived from drafts n+1..k
-    drafter.accept(drafts[:n], token, hidden)   the round emitted drafts[:n] + [token]
+    drafter.commit(emitted, n, hidden)               the round emitted emitted[:n+1]
+    drafter.accept_plain(token, hidden)              a round without drafts emitted `token`
 
-A round without drafting (k = 0, a plain step) calls `accept([], token, hidden)` with no `draft`
-before it. `hidden` is the trunk's hidden state for the rows the round ran ([1, n+1, H]: row i is
-the state after the input before emitted token i), which an MTP head reads and others ignore.
+`hidden` is the trunk's hidden state for the rows the round ran, which an MTP head reads and
+others ignore. The host reads a round one round late and tells the drafter (`round_read`,
+`trunk_committed`); a drafter whose drafts need those tokens (`reads_history`) makes the decoder
+launch each round after that read.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -34,21 +36,6 @@ class DraftContext:
     model: Qwen35Model
     sampler: Sampler
     prof: Profiler
-
-
-@dataclass
-class Draft:
-    """A drafter's proposal. `tokens`: a device array [m] (m <= k; a list when empty), so greedy
-    drafting needs no host sync; `q`: their distributions [m, V] when sampling (lossless
-    speculative sampling needs them; a deterministic drafter gives one-hot rows); `shapes`: the
-    forward shapes it ran, for the round clock (a new shape is a compile, not a timed sample)."""
-
-    tokens: mx.array | list = field(default_factory=list)
-    q: mx.array | None = None
-    shapes: list = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
 
 
 class Drafter(ABC):
@@ -78,17 +65,44 @@ class Drafter(ABC):
         the earlier `begin`. The default suits a drafter that reads only tokens."""
         self.begin(prompt, hidden)
 
-    @abstractmethod
-    def draft(self, k: int, p_min: float = 0.0) -> Draft:
-        """Up to k (>= 1) draft tokens after the last emitted one. A drafter that can score its
-        own guesses stops early where the next one's probability falls below `p_min`."""
+    reads_history = False  # whether a round's drafts need the round before it read on the host
 
-    def rollback(self, n: int) -> None:
-        """Only the first n drafts of the last `draft` were accepted: drop what the others left."""
+    def to_device(self) -> None:
+        """After `begin` (or `begin_from`): rounds follow, as device values."""
+
+    def available(self, k: int) -> int:
+        """How many of k drafts the next round gets (a drafter that may have fewer: the round is
+        shaped by this; 0 makes it a plain round)."""
+        return k
 
     @abstractmethod
-    def accept(self, accepted: list[int], token: int, hidden: mx.array) -> None:
-        """The round emitted `accepted + [token]` (the accepted drafts, then the trunk's token)."""
+    def draft(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """k drafts as device values: (tokens [1, k] int32, their distributions [1, k, V] when
+        sampling (lossless acceptance needs them; a deterministic drafter gives one-hot rows),
+        whether each counts [1, k] (p-min, a grammar's end; None: all))."""
+
+    @abstractmethod
+    def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
+        """A drafting round emitted `emitted[0, :n+1]` (accepted drafts, then the trunk's token;
+        `n` a device count), from the verify's hidden states `hidden`."""
+
+    @abstractmethod
+    def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
+        """A round without drafts emitted `token` (device [1]) from trunk state `hidden`."""
+
+    def pending_arrays(self) -> list[mx.array]:
+        """What a queued round leaves for the drafter that must be evaluated with it."""
+        return []
+
+    def round_shapes(self, k: int) -> list:
+        """The drafter's forward shapes in a round of k drafts (a first use compiles)."""
+        return []
+
+    def round_read(self, tokens: list[int]) -> None:
+        """The host read a round that emitted `tokens`."""
+
+    def trunk_committed(self, rows: int) -> None:
+        """The trunk holds `rows` committed tokens (the host's count, a round late)."""
 
     def stats(self) -> dict:
         """The drafter's own statistics, merged into the generation's."""

@@ -1,12 +1,13 @@
-"""The model's own MTP head as a drafter (llama.cpp's draft-mtp).
+"""The model's own MTP head as a drafter (llama.cpp's draft-mtp), in the device round's stages.
 
-  draft     the head as a chain: step 1 reads (last token, trunk hidden of the previous position);
-            step i > 1 reads (draft i-1, the head's own shared_head_norm output). The catch-up
-            rows owed from earlier rounds run in the same forward as step 1.
-  rollback  the head's KV rows written by steps 2..k are dropped (their inputs were its own
-            guesses); step 1's row is exact and stays.
-  accept    the accepted rows (token, trunk hidden from the verify pass) are owed to the head and
-            computed lazily, fused into the next round's first draft step.
+  draft    the head as a chain: step 1 reads (last token, trunk hidden of the previous position);
+           step i > 1 reads (draft i-1, the head's own shared_head_norm output). The block of rows
+           the head is owed (a drafting round's emitted tokens, or plain rounds' rows) runs in the
+           same forward as step 1. The KV rows of steps 2..k are dropped (their inputs were its own
+           guesses); step 1's row is exact and stays.
+  commit   a drafting round's emitted tokens, with the verify's hidden states, are the next block
+           (its valid length a device count: nothing is read on the host).
+  accept_plain  a plain round's row joins the block (the newest `catch_up_window` are kept).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..generation.decode import kv_capacity
 from ..generation.sampling import distribution
 from ..model.kv_cache import KVCache
 from ..model.step import Pass
-from .drafter import Draft, DraftContext, Drafter
+from .drafter import DraftContext, Drafter
 from .round import no_stage
 
 
@@ -58,8 +59,12 @@ class MTPDrafter(Drafter):
 
     name = "draft-mtp"
     prefill_chunk: int | None = None  # prompt rows per head forward; None: the model's options'
-    # owed rows kept across plain rounds (see _trim_owed): with the last token's row a block is at
-    # most 8 rows, what the few-row product kernels take
+    # owed rows kept across plain rounds (`accept_plain`): every plain round owes the head one row,
+    # and where a product of M rows costs M single rows (MLX's CPU backend) catching up a long plain
+    # stretch cost c steps per plain token (auto fell to 0.86x plain from its probes' catch-ups).
+    # Older rows are dropped: the head's attention then lacks them, which can only lower the next
+    # drafts' acceptance, never change the output (verify decides). With the last token's row a
+    # block is at most 8 rows, what the few-row product kernels take.
     catch_up_window = 7
     # widths a block of host-counted rows is padded to (`block_width`): a plain stretch of any
     # length then reuses the head's compiled shapes (each new width was a compile: seconds at 9B)
@@ -75,10 +80,7 @@ class MTPDrafter(Drafter):
         self.cache = model.mtp.make_cache()
         self.last_token: int | None = None
         self.h_last: mx.array | None = None  # trunk hidden [1, 1, H] of the position before last_token
-        self.owed_tokens: list[int] = []  # catch-up rows the head has not seen yet
-        self.owed_hidden: list[mx.array] = []
-        self.catch_up_dropped = 0  # owed rows skipped after long plain stretches (see _trim_owed)
-        self.steps = 0  # head forwards run by the last draft (rows written), until accept
+        self.catch_up_dropped = 0  # owed rows skipped after long plain stretches (`accept_plain`)
         self._block: HeadBlock | None = None  # device-resident rounds' rows to run (to_device), see `block`
         self._skip = 0  # leading rows of a host-counted `_block` dropped from the catch-up window
         self._plain_rows: list[tuple[mx.array, mx.array]] = []  # plain rounds' rows, joined on demand
@@ -115,55 +117,6 @@ class MTPDrafter(Drafter):
             m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache, Pass.PREFILL)
             mx.eval(m, *self.cache.state())
 
-    def draft(self, k: int, p_min: float = 0.0) -> Draft:
-        mtp, model, prof, sampler = self.model.mtp, self.model, self.ctx.prof, self.ctx.sampler
-        owed = len(self.owed_tokens)
-        if self.owed_tokens and prof.mode == "precise":
-            # attribute catch-up honestly: run the owed rows as their own forward (same math)
-            with prof.stage("catch_up") as out:
-                out.append(mtp(model.embed_tokens(mx.array([self.owed_tokens])),
-                               mx.concatenate(self.owed_hidden, axis=1), self.cache))
-                out.extend(self.cache.state())
-            self.owed_tokens, self.owed_hidden = [], []
-        tok = mx.array([self.owed_tokens + [self.last_token]])
-        h_prev = mx.concatenate(self.owed_hidden + [self.h_last], axis=1)
-        self.owed_tokens, self.owed_hidden = [], []
-        drafts: list[mx.array] = []
-        qs: list[mx.array] = []
-        grammar, host = sampler.grammar, []  # constrained: each step masked by the drafts before it
-        self.steps = 0
-        for _ in range(k):
-            self.steps += 1
-            with prof.stage("draft") as out:
-                h_mtp = mtp(model.embed_tokens(tok), h_prev, self.cache)[:, -1:]
-                # the drafter sees the penalties its chain would meet (history + earlier drafts)
-                logits = sampler.penalize(model.draft_logits(h_mtp[0, 0]),
-                                          mx.stack(drafts).reshape(-1) if drafts else None, len(drafts))
-                allowed = grammar.allowed_after(host) if grammar is not None else None
-                if grammar is not None and allowed is None:  # the text ended (an end-of-sequence draft)
-                    break
-                if allowed is not None:
-                    logits = masked(logits, allowed)
-                d = self._pick(logits, qs)
-                out.append(d)
-            if p_min > 0.0:
-                with prof.stage("sync"):
-                    top = mx.topk(logits, min(10, logits.shape[-1]))
-                    p_top = mx.max(mx.softmax(top)).item()  # llama.cpp: top-10 softmax at temperature 1
-                if p_top < p_min:
-                    if qs:
-                        qs.pop()
-                    break
-            drafts.append(d)
-            if grammar is not None:
-                host.append(int(d.item()))
-            tok, h_prev = d.reshape(1, 1), h_mtp
-        cap = kv_capacity(self.cache)
-        shapes = [("mtp", owed + 1, cap)] + ([("mtp", 1, cap)] if self.steps > 1 else [])
-        if not drafts:
-            return Draft([], None, shapes)
-        return Draft(mx.stack(drafts), mx.stack(qs) if qs else None, shapes)
-
     def _pick(self, logits: mx.array, qs: list) -> mx.array:
         """The draft token on the device: argmax, or a draw from the sampler's distribution (kept
         in `qs`: lossless acceptance needs it)."""
@@ -175,56 +128,12 @@ class MTPDrafter(Drafter):
         qs.append(qi)
         return mx.random.categorical(mx.log(qi), key=sub)
 
-    def rollback(self, n: int) -> None:
-        if self.steps > 1:
-            self.cache.truncate(self.cache.offset - (self.steps - 1))
-
-    def accept(self, accepted: list[int], token: int, hidden: mx.array) -> None:
-        """Owes the head (d_i, trunk hidden before d_i) for the accepted drafts, and the last token's
-        row when no draft step ran (a plain round); they join the next round's first draft forward."""
-        n = len(accepted)
-        if self.steps == 0:
-            self.owed_tokens.append(self.last_token)
-            self.owed_hidden.append(self.h_last)
-            self._trim_owed()
-        self.owed_tokens.extend(accepted)
-        if n:
-            self.owed_hidden.append(hidden[:, :n])
-        self.h_last = hidden[:, n:n + 1]
-        self.last_token = token
-        self.steps = 0
-
-    def _trim_owed(self) -> None:
-        """Keeps only the newest `catch_up_window` owed rows. Every plain round owes the head one
-        row, and where a product of M rows costs M single rows (MLX's CPU backend) catching up a
-        long plain stretch costs c steps per plain token: measured on the 2-core CPU, n-max auto
-        fell to 0.86x plain from its probes' catch-ups alone. Older rows are dropped: the head's own
-        attention then lacks them (its positions close the gap), which can only lower acceptance of
-        the next drafts, never change the output (verify decides)."""
-        drop = len(self.owed_tokens) - self.catch_up_window
-        if drop <= 0:
-            return
-        self.owed_tokens = self.owed_tokens[drop:]
-        self.catch_up_dropped += drop
-        # drop whole entries (no concatenation: a lazy concat per plain round would chain forever)
-        while drop:
-            rows = int(self.owed_hidden[0].shape[1])
-            if rows <= drop:
-                self.owed_hidden.pop(0)
-                drop -= rows
-            else:
-                self.owed_hidden[0] = self.owed_hidden[0][:, drop:]
-                drop = 0
-
-    # ---- device-resident rounds (speculative/resident.py): no host reads --------------------------
+    # ---- the device round's stages (speculative/round.py): no host reads -----------------------------
     def to_device(self) -> None:
-        """After `begin`: the owed rows and the last token become a `HeadBlock`."""
+        """After `begin`: the last prompt token's row is the first `HeadBlock`."""
         self.cache.to_device()
-        tokens = self.owed_tokens + [self.last_token]
-        self._block = HeadBlock(mx.array(tokens, dtype=mx.int32),
-                                mx.concatenate(self.owed_hidden + [self.h_last], axis=1), len(tokens))
+        self._block = HeadBlock(mx.array([self.last_token], dtype=mx.int32), self.h_last, 1)
         self._skip, self._plain_rows = 0, []
-        self.owed_tokens, self.owed_hidden = [], []
 
     @property
     def block(self) -> HeadBlock | None:
@@ -259,8 +168,6 @@ class MTPDrafter(Drafter):
             return w
         return next((x for x in self.BLOCK_WIDTHS if x >= w), w)
 
-    reads_history = False  # its drafts come from device values: rounds may be queued ahead of the read
-
     def round_read(self, tokens: list[int]) -> None:
         """The host read a round that emitted `tokens`: the head already took them on the device."""
 
@@ -291,12 +198,12 @@ class MTPDrafter(Drafter):
             return h[:, b.valid - 1:b.valid]
         return mx.take(h, (b.valid - 1).reshape(1), axis=1)
 
-    def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    def draft(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """k drafts as device values, as a round's one row: (tokens [1, k] int32, their
         distributions [1, k, V] when sampling, whether each passed p-min [1, k] when p-min is set).
         Every step runs; p-min only says which drafts count (the round keeps the shape k gives it).
         A precise profile times the head's block (its owed rows and the last token's) as catch-up
-        and each step as a draft, each evaluated at its end, as the host round attributes them."""
+        and each step as a draft, each evaluated at its end."""
         prof = self.ctx.prof
         if prof.mode == "precise":
             with prof.stage("catch_up") as out:
@@ -307,7 +214,6 @@ class MTPDrafter(Drafter):
             with prof.stage("draft") as out:
                 tokens, qs, confident = self._chain(self._run_block(), k, p_min)
                 out.append(tokens)
-        self.steps = k
         return tokens, qs, confident
 
     def _chain(self, h: mx.array, k: int, p_min: float,
@@ -316,13 +222,26 @@ class MTPDrafter(Drafter):
         model, sampler, cache = self.model, self.ctx.sampler, self.cache
         kept, bound = cache.offset, cache.bound
         drafts, qs, confident = [], [], []
+        # a grammar masks each step by the drafts before it (read on the host: such a round is not
+        # queued ahead anyway); after a draft that ends the text the rest do not count
+        grammar, host = sampler.grammar, []
         for i in range(k):
             with stage("draft") as out:
                 logits = sampler.penalize(model.draft_logits(h[0, 0]), mx.stack(drafts) if drafts else None,
                                           len(drafts))
+                allowed = grammar.allowed_after(host) if grammar is not None and host is not None else None
+                if allowed is not None:
+                    logits = masked(logits, allowed)
                 d = self._pick(logits, qs)
+                ok = None
+                if grammar is not None:
+                    ok = mx.array(allowed is not None)
+                    host = host + [int(d.item())] if allowed is not None else None
                 if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
-                    confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) >= p_min)
+                    top = mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) >= p_min
+                    ok = top if ok is None else ok & top
+                if ok is not None:
+                    confident.append(ok)
                 drafts.append(d.astype(mx.int32))
                 if i + 1 < k:
                     h = model.mtp(model.embed_tokens(d.reshape(1, 1)), h, cache, Pass.ROUND_STEP)
@@ -336,7 +255,6 @@ class MTPDrafter(Drafter):
         the trunk's token): they, with the verify's hidden states, are the head's next block."""
         self._block = HeadBlock(emitted[0], hidden, (n + 1).reshape(()))
         self._skip, self._plain_rows = 0, []
-        self.steps = 0
 
     def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
         """A plain round emitted `token` (device [1]) from trunk state `hidden` [1, 1, H]. A block
@@ -360,7 +278,7 @@ class MTPDrafter(Drafter):
         """Catch-up rows the head is owed (host-counted; a drafting round's block counts its width)."""
         b = self._block
         if b is None and not self._plain_rows:
-            return len(self.owed_tokens)
+            return 0
         if self._plain_rows or isinstance(b.valid, int):
             return (b.valid - self._skip if b is not None else 0) + len(self._plain_rows) - 1
         return int(b.tokens.shape[0]) - 1

@@ -1,6 +1,6 @@
 """The MTP head drafting for the rows of a batch: `round.draft_round`'s drafter over B sequences.
 
-The stages are `MTPDrafter`'s device-resident ones, over rows (llama.cpp drafts for all slots in
+The stages are `MTPDrafter`'s, over rows (llama.cpp drafts for all slots in
 one call the same way):
   block     what the head runs before its next draft, per row: after a drafting round the row's
             emitted tokens [k+1] with the verify's hidden states, `valid` = accepted + 1 of them (a
@@ -87,7 +87,7 @@ class MTPRowsDrafter:
         cache.lengths = before + self.valid  # the host bound grew by the width: rows past valid are stale
         return mx.take_along_axis(h, (self.valid - 1)[:, None, None], axis=1)
 
-    def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, None, mx.array | None]:
+    def draft(self, k: int, p_min: float = 0.0) -> tuple[mx.array, None, mx.array | None]:
         """k greedy drafts per row as device values: (tokens [B, k] int32, None (no distributions:
         rows that sample do not draft), whether each passed p-min [B, k] when p-min is set)."""
         m, cache = self.model, self.cache

@@ -7,9 +7,9 @@ is the smallest drafter the interface admits, and it pays on text that repeats i
     from mtp_engine.speculative.ngram import NGramDecoder
     dec = NGramDecoder(model, sampler, DraftParams(4))
 
-Its rounds are the device round (`resident.ResidentRounds`, `round.draft_round`) with drafts
+Its rounds are the device round (`decoder.SpeculativeDecoder`, `round.draft_round`) with drafts
 looked up on the host: a round is launched after the host read the one before it, whose tokens its
-lookup needs. A grammar keeps the host round (`SpeculativeDecoder` with this drafter).
+lookup needs.
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from ..generation.sampling import Sampler
 from ..model.qwen35 import Qwen35Model
 from .config import DraftParams
 from .decoder import SpeculativeDecoder
-from .drafter import Draft, DraftContext, Drafter
-from .resident import ResidentRounds
+from .drafter import DraftContext, Drafter
 
 
 class NGramDrafter(Drafter):
@@ -42,7 +41,7 @@ class NGramDrafter(Drafter):
         self._latest: dict[int, dict[tuple, int]] = {}
         self.lookups = 0
         self.hits = 0
-        self._next: list[int] = []  # the device round's lookup (`available`), drafted by `draft_resident`
+        self._next: list[int] = []  # the device round's lookup (`available`), drafted by `draft`
 
     def begin(self, prompt: list[int], hidden: mx.array) -> None:
         self.history, self._latest = [], {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
@@ -81,29 +80,18 @@ class NGramDrafter(Drafter):
             return None
         return (mx.arange(self.ctx.model.cfg.vocab_size) == drafts[..., None]).astype(mx.float32)
 
-    def draft(self, k: int, p_min: float = 0.0) -> Draft:
-        """`p_min` does not apply: the drafter has no probabilities of its own."""
-        tokens = self._proposal(k)
-        if not tokens:
-            return Draft()
-        drafts = mx.array(tokens, dtype=mx.int32)
-        return Draft(drafts, self._one_hot(drafts))
-
-    def accept(self, accepted: list[int], token: int, hidden: mx.array) -> None:
-        self._extend(list(accepted) + [token])
-
     def stats(self) -> dict:
         return {"ngram_lookups": self.lookups, "ngram_hits": self.hits}
 
-    # ---- device-resident rounds (speculative/resident.py): drafts from the host's history -----------
+    # ---- the device round's stages (speculative/round.py): drafts from the host's history -----------
     reads_history = True  # a round's lookup needs the tokens of the round before it, read on the host
 
     def available(self, k: int) -> int:
-        """How many of k drafts the next round gets (the round's lookup, kept for `draft_resident`)."""
+        """How many of k drafts the next round gets (the round's lookup, kept for `draft`)."""
         self._next = self._proposal(k)
         return len(self._next)
 
-    def draft_resident(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, None]:
+    def draft(self, k: int, p_min: float = 0.0) -> tuple[mx.array, mx.array | None, None]:
         """The k drafts `available(k)` found, as a round's one row [1, k] (their one-hot
         distributions [1, k, V] when sampling); `p_min` does not apply."""
         drafts = mx.array([self._next[:k]], dtype=mx.int32)
@@ -112,36 +100,19 @@ class NGramDrafter(Drafter):
     def round_read(self, tokens: list[int]) -> None:
         self._extend(tokens)
 
-    def to_device(self) -> None:
-        """Nothing on the device: the history stays on the host."""
-
     def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
         """Nothing: the host's read extends the history (`round_read`)."""
 
     def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
         """Nothing: the host's read extends the history (`round_read`)."""
 
-    def pending_arrays(self) -> list[mx.array]:
-        return []
 
-    def round_shapes(self, k: int) -> list:
-        return []
-
-    def trunk_committed(self, rows: int) -> None:
-        """Nothing: no cache of its own."""
-
-
-class NGramDecoder(ResidentRounds, SpeculativeDecoder):
-    """Speculative decoding with prompt-lookup drafts, on device-resident rounds (module
-    docstring); a round drafts what the lookup has, at most k (none: a plain round)."""
+class NGramDecoder(SpeculativeDecoder):
+    """Speculative decoding with prompt-lookup drafts (module docstring); a round drafts what the
+    lookup has, at most k (none: a plain round)."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, **options):
         """`options`: `SpeculativeDecoder`'s keywords (scheduler, prompt_cache, calibration_path,
         progress, pipeline)."""
         super().__init__(model, sampler, params, NGramDrafter, profiler, **options)
-
-    def _choose_k(self) -> int:
-        k = super()._choose_k()
-        # the host round looks up in its own draft stage
-        return self.drafter.available(k) if k and self._resident else k

@@ -10,7 +10,7 @@
 A sequence decoded alone is a round of one row; a batch (`batching`) runs the same round over its
 rows, each at its own length. Nothing here reads a value on the host: accepted lengths stay device
 values, so the caller can queue the next round before it reads this one (the pipelining layers:
-`resident.ResidentRounds` alone, `batching.scheduler` for a batch); `stage` is the profiling
+`decoder.SpeculativeDecoder` alone, `batching.scheduler` for a batch); `stage` is the profiling
 layer's hook (a context manager per stage name); statistics are the callers', from what the host
 reads one round late. `plain_round` is a round without drafts.
 """
@@ -84,7 +84,7 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
     emitted)`: the acceptance rule over rows; `fed(post, pre)`: the trunk state the drafter reads;
     `drafting` [B] bool: the rows whose drafts count (None: all). `stage(name)`: the profiler's
     stage, whose list takes what a precise profile evaluates at the stage's end."""
-    drafts, q, confident = drafter.draft_resident(k, p_min)
+    drafts, q, confident = drafter.draft(k, p_min)
     live = live_drafts(confident, k, n_min, drafts.shape[0])
     if drafting is not None:
         live = live & drafting[:, None]

@@ -410,10 +410,10 @@ class DraftLengthScheduler:
 
     def message(self) -> str | None:
         """Why auto did not draft, when it did not (shown once, in the stats)."""
-        if self.drafting_rounds or not self.rounds:
+        if self.drafting_rounds or not (self.rounds or not self.can_win):
             return None
         r1 = self.round_steps(1)
-        if not self.can_win:
+        if not self.can_win:  # a run decided not to draft at all (`SpeculativeDecoder.drafting`)
             how = "measured" if self._measured_drafting() else "stored/default estimate"
             return (f"auto: drafting cannot pay on this device: a round with one draft (2-token verify + draft "
                     f"step) costs {r1:.2f} plain steps ({how}), more than the 2 tokens it can yield")

@@ -80,27 +80,27 @@ def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny, monkey
     """With device-resident rounds the host queues round r+1 before it reads round r: r's interval
     holds r+1's queuing. A drafting round that is slow to queue must not make the plain round
     before it look slow (auto measured drafting as free that way and kept drafting at a = 0.5)."""
-    from mtp_engine.speculative import resident
+    from mtp_engine.speculative import decoder as resident
 
     ks = iter([1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0] + [0] * 40)
-    orig = resident.ResidentRounds._launch_resident
+    orig = resident.SpeculativeDecoder._launch
 
     def slow_drafting(self, k):
         if k:
             time.sleep(0.05)  # a drafting round costs the host 50 ms to queue; a plain one ~nothing
         return orig(self, k)
 
-    monkeypatch.setattr(resident.ResidentRounds, "_launch_resident", slow_drafting)
+    monkeypatch.setattr(resident.SpeculativeDecoder, "_launch", slow_drafting)
     steady = []
-    complete = resident.ResidentRounds._complete_resident
-    monkeypatch.setattr(resident.ResidentRounds, "_complete_resident",
+    complete = resident.SpeculativeDecoder._complete
+    monkeypatch.setattr(resident.SpeculativeDecoder, "_complete",
                         lambda self, r: steady.append((r.k, r.steady)) or complete(self, r))
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(1))
     monkeypatch.setattr(d, "_choose_k", lambda: next(ks))
     _tokens(d, tiny.tokenizer, 36)
     # alternating rounds are no samples of t(k) for auto; a plain stretch is (but for its ends)
     assert not any(st for _, st in steady[:12]) and any(st for _, st in steady[15:-1]), steady
-    assert d._resident and d.pipeline
+    assert d.drafting and d.pipeline
     timed = [(k, s) for k, s, first in d.clock.rounds[1:-1] if not first]
     plain = [s for k, s in timed if k == 0]
     drafting = [s for k, s in timed if k == 1]
@@ -116,22 +116,22 @@ def test_the_host_reads_only_what_was_queued_with_the_round(tiny, monkeypatch, p
     well and the device idles while the host queues the one after (the loop's k = 3 round: 13.0 ms
     against 9.6 queued back to back on the H200)."""
     import mlx.core as mx
-    from mtp_engine.speculative import resident
+    from mtp_engine.speculative import decoder as resident
 
     queued: list = []
     orig_async = mx.async_eval
     monkeypatch.setattr(resident.mx, "async_eval", lambda *a: queued.extend(a) or orig_async(*a))
     late: list = []
-    complete = resident.ResidentRounds._complete_resident
+    complete = resident.SpeculativeDecoder._complete
 
     def reading(self, r):
         late.extend(x for x in r.read() if not any(x is q for q in queued))
         return complete(self, r)
 
-    monkeypatch.setattr(resident.ResidentRounds, "_complete_resident", reading)
+    monkeypatch.setattr(resident.SpeculativeDecoder, "_complete", reading)
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3, p_min=p_min))
     got, st = _tokens(d, tiny.tokenizer, 20)
-    assert d._resident and st["drafted"] > 0
+    assert d.drafting and st["drafted"] > 0
     assert not late, f"{len(late)} values read that were not queued with their round"
     from mtp_engine.speculative.round import Round
     r = resident.Queued(Round(3, *(mx.array([0]) for _ in range(7))), 4)
@@ -158,7 +158,7 @@ def test_the_host_reads_a_round_whole(tiny, monkeypatch, spec):
     import dataclasses
 
     import mlx.core as mx
-    from mtp_engine.speculative import resident
+    from mtp_engine.speculative import decoder as resident
     from mtp_engine.batching import scheduler
 
     def whole(r):
@@ -169,17 +169,17 @@ def test_the_host_reads_a_round_whole(tiny, monkeypatch, spec):
     seen = []
     orig_eval = resident.mx.eval
     monkeypatch.setattr(resident.mx, "eval", lambda *a: orig_eval(*(x for x in a if not isinstance(x, _Whole))))
-    complete = resident.ResidentRounds._complete_resident
+    complete = resident.SpeculativeDecoder._complete
 
     def reading(self, q):
         seen.append(q.round.k)
         q.round = whole(q.round)
         return complete(self, q)
 
-    monkeypatch.setattr(resident.ResidentRounds, "_complete_resident", reading)
+    monkeypatch.setattr(resident.SpeculativeDecoder, "_complete", reading)
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3))
     got, st = _tokens(d, tiny.tokenizer, 12)
-    assert d._resident and st["drafted"] > 0 and 3 in seen
+    assert d.drafting and st["drafted"] > 0 and 3 in seen
     ref, _ = _tokens(PlainDecoder(tiny.model, Sampler(SamplerConfig())), tiny.tokenizer, 12)
     assert got == ref
 
@@ -230,17 +230,18 @@ def test_p_min_and_n_min_decide_which_drafts_count(tiny):
     for p_min, counted in ((1e-9, 3), (1.0, 0)):  # every top-10 probability passes 1e-9; none reaches 1
         d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3, 0, p_min))
         d.prefill(IDS)
-        _, _, confident = d.drafter.draft_resident(3, p_min)
+        _, _, confident = d.drafter.draft(3, p_min)
         assert confident is not None and int(np.array(confident).sum()) == counted, (p_min, confident)
         d.finish()
 
 
 @pytest.mark.parametrize("case", ["auto cannot pay", "n-max 0", "auto can pay", "n-max 2"])
 def test_a_run_that_will_not_draft_keeps_the_plain_decoders_steps(tiny, case):
-    """Resident rounds keep KV offsets on the device (attention reads past the valid positions);
+    """Device rounds keep KV offsets on the device (attention reads past the valid positions);
     on the CPU their plain rounds cost 2-3% more than the plain decoder's. A run that is not
-    expected to draft (n-max 0; auto whose costs say even full acceptance cannot pay) keeps the
-    host round; one that may draft is resident. Output is plain decoding's either way."""
+    expected to draft (n-max 0; auto whose costs say even full acceptance cannot pay) decodes as
+    the plain decoder does; one that may draft runs device rounds. Output is plain decoding's
+    either way."""
     from mtp_engine.speculative.calibration import default_seed
     from mtp_engine.speculative.scheduler import DraftLengthScheduler
 
@@ -249,6 +250,6 @@ def test_a_run_that_will_not_draft_keeps_the_plain_decoders_steps(tiny, case):
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max),
                         scheduler=DraftLengthScheduler(costs) if costs else None)
     got, st = _tokens(d, tiny.tokenizer, 12)
-    assert d._resident == (case in ("auto can pay", "n-max 2"))
+    assert d.drafting == (case in ("auto can pay", "n-max 2"))
     ref, _ = _tokens(PlainDecoder(tiny.model, Sampler(SamplerConfig())), tiny.tokenizer, 12)
     assert got == ref

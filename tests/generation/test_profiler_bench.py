@@ -53,7 +53,7 @@ def test_a_precise_profile_times_the_device_round_itself(tiny):
     prof = Profiler("precise")
     dec = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(2), prof)
     got = [t for ch in run(dec, tiny.tokenizer, IDS, 24, ignore_eos=True, profiler=prof) for t in ch.token_ids]
-    assert dec._resident
+    assert dec.drafting
     assert got == generate(IDS, tiny, max_tokens=24, ignore_eos=True).token_ids
     counts = prof.report()["stages"]
     assert counts["catch_up"]["count"] == counts["verify"]["count"] == dec.stats()["rounds"]
