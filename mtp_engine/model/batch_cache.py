@@ -213,8 +213,8 @@ class BatchCache:
         self.lengths = mx.concatenate([self.lengths, other.lengths[idx]])
 
     def row(self, r: int) -> TrunkCache:
-        """Row r as a sequence's own (batch-1) caches, copied: e.g. for a prompt cache to keep
-        (its host length must be exact)."""
+        """Row r as a sequence's own (batch-1) caches, copied and evaluated: e.g. for a prompt
+        cache to keep (its host length must be exact)."""
         layers = []
         n = self.host_lengths[r]
         for c in self.layers:
@@ -230,6 +230,9 @@ class BatchCache:
                 layers.append(RecurrentCache.holding(c.kernel, mx.array(c.conv[r:r + 1]), mx.array(c.state[r:r + 1])))
         trunk = TrunkCache(layers)
         trunk.offset = n
+        # evaluated here: a generation in another thread may take it over, and MLX evaluates a lazy
+        # array only on a stream of the thread that made it ("no Stream(cpu, 1) in current thread")
+        mx.eval(*trunk.arrays())
         return trunk
 
     def advance(self, n: int) -> None:

@@ -734,7 +734,8 @@ def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
         assert status == 200 and body["choices"][0]["text"] == want[0], body
         sd = body["usage"]["spec_decode"]
         assert sd["num_draft_tokens"] > 0 and 0 <= sd["mean_accepted_length"] and sd["acceptance_rate_per_pos"]
-        # a request the batch cannot take runs alone beside it
+        # a request the batch cannot take runs alone beside it (here, on the CPU, as a plain run that
+        # takes over the prompt state the batch kept in its own thread: `BatchCache.row` evaluates it)
         status, body = server.request("POST", "/v1/completions", {"prompt": prompts[0], "max_tokens": 8,
                                                                   "spec_type": "ngram", "ignore_eos": True})
         assert status == 200 and want[0].startswith(body["choices"][0]["text"])
