@@ -174,6 +174,3 @@ class Sampler:
         c = np.cumsum(p)
         u = self.rng.random() * c[-1]
         return int(min(np.searchsorted(c, u, side="right"), len(p) - 1))
-
-    def uniform(self) -> float:
-        return float(self.rng.random())

@@ -17,7 +17,7 @@ over the sequence's one row; this module is the pipelining layer around it:
 
 A run that will not draft (n-max 0, or auto where even fully accepted drafts cannot pay on this
 device: MLX's CPU backend) decodes as `PlainDecoder` does, step for step. Output is plain
-decoding's: greedy token-identical, sampling lossless (speculative/accept.py's rule on the device).
+decoding's: greedy token-identical, sampling lossless (`round.accept_sampling_device`).
 """
 from __future__ import annotations
 
