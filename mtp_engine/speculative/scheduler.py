@@ -14,11 +14,11 @@ text; their extra time is held to `PROBE_BUDGET` of the decode time.
 """
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from typing import Callable
 
 from .acceptance_estimate import PositionAcceptance
+from .round_times import MIN_SAMPLES, RoundTimes
 from .calibration import MAX_K, default_seed, seed_costs
 from .costmodel import Costs
 
@@ -30,13 +30,10 @@ AUTO_MAX = MAX_K  # longest draft auto considers
 COMPILED_AUTO_MAX = 4
 PROBE_BUDGET = 0.01  # probes' extra time <= 1% of the decode time so far
 MARGIN = (0.02, 0.005)  # hysteresis: drafting starts above 1.02x plain's rate, stops below 0.995x
-MIN_SAMPLES = 2  # timed rounds before a k's measured time replaces its seed
 _PROBE_EVERY = 16  # plain rounds between probes at least (the budget usually spaces them more)
-_WINDOW = 32  # timed rounds kept per (context range, k); the median is robust to stalls
 _EXPLORE_AFTER = 8  # drafting rounds before a longer draft is explored (a probe's luck is no evidence)
 _SURE_WIN = 1.5  # expected rate over plain's above which measuring t(0) is deferred ...
 _DEFER_T0 = 64  # ... to this round (a 128-token run at high acceptance is ~45 rounds)
-_SWITCH_SAMPLES = 4  # rounds beside a change of k timed before its cost is believed
 _STAY_ROUNDS = 4  # rounds a draft length is expected to be kept, over which a change's cost is spread
 _EXPLORE_RUN = 4  # rounds in a row that try an unmeasured k (a pipelined round is timed only between
 # rounds of its own k: four give MIN_SAMPLES timed ones)
@@ -92,10 +89,7 @@ class DraftLengthScheduler:
         self.rounds = 0  # choices made
         self.drafting_rounds = 0  # choices of k > 0 that were not probes
         self._queue: deque = deque()  # (k, probe) chosen but not yet observed
-        self._times: dict[tuple[int, int], deque] = {}  # (context bucket, k) -> seconds per round
-        self._probe_times: deque = deque(maxlen=_WINDOW)  # one-draft probes (they carry catch-up rows)
-        self._first_use: list[tuple[int, int, float]] = []  # (bucket, k, seconds) of untimed rounds
-        self._beside_change = [0.0, 0]  # rounds beside a change of k: summed excess (plain steps), count
+        self.times = RoundTimes(self.seed, self.k_max)
         self._bucket = 0
         self._last_k = 0
         self._plain_streak = 0
@@ -107,9 +101,6 @@ class DraftLengthScheduler:
         self.plain_why = {"measuring": 0, "no_gain": 0}  # plain rounds by reason (probes apart)
         self._no_gain = [0.0, 0.0]  # over the no-gain rounds: summed best expected rate, draft 1's acceptance
         self.probe_seconds = 0.0  # probes' time beyond the plain step each replaced
-        # a choice asks for the same medians ~150 times: kept until the next observation changes
-        # them (the choice runs on the host every round)
-        self._medians: dict[tuple[int, int, bool], float | None] = {}
 
     # ---- estimates --------------------------------------------------------------------------
     def alphas(self) -> list[float]:
@@ -119,77 +110,13 @@ class DraftLengthScheduler:
     def expected_tokens(self, k: int) -> float:
         return self.acceptance.expected_tokens(k)
 
-    def _median(self, k: int, b: int, steady: bool = False) -> float | None:
-        """Median seconds of a k-round in context range b, or the nearest range that has enough."""
-        key = (k, b, steady)
-        if key not in self._medians:
-            self._medians[key] = self._measure_median(k, b, steady)
-        return self._medians[key]
-
-    def _measure_median(self, k: int, b: int, steady: bool) -> float | None:
-        found = [(abs(bb - b), bb) for (bb, kk), d in self._times.items() if kk == k and len(d) >= MIN_SAMPLES]
-        if not found:
-            if k == 1 and not steady and len(self._probe_times) >= 1:  # only probes measured it: an upper bound
-                return statistics.median(self._probe_times)
-            return None
-        d = self._times[(min(found)[1], k)]
-        # two samples: the smaller (a stall only ever adds time); more: the median
-        return min(d) if len(d) < 3 else statistics.median(d)
-
     def step_seconds(self, b: int | None = None) -> float | None:
         """Measured t(0), or derived from the best-measured drafting k and its seed ratio."""
-        b = self._bucket if b is None else b
-        t0 = self._median(0, b)
-        if t0 is not None:
-            return t0
-        for k in range(1, self.k_max + 1):
-            m = self._median(k, b)
-            if m is not None:
-                return m / self.seed[k]
-        return None
+        return self.times.step_seconds(self._bucket if b is None else b)
 
     def round_steps(self, k: int, b: int | None = None) -> float:
-        """t(k) / t(0): measured where possible; else the seed plus the measured k's errors against
-        their seeds (interpolated between the nearest measured k's, extrapolated with their trend
-        beyond them): a seed off by 0.3 steps is corrected by one measured k, one with the wrong
-        slope by two, and the seed's shape (e.g. a cheap 8-row verify) is kept. A length shorter
-        than the one measured length scales with it instead (its cost beyond a plain step in the
-        seed's proportion)."""
-        if k == 0:
-            return 1.0
-        b = self._bucket if b is None else b
-        t0 = self.step_seconds(b)
-        m = self._median(k, b)
-        if t0 is None:
-            return self.seed[k]
-        if m is not None and self._median(k, b, True) is not None:
-            return m / t0
-        measured = [kk for kk in range(1, self.k_max + 1) if kk != k and self._median(kk, b, True) is not None]
-        if not measured:
-            return self.seed[k] if m is None else max(self.seed[k], m / t0)  # probes: an upper bound
-        r = {kk: self._median(kk, b, True) / t0 for kk in measured}
-        err = {kk: r[kk] - self.seed[kk] for kk in measured}
-        below = [kk for kk in measured if kk < k]
-        above = [kk for kk in measured if kk > k]
-        if below and above:  # interpolate the error between the nearest measured k's
-            lo, hi = below[-1], above[0]
-            w = (k - lo) / (hi - lo)
-            return self.seed[k] + (1 - w) * err[lo] + w * err[hi]
-        side = below[-2:] if below else above[:2]
-        near = side[-1] if below else side[0]
-        if len(side) == 2:
-            slope = (err[side[-1]] - err[side[0]]) / (side[-1] - side[0])
-            est = self.seed[k] + err[near] + slope * (k - near)
-        elif k < near and self.seed[near] > 1.0:
-            # one measured length, a shorter one asked: a round's cost beyond a plain step scales
-            # with its rows (a batch's verify of B (k+1) rows: at 4 rows an H100 round of 4 drafts
-            # cost 2.7 steps where the alone prior said 1.7; a shift by that error made 2 drafts
-            # look like 2.5 steps and the batch never tried them)
-            est = 1.0 + (self.seed[k] - 1.0) * (r[near] - 1.0) / (self.seed[near] - 1.0)
-        else:
-            est = self.seed[k] + err[near]
-        # a longer draft than one measured costs at least as much (and a shorter one at most)
-        return max(est, r[near]) if k > near else min(max(est, 1.0), r[near])
+        """t(k) / t(0) (`RoundTimes.round_steps`) in context bucket b (default: the current one)."""
+        return self.times.round_steps(k, self._bucket if b is None else b)
 
     def expected_rate(self, k: int) -> float:
         """Expected tokens per plain-step of time for a round with k drafts (plain: 1)."""
@@ -200,19 +127,9 @@ class DraftLengthScheduler:
         """Whether fully accepted drafts would beat plain steps at some k (else drafting only costs)."""
         return any((k + 1) / self.round_steps(k) > 1.0 + MARGIN[0] for k in range(1, self.k_max + 1))
 
-    def _plain_unmeasured(self) -> bool:
-        return not any(k == 0 and len(d) >= MIN_SAMPLES for (_, k), d in self._times.items())
-
-    def _measured_drafting(self) -> bool:
-        return any(k > 0 and len(d) >= MIN_SAMPLES for (_, k), d in self._times.items()) or bool(self._probe_times)
-
     def switch_steps(self) -> float:
-        """What a change of draft length costs, in plain steps: pipelined rounds beside a change
-        (the one before it and the one after, `steady` False) against their k's steady median, the
-        mean excess of such a round times the two rounds a change touches (on an H100 ~0.4 step a
-        change; synchronous rounds are all steady: 0). 0 until _SWITCH_SAMPLES were timed."""
-        total, n = self._beside_change
-        return max(2.0 * total / n, 0.0) if n >= _SWITCH_SAMPLES else 0.0
+        """What a change of draft length costs, in plain steps (`RoundTimes.switch_steps`)."""
+        return self.times.switch_steps()
 
     # ---- the choice -------------------------------------------------------------------------
     def next_k(self, context: int = 0) -> int:
@@ -239,7 +156,7 @@ class DraftLengthScheduler:
             self._exploring = [kk] * (_EXPLORE_RUN - 1)
             self._explored.add((self._bucket, kk))
             k = kk
-        elif k and self._plain_unmeasured() and self.rounds % 8 == 3 and (
+        elif k and self.times.plain_unmeasured() and self.rounds % 8 == 3 and (
                 rates[best] < _SURE_WIN or self.rounds >= _DEFER_T0 or not self.defer_t0):
             # every rate is relative to a plain step's time: measure it, whatever the seed says; a
             # pipelined round times cleanly only between rounds of its own k, so MIN_SAMPLES + 2 in a
@@ -277,7 +194,7 @@ class DraftLengthScheduler:
         nothing of acceptance, so a stop on thin evidence would last the run; drafting on until the
         evidence is firm costs a few rounds where acceptance is truly low."""
         measured = [k for k in range(1, self.k_max + 1)
-                    if k in self.stored or self._median(k, self._bucket, True) is not None]
+                    if k in self.stored or self.times.median(k, self._bucket, True) is not None]
         if not measured:
             return 0
         up = self.acceptance.optimistic(1.0)
@@ -297,8 +214,8 @@ class DraftLengthScheduler:
         t0 = self.step_seconds(b)
         if t0 is None or self.drafting_rounds < _EXPLORE_AFTER:  # acceptance learned first
             return 0
-        measured = {j: self._median(j, b, True) / t0 for j in range(1, self.k_max + 1)
-                    if self._median(j, b, True) is not None}
+        measured = {j: self.times.median(j, b, True) / t0 for j in range(1, self.k_max + 1)
+                    if self.times.median(j, b, True) is not None}
         if not measured:
             return 0
         longest = max(measured)
@@ -308,7 +225,7 @@ class DraftLengthScheduler:
             if self.expected_tokens(k) / measured[longest] > best_rate * (1.0 + MARGIN[0]):
                 return k
         shorter = longest - 1
-        if len(measured) == 1 and self._plain_unmeasured() and shorter >= 1 and (b, shorter) not in self._explored:
+        if len(measured) == 1 and self.times.plain_unmeasured() and shorter >= 1 and (b, shorter) not in self._explored:
             # one length timed and no plain step: every cost is the seed's shape scaled to that one
             # length, and a seed that underrates it (the MoE shape's 5-row verify: 3.3 steps where
             # the prior says 2.5) keeps the run there; the length below it, timed, gives the slope
@@ -320,14 +237,14 @@ class DraftLengthScheduler:
         median extra time is the estimate); allowed while probes' extra time stays within the budget
         share of the decode time so far, so it can exceed it by at most the first probe's excess
         over its estimate. Never once drafting was measured unable to pay even at full acceptance."""
-        if self._measured_drafting() and not self.can_win:
+        if self.times.drafting_measured() and not self.can_win:
             return False
         t0 = self.step_seconds()
         if t0 is None:
             return False
         cost = max(self.round_steps(1) - 1.0, 0.0) * t0
-        if self._probe_times:  # what probes really cost here (their catch-up rows included)
-            cost = max(cost, statistics.median(self._probe_times) - t0)
+        if (probed := self.times.probe_median()) is not None:  # what probes really cost here
+            cost = max(cost, probed - t0)
         return self.probe_seconds + cost <= self.budget * self.decode_seconds
 
     # ---- observations -----------------------------------------------------------------------
@@ -353,14 +270,13 @@ class DraftLengthScheduler:
         k, probe = self._queue.popleft() if self._queue else (drafted, False)
         for each in (n if isinstance(n, list) else [n]):
             self.update(drafted, each)
-        self._medians.clear()
         if seconds is None:
             return
         b = context_bucket(context)
         if not first_use:  # the probe budget is a share of decode time, compiles excluded
             self.decode_seconds += seconds
         if first_use:
-            self._first_use.append((b, k, seconds))
+            self.times.record_first_use(b, k, seconds)
             if probe:  # its compile is reported as compile time; the budget is charged the estimate
                 t0 = self.step_seconds(b)
                 self.probe_seconds += max(self.round_steps(1, b) - 1.0, 0.0) * (t0 or 0.0)
@@ -368,39 +284,18 @@ class DraftLengthScheduler:
         if probe:
             t0 = self.step_seconds(b)
             self.probe_seconds += max(seconds - (t0 or seconds), 0.0)
-            self._probe_times.append(seconds)
+            self.times.record_probe(seconds)
             return
-        if steady:
-            self._times.setdefault((b, k), deque(maxlen=_WINDOW)).append(seconds)
-        elif (m := self._median(k, b, True)) is not None and (t0 := self.step_seconds(b)):
-            # excess clipped to [-0.5, 1] step: a stall is not a change's cost
-            self._beside_change[0] += min(max((seconds - m) / t0, -0.5), 1.0)
-            self._beside_change[1] += 1
+        self.times.record(b, k, seconds, steady)
 
     # ---- reporting --------------------------------------------------------------------------
     def compile_seconds(self) -> float:
         """Time of first-use rounds beyond what the same round measured once warm."""
-        total = 0.0
-        for b, k, s in self._first_use:
-            t0 = self.step_seconds(b)
-            if t0 is not None:
-                total += max(s - self.round_steps(k, b) * t0, 0.0)
-        return total
+        return self.times.compile_seconds()
 
     def measured_round_steps(self) -> dict[int, float]:
         """{k: t(k)/t(0)} for the k's this run timed (in the context range timed most)."""
-        counts: dict[int, int] = {}
-        for (b, _), d in self._times.items():
-            counts[b] = counts.get(b, 0) + len(d)
-        if not counts:
-            return {}
-        b = max(counts, key=counts.get)
-        t0 = self._median(0, b)  # measured: one derived from the seed would store the seed back as measured
-        if t0 is None:
-            return {}
-        # steady rounds only: a probe's time carries the catch-up of a plain stretch
-        return {k: self._median(k, b, True) / t0 for k in range(1, self.k_max + 1)
-                if self._median(k, b, True) is not None}
+        return self.times.measured()
 
     def measured_acceptance(self) -> list[float] | None:
         """Per draft position, the acceptance this run saw (its share of accepted tests, where tested
@@ -414,7 +309,7 @@ class DraftLengthScheduler:
             return None
         r1 = self.round_steps(1)
         if not self.can_win:  # a run decided not to draft at all (`SpeculativeDecoder.drafting`)
-            how = "measured" if self._measured_drafting() else "stored/default estimate"
+            how = "measured" if self.times.drafting_measured() else "stored/default estimate"
             return (f"auto: drafting cannot pay on this device: a round with one draft (2-token verify + draft "
                     f"step) costs {r1:.2f} plain steps ({how}), more than the 2 tokens it can yield")
         return (f"auto: drafts were not accepted often enough to pay (draft 1 accepted with p ~ "
