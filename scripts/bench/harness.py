@@ -186,6 +186,15 @@ def loop_section(model, ref, prompt, tokens: int, repeats: int, log) -> dict:
     return out
 
 
+def round_ms(rounds: list[tuple[int, float, bool]]) -> dict[str, float]:
+    """Median milliseconds of a run's warm rounds per draft length (a `RoundClock`'s rounds)."""
+    by_k: dict[int, list[float]] = {}
+    for k, seconds, first in rounds[1:]:  # the first round's interval starts at the prefill's end
+        if not first:
+            by_k.setdefault(k, []).append(seconds * 1e3)
+    return {str(k): round(statistics.median(v), 3) for k, v in sorted(by_k.items())}
+
+
 def auto_section(model, prompt, tokens: int, repeats: int, accs, ks, log, shape: str) -> dict:
     """Speedup over plain at each oracle acceptance for each fixed n-max and auto. Auto's timed
     runs start from the round costs its warm-up runs measured (`STORED`): a user's second run on
@@ -205,10 +214,14 @@ def auto_section(model, prompt, tokens: int, repeats: int, accs, ks, log, shape:
         for a in accs:
             plain = decode_tps(model, prompt, tokens)[0]
             for k in configs:
-                tps, st = decode_tps(model, prompt, tokens, "draft-mtp", k, a)
-                r = rows.setdefault((a, k), {"a": a, "n_max": k, "speedup": [], "tok_s": []})
+                decs: list = []
+                tps, st = decode_tps(model, prompt, tokens, "draft-mtp", k, a, decoders=decs)
+                r = rows.setdefault((a, k), {"a": a, "n_max": k, "speedup": [], "tok_s": [], "round_ms": []})
                 r["speedup"].append(tps / plain)
                 r["tok_s"].append(tps)
+                # what a round of each length cost in this run (warm rounds): auto's rounds against a
+                # fixed length's rounds of the same k say whether auto loses by its choices or per round
+                r["round_ms"].append(round_ms(decs[0].clock.rounds))
                 if k == "auto":
                     r["draft_lengths"] = st.get("draft_length_histogram")
                     r["auto_message"] = st.get("auto_message")
