@@ -1,6 +1,6 @@
 """Tensor- and pipeline-parallel decoding over MLX's ring backend: 2 and 3 local processes on
-127.0.0.1 give the single-process greedy tokens (plain, draft-mtp, n-max auto) on the dense and MoE
-fixtures; each rank reads and holds only its share; a rank that dies ends the others with an
+127.0.0.1 give the single-process tokens (greedy plain, draft-mtp, n-max auto; draft-mtp sampled
+with a seed) on the dense and MoE fixtures; each rank reads and holds only its share; a rank that dies ends the others with an
 error, in bounded time."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import FIXTURES, ROOT, TINY, need
+from tests.distributed.worker import run_keywords
 
 from mtp_engine import api
 from mtp_engine.distributed.local import spawn
@@ -27,7 +28,8 @@ from mtp_engine.model.config import Qwen35Config
 DENSE = TINY / "qwen35-mtp-tiny-Q4_K_M.gguf"
 MOE = FIXTURES / "llamacpp-moe" / "qwen35moe-mtp-tiny-Q4_K_M.gguf"
 WORKER = Path(__file__).resolve().parent / "worker.py"  # run as a script: its folder shadows nothing
-RUNS = "none,draft-mtp:2,draft-mtp:auto"
+# spec:n-max[:temperature]: a sampled run (seed 3) too, whose draws every rank makes alike
+RUNS = "none,draft-mtp:2,draft-mtp:auto,draft-mtp:2:0.8"
 PROMPT = [1, 5, 9, 2, 7, 3]
 MAX_TOKENS = 16
 RUN_LIMIT = 300  # seconds for a whole group (load + 3 generations): a bound against hangs, far above
@@ -39,9 +41,7 @@ def _single(path: Path) -> dict:
     m = api.load(path)
     out = {"weight_bytes": m.info.weight_bytes}
     for run in RUNS.split(","):
-        spec, _, n_max = run.partition(":")
-        kw = {"spec": spec} if spec == "none" else {"spec": spec, "n_max": n_max if n_max == "auto" else int(n_max)}
-        out[run] = api.generate(PROMPT, m, max_tokens=MAX_TOKENS, ignore_eos=True, **kw).token_ids
+        out[run] = api.generate(PROMPT, m, max_tokens=MAX_TOKENS, ignore_eos=True, **run_keywords(run)).token_ids
     return out
 
 

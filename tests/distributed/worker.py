@@ -13,6 +13,17 @@ from mtp_engine import api
 from mtp_engine.errors import MTPEngineError
 
 
+def run_keywords(run: str) -> dict:
+    """A run's `generate` keywords from "spec[:n-max[:temperature]]" (sampled runs with seed 3)."""
+    spec, n_max, temperature = (run.split(":") + ["", ""])[:3]
+    kw: dict = {"spec": spec}
+    if spec != "none":
+        kw["n_max"] = n_max if n_max == "auto" else int(n_max)
+    if temperature:
+        kw.update(temperature=float(temperature), seed=3)
+    return kw
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -23,7 +34,7 @@ def main() -> int:
     ap.add_argument("--die-rank", type=int, default=-1)
     ap.add_argument("--die-after", type=int, default=3)
     ap.add_argument("--hang", action="store_true", help="the dying rank stops (SIGSTOP) instead of exiting")
-    ap.add_argument("--runs", default="none,draft-mtp:2,draft-mtp:auto")
+    ap.add_argument("--runs", default="none,draft-mtp:2,draft-mtp:auto", help="spec[:n-max[:temperature]], ...")
     ap.add_argument("--prompt", type=int, nargs="+", default=[1, 5, 9, 2, 7, 3])
     a = ap.parse_args()
     try:
@@ -32,10 +43,9 @@ def main() -> int:
         out = {"size": m.comm.size, "weight_bytes": m.info.weight_bytes,
                "bytes_read": m.info.distributed["bytes_read"]}
         for run in a.runs.split(","):
-            spec, _, n_max = run.partition(":")
-            kw = {"spec": spec} if spec == "none" else {"spec": spec, "n_max": n_max if n_max == "auto" else int(n_max)}
             toks = []
-            for i, chunk in enumerate(api.stream_generate(a.prompt, m, max_tokens=a.max_tokens, ignore_eos=True, **kw)):
+            for i, chunk in enumerate(api.stream_generate(a.prompt, m, max_tokens=a.max_tokens, ignore_eos=True,
+                                                          **run_keywords(run))):
                 toks += chunk.token_ids
                 if rank == a.die_rank and i + 1 >= a.die_after:
                     if a.hang:  # alive but silent: its sockets stay open
