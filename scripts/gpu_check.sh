@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|spec|startup|bench|context|batch|batch9b|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|spec|startup|bench|context|batch|batch9b|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -49,6 +49,10 @@ if [ "$what" = kernels ]; then  # the custom kernels alone against the MLX path 
         tests/model/test_attn_kernel.py tests/model/test_qmv_kernels.py tests/model/test_kernel_selftest.py \
         tests/model/test_kernel_source.py > "$out/kernels.log" 2>&1
     echo "kernels rc=$?"; grep -E "passed|failed" "$out/kernels.log" | tail -1
+fi
+if [ "$what" = rows ]; then  # where a batch's rows stop computing what the sequence computes alone, per kernel setting
+    timeout 300 python3 scripts/bench/qmv_rows.py --rows-equal --rows 1,2,4,8,16 --repeats 2 > "$out/rows.log" 2>&1
+    echo "rows rc=$?"; cat "$out/rows.log" | grep -E "differing|quantized_matmul"
 fi
 if [ "$what" = spec ]; then  # auto's speedups against fixed n-max at the 9B shape
     timeout 330 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 2 --shapes 9b \

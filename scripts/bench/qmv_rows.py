@@ -7,7 +7,10 @@ Each timed product reads a different copy of the weight (more bytes than the L2 
 effective bandwidth counts weights, scales and biases. The products of one timing are independent,
 so a CUDA graph may overlap them, which flatters kernels that leave the GPU half idle (a decode
 step's products depend on each other). `--in-model` times what a step sees instead: whole 9B-shape
-forwards of S rows, queued back to back, under each tensor-core block shape.
+forwards of S rows, queued back to back, under each tensor-core block shape. `--rows-equal` asks
+where a batch's rows stop computing what the same sequence computes alone: B identical sequences
+in a `BatchCache` against one in its own cache, step by step, per kernel setting, and MLX's own
+product at 1 row against B.
 """
 from __future__ import annotations
 
@@ -45,9 +48,15 @@ def main() -> None:
                          "every row count on that kernel, one row included, beside `base` (one row on the CUDA cores)")
     ap.add_argument("--in-model", action="store_true", help="time 9B-shape forwards per block shape")
     ap.add_argument("--check-only", action="store_true", help="only the precision checks")
+    ap.add_argument("--rows-equal", action="store_true",
+                    help="batch rows against the sequence alone (8-layer 9B shape), per kernel setting")
+    ap.add_argument("--kernel-sets", default="custom,mlx,qmv,gdn,attn,norm",
+                    help="--rows-equal: the engine's kernel settings to compare under (MTP_ENGINE_QMV's values)")
     a = ap.parse_args()
     if a.in_model:
         return in_model(a)
+    if a.rows_equal:
+        return rows_equal(a)
     for split in (2, 3):
         worst = 0.0
         for bits, group in ((4, 32), (4, 64), (4, 128), (8, 32), (8, 64)):
@@ -161,6 +170,50 @@ def in_model(a) -> None:
     print("variant " + "".join(f"{'S=' + str(s):>9}" for s in rows))
     for v in variants:
         print(f"{v:>7} " + "".join(f"{statistics.median(times[(v, s)]):9.2f}" for s in rows), flush=True)
+
+
+def rows_equal(a) -> None:
+    """Per kernel setting and batch size B: the first decode step at which a batch's row 0 (B copies
+    of one sequence) differs from the sequence alone, and the largest difference in its post-norm
+    hidden state and logits over the steps (0: the same bits)."""
+    from harness import config_9b, random_model
+
+    from mtp_engine.model.batch_cache import BatchCache
+    from mtp_engine.model.step import Pass
+
+    model = random_model(config_9b(True))
+    prompt = [(7 * i) % 8000 + 100 for i in range(40)]
+    batches = [int(r) for r in a.rows.split(",") if int(r) > 1]
+    x = mx.random.normal((max(batches), 4096), key=mx.random.key(3))
+    q, sc, bi = mx.quantize(mx.random.normal((4096, 4096), key=mx.random.key(4)) * 0.02, group_size=32, bits=4)
+    for b in batches:  # MLX's own quantized product: one row against row 0 of B
+        one, many = (mx.quantized_matmul(x[:r], q, sc, bi, transpose=True, group_size=32, bits=4) for r in (1, b))
+        print(f"mx.quantized_matmul 1 row vs row 0 of {b}: max abs diff {float(mx.abs(one[0] - many[0]).max()):.3e}",
+              flush=True)
+
+    def prefilled(cache):
+        mx.eval(model.forward_states(mx.array([prompt[:-1]]), cache, Pass.PREFILL).post, *cache.arrays())
+        return cache
+
+    for setting in a.kernel_sets.split(","):
+        model.use(model.options.updated(kernels=setting))
+        for b in batches:
+            alone = prefilled(model.make_cache())
+            batch = BatchCache(model)
+            for _ in range(b):
+                batch.add(prefilled(model.make_cache()))
+            tok, first, worst_h, worst_l = prompt[-1], None, 0.0, 0.0
+            for step in range(a.repeats * 4):
+                h1 = model.forward_states(mx.array([[tok]]), alone, Pass.STEP).post[0, -1]
+                hb = model.forward_states(mx.array([[tok]] * b), batch, Pass.ROUND_STEP).post[:, -1]
+                l1, lb = model.logits(h1), model.logits(hb)
+                dh, dl = float(mx.abs(hb - h1).max()), float(mx.abs(lb - l1).max())
+                if first is None and (dh or dl):
+                    first = step
+                worst_h, worst_l = max(worst_h, dh), max(worst_l, dl)
+                tok = int(mx.argmax(l1).item())
+            print(f"kernels={setting:<7} B={b:<3} first differing step: {first}, max |dh| {worst_h:.3e}, "
+                  f"max |dlogits| {worst_l:.3e}", flush=True)
 
 
 if __name__ == "__main__":
