@@ -47,7 +47,7 @@ def simulate(dev: SimDevice, acceptance, rounds: int, sched=None, fixed_k: int =
     stops at the first miss). With `sched` it chooses k; else every round drafts `fixed_k`.
     `pipelined`: as the device-resident decoder runs them, round i+1 is chosen (queued) before
     round i is observed, and round i counts as a steady sample of t(k) only between rounds of its
-    own k (`resident.ResidentRounds.step`)."""
+    own k (`decoder.SpeculativeDecoder.step`)."""
     rng = random.Random(seed)
     seen: set = set()
     owed = 0

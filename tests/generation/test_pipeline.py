@@ -80,20 +80,20 @@ def test_resident_rounds_time_their_own_queuing_not_the_next_rounds(tiny, monkey
     """With device-resident rounds the host queues round r+1 before it reads round r: r's interval
     holds r+1's queuing. A drafting round that is slow to queue must not make the plain round
     before it look slow (auto measured drafting as free that way and kept drafting at a = 0.5)."""
-    from mtp_engine.speculative import decoder as resident
+    from mtp_engine.speculative import decoder
 
     ks = iter([1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0] + [0] * 40)
-    orig = resident.SpeculativeDecoder._launch
+    orig = decoder.SpeculativeDecoder._launch
 
     def slow_drafting(self, k):
         if k:
             time.sleep(0.05)  # a drafting round costs the host 50 ms to queue; a plain one ~nothing
         return orig(self, k)
 
-    monkeypatch.setattr(resident.SpeculativeDecoder, "_launch", slow_drafting)
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "_launch", slow_drafting)
     steady = []
-    complete = resident.SpeculativeDecoder._complete
-    monkeypatch.setattr(resident.SpeculativeDecoder, "_complete",
+    complete = decoder.SpeculativeDecoder._complete
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "_complete",
                         lambda self, r: steady.append((r.k, r.steady)) or complete(self, r))
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(1))
     monkeypatch.setattr(d, "_choose_k", lambda: next(ks))
@@ -116,25 +116,25 @@ def test_the_host_reads_only_what_was_queued_with_the_round(tiny, monkeypatch, p
     well and the device idles while the host queues the one after (the loop's k = 3 round: 13.0 ms
     against 9.6 queued back to back on the H200)."""
     import mlx.core as mx
-    from mtp_engine.speculative import decoder as resident
+    from mtp_engine.speculative import decoder
 
     queued: list = []
     orig_async = mx.async_eval
-    monkeypatch.setattr(resident.mx, "async_eval", lambda *a: queued.extend(a) or orig_async(*a))
+    monkeypatch.setattr(decoder.mx, "async_eval", lambda *a: queued.extend(a) or orig_async(*a))
     late: list = []
-    complete = resident.SpeculativeDecoder._complete
+    complete = decoder.SpeculativeDecoder._complete
 
     def reading(self, r):
         late.extend(x for x in r.read() if not any(x is q for q in queued))
         return complete(self, r)
 
-    monkeypatch.setattr(resident.SpeculativeDecoder, "_complete", reading)
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "_complete", reading)
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3, p_min=p_min))
     got, st = _tokens(d, tiny.tokenizer, 20)
     assert d.drafting and st["drafted"] > 0
     assert not late, f"{len(late)} values read that were not queued with their round"
     from mtp_engine.speculative.round import Round
-    r = resident.Queued(Round(3, *(mx.array([0]) for _ in range(7))), 4)
+    r = decoder.Queued(Round(3, *(mx.array([0]) for _ in range(7))), 4)
     assert len(r.read()) == 5  # emitted, n, drafted, drafts, finite: every device value the read takes
 
 
@@ -152,13 +152,13 @@ class _Whole:
 @pytest.mark.parametrize("spec", ["draft-mtp", "none"])
 def test_the_host_reads_a_round_whole(tiny, monkeypatch, spec):
     """The host's read of a queued round takes the arrays it evaluated as they are: the read of a
-    sequence alone (`ResidentRounds`) and of a batch (`BatchScheduler`) go through `Round.host`,
+    sequence alone (`SpeculativeDecoder`) and of a batch (`BatchScheduler`) go through `Round.host`,
     which only calls `tolist` on them (a slice of `emitted` read on the H100 waited for the next
     round: a one-draft round 9.2 ms against 6.9)."""
     import dataclasses
 
     import mlx.core as mx
-    from mtp_engine.speculative import decoder as resident
+    from mtp_engine.speculative import decoder
     from mtp_engine.batching import scheduler
 
     def whole(r):
@@ -167,16 +167,16 @@ def test_the_host_reads_a_round_whole(tiny, monkeypatch, spec):
                                                                             "finite") if getattr(r, f) is not None})
 
     seen = []
-    orig_eval = resident.mx.eval
-    monkeypatch.setattr(resident.mx, "eval", lambda *a: orig_eval(*(x for x in a if not isinstance(x, _Whole))))
-    complete = resident.SpeculativeDecoder._complete
+    orig_eval = decoder.mx.eval
+    monkeypatch.setattr(decoder.mx, "eval", lambda *a: orig_eval(*(x for x in a if not isinstance(x, _Whole))))
+    complete = decoder.SpeculativeDecoder._complete
 
     def reading(self, q):
         seen.append(q.round.k)
         q.round = whole(q.round)
         return complete(self, q)
 
-    monkeypatch.setattr(resident.SpeculativeDecoder, "_complete", reading)
+    monkeypatch.setattr(decoder.SpeculativeDecoder, "_complete", reading)
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(3))
     got, st = _tokens(d, tiny.tokenizer, 12)
     assert d.drafting and st["drafted"] > 0 and 3 in seen
