@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|spec|startup|bench|context|batch|batch9b|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|spec|startup|bench|context|batch|batch9b|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -53,6 +53,17 @@ fi
 if [ "$what" = rows ]; then  # where a batch's rows stop computing what the sequence computes alone, per kernel setting
     timeout 300 python3 scripts/bench/qmv_rows.py --rows-equal --rows 1,2,4,8,16 --repeats 2 > "$out/rows.log" 2>&1
     echo "rows rc=$?"; cat "$out/rows.log" | grep -E "differing|quantized_matmul"
+fi
+if [ "$what" = diag ]; then  # one call's worth of the open questions: which op makes a batch's rows differ from
+    # alone, batches at 1/4/8 streams, auto's round times per length against fixed lengths'
+    timeout 150 python3 scripts/bench/qmv_rows.py --rows-equal --rows 1,4,8 --repeats 1 > "$out/rows.log" 2>&1
+    echo "rows rc=$?"; grep -E "differing|quantized_matmul" "$out/rows.log"
+    timeout 200 python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 1,4,8 --repeats 1 --oracle 0.8 \
+        --out "$out/batch9b.json" > "$out/batch9b.log" 2>&1
+    echo "batch9b rc=$?"; tail -3 "$out/batch9b.log"
+    timeout 180 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 3 --shapes 9b \
+        --accs 0.5,0.8,0.9 --out "$out/auto" > "$out/auto.log" 2>&1
+    echo "auto rc=$?"; tail -8 "$out/auto.log"
 fi
 if [ "$what" = spec ]; then  # auto's speedups against fixed n-max at the 9B shape
     timeout 330 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 2 --shapes 9b \
