@@ -258,6 +258,17 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['a']} | " + " | ".join(f"{r[k]:.2f}x" for k in ks)
                          + f" | {r['auto']:.2f}x | {r['auto_vs_best_fixed']:.2f} |")
         lines.append("")
+        timed = [r for r in sec.get("raw", []) if r.get("round_ms")]
+        if timed:  # what a round of each length cost under each setting (medians over the repeats)
+            lines.append("round ms by draft length (warm rounds, medians of the repeats):")
+            for r in timed:
+                per_k: dict[str, list[float]] = {}
+                for times in r["round_ms"]:
+                    for k, ms in times.items():
+                        per_k.setdefault(k, []).append(ms)
+                cells = ", ".join(f"k={k}: {statistics.median(v):.2f}" for k, v in sorted(per_k.items()))
+                lines.append(f"- a = {r['a']}, n-max {r['n_max']}: {cells}")
+            lines.append("")
     return "\n".join(lines)
 
 
