@@ -44,10 +44,12 @@ class RoundTimes:
             self._beside_change[1] += 1
 
     def record_probe(self, seconds: float) -> None:
+        """A one-draft probe's time (kept apart: it carries a plain stretch's catch-up rows)."""
         self._medians.clear()
         self._probes.append(seconds)
 
     def record_first_use(self, b: int, k: int, seconds: float) -> None:
+        """A round that first used a shape (its time includes compiling: `compile_seconds`)."""
         self._first_use.append((b, k, seconds))
 
     # ---- what they say ------------------------------------------------------------------------
@@ -78,9 +80,11 @@ class RoundTimes:
         return sum(len(d) for d in self._times.values())
 
     def plain_unmeasured(self) -> bool:
+        """Whether no context range has timed enough plain rounds yet."""
         return not any(k == 0 and len(d) >= MIN_SAMPLES for (_, k), d in self._times.items())
 
     def drafting_measured(self) -> bool:
+        """Whether some drafting length (or a probe) was timed."""
         return any(k > 0 and len(d) >= MIN_SAMPLES for (_, k), d in self._times.items()) or bool(self._probes)
 
     def step_seconds(self, b: int) -> float | None:
