@@ -70,12 +70,13 @@ class SpeculativeDecoder(PlainDecoder):
     """Speculative decoding with any `Drafter`: rounds, acceptance, scheduling and statistics.
     `drafter`: a drafter class (or any `DrafterFactory`), built here with this decoder's model,
     sampler and profiler; it offers the device round's stages (`draft`, `commit`, `accept_plain`,
-    ...: speculative/drafter.py). `scheduler` is required when `params.n_max` is None (auto)."""
+    ...: speculative/drafter.py). `scheduler` is required when `params.n_max` is None (auto);
+    `trace`, a list, gets one record per completed round (drafts, accepted count, emitted tokens)."""
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams, drafter: DrafterFactory,
                  profiler: Profiler | None = None, scheduler: DraftLengthScheduler | None = None, *,
                  prompt_cache: PromptCache | None = None, calibration_path: str = "",
-                 progress: Progress | None = None, pipeline: bool = True):
+                 progress: Progress | None = None, pipeline: bool = True, trace: list[dict] | None = None):
         if params.auto and scheduler is None:
             raise MTPEngineError("n-max auto needs a scheduler with the device's measured costs", field="n-max")
         super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress, pipeline=pipeline)
@@ -84,7 +85,7 @@ class SpeculativeDecoder(PlainDecoder):
         self.drafter: Drafter = drafter(DraftContext(model, sampler, self.prof))
         self.counts = RoundCounts()  # statistics
         self.k_histogram: Counter = Counter()  # auto: the draft length chosen, per completed round
-        self.trace: list[dict] | None = None  # per-round record, when a caller sets it to []
+        self.trace = trace  # per-round records, when the caller asked for them
         self.calibration_path = calibration_path  # model file whose stored costs this run updates
         # decided once per run; a run that does not draft leaves nothing for the next one to learn
         # beyond its plain steps' time (a device's costs, not its acceptance, rule drafting out)

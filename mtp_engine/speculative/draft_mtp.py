@@ -26,9 +26,9 @@ class DraftMTPDecoder(SpeculativeDecoder):
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, *, scheduler: DraftLengthScheduler | None = None,
                  prompt_cache: PromptCache | None = None, calibration_path: str = "",
-                 progress: Progress | None = None, pipeline: bool = True):
+                 progress: Progress | None = None, pipeline: bool = True, trace: list[dict] | None = None):
         super().__init__(model, sampler, params, MTPDrafter, profiler, scheduler, prompt_cache=prompt_cache,
-                         calibration_path=calibration_path, progress=progress, pipeline=pipeline)
+                         calibration_path=calibration_path, progress=progress, pipeline=pipeline, trace=trace)
 
     # the head's state, where tests and notebooks look for it
     @property

@@ -114,5 +114,5 @@ class NGramDecoder(SpeculativeDecoder):
     def __init__(self, model: Qwen35Model, sampler: Sampler, params: DraftParams,
                  profiler: Profiler | None = None, **options):
         """`options`: `SpeculativeDecoder`'s keywords (scheduler, prompt_cache, calibration_path,
-        progress, pipeline)."""
+        progress, pipeline, trace)."""
         super().__init__(model, sampler, params, NGramDrafter, profiler, **options)

@@ -427,8 +427,7 @@ def test_rounds_equal_llamacpp_speculative_simple():
     llama.cpp shortens its last drafts to fit -n; those rounds run with the same shorter n-max."""
     m = _load()
     for p in _ref_json("spec")["prompts"]:
-        dec = DraftMTPDecoder(m.model, Sampler(SamplerConfig()), DraftParams(3, 0, 0.0))
-        dec.trace = []
+        dec = DraftMTPDecoder(m.model, Sampler(SamplerConfig()), DraftParams(3, 0, 0.0), trace=[])
         dec.prefill(p["prompt_ids"])
         for want in p["rounds"]:
             dec.params = DraftParams(len(want["draft"]), 0, 0.0)

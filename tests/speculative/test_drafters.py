@@ -187,8 +187,7 @@ def test_redecode_rollback_gives_capture_rounds(tiny, n_max):
     rejections included."""
     traces = []
     for cls in (DraftMTPDecoder, _redecode_decoder()):
-        dec = cls(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max))
-        dec.trace = []
+        dec = cls(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max), trace=[])
         dec.prefill(IDS)
         for _ in range(12):
             dec.step()

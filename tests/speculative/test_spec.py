@@ -31,8 +31,8 @@ def _tiny(name="f32"):
     return _load(TINY / f"qwen35-mtp-tiny-{name}.gguf")
 
 
-def _decoder(m, n_max=3, n_min=0, p_min=0.0, **sampling):
-    return DraftMTPDecoder(m.model, Sampler(SamplerConfig(**sampling)), DraftParams(n_max, n_min, p_min))
+def _decoder(m, n_max=3, n_min=0, p_min=0.0, trace=None, **sampling):
+    return DraftMTPDecoder(m.model, Sampler(SamplerConfig(**sampling)), DraftParams(n_max, n_min, p_min), trace=trace)
 
 
 def test_rounds_equal_llamacpp_speculative_simple():
@@ -41,8 +41,7 @@ def test_rounds_equal_llamacpp_speculative_simple():
     spec = json.loads(need(TINY / "qwen35-mtp-tiny-f32.gguf.spec.json").read_text())
     m = _tiny()
     for p in spec["prompts"]:
-        dec = _decoder(m, 3)
-        dec.trace = []
+        dec = _decoder(m, 3, trace=[])
         dec.prefill(p["prompt_ids"])
         compared = 0
         for ref in p["rounds"]:
@@ -69,8 +68,7 @@ def test_p_min_stops_where_llamacpp_top10_probability_falls_below(p_min):
         expect = 0
         while expect < len(probs) and probs[expect] >= p_min:
             expect += 1
-        dec = _decoder(m, 3, p_min=p_min)
-        dec.trace = []
+        dec = _decoder(m, 3, p_min=p_min, trace=[])
         dec.prefill(p["prompt_ids"])
         dec.step()
         assert len(dec.trace[0]["draft"]) == expect
@@ -247,8 +245,7 @@ def test_knobs_and_stats():
 
 def test_n_min_discards_short_drafts():
     m = _tiny("f32")
-    dec = _decoder(m, n_max=3, n_min=3, p_min=0.5)
-    dec.trace = []
+    dec = _decoder(m, n_max=3, n_min=3, p_min=0.5, trace=[])
     dec.prefill([349, 220, 451, 72])
     for _ in range(15):
         dec.step()
