@@ -165,10 +165,7 @@ class SpeculativeDecoder(PlainDecoder):
         """A step of a run that does not draft: `PlainDecoder`'s, counted as a round of none."""
         emitted = super().step()
         _, seconds, first_use = self.clock.rounds[-1]
-        self.counts.record(0, 0)
-        self.k_histogram[0] += 1
-        if self.scheduler:
-            self.scheduler.observe(0, 0, seconds, self.cache.offset, first_use, True)
+        self._record_round(0, [], 0, emitted, seconds, first_use, True)
         return emitted
 
     def _choose_k(self) -> int:
@@ -249,17 +246,23 @@ class SpeculativeDecoder(PlainDecoder):
         return self._finish_round(emitted[:n] + drafts[n:], n, token, r)
 
     def _finish_round(self, drafts: list[int], n: int, token: int, r: Queued) -> list[int]:
-        """Statistics, the round's time, the scheduler's observation and the trace; its emitted
-        tokens (`r.logits`: the rows that scored them, for logprobs)."""
+        """The round's time and records (`_record_round`); its emitted tokens (`r.logits`: the rows
+        that scored them, for logprobs)."""
         emitted = self._emitted(drafts[:n] + [token], n, len(drafts), r.logits)
         seconds, first_use = self.clock.lap(r.k, r.shapes, r.shift)
+        self._record_round(r.k, drafts, n, emitted, seconds, first_use, r.steady)
+        return emitted
+
+    def _record_round(self, k: int, drafts: list[int], n: int, emitted: list[int], seconds: float,
+                      first_use: bool, steady: bool) -> None:
+        """A completed round of k asked (`drafts` counted, n accepted): statistics, the scheduler's
+        observation and the trace, for a device round and a non-drafting run's step alike."""
         self.counts.record(len(drafts), n)
-        self.k_histogram[r.k] += 1
+        self.k_histogram[k] += 1
         if self.scheduler:
-            self.scheduler.observe(len(drafts), n, seconds, self.cache.offset, first_use, r.steady)
+            self.scheduler.observe(len(drafts), n, seconds, self.cache.offset, first_use, steady)
         if self.trace is not None:
             self.trace.append({"draft": drafts, "n_accepted": n, "emitted": emitted})
-        return emitted
 
     def finish(self) -> None:
         """The generation is over: a queued round is dropped, and what this run measured of its
@@ -274,10 +277,9 @@ class SpeculativeDecoder(PlainDecoder):
 
     # ---- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        extra: dict = {"compile_seconds": self.clock.compile_seconds()}
+        extra = super().stats()  # compile time, MoE expert counts
         if self.scheduler:
             extra.update({"n_max": "auto", "auto_message": self.scheduler.message(),
                           "draft_length_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
                           **self.scheduler.stats()})
-        extra.update(self._moe_stats())
         return {**extra, **self.counts.stats(self.params.k_max), **self.drafter.stats()}

@@ -248,8 +248,11 @@ def test_a_run_that_will_not_draft_keeps_the_plain_decoders_steps(tiny, case):
     costs = {"auto cannot pay": default_seed(gpu=False), "auto can pay": {k: 1.1 for k in range(1, 9)}}.get(case)
     n_max = {"n-max 0": 0, "n-max 2": 2}.get(case)
     d = DraftMTPDecoder(tiny.model, Sampler(SamplerConfig()), DraftParams(n_max),
-                        scheduler=DraftLengthScheduler(costs) if costs else None)
+                        scheduler=DraftLengthScheduler(costs) if costs else None, trace=[])
     got, st = _tokens(d, tiny.tokenizer, 12)
     assert d.drafting == (case in ("auto can pay", "n-max 2"))
+    # every round is traced and counted either way (a plain run's first token comes from its prefill)
+    traced = [t for r in d.trace for t in r["emitted"]]
+    assert traced == got[len(got) - len(traced):] and len(traced) >= len(got) - 1 and st["rounds"] == len(d.trace)
     ref, _ = _tokens(PlainDecoder(tiny.model, Sampler(SamplerConfig())), tiny.tokenizer, 12)
     assert got == ref
