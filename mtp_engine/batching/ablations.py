@@ -18,7 +18,7 @@ from .mtp import MTPBatchScheduler
 
 
 class OracleBatchScheduler(MTPBatchScheduler):
-    """`MTPBatchScheduler` whose greedy drafts are accepted with probability `oracle` each."""
+    """`MTPBatchScheduler` whose drafts are accepted with probability `oracle` each (batches of greedy rows)."""
 
     def __init__(self, model: Model, max_batch: int = 8, oracle: float = 0.8, seed: int = 0,
                  own_thread: bool = True, profile: str = "off"):
@@ -28,6 +28,8 @@ class OracleBatchScheduler(MTPBatchScheduler):
         self.oracle = oracle
         self._key = mx.random.key(seed)
 
-    def _accept(self, drafts, logits, q, live):
+    def _accept(self, rule, drafts, scored, q, live):
+        if not rule.greedy:
+            return super()._accept(rule, drafts, scored, q, live)
         self._key, sub = mx.random.split(self._key)
-        return accept_oracle_device(drafts, logits, live, self.oracle, sub)
+        return accept_oracle_device(drafts, scored, live, self.oracle, sub)

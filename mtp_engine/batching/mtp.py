@@ -7,9 +7,10 @@ A round, for B running sequences and a draft length k chosen for the batch (`_dr
   draft     the head runs each row's block (the rows it is owed: the last round's emitted tokens)
             and k chained steps over [B, 1] rows;
   verify    one trunk forward over [B, k+1] rows (last token, d1..dk), recurrent states captured;
-  accept    per row: greedy prefix match for a drafting sequence (n_b accepted + the bonus token);
-            a sequence that does not draft (sampled, penalised, constrained) keeps none of its
-            drafts and takes row 0's token from its own sampler on the host, as a plain step would;
+  accept    per row: greedy prefix match for a greedy sequence, the rejection sampler with its own
+            key for a sampling one (n_b accepted + the next token: `RowSampling`); a sequence that
+            does not draft (penalised, constrained, logprobs) keeps none of its drafts and takes
+            row 0's token from its own sampler on the host, as a plain step would;
   rollback  per row: attention lengths move to n_b + 1 tokens, recurrent layers keep the captured
             state after them (`BatchCache.rollback_lazy`: a kept count per row, no kernel);
   commit    each row's emitted tokens, with the verify's hidden states, are its next head block.
@@ -20,6 +21,7 @@ scheme), so the first round emits its first token; sequences that join together 
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import mlx.core as mx
@@ -32,10 +34,11 @@ from ..model.cache import TrunkCache, capture_at_width
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
 from ..speculative.mtp_rows import MTPRowsDrafter
-from ..speculative.round import Round, accept_greedy_device, draft_round, greedy, plain_round, post_norm
+from ..speculative.round import Round, draft_round, plain_round, post_norm
+from ..speculative.row_sampling import RowSampling
 from ..speculative.calibration import default_seed
 from ..speculative.scheduler import AUTO_MAX, DraftLengthScheduler, auto_k_max
-from .scheduler import BatchScheduler, Launched
+from .scheduler import BatchScheduler, Launched, sampling
 from .sequence import Sequence
 
 def bucket(batch: int) -> int:
@@ -187,16 +190,17 @@ class MTPBatchScheduler(BatchScheduler):
         self._drop_joining(ready)
 
     # ---- a round ---------------------------------------------------------------------------------
-    def _accept(self, drafts: mx.array, logits: mx.array, q: mx.array | None,
+    def _accept(self, rule: RowSampling, drafts: mx.array, scored: mx.array, q: mx.array | None,
                 live: mx.array) -> tuple[mx.array, mx.array]:
-        """The acceptance rule over rows: the greedy prefix match (a benchmark's oracle replaces
-        it, `batching.ablations`)."""
-        return accept_greedy_device(drafts, logits, live)
+        """The acceptance rule over rows: each row's own (`RowSampling.accept`; a benchmark's oracle
+        replaces the greedy rows', `batching.ablations`)."""
+        return rule.accept(drafts, scored, q, live)
 
     def _round(self, rows: list[Sequence], last: mx.array) -> Round:
         m = self.model.model
         k = self._draft_length(rows)
         self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + 1
+        rule = sampling(rows)
         if k == 0:
             # the head is kept in step only where a later round may draft: rows that never draft,
             # or auto where no draft pays at this size, leave it (its rows go stale: a later draft
@@ -204,11 +208,12 @@ class MTPBatchScheduler(BatchScheduler):
             later = any(self._may_draft(s) for s in rows) and \
                 not (_auto(rows) and not self.controller(len(rows)).can_win)
             drafter = self.drafter if later else None
-            return plain_round(m, self._batch, drafter, last, greedy, post_norm, self.prof.stage)
+            return plain_round(m, self._batch, drafter, last, rule.pick, post_norm, self.prof.stage)
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
             capture_at_width(self._batch.layers, max(k, self._k_max) + 1)
-        return draft_round(m, self._batch, self.drafter, last, k, self._accept, post_norm,
-                           drafting=mx.array([s.draft for s in rows]), stage=self.prof.stage)
+        return draft_round(m, self._batch, self.drafter, last, k, functools.partial(self._accept, rule), post_norm,
+                           drafting=mx.array([s.draft for s in rows]), score=rule.score,
+                           draft_pick=rule.draft_pick, stage=self.prof.stage)
 
     def _draft_length(self, rows: list[Sequence]) -> int:
         """The round's k: 0 when no sequence drafts, else the smallest n-max the drafting

@@ -12,8 +12,9 @@ One thread (the scheduler's) does all of the batch's device work, in a loop:
   decode    one round of every running sequence (`speculative.round`: a plain round here, one
             forward of each row's last token, each row at its own length; an MTP batch's rounds
             draft, `batching.mtp`); each row sampled by its own sampler (temperature, penalties,
-            grammar, seed). Where every row's token is its argmax the next round is queued from
-            this one's device values before the host reads it, as a sequence alone is decoded;
+            grammar, seed: on the device, `RowSampling`, where no host state is involved). Where
+            every row's token is drawn on the device the next round is queued from this one's
+            device values before the host reads it, as a sequence alone is decoded;
   leave     sequences that are done (max_tokens reached) or cancelled (their reader stopped:
             EOS, a stop string, a closed stream) drop their rows before the next step.
 Each sequence's tokens go to its reader through a queue; the reader (`SlotDecoder`, driven by the
@@ -33,7 +34,8 @@ from ..errors import MTPEngineError
 from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
-from ..speculative.round import Round, greedy, plain_round, post_norm
+from ..speculative.round import Round, plain_round, post_norm
+from ..speculative.row_sampling import RowSampling
 from ..threads import quiesce_at_exit
 from .sequence import Sequence
 
@@ -289,7 +291,7 @@ class BatchScheduler:
             self._drop_joining(done)
 
     def _decode(self) -> None:
-        """One round read, with the next one queued first when every row's token is its argmax
+        """One round read, with the next one queued first when every row's token is drawn on the device
         (then the device runs round r+1 while the host delivers round r, as a sequence alone is
         decoded). A queued round outlives rows that leave or join before it is read: it delivers
         to the rows it ran (those still running), and a joined row takes the round after it."""
@@ -299,7 +301,7 @@ class BatchScheduler:
             return
         cur = self._queued or self._launch(rows)
         self._queued = None
-        if cur.rows == rows and all(s.sampler.argmax_on_device for s in rows):
+        if cur.rows == rows and all(s.sampler.on_device for s in rows):
             self._queued = self._launch(rows, cur.round)
         self._complete(cur)
 
@@ -313,7 +315,7 @@ class BatchScheduler:
 
     def _round(self, rows: list[Sequence], last: mx.array) -> Round:
         """The round itself: a plain one here (`batching.mtp` drafts)."""
-        return plain_round(self.model.model, self._batch, None, last, greedy, post_norm)
+        return plain_round(self.model.model, self._batch, None, last, sampling(rows).pick, post_norm)
 
     def _round_arrays(self, rows: list[Sequence]) -> list[mx.array]:
         """What else a queued round leaves on the device (an MTP batch: the head's)."""
@@ -321,7 +323,7 @@ class BatchScheduler:
 
     def _complete(self, cur: Launched) -> None:
         """The host reads a round: each row's accepted drafts and token (a row whose token is not
-        its argmax is sampled here from the round's logits), delivered to its reader."""
+        drawn on the device is sampled here from the round's logits), delivered to its reader."""
         r, rows = cur.round, cur.rows
         d = r.host()
         emitted, accepted, ok = d.emitted, d.n, d.finite
@@ -335,7 +337,7 @@ class BatchScheduler:
             try:
                 check_finite(ok[b])
                 tokens = emitted[b][:n + 1]
-                if not s.sampler.argmax_on_device:
+                if not s.sampler.on_device:
                     tokens = [s.sampler.sample(r.logits[b, 0])]
                 self._record(s, r.k, n)
                 s.deliver(tokens, s.sampler.token_logprobs(r.logits[b, :len(tokens)], tokens), n,
@@ -353,6 +355,12 @@ class BatchScheduler:
     def _bound(self, bounds: list[int]) -> None:
         """The host's bounds of the running rows' cache lengths, from what it read."""
         self._batch.bound_lengths(bounds)
+
+
+def sampling(rows: list[Sequence]) -> RowSampling:
+    """The rows' sampling rules for a round on the device (a row sampled on the host: greedy there)."""
+    return RowSampling([s.sampler.cfg for s in rows],
+                       [s.sampler.draws if s.sampler.on_device and not s.sampler.cfg.greedy else None for s in rows])
 
 
 def _engine_error(e: Exception) -> MTPEngineError:

@@ -33,8 +33,9 @@ class Sequence:
         self.submitted = time.perf_counter()
         self.joined: float | None = None  # when its prefill started
         self.batch_sizes: list[int] = []  # the batch each of its decode steps ran in
-        # draft-mtp in an MTP batch: its drafts are verified (greedy rows; others keep none)
-        self.draft = draft and sampler.argmax_on_device
+        # draft-mtp in an MTP batch: its drafts are verified (rows drawn on the device; a row the
+        # host samples, with penalties, a grammar or logprobs, keeps none)
+        self.draft = draft and sampler.on_device
         self.n_max = n_max  # None: the batch's draft length
         self.counts = RoundCounts()  # its rounds' statistics
         self.h_prev = None  # the trunk hidden state its next head row reads (MTP batches, while it prefills)

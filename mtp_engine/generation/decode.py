@@ -119,8 +119,9 @@ class DecoderBase:
         raise NotImplementedError
 
     def _pipelined(self) -> bool:
-        # precise profiling must see each stage's own work; sampling draws on the host
-        return bool(self.pipeline) and self.sampler.argmax_on_device and not self.prof.enabled
+        # precise profiling must see each stage's own work; penalties, a grammar and logprobs
+        # need the host's tokens or logits (`Sampler.on_device`)
+        return bool(self.pipeline) and self.sampler.on_device and not self.prof.enabled
 
     def _wanted(self) -> int:
         return self.budget if self.budget is not None else 1
@@ -210,10 +211,11 @@ class PlainDecoder(DecoderBase):
         self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
 
     def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:
-        """The next greedy step from a token still on the device, evaluated asynchronously."""
+        """The next step from a token still on the device, its token drawn there too
+        (`Sampler.draw`), evaluated asynchronously."""
         h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
         logits = self.model.logits(h[0, -1])
-        nxt = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))
+        nxt = (self.sampler.draw(logits), mx.all(mx.isfinite(logits)))
         mx.async_eval(*nxt)
         return nxt
 
@@ -233,12 +235,12 @@ class PlainDecoder(DecoderBase):
                 h = self._prefill_trunk(ids[-1:], start=len(ids) - 1, whole=len(ids))
             logits = self.model.logits(h[0, -1])
             if self._pipelined():
-                cur = (mx.argmax(logits, axis=-1), mx.all(mx.isfinite(logits)))
+                cur = (self.sampler.draw(logits), mx.all(mx.isfinite(logits)))
                 mx.async_eval(*cur)
                 if self._wanted() > 1:
                     self._next = self._queue_step(cur[0])
                 self.last_token = self._read(cur)
-                logits = None  # pipelined means no logprobs were asked for (argmax_on_device)
+                logits = None  # pipelined means no logprobs were asked for (`Sampler.on_device`)
             else:
                 self.last_token = self.sampler.sample(logits)
         self.clock.start()

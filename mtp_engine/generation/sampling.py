@@ -60,23 +60,54 @@ class SamplerConfig:
 
 def distribution(logits: mx.array, cfg: SamplerConfig) -> mx.array:
     """Sampling probabilities [..., V] for logits [..., V] under `cfg` (temperature > 0)."""
+    return _distribution(logits, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+
+
+def distribution_rows(logits: mx.array, cfgs: list[SamplerConfig]) -> mx.array:
+    """`distribution` per row of logits [B, ..., V], row b under `cfgs[b]` (a greedy row's is a
+    softmax at temperature 1, never drawn from): each row's values are `distribution`'s for it
+    alone, with every filter's parameters as per-row arrays."""
+    shape = (len(cfgs),) + (1,) * (logits.ndim - 1)
+
+    def per_row(values: list, active: bool):
+        return mx.array(values, mx.float32 if isinstance(values[0], float) else mx.int32).reshape(shape) \
+            if active else values[0]
+    v = logits.shape[-1]
+    top_k = [c.top_k if 0 < c.top_k < v else 0 for c in cfgs]
+    top_p = [float(c.top_p) if c.top_p < 1.0 else 2.0 for c in cfgs]  # 2: keeps every token
+    min_p = [float(c.min_p) for c in cfgs]
+    return _distribution(logits, per_row([float(c.temperature) or 1.0 for c in cfgs], True),
+                         per_row(top_k, any(top_k)), per_row(top_p, any(p < 1.0 for p in top_p)),
+                         per_row(min_p, any(min_p)))
+
+
+def _distribution(logits: mx.array, temperature, top_k, top_p, min_p) -> mx.array:
+    """The filters and the temperature, with each parameter a number or a per-row array (an
+    array's rows where a filter is off hold its no-op: top-k 0, top-p 2, min-p 0)."""
     logits = logits.astype(mx.float32)
     neg = mx.array(-math.inf, mx.float32)
-    if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        kth = mx.sort(logits, axis=-1)[..., -cfg.top_k][..., None]
+    v = logits.shape[-1]
+    if isinstance(top_k, mx.array) or (top_k and top_k < v):
+        ordered = mx.sort(logits, axis=-1)
+        if isinstance(top_k, mx.array):  # a row's k-th largest; k = 0: its smallest, filtering nothing
+            kth = mx.take_along_axis(ordered, mx.broadcast_to(mx.where(top_k > 0, v - top_k, 0),
+                                                              (*logits.shape[:-1], 1)), axis=-1)
+        else:
+            kth = ordered[..., -top_k][..., None]
         logits = mx.where(logits < kth, neg, logits)
-    if cfg.top_p < 1.0 or cfg.min_p > 0.0:
+    filter_p = isinstance(top_p, mx.array) or top_p < 1.0
+    if filter_p or isinstance(min_p, mx.array) or min_p > 0.0:
         probs = mx.softmax(logits, axis=-1)
-        if cfg.top_p < 1.0:
+        if filter_p:
             # keep the smallest prefix of the sorted distribution whose mass reaches top_p
             sorted_p = -mx.sort(-probs, axis=-1)
             before = mx.cumsum(sorted_p, axis=-1) - sorted_p
-            keep = before < cfg.top_p
+            keep = before < top_p
             cutoff = mx.min(mx.where(keep, sorted_p, mx.array(math.inf)), axis=-1, keepdims=True)
             logits = mx.where(probs < cutoff, neg, logits)
-        if cfg.min_p > 0.0:
-            logits = mx.where(probs < cfg.min_p * probs.max(axis=-1, keepdims=True), neg, logits)
-    return mx.softmax(logits / cfg.temperature, axis=-1)
+        if isinstance(min_p, mx.array) or min_p > 0.0:
+            logits = mx.where(probs < min_p * probs.max(axis=-1, keepdims=True), neg, logits)
+    return mx.softmax(logits / temperature, axis=-1)
 
 
 def check_finite(finite: mx.array | bool) -> None:
@@ -95,6 +126,7 @@ class Sampler:
         self.rng = np.random.default_rng(None if cfg.seed in (None, -1) else cfg.seed)
         self.history = PenaltyHistory(cfg.penalties)
         self.grammar = grammar  # a constraint's GrammarState (constraint.py): logits masked to it
+        self._draws: DeviceDraws | None = None
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Starts the penalty history with the prompt (llama.cpp penalises prompt tokens too)."""
@@ -147,20 +179,41 @@ class Sampler:
                 for r, t in enumerate(tokens)]
 
     @property
-    def argmax_on_device(self) -> bool:
-        """Whether the next token is just the logits' argmax, with no host-side state (history,
-        random draws): then a decode loop may queue the next step from the token still on the
-        device before the host reads it. Anything that adds such state must return False here:
-        penalties read the emitted history, logprobs need the logits on the host."""
-        return (self.cfg.greedy and not self.cfg.penalties.active and self.cfg.logprobs is None
-                and self.grammar is None)
+    def on_device(self) -> bool:
+        """Whether the next token comes from the logits alone, with no host-side state (history,
+        grammar, logprobs' read of the logits): its argmax, or a draw on the device from a key
+        (`DeviceDraws`). Then a decode loop may queue the next step from the token still on the
+        device before the host reads it, and a batch's row may draft."""
+        return not self.cfg.penalties.active and self.cfg.logprobs is None and self.grammar is None
+
+    @property
+    def draws(self) -> DeviceDraws:
+        """The generation's random draws on the device (made at the first, from the seeded
+        generator: every path that draws a request's tokens on the device draws the same keys in
+        the same order, alone or in a batch)."""
+        if self._draws is None:
+            self._draws = DeviceDraws(self.rng)
+        return self._draws
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """The next token on the device (int32) from logits [..., V] as they are (penalised and
+        constrained already, where that applies): the argmax, or a draw from `distribution` with
+        the next key of `draws`."""
+        if self.cfg.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        # one draw per row of V, whatever the leading shape: a draw's bits depend on its shape,
+        # and a batch draws each of its rows so (`RowSampling`)
+        logp = mx.log(distribution(logits, self.cfg)).reshape(-1, logits.shape[-1])
+        tokens = [mx.random.categorical(logp[i], key=self.draws.next()) for i in range(logp.shape[0])]
+        return mx.stack(tokens).reshape(logits.shape[:-1]).astype(mx.int32)
 
     def sample(self, logits: mx.array) -> int:
-        """One token from logits [V] (penalised first when penalties are set)."""
+        """One token from logits [V] (penalised first when penalties are set): `draw`'s where the
+        token needs no host state (`on_device`), else drawn on the host."""
         finite = mx.all(mx.isfinite(logits))
         logits = self.constrain(self.penalize(logits))
-        if self.cfg.greedy:
-            tok = mx.argmax(logits, axis=-1)
+        if self.cfg.greedy or self.on_device:
+            tok = self.draw(logits)
             mx.eval(tok, finite)
             check_finite(finite)
             return int(tok.item())
@@ -174,3 +227,16 @@ class Sampler:
         c = np.cumsum(p)
         u = self.rng.random() * c[-1]
         return int(min(np.searchsorted(c, u, side="right"), len(p) - 1))
+
+
+class DeviceDraws:
+    """A generation's random draws on the device: one key, from its sampler's seeded generator
+    (a seeded request draws the same), split for each use."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.key = mx.random.key(int(rng.integers(0, 2**63)))
+
+    def next(self) -> mx.array:
+        """A fresh key for one draw."""
+        self.key, sub = mx.random.split(self.key)
+        return sub

@@ -36,8 +36,7 @@ class OracleAcceptance:
     def _accept(self, drafts, scored, q, live):
         if not self.sampler.cfg.greedy:
             return super()._accept(drafts, scored, q, live)
-        self._key, sub = mx.random.split(self._key)
-        return accept_oracle_device(drafts, scored, live, self.oracle, sub)
+        return accept_oracle_device(drafts, scored, live, self.oracle, self.sampler.draws.next())
 
 
 def accept_oracle_device(drafts: mx.array, scored: mx.array, live: mx.array, oracle: float,

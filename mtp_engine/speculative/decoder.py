@@ -93,7 +93,6 @@ class SpeculativeDecoder(PlainDecoder):
         self._queued: list[Queued] = []
         self._prev_k = -1
         self._last_dev: mx.array | None = None  # the next round's first input, on the device
-        self._key: mx.array | None = None  # the device's random draws (seeded from the sampler's)
 
     def _fed(self, post: mx.array, pre: mx.array) -> mx.array:
         """The trunk state a drafter reads: the post-norm hidden state (what the output head reads;
@@ -128,7 +127,6 @@ class SpeculativeDecoder(PlainDecoder):
                                        self.drafter.prefix_state())
         self._queued, self._prev_k = [], -1
         self._last_dev = mx.array([ids[-1]], dtype=mx.int32)
-        self._key = mx.random.key(int(self.sampler.rng.integers(0, 2**63)))
         self.cache.kv_to_device()
         self.drafter.to_device()
         self.clock.start()
@@ -203,12 +201,7 @@ class SpeculativeDecoder(PlainDecoder):
 
     def _pick(self, logits: mx.array) -> mx.array:
         """A plain round's token [1] from its logits [1, V] (one row), on the device."""
-        cfg = self.sampler.cfg
-        scored = self.sampler.constrain(self.sampler.penalize(logits))
-        if cfg.greedy:
-            return mx.argmax(scored, axis=-1).astype(mx.int32)
-        self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(mx.log(distribution(scored, cfg)), key=sub).astype(mx.int32)
+        return self.sampler.draw(self.sampler.constrain(self.sampler.penalize(logits)))
 
     def _score(self, drafts: mx.array, logits: mx.array) -> mx.array:
         """What the rule compares, for the one row's drafts [1, k] and logits [1, k+1, V]: the
@@ -222,8 +215,7 @@ class SpeculativeDecoder(PlainDecoder):
         """(n accepted [1], emitted [1, k+1]) as device values."""
         if self.sampler.cfg.greedy:
             return accept_greedy_device(drafts, scored, live)
-        self._key, sub = mx.random.split(self._key)
-        return accept_sampling_device(drafts, scored, q, live, sub)
+        return accept_sampling_device(drafts, scored, q, live, self.sampler.draws.next())
 
     # ---- the host's read, one round late -------------------------------------------------------
     def _complete(self, r: Queued) -> list[int]:

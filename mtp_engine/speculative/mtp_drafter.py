@@ -84,8 +84,6 @@ class MTPDrafter(Drafter):
         self._block: HeadBlock | None = None  # device-resident rounds' rows to run (to_device), see `block`
         self._skip = 0  # leading rows of a host-counted `_block` dropped from the catch-up window
         self._plain_rows: list[tuple[mx.array, mx.array]] = []  # plain rounds' rows, joined on demand
-        # drafts are sampled on the device; its key derives from the sampler's seeded generator
-        self._rng = mx.random.key(int(ctx.sampler.rng.integers(0, 2**63)))
 
     def begin(self, prompt: list[int], hidden: mx.array) -> None:
         """The head sees prompt row t as (token t, trunk hidden t-1), zeros before the first."""
@@ -124,9 +122,8 @@ class MTPDrafter(Drafter):
         if cfg.greedy:
             return mx.argmax(logits, axis=-1)
         qi = distribution(logits, cfg)
-        self._rng, sub = mx.random.split(self._rng)
         qs.append(qi)
-        return mx.random.categorical(mx.log(qi), key=sub)
+        return mx.random.categorical(mx.log(qi), key=self.ctx.sampler.draws.next())
 
     # ---- the device round's stages (speculative/round.py): no host reads -----------------------------
     def to_device(self) -> None:

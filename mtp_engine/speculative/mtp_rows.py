@@ -23,7 +23,12 @@ import mlx.core as mx
 
 from ..model.batch_cache import BatchCache
 from ..model.qwen35 import Qwen35Model
-from .round import no_stage
+from .round import greedy, no_stage
+
+
+def greedy_rows(logits: mx.array) -> tuple[mx.array, None]:
+    """Every row's draft its argmax (a batch of greedy rows)."""
+    return greedy(logits), None
 
 
 WIDTHS = (1, 2, 4, 8)  # block widths a plain stretch pads to: the head's compiled shapes stay few
@@ -87,19 +92,24 @@ class MTPRowsDrafter:
         cache.lengths = before + self.valid  # the host bound grew by the width: rows past valid are stale
         return mx.take_along_axis(h, (self.valid - 1)[:, None, None], axis=1)
 
-    def draft(self, k: int, p_min: float = 0.0) -> tuple[mx.array, None, mx.array | None]:
-        """k greedy drafts per row as device values: (tokens [B, k] int32, None (no distributions:
-        rows that sample do not draft), whether each passed p-min [B, k] when p-min is set)."""
+    def draft(self, k: int, p_min: float = 0.0,
+              pick: Callable = greedy_rows) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """k drafts per row as device values: (tokens [B, k] int32, the distributions they were
+        drawn from [B, k, V] (None: every row greedy), whether each passed p-min [B, k] when p-min
+        is set). `pick(logits [B, V]) -> (tokens [B], distributions or None)`: each row's rule
+        (`RowSampling.draft_pick`)."""
         m, cache = self.model, self.cache
         with self.stage("catch_up") as out:
             h = self._run_block()
             out.append(h)
         kept, kept_host = cache.lengths, list(cache.host_lengths)
-        drafts, confident = [], []
+        drafts, qs, confident = [], [], []
         with self.stage("draft") as out:
             for i in range(k):
                 logits = m.draft_logits(h[:, 0])  # [B, V]
-                d = mx.argmax(logits, axis=-1).astype(mx.int32)
+                d, q = pick(logits)
+                if q is not None:
+                    qs.append(q)
                 if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
                     confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1]), axis=-1),
                                                        axis=-1), axis=-1) >= p_min)
@@ -109,7 +119,8 @@ class MTPRowsDrafter:
             out.extend(drafts)
         cache.lengths, cache.host_lengths = kept, kept_host  # rows of steps 2..k were the head's guesses
         self.tokens = self.hidden = self.valid = None  # run: the round's commit sets the next block
-        return mx.stack(drafts, axis=1), None, (mx.stack(confident, axis=1) if confident else None)
+        return (mx.stack(drafts, axis=1), mx.stack(qs, axis=1) if qs else None,
+                mx.stack(confident, axis=1) if confident else None)
 
     def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
         """A drafting round emitted `emitted[b, :n[b]+1]` per row (accepted drafts, then the

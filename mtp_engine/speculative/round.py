@@ -76,15 +76,18 @@ def no_stage(name: str):
 
 def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable, fed: Callable,
                 p_min: float = 0.0, n_min: int = 0, drafting: mx.array | None = None,
-                score: Callable | None = None, stage: Callable = no_stage) -> Round:
+                score: Callable | None = None, draft_pick: Callable | None = None,
+                stage: Callable = no_stage) -> Round:
     """Draft, verify, accept, commit (module docstring). `last` [B]: the tokens the round starts
     from (device values); `cache`: a sequence's `TrunkCache` (B = 1) or a `BatchCache`;
     `score(drafts, logits) -> scored`: what the rule compares (penalties, or the distributions a
     sampling rule draws from; None: the logits); `accept(drafts, scored, q, live) -> (n,
     emitted)`: the acceptance rule over rows; `fed(post, pre)`: the trunk state the drafter reads;
     `drafting` [B] bool: the rows whose drafts count (None: all). `stage(name)`: the profiler's
-    stage, whose list takes what a precise profile evaluates at the stage's end."""
-    drafts, q, confident = drafter.draft(k, p_min)
+    stage, whose list takes what a precise profile evaluates at the stage's end. `draft_pick(logits
+    [B, V]) -> (tokens [B], distributions [B, V] or None)`: how a batch's drafter draws each row's
+    drafts (`row_sampling.RowSampling.draft_pick`; None: a drafter alone follows its sampler)."""
+    drafts, q, confident = drafter.draft(k, p_min) if draft_pick is None else drafter.draft(k, p_min, draft_pick)
     live = live_drafts(confident, k, n_min, drafts.shape[0])
     if drafting is not None:
         live = live & drafting[:, None]
@@ -167,20 +170,23 @@ def accept_sampling_device(drafts: mx.array, p: mx.array, q: mx.array, live: mx.
                            key: mx.array) -> tuple[mx.array, mx.array]:
     """Speculative sampling (Leviathan et al.) on the device, per row: draft i (drawn from q
     [B, k, V]) is kept with probability min(1, p_i(d)/q_i(d)); the first rejected row draws from
-    normalise(max(0, p - q)); past the last live draft, from p (the bonus token). p [B, k+1, V]."""
+    normalise(max(0, p - q)); past the last live draft, from p (the bonus token). p [B, k+1, V].
+    `key`: the round's draws [2], or each row's own [B, 2] (a row's draws are then what its round
+    alone draws with that key)."""
     b, k = drafts.shape
-    u_key, c_key = mx.random.split(key)
+    keys = [mx.random.split(key)] if key.ndim == 1 else [mx.random.split(key[i]) for i in range(b)]
+    u = mx.concatenate([mx.random.uniform(shape=(b // len(keys), k), key=uk) for uk, _ in keys])
     pd = mx.take_along_axis(p[:, :k], drafts[:, :, None], axis=-1)[..., 0]
     qd = mx.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]
-    u = mx.random.uniform(shape=(b, k), key=u_key)
     ok = live & (qd > 0) & (u * qd < pd)
     n = mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1)
     q_live = mx.concatenate([mx.where(live[..., None], q, 0.0), mx.zeros((b, 1, q.shape[-1]), q.dtype)], axis=1)
     residual = mx.maximum(p - q_live, 0.0)
     residual = mx.where(mx.sum(residual, axis=-1, keepdims=True) > 0, residual, p)  # p == q to rounding
-    at_n = mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]  # [B, V]
-    token = mx.random.categorical(mx.log(at_n), key=c_key).astype(mx.int32)
-    return n, _emit(drafts, n, token)
+    at_n = mx.log(mx.take_along_axis(residual, n[:, None, None], axis=1)[:, 0])  # [B, V]
+    token = mx.random.categorical(at_n, key=keys[0][1]) if len(keys) == 1 else \
+        mx.concatenate([mx.random.categorical(at_n[i:i + 1], key=ck) for i, (_, ck) in enumerate(keys)])
+    return n, _emit(drafts, n, token.astype(mx.int32))
 
 
 # ---- MLX's modules a first round needs, compiled ahead at load (`model.kernels.mlx_jit`): each runs
