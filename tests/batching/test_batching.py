@@ -38,13 +38,19 @@ def test_batch_greedy_equals_each_alone(models, path):
     assert max(g.stats["batch_size_max"] for g in got) == 2  # they did share steps
 
 
-def test_batch_sampling_and_penalties_equal_each_alone(shipped_model):
-    """Each sequence keeps its own sampler: seeded draws, top-k/p, penalties as alone."""
-    kw = dict(max_tokens=10, ignore_eos=True, temperature=0.9, top_k=20, top_p=0.95, seed=7, repeat_penalty=1.3,
-              presence_penalty=0.5)
+@pytest.mark.parametrize("extra", [dict(repeat_penalty=1.3, presence_penalty=0.5), dict(min_p=0.05),
+                                   dict(spec="draft-mtp", n_max=2), dict(spec="draft-mtp", n_max=3, top_k=0)],
+                         ids=["penalties-host", "device", "draft-mtp-2", "draft-mtp-3"])
+def test_batch_sampling_and_penalties_equal_each_alone(shipped_model, extra):
+    """Each sequence keeps its own sampler: seeded draws, top-k/p, penalties as alone. Rows drawn
+    on the device (no penalties) draw their keys in the order they do alone, so a seeded answer
+    is the same in a batch, drafting rounds included (a fixed n-max: the rounds are alone's)."""
+    kw = {**dict(max_tokens=10, ignore_eos=True, temperature=0.9, top_k=20, top_p=0.95, seed=7), **extra}
     want = _alone(shipped_model, PROMPTS[:4], **kw)
-    got = batch_generate(PROMPTS[:4], shipped_model, **kw)
+    got = batch_generate(PROMPTS[:4], shipped_model, parallel=3, **kw)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    if extra.get("spec"):  # sampled rows draft in a batch, and their drafts are kept
+        assert all(g.stats["drafted"] for g in got) and sum(g.stats["accepted"] for g in got) > 0
 
 
 def test_batch_stops_and_logprobs_per_sequence(shipped_model):
@@ -180,7 +186,8 @@ def test_a_sequence_whose_sampler_fails_mid_decode_ends_alone(models, monkeypatc
     out: dict[int, object] = {}
 
     def one(i):
-        kw = dict(temperature=0.7, seed=666) if i == 2 else {}
+        # a penalised row: sampled on the host each round (a row drawn on the device never calls `sample`)
+        kw = dict(temperature=0.7, seed=666, repeat_penalty=1.1) if i == 2 else {}
         try:
             out[i] = generate(PROMPTS[i], par, max_tokens=24, ignore_eos=True, **kw).token_ids
         except Exception as e:  # noqa: BLE001 - checked below
@@ -266,7 +273,8 @@ def test_requests_the_batch_cannot_take_run_alone(parallel_model, shipped_model)
 def test_greedy_batches_queue_the_next_step_before_reading_this_one(models, monkeypatch):
     """With every row greedy the scheduler queues step t+1 from step t's argmax still on the
     device, then delivers step t; rows that join or leave in between (five prompts of mixed
-    lengths through two slots) still get every token as alone. A sampled row turns it off."""
+    lengths through two slots) still get every token as alone. A sampled row keeps it (its token
+    is drawn on the device); a penalised row turns it off (its scores need the host's history)."""
     from mtp_engine.batching.scheduler import BatchScheduler
 
     m = models(need(TINY_Q4))
@@ -280,6 +288,10 @@ def test_greedy_batches_queue_the_next_step_before_reading_this_one(models, monk
     assert sum(ahead) > len(ahead) // 2, ahead
     ahead.clear()
     batch_generate(PROMPTS[:2], m, max_tokens=6, ignore_eos=True, parallel=2, temperature=0.7, seed=1)
+    assert sum(ahead) > len(ahead) // 2, ahead
+    ahead.clear()
+    batch_generate(PROMPTS[:2], m, max_tokens=6, ignore_eos=True, parallel=2, temperature=0.7, seed=1,
+                   repeat_penalty=1.2)
     assert ahead and not any(ahead)
 
 
@@ -325,18 +337,17 @@ def test_draft_mtp_batch_equals_plain_alone(models, path, n_max):
 
 
 def test_mtp_batch_mixes_drafting_sampled_and_plain_sequences(shipped_model):
-    """One MTP batch: greedy draft-mtp rows draft, a sampled and a penalised row take plain steps
-    in the same forwards (so a sampled row is exactly plain sampling with its seed: lossless), a
-    plain row too; each gets what it gets alone."""
+    """One MTP batch: greedy and sampled draft-mtp rows draft (a sampled row by the rejection
+    sampler with its own keys), a penalised row takes plain steps in the same forwards, a plain
+    row too; each gets what it gets alone."""
     from mtp_engine.api import stream_request
     from mtp_engine.batching import batch_scheduler
     from mtp_engine.request import prepare, request_from_keywords
 
-    kws = [dict(spec="draft-mtp", n_max=3), dict(spec="draft-mtp", temperature=0.8, seed=5),
+    kws = [dict(spec="draft-mtp", n_max=3), dict(spec="draft-mtp", n_max=3, temperature=0.8, seed=5),
            dict(spec="draft-mtp", repeat_penalty=1.5), dict(), dict(spec="draft-mtp", n_max=3, stop=["\n\n"])]
     prompts = PROMPTS[:5]
-    plain = [{**kw, "spec": "none", "n_max": "auto"} if kw.get("temperature") else kw for kw in kws]
-    want = [generate(p, shipped_model, max_tokens=10, ignore_eos=True, **kw) for p, kw in zip(prompts, plain)]
+    want = [generate(p, shipped_model, max_tokens=10, ignore_eos=True, **kw) for p, kw in zip(prompts, kws)]
     m = replace(shipped_model, scheduler=None)
     m = replace(m, scheduler=batch_scheduler(m, 5))
     got: dict[int, list[int]] = {}
@@ -564,17 +575,16 @@ def test_auto_batches_draft_by_the_controller_beside_every_other_kind_of_row(shi
     """Under a device prior where drafts may pay, n-max auto rows in a batch draft by the
     draft-length controller (its own choices, not a stand-in), beside rows of a fixed n-max, n-max
     0, plain and sampled rows, joining and leaving at different times: every answer is its answer
-    alone (a sampled row's: plain sampling with its seed)."""
+    alone (a plain sampled row's: its seed's draws, made on the device in the same order)."""
 
     from mtp_engine.batching import MTPBatchScheduler
     from mtp_engine.speculative.calibration import default_seed
 
     kinds = [dict(spec="draft-mtp", n_max="auto"), dict(spec="draft-mtp", n_max="auto"), dict(spec="draft-mtp", n_max=2),
-             dict(spec="draft-mtp", n_max=0), dict(spec="none"), dict(spec="draft-mtp", temperature=0.8, seed=7)]
+             dict(spec="draft-mtp", n_max=0), dict(spec="none"), dict(spec="none", temperature=0.8, seed=7)]
     lengths = [14, 9, 12, 6, 10, 8]
-    alone = [dict(kw, spec="none") if "temperature" in kw else kw for kw in kinds]
     want = [generate(PROMPTS[i % len(PROMPTS)], shipped_model, max_tokens=lengths[i], ignore_eos=True,
-                     **alone[i]).token_ids for i in range(len(kinds))]
+                     **kinds[i]).token_ids for i in range(len(kinds))]
     m = replace(shipped_model, scheduler=None)
     sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=True))
     m = replace(m, scheduler=sched)
@@ -848,9 +858,9 @@ def test_plain_rounds_join_the_heads_block_and_later_drafts_are_those_of_a_head_
         def _draft_length(self, rows):
             return 0 if self.steps < 11 else 2
 
-        def _accept(self, drafts, logits, q, live):
+        def _accept(self, rule, drafts, scored, q, live):
             self.drafts.append(drafts)
-            return super()._accept(drafts, logits, q, live)
+            return super()._accept(rule, drafts, scored, q, live)
 
     def run(widths):
         monkeypatch.setattr(mtp_rows, "WIDTHS", widths)
@@ -872,7 +882,7 @@ def test_plain_rounds_join_the_heads_block_and_later_drafts_are_those_of_a_head_
         deadline = _time.time() + 60
         while len(sched._waiting) < 2 and _time.time() < deadline:
             _time.sleep(0.01)
-        sched.drive(lambda: len(got) == 2)
+        sched.drive(lambda: len(got) == 2 or _time.time() > deadline + 120)  # a failed reader ends the wait too
         for t in threads:
             t.join(60)
         # per round, the rows' drafts in any order: the two threads may queue in either order

@@ -172,6 +172,62 @@ def test_acceptance_over_rows_is_each_rows_alone():
     assert emitted.shape == (2, 3) and n[1].item() == 0  # a row whose drafts do not count keeps none
 
 
+def test_rows_with_their_own_keys_draw_what_each_row_draws_alone():
+    """A key per row [B, 2]: row b's acceptance and token are its round of one with key b, whatever
+    the other rows hold, and each row stays lossless (the first emitted token distributed as P[0])."""
+    p = mx.array(np.broadcast_to(P, (3, *P.shape)).copy(), mx.float32)
+    q = mx.array(np.broadcast_to(Q, (3, *Q.shape)).copy(), mx.float32)
+    drafts = mx.array([[0, 1], [2, 2], [1, 0]], mx.int32)
+    live = mx.array([[True, True], [True, False], [True, True]])
+    keys = mx.stack([mx.random.key(s) for s in (11, 12, 13)])
+    n, emitted = accept_sampling_device(drafts, p, q, live, keys)
+    for b in range(3):
+        n1, e1 = accept_sampling_device(drafts[b:b + 1], p[:1], q[:1], live[b:b + 1], keys[b])
+        assert n[b].item() == n1.item() and emitted[b].tolist() == e1[0].tolist()
+
+    def round_(d, t):  # row 1 of three, each row with its own key
+        ks = mx.stack([mx.random.key(3 * t + i) for i in range(3)])
+        dd = mx.array([[4, 4], [int(x) for x in d], [3, 3]], mx.int32)
+        n, emitted = accept_sampling_device(dd, p, q, mx.ones((3, 2), mx.bool_), ks)
+        return n[1].item(), np.array(emitted)[1].tolist()
+    first, _, _ = _draws(round_)
+    assert _chi2_ok(first, P[0]), first / TRIALS
+
+
+def test_row_sampling_mixes_greedy_and_sampling_rows():
+    """`RowSampling`: a greedy row takes the greedy rule and its argmax, a sampling row the rejection
+    sampler over its own distribution and keys; the draws a row takes are its sampler's
+    (`Sampler.draws`), in the order a sequence alone takes them."""
+    from mtp_engine.generation.sampling import Sampler, SamplerConfig, distribution
+    from mtp_engine.speculative.row_sampling import RowSampling
+
+    cfgs = [SamplerConfig(), SamplerConfig(temperature=0.7, top_k=3, seed=5), SamplerConfig(temperature=1.2, min_p=0.1,
+                                                                                            seed=6)]
+    samplers = [Sampler(c) for c in cfgs]
+    rule = RowSampling(cfgs, [s.draws if not c.greedy else None for s, c in zip(samplers, cfgs)])
+    logits = mx.random.normal((3, 4, 16), key=mx.random.key(2)) * 2
+    drafts = mx.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], mx.int32)
+    scored = rule.score(drafts, logits)
+    assert mx.array_equal(scored[0], logits[0]).item()
+    assert mx.allclose(scored[1], distribution(logits[1], cfgs[1])).item()
+    head = mx.random.normal((3, 16), key=mx.random.key(4))
+    d, qd = rule.draft_pick(head)
+    assert d[0].item() == int(mx.argmax(head[0]).item()) and qd.shape == (3, 16)
+    assert all(qd[b, d[b]].item() > 0 for b in (1, 2))  # a drawn draft is one its distribution allows
+    q = mx.stack([qd] * 3, axis=1)
+    live = mx.ones((3, 3), mx.bool_)
+    n, emitted = rule.accept(drafts, scored, q, live)
+    n0, e0 = accept_greedy_device(drafts[:1], logits[:1], live[:1])
+    assert n[0].item() == n0.item() and emitted[0].tolist() == e0[0].tolist()
+    # the same draws through a sequence's own samplers, alone: the same tokens
+    again = [Sampler(c) for c in cfgs]
+    for b in (1, 2):
+        key = again[b].draws
+        key.next()  # the draft step's
+        n1, e1 = accept_sampling_device(drafts[b:b + 1], scored[b:b + 1], q[b:b + 1], live[b:b + 1], key.next())
+        assert n[b].item() == n1.item() and emitted[b].tolist() == e1[0].tolist()
+
+
 # ---- the prompt cache's reuse rule at every boundary ---------------------------
 class _Trunk:
     def snapshot(self) -> list:
