@@ -38,7 +38,7 @@ from ..speculative.round import Round, draft_round, plain_round, post_norm
 from ..speculative.row_sampling import RowSampling
 from ..speculative.calibration import default_seed
 from ..speculative.scheduler import AUTO_MAX, DraftLengthScheduler, auto_k_max
-from .scheduler import BatchScheduler, Launched, sampling
+from .scheduler import BatchScheduler, Launched, logprobs_asked, sampling
 from .sequence import Sequence
 
 def bucket(batch: int) -> int:
@@ -208,12 +208,13 @@ class MTPBatchScheduler(BatchScheduler):
             later = any(self._may_draft(s) for s in rows) and \
                 not (_auto(rows) and not self.controller(len(rows)).can_win)
             drafter = self.drafter if later else None
-            return plain_round(m, self._batch, drafter, last, rule.pick, post_norm, self.prof.stage)
+            return plain_round(m, self._batch, drafter, last, rule.pick, post_norm, self.prof.stage,
+                               logprobs_asked(rows))
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
             capture_at_width(self._batch.layers, max(k, self._k_max) + 1)
         return draft_round(m, self._batch, self.drafter, last, k, functools.partial(self._accept, rule), post_norm,
                            drafting=mx.array([s.draft for s in rows]), score=rule.score,
-                           draft_pick=rule.draft_pick, stage=self.prof.stage)
+                           draft_pick=rule.draft_pick, logprobs=logprobs_asked(rows), stage=self.prof.stage)
 
     def _draft_length(self, rows: list[Sequence]) -> int:
         """The round's k: 0 when no sequence drafts, else the smallest n-max the drafting

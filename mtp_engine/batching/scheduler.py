@@ -315,7 +315,8 @@ class BatchScheduler:
 
     def _round(self, rows: list[Sequence], last: mx.array) -> Round:
         """The round itself: a plain one here (`batching.mtp` drafts)."""
-        return plain_round(self.model.model, self._batch, None, last, sampling(rows).pick, post_norm)
+        return plain_round(self.model.model, self._batch, None, last, sampling(rows).pick, post_norm,
+                           logprobs=logprobs_asked(rows))
 
     def _round_arrays(self, rows: list[Sequence]) -> list[mx.array]:
         """What else a queued round leaves on the device (an MTP batch: the head's)."""
@@ -337,11 +338,13 @@ class BatchScheduler:
             try:
                 check_finite(ok[b])
                 tokens = emitted[b][:n + 1]
-                if not s.sampler.on_device:
+                if s.sampler.on_device:  # its logprobs came with the round
+                    logprobs = d.token_logprobs(b, tokens, s.sampler.cfg.logprobs)
+                else:
                     tokens = [s.sampler.sample(r.logits[b, 0])]
+                    logprobs = s.sampler.token_logprobs(r.logits[b, :1], tokens)
                 self._record(s, r.k, n)
-                s.deliver(tokens, s.sampler.token_logprobs(r.logits[b, :len(tokens)], tokens), n,
-                          r.k if s.draft else 0)
+                s.deliver(tokens, logprobs, n, r.k if s.draft else 0)
             except Exception as e:  # its sampler or grammar failing ends this sequence only
                 if not isinstance(e, MTPEngineError):
                     traceback.print_exc()
@@ -361,6 +364,13 @@ def sampling(rows: list[Sequence]) -> RowSampling:
     """The rows' sampling rules for a round on the device (a row sampled on the host: greedy there)."""
     return RowSampling([s.sampler.cfg for s in rows],
                        [s.sampler.draws if s.sampler.on_device and not s.sampler.cfg.greedy else None for s in rows])
+
+
+def logprobs_asked(rows: list[Sequence]) -> int | None:
+    """The most alternatives a row drawn on the device asks its logprobs for (None: none asks):
+    the round computes them for every row."""
+    asked = [s.sampler.cfg.logprobs for s in rows if s.sampler.on_device and s.sampler.cfg.logprobs is not None]
+    return max(asked) if asked else None
 
 
 def _engine_error(e: Exception) -> MTPEngineError:

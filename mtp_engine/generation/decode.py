@@ -15,12 +15,13 @@ import time
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from ..model.qwen35 import Qwen35Model
 from ..model.step import Pass
 from .profiler import Profiler
 from .prompt_cache import PromptCache
-from .sampling import Sampler, check_finite
+from .sampling import Sampler, check_finite, logprob_arrays, logprob_dicts
 
 Progress = Callable[[int, int], None]  # (prompt tokens prefilled, of total)
 
@@ -126,19 +127,13 @@ class DecoderBase:
     def _wanted(self) -> int:
         return self.budget if self.budget is not None else 1
 
-    @staticmethod
-    def _read(pair: tuple[mx.array, mx.array]) -> int:
-        tok, finite = pair
-        mx.eval(tok, finite)
-        check_finite(finite)
-        return int(tok.item())
-
-    def _emitted(self, tokens: list[int], n_accepted: int, n_drafted: int, logits: mx.array | None) -> list[int]:
-        """Records a round's provenance and logprobs (rows of `logits` score `tokens`) and adds
-        the tokens to the sampler's penalty history."""
+    def _emitted(self, tokens: list[int], n_accepted: int, n_drafted: int,
+                 logprobs: list[dict] | None) -> list[int]:
+        """Records a round's provenance and `logprobs` (one per token, or None) and adds the tokens
+        to the sampler's penalty history."""
         self.round_drafted = [True] * n_accepted + [False] * (len(tokens) - n_accepted)
         self.round_n_drafted = n_drafted
-        self.round_logprobs = self.sampler.token_logprobs(logits, tokens) if logits is not None else None
+        self.round_logprobs = logprobs
         self.sampler.accept(tokens)
         if self.budget is not None:
             self.budget -= len(tokens)
@@ -208,16 +203,31 @@ class PlainDecoder(DecoderBase):
                  prompt_cache: PromptCache | None = None, progress: Progress | None = None,
                  pipeline: bool = True):
         super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress, pipeline=pipeline)
-        self._next: tuple[mx.array, mx.array] | None = None  # a queued step's (token, finite) arrays
+        self._next: list[mx.array] | None = None  # a queued step's `_drawn` values
 
-    def _queue_step(self, token: mx.array) -> tuple[mx.array, mx.array]:
-        """The next step from a token still on the device, its token drawn there too
-        (`Sampler.draw`), evaluated asynchronously."""
+    def _drawn(self, logits: mx.array) -> list[mx.array]:
+        """A step's device values from its logits [V], evaluated asynchronously: its token
+        (`Sampler.draw`), whether the logits are finite, and its logprobs where asked for."""
+        token = self.sampler.draw(logits)
+        out = [token, mx.all(mx.isfinite(logits))]
+        if self.sampler.cfg.logprobs is not None:
+            out += logprob_arrays(logits[None], token.reshape(1), self.sampler.cfg.logprobs)
+        mx.async_eval(*out)
+        return out
+
+    def _queue_step(self, token: mx.array) -> list[mx.array]:
+        """The next step from a token still on the device (`_drawn`)."""
         h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
-        logits = self.model.logits(h[0, -1])
-        nxt = (self.sampler.draw(logits), mx.all(mx.isfinite(logits)))
-        mx.async_eval(*nxt)
-        return nxt
+        return self._drawn(self.model.logits(h[0, -1]))
+
+    def _take(self, drawn: list[mx.array]) -> list[int]:
+        """The host reads a `_drawn` step: its token becomes the last one, with its logprobs."""
+        mx.eval(*drawn)
+        check_finite(drawn[1])
+        self.last_token = int(drawn[0].item())
+        n = self.sampler.cfg.logprobs
+        logprobs = logprob_dicts([np.array(a) for a in drawn[2:]], [self.last_token], n) if n is not None else None
+        return self._emitted([self.last_token], 0, 0, logprobs)
 
     def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
         """Processes the prompt; returns the tokens it already produces (here the first one)."""
@@ -235,25 +245,24 @@ class PlainDecoder(DecoderBase):
                 h = self._prefill_trunk(ids[-1:], start=len(ids) - 1, whole=len(ids))
             logits = self.model.logits(h[0, -1])
             if self._pipelined():
-                cur = (self.sampler.draw(logits), mx.all(mx.isfinite(logits)))
-                mx.async_eval(*cur)
+                cur = self._drawn(logits)
                 if self._wanted() > 1:
                     self._next = self._queue_step(cur[0])
-                self.last_token = self._read(cur)
-                logits = None  # pipelined means no logprobs were asked for (`Sampler.on_device`)
+                emitted = self._take(cur)
             else:
                 self.last_token = self.sampler.sample(logits)
+                emitted = self._emitted([self.last_token], 0, 0, self.sampler.token_logprobs(logits, [self.last_token]))
         self.clock.start()
-        return self._emitted([self.last_token], 0, 0, logits)
+        return emitted
 
     def step(self) -> list[int]:
         """Feeds the last token; returns the next one."""
         if self._pipelined():
             cur = self._next or self._queue_step(mx.array(self.last_token))
             self._next = self._queue_step(cur[0]) if self._wanted() > 1 else None
-            self.last_token = self._read(cur)
+            emitted = self._take(cur)
             self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
-            return self._emitted([self.last_token], 0, 0, None)
+            return emitted
         with self.prof.stage("decode") as out:
             h = self.model.forward(mx.array([[self.last_token]]), self.cache)
             logits = self.model.logits(h[0, -1])
@@ -262,7 +271,7 @@ class PlainDecoder(DecoderBase):
             self.last_token = self.sampler.sample(logits)
         self._count_experts("step")
         self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
-        return self._emitted([self.last_token], 0, 0, logits)
+        return self._emitted([self.last_token], 0, 0, self.sampler.token_logprobs(logits, [self.last_token]))
 
     def finish(self) -> None:
         """The generation is over (a queued step, if any, is dropped)."""

@@ -110,6 +110,31 @@ def _distribution(logits: mx.array, temperature, top_k, top_p, min_p) -> mx.arra
     return mx.softmax(logits / temperature, axis=-1)
 
 
+def logprob_arrays(logits: mx.array, tokens: mx.array, n: int) -> list[mx.array]:
+    """`Sampler.token_logprobs` as device values, for logits [..., R, V] and the tokens they
+    scored [..., R] (int32): each token's log-probability [..., R] and, for n > 0, the n most
+    likely tokens [..., R, n] and their log-probabilities, best first (a round computes them with
+    its other values, so the host reads them without waiting for the round queued after it)."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    parts = [mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1)[..., 0]]
+    if n:
+        top = mx.argpartition(-lp, kth=n - 1, axis=-1)[..., :n]  # a full sort of V is wasted work
+        vals = mx.take_along_axis(lp, top, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        parts += [mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
+    return parts
+
+
+def logprob_dicts(parts: list[np.ndarray], tokens: list[int], n: int) -> list[dict]:
+    """`logprob_arrays` read on the host (rows [R, ...], R >= len(tokens); their top lists may be
+    longer than n: the first n are the n most likely) as the loop reports them, one per token."""
+    chosen = parts[0].astype(np.float64)
+    return [{"token": int(t), "logprob": float(chosen[r]),
+             "top": [(int(parts[1][r, j]), float(parts[2][r, j])) for j in range(n)] if n else []}
+            for r, t in enumerate(tokens)]
+
+
 def check_finite(finite: mx.array | bool) -> None:
     """Refuses to go on from NaN/inf logits: finite but huge weights in a corrupt file overflow,
     and an argmax of NaN would silently produce text. `finite`: a device flag, or one already read."""
@@ -160,31 +185,19 @@ class Sampler:
         n = self.cfg.logprobs
         if n is None or not tokens:
             return None
-        rows = logits.reshape(-1, logits.shape[-1])[: len(tokens)].astype(mx.float32)
-        lse = mx.logsumexp(rows, axis=-1, keepdims=True)
-        lp = rows - lse
-        chosen = mx.take_along_axis(lp, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
-        parts = [chosen]
-        if n:
-            part = mx.argpartition(-lp, kth=n - 1, axis=-1)[:, :n]  # a full sort of V is wasted work
-            vals = mx.take_along_axis(lp, part, axis=-1)
-            order = mx.argsort(-vals, axis=-1)
-            parts += [mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)]
+        rows = logits.reshape(-1, logits.shape[-1])[: len(tokens)]
+        parts = logprob_arrays(rows, mx.array(tokens, dtype=mx.int32), n)
         mx.eval(*parts)
-        ch = np.array(parts[0], dtype=np.float64)
-        ti = np.array(parts[1]) if n else None
-        tv = np.array(parts[2], dtype=np.float64) if n else None
-        return [{"token": int(t), "logprob": float(ch[r]),
-                 "top": [(int(ti[r, j]), float(tv[r, j])) for j in range(n)] if n else []}
-                for r, t in enumerate(tokens)]
+        return logprob_dicts([np.array(p) for p in parts], tokens, n)
 
     @property
     def on_device(self) -> bool:
         """Whether the next token comes from the logits alone, with no host-side state (history,
-        grammar, logprobs' read of the logits): its argmax, or a draw on the device from a key
-        (`DeviceDraws`). Then a decode loop may queue the next step from the token still on the
-        device before the host reads it, and a batch's row may draft."""
-        return not self.cfg.penalties.active and self.cfg.logprobs is None and self.grammar is None
+        grammar): its argmax, or a draw on the device from a key (`DeviceDraws`). Then a decode
+        loop may queue the next step from the token still on the device before the host reads it
+        (its logprobs, where asked for, computed with it: `logprob_arrays`), and a batch's row may
+        draft."""
+        return not self.cfg.penalties.active and self.grammar is None
 
     @property
     def draws(self) -> DeviceDraws:

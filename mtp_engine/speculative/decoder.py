@@ -57,11 +57,6 @@ class Queued:
     def k(self) -> int:
         return self.round.k
 
-    @property
-    def logits(self) -> mx.array:
-        """The rows that scored its emitted tokens, [k+1, V] (the sequence is row 0)."""
-        return self.round.logits[0]
-
     def read(self) -> list[mx.array]:
         return self.round.read()
 
@@ -181,7 +176,8 @@ class SpeculativeDecoder(PlainDecoder):
             return self._launch_plain()
         shapes = self._shapes(k)
         r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k, self._accept, self._fed,
-                        self.params.p_min, self.params.n_min, score=self._score, stage=self.prof.stage)
+                        self.params.p_min, self.params.n_min, score=self._score, logprobs=self.sampler.cfg.logprobs,
+                        stage=self.prof.stage)
         self._last_dev = r.last
         return self._queue(Queued(r, k + 1, shapes))
 
@@ -190,7 +186,8 @@ class SpeculativeDecoder(PlainDecoder):
         return self.drafter.round_shapes(k) + [("trunk", k + 1, True, kv_capacity(self.cache))]
 
     def _launch_plain(self) -> Queued:
-        r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed, self.prof.stage)
+        r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed, self.prof.stage,
+                        self.sampler.cfg.logprobs)
         self._last_dev = r.last
         return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
 
@@ -229,18 +226,19 @@ class SpeculativeDecoder(PlainDecoder):
             n, drafted, emitted = d.n[0], d.drafted[0], d.emitted[0]
             drafts = d.drafts[0][:drafted] if d.drafts is not None else []
         token = emitted[n]
+        logprobs = d.token_logprobs(0, emitted[:n + 1], self.sampler.cfg.logprobs)
         self.drafter.round_read(emitted[:n + 1])
         self.cache.offset += n + 1
         self.cache.set_bound(self.cache.offset + sum(q.rows for q in self._queued))
         self.drafter.trunk_committed(self.cache.offset)
         self.last_token = token
         self._count_experts("verify" if r.k else "step")
-        return self._finish_round(emitted[:n] + drafts[n:], n, token, r)
+        return self._finish_round(emitted[:n] + drafts[n:], n, token, r, logprobs)
 
-    def _finish_round(self, drafts: list[int], n: int, token: int, r: Queued) -> list[int]:
-        """The round's time and records (`_record_round`); its emitted tokens (`r.logits`: the rows
-        that scored them, for logprobs)."""
-        emitted = self._emitted(drafts[:n] + [token], n, len(drafts), r.logits)
+    def _finish_round(self, drafts: list[int], n: int, token: int, r: Queued,
+                      logprobs: list[dict] | None) -> list[int]:
+        """The round's time and records (`_record_round`); its emitted tokens, with `logprobs`."""
+        emitted = self._emitted(drafts[:n] + [token], n, len(drafts), logprobs)
         seconds, first_use = self.clock.lap(r.k, r.shapes, r.shift)
         self._record_round(r.k, drafts, n, emitted, seconds, first_use, r.steady)
         return emitted

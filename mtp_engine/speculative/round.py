@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
+from ..generation.sampling import logprob_arrays, logprob_dicts
 from ..model.fused import fused
 from ..model.step import Pass
 
@@ -39,6 +41,7 @@ class Round:
     finite: mx.array  # [B]
     logits: mx.array  # [B, k+1, V]: the rows that scored the emitted tokens (logprobs, host sampling)
     last: mx.array  # [B] int32: each row's last emitted token, the next round's first input
+    logprobs: list[mx.array] | None = None  # `logprob_arrays` of the emitted tokens [B, k+1, ...], when asked
 
     def host(self) -> "RoundRead":
         """The round as host values, after `read()`'s arrays were evaluated. Only those arrays are
@@ -48,14 +51,16 @@ class Round:
         b = int(self.emitted.shape[0])
         return RoundRead(self.emitted.tolist(), self.n.tolist() if self.n is not None else [0] * b,
                          self.drafted.tolist() if self.drafted is not None else [0] * b,
-                         self.drafts.tolist() if self.drafts is not None else None, self.finite.tolist())
+                         self.drafts.tolist() if self.drafts is not None else None, self.finite.tolist(),
+                         [np.array(a) for a in self.logprobs] if self.logprobs is not None else None)
 
     def read(self) -> list[mx.array]:
         """The device values the host reads. Each must be queued with the round: one queued only at
         the read lands behind the next round on the stream, so the read waits for that round too
         and the host cannot queue the one after it while the device works (a k = 3 round took
         13.0 ms in the loop against 9.6 queued back to back)."""
-        return [a for a in (self.emitted, self.finite, self.n, self.drafted, self.drafts) if a is not None]
+        return [a for a in (self.emitted, self.finite, self.n, self.drafted, self.drafts) if a is not None] + \
+            (self.logprobs or [])
 
 
 @dataclass
@@ -67,6 +72,13 @@ class RoundRead:
     drafted: list[int]  # drafts that counted per row
     drafts: list[list[int]] | None
     finite: list[bool]
+    logprobs: list[np.ndarray] | None  # `logprob_arrays` per row, when the round computed them
+
+    def token_logprobs(self, row: int, tokens: list[int], n: int | None) -> list[dict] | None:
+        """Row `row`'s logprobs of its emitted `tokens` (n alternatives; None: not asked for)."""
+        if n is None or self.logprobs is None or not tokens:
+            return None
+        return logprob_dicts([a[row] for a in self.logprobs], tokens, n)
 
 
 def no_stage(name: str):
@@ -77,7 +89,7 @@ def no_stage(name: str):
 def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable, fed: Callable,
                 p_min: float = 0.0, n_min: int = 0, drafting: mx.array | None = None,
                 score: Callable | None = None, draft_pick: Callable | None = None,
-                stage: Callable = no_stage) -> Round:
+                logprobs: int | None = None, stage: Callable = no_stage) -> Round:
     """Draft, verify, accept, commit (module docstring). `last` [B]: the tokens the round starts
     from (device values); `cache`: a sequence's `TrunkCache` (B = 1) or a `BatchCache`;
     `score(drafts, logits) -> scored`: what the rule compares (penalties, or the distributions a
@@ -86,7 +98,9 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
     `drafting` [B] bool: the rows whose drafts count (None: all). `stage(name)`: the profiler's
     stage, whose list takes what a precise profile evaluates at the stage's end. `draft_pick(logits
     [B, V]) -> (tokens [B], distributions [B, V] or None)`: how a batch's drafter draws each row's
-    drafts (`row_sampling.RowSampling.draft_pick`; None: a drafter alone follows its sampler)."""
+    drafts (`row_sampling.RowSampling.draft_pick`; None: a drafter alone follows its sampler).
+    `logprobs` n (None: none asked for): the emitted tokens' log-probabilities and n alternatives
+    per row, computed with the round (`sampling.logprob_arrays`)."""
     drafts, q, confident = drafter.draft(k, p_min) if draft_pick is None else drafter.draft(k, p_min, draft_pick)
     live = live_drafts(confident, k, n_min, drafts.shape[0])
     if drafting is not None:
@@ -107,13 +121,13 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
         drafter.commit(emitted, n, fed(post, pre))
     last = mx.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
     return Round(k, emitted, n, mx.sum(live, axis=1), drafts, mx.all(mx.isfinite(logits), axis=(1, 2)), logits,
-                 last)
+                 last, logprob_arrays(logits, emitted, logprobs) if logprobs is not None else None)
 
 
 def plain_round(model, cache, drafter, last: mx.array, pick: Callable, fed: Callable,
-                stage: Callable = no_stage) -> Round:
+                stage: Callable = no_stage, logprobs: int | None = None) -> Round:
     """A round without drafts: one trunk step per row from `last` [B]; `pick(logits [B, V]) -> [B]`
-    int32 the tokens; `drafter` (None: none) keeps its head in step."""
+    int32 the tokens; `drafter` (None: none) keeps its head in step; `logprobs` as `draft_round`'s."""
     with stage("decode") as out:
         post, pre = model.forward_states(last[:, None], cache, Pass.ROUND_STEP)
         logits = model.logits(post)
@@ -121,7 +135,8 @@ def plain_round(model, cache, drafter, last: mx.array, pick: Callable, fed: Call
         out.append(token)
     if drafter is not None:
         drafter.accept_plain(token, fed(post, pre))
-    return Round(0, token[:, None], None, None, None, mx.all(mx.isfinite(logits), axis=(1, 2)), logits, token)
+    return Round(0, token[:, None], None, None, None, mx.all(mx.isfinite(logits), axis=(1, 2)), logits, token,
+                 logprob_arrays(logits, token[:, None], logprobs) if logprobs is not None else None)
 
 
 def greedy(logits: mx.array) -> mx.array:
