@@ -18,7 +18,7 @@ from .mtp import MTPBatchScheduler
 
 
 class OracleBatchScheduler(MTPBatchScheduler):
-    """`MTPBatchScheduler` whose drafts are accepted with probability `oracle` each (batches of greedy rows)."""
+    """`MTPBatchScheduler` whose drafts are accepted with probability `oracle` each."""
 
     def __init__(self, model: Model, max_batch: int = 8, oracle: float = 0.8, seed: int = 0,
                  own_thread: bool = True, profile: str = "off"):
@@ -29,7 +29,6 @@ class OracleBatchScheduler(MTPBatchScheduler):
         self._key = mx.random.key(seed)
 
     def _accept(self, rule, drafts, scored, q, live):
-        if not rule.greedy:
-            return super()._accept(rule, drafts, scored, q, live)
+        # every row, sampling ones too (their distributions are still computed: the round's cost)
         self._key, sub = mx.random.split(self._key)
         return accept_oracle_device(drafts, scored, live, self.oracle, sub)

@@ -1,6 +1,6 @@
 """Continuous batching against one stream at a time, in one process.
 
-For each concurrency C (default 1, 2, 4, 8, 16): C threads each stream one greedy completion of
+For each concurrency C (default 1, 2, 4, 8, 16): C threads each stream one greedy (or --temperature) completion of
 T tokens (a different prompt each, EOS ignored) from a model loaded with `parallel=C`
 (`batching`: every step one batched forward of the running sequences), plain and draft-mtp
 (n-max auto: the draft length the batch measures best for its size), and the same C plain
@@ -133,7 +133,10 @@ def _prompts(n: int) -> list[str]:
     return [f"# task {i}\n{stems[i % len(stems)]}" for i in range(n)]
 
 
-def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: str = "none") -> dict:
+def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: str = "none",
+                sampling: dict | None = None) -> dict:
+    """`sampling`: temperature / top_p for every stream, stream i seeded with i (so a batched
+    answer can equal its sequential one); None: greedy."""
     from mtp_engine import stream_generate
 
     sub, first, last, out = {}, {}, {}, {}
@@ -141,7 +144,8 @@ def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: 
     def one(i: int) -> None:
         sub.setdefault(i, time.perf_counter())
         toks = []
-        for c in stream_generate(prompts[i], model, max_tokens=tokens, ignore_eos=True, spec=spec):
+        kw = {**sampling, "seed": i} if sampling else {}
+        for c in stream_generate(prompts[i], model, max_tokens=tokens, ignore_eos=True, spec=spec, **kw):
             if c.token_ids and i not in first:
                 first[i] = time.perf_counter()
             toks += c.token_ids
@@ -191,12 +195,17 @@ def main(argv=None) -> int:
     ap.add_argument("--oracle", type=float, default=None,
                     help="draft-mtp rounds accept each draft with this probability (random weights draft nothing "
                          "useful); their outputs are then not compared")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampled streams (each seeded by its index; 0: greedy): their rows draw on the device, and "
+                         "draft-mtp rows draft and verify by the rejection sampler")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (1: off)")
     args = ap.parse_args(argv)
     import mlx.core as mx
 
     from mtp_engine import load
 
     levels = [int(x) for x in args.concurrency.split(",")]
+    sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
     alone = load(args.model) if not args.random_9b else _random_9b(load(args.model), args.layout)
     peer = None
     if args.random_9b or args.peer:  # mlx-lm's batch_generate at the same shape, beside ours
@@ -210,22 +219,24 @@ def main(argv=None) -> int:
         # warm-up (first-use costs out of the timings): draft-mtp as long as a timed run, so n-max
         # auto's exploration of every draft length at this batch size, and each length's first
         # verify and head shapes (compiles: a 1.9 s TTFT in a timed run on an H100), happen here
-        run_streams(batched, prompts, 4, True)
-        run_streams(batched, prompts, args.tokens, True, "draft-mtp")
-        run_streams(alone, prompts[:1], 4, False)
+        run_streams(batched, prompts, 4, True, sampling=sampling)
+        run_streams(batched, prompts, args.tokens, True, "draft-mtp", sampling)
+        run_streams(alone, prompts[:1], 4, False, sampling=sampling)
         ids = [alone.tokenizer.encode(p) for p in prompts]
         peer_rates = None if mlx_lm_batch(peer, ids, 4) is None else []  # its warm-up; None: no peer
         res = {"batched": [], "batched_mtp": [], "sequential": []}
         for _ in range(args.repeats):  # every repeat runs each config once, the peer's included
-            res["batched"].append(run_streams(batched, prompts, args.tokens, True))
-            res["batched_mtp"].append(run_streams(batched, prompts, args.tokens, True, "draft-mtp"))
-            res["sequential"].append(run_streams(alone, prompts, args.tokens, False))
+            res["batched"].append(run_streams(batched, prompts, args.tokens, True, sampling=sampling))
+            res["batched_mtp"].append(run_streams(batched, prompts, args.tokens, True, "draft-mtp", sampling))
+            res["sequential"].append(run_streams(alone, prompts, args.tokens, False, sampling=sampling))
             if peer_rates is not None:
                 peer_rates.append(mlx_lm_batch(peer, ids, args.tokens))
         row = {"concurrency": c,
-               "outputs_equal": all(b["outputs"] == s["outputs"] and (args.oracle is not None or d["outputs"] == s["outputs"])
+               # a sampled draft-mtp run's answers are its own draws (lossless, not plain's)
+               "outputs_equal": all(b["outputs"] == s["outputs"] and (args.oracle is not None or sampling is not None
+                                                                     or d["outputs"] == s["outputs"])
                                     for b, d, s in zip(res["batched"], res["batched_mtp"], res["sequential"])),
-               "oracle_acceptance": args.oracle,
+               "oracle_acceptance": args.oracle, "sampling": sampling,
                "mtp_rounds_by_k": dict(getattr(batched.scheduler, "rounds_by_k", {})),
                # what auto measured at this batch size: t(k)/t(0) per k and the plain round's seconds
                # (the cost curve a batch's draft length is chosen on)
