@@ -363,7 +363,8 @@ class BatchScheduler:
 def sampling(rows: list[Sequence]) -> RowSampling:
     """The rows' sampling rules for a round on the device (a row sampled on the host: greedy there)."""
     return RowSampling([s.sampler.cfg for s in rows],
-                       [s.sampler.draws if s.sampler.on_device and not s.sampler.cfg.greedy else None for s in rows])
+                       [s.sampler.draws if s.sampler.on_device and not s.sampler.cfg.greedy else None for s in rows],
+                       [s.draft for s in rows])
 
 
 def logprobs_asked(rows: list[Sequence]) -> int | None:

@@ -15,34 +15,43 @@ from .round import accept_greedy_device, accept_sampling_device, greedy
 
 
 class RowSampling:
-    """The rows' rules for one round: `cfgs[b]`, drawn with `draws[b]` (None: a greedy row)."""
+    """The rows' rules for one round: `cfgs[b]`, drawn with `draws[b]` (None: a greedy row);
+    `drafting[b]`: whether row b's drafts count (None: every row's). A sampling row that does not
+    draft takes a plain step's draw (one key, its first verify row): the draws it makes are the
+    ones it makes alone."""
 
-    def __init__(self, cfgs: list[SamplerConfig], draws: list[DeviceDraws | None]):
+    def __init__(self, cfgs: list[SamplerConfig], draws: list[DeviceDraws | None],
+                 drafting: list[bool] | None = None):
         self.cfgs = cfgs
         self.draws = [d if not c.greedy else None for c, d in zip(cfgs, draws)]
         self.sampled = [d is not None for d in self.draws]
-        mixed = any(self.sampled) and not all(self.sampled)
-        self._mask = mx.array(self.sampled) if mixed else None  # [B]: the sampling rows of a mixed batch
+        drafting = drafting if drafting is not None else [True] * len(cfgs)
+        self._drafts = [s and d for s, d in zip(self.sampled, drafting)]  # sampling rows that draft
+        self._steps = [s and not d for s, d in zip(self.sampled, drafting)]  # sampling rows that step
 
     @property
     def greedy(self) -> bool:
         """Whether every row takes its argmax (the round draws nothing)."""
         return not any(self.sampled)
 
-    def _keys(self) -> mx.array:
-        """[B, 2]: a fresh key per sampling row (a greedy row's is a constant, its draw unused)."""
+    def _keys(self, rows: list[bool]) -> mx.array:
+        """[B, 2]: a fresh key for each of `rows` (another row's is a constant, its draw unused)."""
         unused = mx.random.key(0)
-        return mx.stack([d.next() if d is not None else unused for d in self.draws])
+        return mx.stack([d.next() if r else unused for d, r in zip(self.draws, rows)])
 
-    def _mix(self, drawn: mx.array, argmax: mx.array) -> mx.array:
-        """Each row's value: the sampling rows' `drawn`, the greedy rows' `argmax` ([B, ...])."""
-        if self._mask is None:
-            return drawn
-        return mx.where(self._mask.reshape(-1, *([1] * (drawn.ndim - 1))), drawn, argmax)
+    @staticmethod
+    def _mix(rows: list[bool], value: mx.array, other: mx.array) -> mx.array:
+        """Each row's value: `value` for `rows`, `other` for the rest ([B, ...])."""
+        if all(rows):
+            return value
+        if not any(rows):
+            return other
+        return mx.where(mx.array(rows).reshape(-1, *([1] * (value.ndim - 1))), value, other)
 
-    def _draw(self, p: mx.array) -> mx.array:
-        """[B] int32: row b's token drawn from p[b] [V] with its own key."""
-        keys, logp = self._keys(), mx.log(p)
+    def _draw(self, p: mx.array, rows: list[bool]) -> mx.array:
+        """[B] int32: row b's token drawn from p[b] [V] with its own key, for `rows` (the others'
+        draws unused)."""
+        keys, logp = self._keys(rows), mx.log(p)
         return mx.stack([mx.random.categorical(logp[b], key=keys[b]) for b in range(p.shape[0])]).astype(mx.int32)
 
     def pick(self, logits: mx.array) -> mx.array:
@@ -50,32 +59,37 @@ class RowSampling:
         argmax = greedy(logits)
         if self.greedy:
             return argmax
-        return self._mix(self._draw(distribution_rows(logits, self.cfgs)), argmax)
+        return self._mix(self.sampled, self._draw(distribution_rows(logits, self.cfgs), self.sampled), argmax)
 
     def draft_pick(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         """A draft step's tokens [B] int32 from the head's logits [B, V], and the distributions they
-        were drawn from [B, V] (None: every row greedy)."""
+        were drawn from [B, V] (None: no row draws)."""
         argmax = greedy(logits)
-        if self.greedy:
+        if not any(self._drafts):
             return argmax, None
         q = distribution_rows(logits, self.cfgs)
-        return self._mix(self._draw(q), argmax), q
+        return self._mix(self._drafts, self._draw(q, self._drafts), argmax), q
 
     def score(self, drafts: mx.array, logits: mx.array) -> mx.array:
         """What each row's rule compares, from the verify's logits [B, k+1, V]: a sampling row's
         distributions, a greedy row's logits."""
         if self.greedy:
             return logits
-        return self._mix(distribution_rows(logits, self.cfgs), logits)
+        return self._mix(self.sampled, distribution_rows(logits, self.cfgs), logits)
 
     def accept(self, drafts: mx.array, scored: mx.array, q: mx.array | None,
                live: mx.array) -> tuple[mx.array, mx.array]:
         """(n accepted [B], emitted [B, k+1]): the greedy prefix match for greedy rows, the
-        rejection sampler for sampling rows."""
-        if self.greedy:
-            return accept_greedy_device(drafts, scored, live)
-        n, emitted = accept_sampling_device(drafts, scored, q, live, self._keys())
-        if self._mask is None:
-            return n, emitted
-        n_greedy, emitted_greedy = accept_greedy_device(drafts, scored, live)
-        return self._mix(n, n_greedy), self._mix(emitted, emitted_greedy)
+        rejection sampler for sampling rows that draft, a plain step's draw for those that do not."""
+        n, emitted = accept_greedy_device(drafts, scored, live) if not all(self.sampled) else (None, None)
+        if any(self._drafts):
+            n_s, e_s = accept_sampling_device(drafts, scored, q, live, self._keys(self._drafts))
+            n, emitted = (n_s, e_s) if n is None else (self._mix(self._drafts, n_s, n),
+                                                       self._mix(self._drafts, e_s, emitted))
+        if any(self._steps):
+            token = self._draw(scored[:, 0], self._steps)
+            n_p = mx.zeros(token.shape, mx.int32)
+            e_p = mx.broadcast_to(token[:, None], (token.shape[0], drafts.shape[1] + 1))
+            n, emitted = (n_p, e_p) if n is None else (self._mix(self._steps, n_p, n),
+                                                       self._mix(self._steps, e_p, emitted))
+        return n, emitted
