@@ -39,8 +39,8 @@ def test_batch_greedy_equals_each_alone(models, path):
 
 
 @pytest.mark.parametrize("extra", [dict(repeat_penalty=1.3, presence_penalty=0.5), dict(min_p=0.05),
-                                   dict(spec="draft-mtp", n_max=2), dict(spec="draft-mtp", n_max=3, top_k=0)],
-                         ids=["penalties-host", "device", "draft-mtp-2", "draft-mtp-3"])
+                                   dict(spec="draft-mtp", n_max=2), dict(spec="draft-mtp", n_max=3, top_k=0, logprobs=2)],
+                         ids=["penalties-host", "device", "draft-mtp-2", "draft-mtp-3-logprobs"])
 def test_batch_sampling_and_penalties_equal_each_alone(shipped_model, extra):
     """Each sequence keeps its own sampler: seeded draws, top-k/p, penalties as alone. Rows drawn
     on the device (no penalties) draw their keys in the order they do alone, so a seeded answer
@@ -49,6 +49,11 @@ def test_batch_sampling_and_penalties_equal_each_alone(shipped_model, extra):
     want = _alone(shipped_model, PROMPTS[:4], **kw)
     got = batch_generate(PROMPTS[:4], shipped_model, parallel=3, **kw)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    if "logprobs" in extra:  # computed on the device with the round, as alone (to the rows' rounding)
+        for g, w in zip(got, want):
+            assert [(a["token"], [t for t, _ in a["top"]]) for a in g.logprobs] == \
+                [(b["token"], [t for t, _ in b["top"]]) for b in w.logprobs] and len(g.logprobs) == 10
+            assert [a["logprob"] for a in g.logprobs] == pytest.approx([b["logprob"] for b in w.logprobs], abs=1e-4)
     if extra.get("spec"):  # sampled rows draft in a batch, and their drafts are kept
         assert all(g.stats["drafted"] for g in got) and sum(g.stats["accepted"] for g in got) > 0
 

@@ -33,10 +33,13 @@ def _tokens(dec, tok, n):
     return out, ch.stats
 
 
+@pytest.mark.parametrize("cfg", [{}, dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("spec", ["none", 1, 3, "auto"])
-def test_pipelined_equals_unpipelined_and_stops_at_max_tokens(tiny, spec):
+def test_pipelined_equals_unpipelined_and_stops_at_max_tokens(tiny, spec, cfg):
+    """Queued ahead or not, the same tokens (and logprobs): a sampled step draws on the device,
+    its logprobs come with it, so sampling and logprobs keep the pipeline."""
     def make(pipeline):
-        s = Sampler(SamplerConfig())
+        s = Sampler(SamplerConfig(**cfg))
         if spec == "none":
             return PlainDecoder(tiny.model, s, pipeline=pipeline)
         from mtp_engine.speculative.scheduler import DraftLengthScheduler
@@ -44,10 +47,14 @@ def test_pipelined_equals_unpipelined_and_stops_at_max_tokens(tiny, spec):
                                scheduler=DraftLengthScheduler({k: 1.1 for k in range(1, 9)}) if spec == "auto" else None)
 
     n = 23
-    a = make(True)
-    ref, _ = _tokens(make(False), tiny.tokenizer, n)
+    a, b = make(True), make(False)
+    ref, _ = _tokens(b, tiny.tokenizer, n)
     got, st = _tokens(a, tiny.tokenizer, n)
     assert got == ref and len(got) == n
+    if cfg:
+        assert a.round_logprobs == b.round_logprobs and len(a.round_logprobs[0]["top"]) == 2
+    if spec == "none":
+        assert a._pipelined() and not b._pipelined()
     if spec == "none":  # every token but the last was fed; no step was queued past max_tokens
         assert a.cache.offset == len(IDS) + n - 1
     assert st["time_to_first_token_seconds"] > 0 and "compile_seconds" in st
