@@ -309,7 +309,14 @@ class BatchScheduler:
         """Queues one round over `rows`, from each row's last token (the host's, or `prev`'s still
         on the device)."""
         last = prev.last if prev is not None else mx.array([s.last_token for s in rows], mx.int32)
-        r = self._round(rows, last)
+        for b, s in enumerate(rows):  # a row's penalties go on through `prev`'s tokens, unread yet
+            s.sampler.unread = None if prev is None else \
+                (prev.emitted[b], prev.n[b] + 1 if prev.n is not None else mx.array(1))
+        try:
+            r = self._round(rows, last)
+        finally:
+            for s in rows:
+                s.sampler.unread = None
         mx.async_eval(*r.read(), *self._batch.arrays(), *self._round_arrays(rows))
         return Launched(rows, r)
 
@@ -364,7 +371,9 @@ def sampling(rows: list[Sequence]) -> RowSampling:
     """The rows' sampling rules for a round on the device (a row sampled on the host: greedy there)."""
     return RowSampling([s.sampler.cfg for s in rows],
                        [s.sampler.draws if s.sampler.on_device and not s.sampler.cfg.greedy else None for s in rows],
-                       [s.draft for s in rows])
+                       [s.draft for s in rows],
+                       [s.sampler.penalize if s.sampler.cfg.penalties.active and s.sampler.on_device else None
+                        for s in rows])
 
 
 def logprobs_asked(rows: list[Sequence]) -> int | None:

@@ -207,18 +207,23 @@ class PlainDecoder(DecoderBase):
 
     def _drawn(self, logits: mx.array) -> list[mx.array]:
         """A step's device values from its logits [V], evaluated asynchronously: its token
-        (`Sampler.draw`), whether the logits are finite, and its logprobs where asked for."""
-        token = self.sampler.draw(logits)
+        (`Sampler.draw` of the penalised logits), whether the logits are finite, and its logprobs
+        where asked for."""
+        token = self.sampler.draw(self.sampler.penalize(logits))
         out = [token, mx.all(mx.isfinite(logits))]
         if self.sampler.cfg.logprobs is not None:
             out += logprob_arrays(logits[None], token.reshape(1), self.sampler.cfg.logprobs)
         mx.async_eval(*out)
         return out
 
-    def _queue_step(self, token: mx.array) -> list[mx.array]:
-        """The next step from a token still on the device (`_drawn`)."""
+    def _queue_step(self, token: mx.array, unread: bool) -> list[mx.array]:
+        """The next step from `token` on the device (`_drawn`); `unread`: the host has not read it
+        yet (its penalties' history goes on through it)."""
         h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
-        return self._drawn(self.model.logits(h[0, -1]))
+        self.sampler.unread = (token.reshape(1), mx.array(1)) if unread else None
+        drawn = self._drawn(self.model.logits(h[0, -1]))
+        self.sampler.unread = None
+        return drawn
 
     def _take(self, drawn: list[mx.array]) -> list[int]:
         """The host reads a `_drawn` step: its token becomes the last one, with its logprobs."""
@@ -247,7 +252,7 @@ class PlainDecoder(DecoderBase):
             if self._pipelined():
                 cur = self._drawn(logits)
                 if self._wanted() > 1:
-                    self._next = self._queue_step(cur[0])
+                    self._next = self._queue_step(cur[0], unread=True)
                 emitted = self._take(cur)
             else:
                 self.last_token = self.sampler.sample(logits)
@@ -258,8 +263,8 @@ class PlainDecoder(DecoderBase):
     def step(self) -> list[int]:
         """Feeds the last token; returns the next one."""
         if self._pipelined():
-            cur = self._next or self._queue_step(mx.array(self.last_token))
-            self._next = self._queue_step(cur[0]) if self._wanted() > 1 else None
+            cur = self._next or self._queue_step(mx.array(self.last_token), unread=False)
+            self._next = self._queue_step(cur[0], unread=True) if self._wanted() > 1 else None
             emitted = self._take(cur)
             self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
             return emitted

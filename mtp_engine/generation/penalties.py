@@ -61,9 +61,11 @@ class PenaltyHistory:
         n = self.cfg.repeat_last_n
         return list(self.tokens) if n < 0 else self.tokens[-n:] if n else []
 
-    def penalize(self, logits: mx.array, extra: mx.array | None = None, offset: int = 0) -> mx.array:
-        """Penalised logits. `logits` is [V] or [R, V]; row r's history is the host history
-        followed by extra[:offset + r] (device tokens: the round's drafts)."""
+    def penalize(self, logits: mx.array, extra: mx.array | None = None, offset: int = 0,
+                 unread: tuple[mx.array, mx.array] | None = None) -> mx.array:
+        """Penalised logits. `logits` is [V] or [R, V]; row r's history is the host history, then
+        the first `count` of `unread` = (tokens [m], count: a device scalar; a round the host has not
+        read yet, queued ahead), then extra[:offset + r] (device tokens: the round's drafts)."""
         if not self.cfg.active:
             return logits
         single = logits.ndim == 1
@@ -71,19 +73,29 @@ class PenaltyHistory:
         rows = rows.astype(mx.float32)
         r_count, vocab = rows.shape
         e = 0 if extra is None else int(extra.shape[0])
+        m = 0 if unread is None else int(unread[0].shape[0])
         hist = self.window()
-        # no window is longer than all the tokens there are: -1 (whole context) and huge values agree
-        limit = self.cfg.repeat_last_n if self.cfg.repeat_last_n > 0 else len(hist) + e
-        n = max(1, min(limit, len(hist) + e))
+        # no window is longer than all the tokens there may be: -1 (whole context) and huge values agree
+        limit = self.cfg.repeat_last_n if self.cfg.repeat_last_n > 0 else len(hist) + m + e
+        n = max(1, min(limit, len(hist) + m + e))
         # -1 marks "no token" where the history is shorter than the window
-        seq = mx.array([-1] * (n - len(hist)) + hist[len(hist) - min(n, len(hist)):], dtype=mx.int32)
+        parts = [mx.array([-1] * (n - min(n, len(hist))) + hist[len(hist) - min(n, len(hist)):], dtype=mx.int32)]
+        if m:
+            parts.append(unread[0].reshape(-1).astype(mx.int32))
         if e:
-            seq = mx.concatenate([seq, extra.reshape(-1).astype(mx.int32)])
+            parts.append(extra.reshape(-1).astype(mx.int32))
         short = offset + r_count - 1 - e
         if short > 0:
-            seq = mx.concatenate([seq, mx.full((short,), -1, mx.int32)])
-        # row r: the last n tokens of history + extra[:offset + r] = seq[offset + r : offset + r + n]
+            parts.append(mx.full((short,), -1, mx.int32))
+        seq = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        # row r: the last n tokens of history + unread[:count] + extra[:offset + r], at virtual
+        # positions count + offset + r ... + n - 1 of (window, unread[:count], extra); past the
+        # window and the counted unread tokens a position skips unread's m - count others
         idx = mx.arange(r_count)[:, None] + offset + mx.arange(n)[None, :]
+        if m:
+            count = unread[1].astype(mx.int32)
+            idx = idx + count
+            idx = mx.where(idx < n + count, idx, idx + m - count)
         win = seq[idx]
         valid = win >= 0
         row_ids = mx.broadcast_to(mx.arange(r_count)[:, None], win.shape)

@@ -152,6 +152,9 @@ class Sampler:
         self.history = PenaltyHistory(cfg.penalties)
         self.grammar = grammar  # a constraint's GrammarState (constraint.py): logits masked to it
         self._draws: DeviceDraws | None = None
+        # the tokens of a round queued ahead that the host has not read (tokens [m], how many count:
+        # a device value), set by whoever queues it: the penalties' history goes on through them
+        self.unread: tuple[mx.array, mx.array] | None = None
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Starts the penalty history with the prompt (llama.cpp penalises prompt tokens too)."""
@@ -165,9 +168,9 @@ class Sampler:
             self.grammar.accept(tokens)
 
     def penalize(self, logits: mx.array, extra: mx.array | None = None, offset: int = 0) -> mx.array:
-        """Logits with the repetition penalties applied (row r's history: the generation's plus
-        extra[:offset + r]); unchanged when no penalty is set."""
-        return self.history.penalize(logits, extra, offset)
+        """Logits with the repetition penalties applied (row r's history: the generation's, the
+        `unread` round's tokens, then extra[:offset + r]); unchanged when no penalty is set."""
+        return self.history.penalize(logits, extra, offset, self.unread)
 
     def constrain(self, logits: mx.array, drafts: Any = None) -> mx.array:
         """Logits with the tokens a constraint refuses at -inf (row r: after drafts[:r]; `drafts`
@@ -192,12 +195,13 @@ class Sampler:
 
     @property
     def on_device(self) -> bool:
-        """Whether the next token comes from the logits alone, with no host-side state (history,
-        grammar): its argmax, or a draw on the device from a key (`DeviceDraws`). Then a decode
-        loop may queue the next step from the token still on the device before the host reads it
-        (its logprobs, where asked for, computed with it: `logprob_arrays`), and a batch's row may
-        draft."""
-        return not self.cfg.penalties.active and self.grammar is None
+        """Whether the next token is drawn on the device, with no host decision (a grammar's
+        masks follow the tokens the host read): its argmax or a draw with a key (`DeviceDraws`),
+        from logits penalised by the history the host read plus the `unread` round's. Then a
+        decode loop may queue the next step from the token still on the device before the host
+        reads it (its logprobs, where asked for, computed with it: `logprob_arrays`), and a batch's
+        row may draft."""
+        return self.grammar is None
 
     @property
     def draws(self) -> DeviceDraws:

@@ -88,6 +88,7 @@ class SpeculativeDecoder(PlainDecoder):
         self._queued: list[Queued] = []
         self._prev_k = -1
         self._last_dev: mx.array | None = None  # the next round's first input, on the device
+        self._in_flight: Round | None = None  # the round queued last, until the host reads it
 
     def _fed(self, post: mx.array, pre: mx.array) -> mx.array:
         """The trunk state a drafter reads: the post-norm hidden state (what the output head reads;
@@ -120,7 +121,7 @@ class SpeculativeDecoder(PlainDecoder):
             if self.prompt_cache is not None:
                 self.prompt_cache.keep(self.model, ids[:-1], self.cache, self.drafter.name,
                                        self.drafter.prefix_state())
-        self._queued, self._prev_k = [], -1
+        self._queued, self._prev_k, self._in_flight = [], -1, None
         self._last_dev = mx.array([ids[-1]], dtype=mx.int32)
         self.cache.kv_to_device()
         self.drafter.to_device()
@@ -167,31 +168,41 @@ class SpeculativeDecoder(PlainDecoder):
 
     def _ahead(self) -> bool:
         """Whether the next round is queued before the host reads this one (module docstring)."""
-        return (self.pipeline and not self.prof.enabled and not self.sampler.cfg.penalties.active
-                and self.sampler.grammar is None and not self.drafter.reads_history)
+        return (self.pipeline and not self.prof.enabled and self.sampler.grammar is None
+                and not self.drafter.reads_history)
 
     # ---- launch -------------------------------------------------------------------------------
     def _launch(self, k: int) -> Queued:
         if k == 0:
             return self._launch_plain()
         shapes = self._shapes(k)
+        self.sampler.unread = self._unread()
         r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k, self._accept, self._fed,
                         self.params.p_min, self.params.n_min, score=self._score, logprobs=self.sampler.cfg.logprobs,
                         stage=self.prof.stage)
-        self._last_dev = r.last
         return self._queue(Queued(r, k + 1, shapes))
+
+    def _unread(self) -> tuple[mx.array, mx.array] | None:
+        """The tokens of the round queued last that the host has not read (the penalties' history
+        of the round queued now goes on through them), or None."""
+        r = self._in_flight
+        if r is None:
+            return None
+        return (r.emitted[0], r.n[0] + 1) if r.n is not None else (r.emitted[0], mx.array(1))
 
     def _shapes(self, k: int) -> list:
         """The forward shapes a round of k drafts runs (a first use compiles)."""
         return self.drafter.round_shapes(k) + [("trunk", k + 1, True, kv_capacity(self.cache))]
 
     def _launch_plain(self) -> Queued:
+        self.sampler.unread = self._unread()
         r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed, self.prof.stage,
                         self.sampler.cfg.logprobs)
-        self._last_dev = r.last
         return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
 
     def _queue(self, r: Queued) -> Queued:
+        self.sampler.unread = None  # the host's own draws (`Sampler.sample`) follow the history it read
+        self._last_dev, self._in_flight = r.round.last, r.round
         if self._ahead():
             mx.async_eval(*r.read(), *self.drafter.pending_arrays())
         return r
@@ -222,6 +233,8 @@ class SpeculativeDecoder(PlainDecoder):
             block = [] if self._queued else self.drafter.pending_arrays()
             mx.eval(*r.read(), *block)
             d = r.round.host()
+            if self._in_flight is r.round:
+                self._in_flight = None
             check_finite(d.finite[0])
             n, drafted, emitted = d.n[0], d.drafted[0], d.emitted[0]
             drafts = d.drafts[0][:drafted] if d.drafts is not None else []

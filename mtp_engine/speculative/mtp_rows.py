@@ -26,8 +26,8 @@ from ..model.qwen35 import Qwen35Model
 from .round import greedy, no_stage
 
 
-def greedy_rows(logits: mx.array) -> tuple[mx.array, None]:
-    """Every row's draft its argmax (a batch of greedy rows)."""
+def greedy_rows(logits: mx.array, drafts: list[mx.array]) -> tuple[mx.array, None]:
+    """Every row's draft its argmax (a batch of greedy rows without penalties)."""
     return greedy(logits), None
 
 
@@ -96,8 +96,8 @@ class MTPRowsDrafter:
               pick: Callable = greedy_rows) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """k drafts per row as device values: (tokens [B, k] int32, the distributions they were
         drawn from [B, k, V] (None: every row greedy), whether each passed p-min [B, k] when p-min
-        is set). `pick(logits [B, V]) -> (tokens [B], distributions or None)`: each row's rule
-        (`RowSampling.draft_pick`)."""
+        is set). `pick(logits [B, V], drafts so far) -> (tokens [B], distributions or None)`: each
+        row's rule (`RowSampling.draft_pick`)."""
         m, cache = self.model, self.cache
         with self.stage("catch_up") as out:
             h = self._run_block()
@@ -107,7 +107,7 @@ class MTPRowsDrafter:
         with self.stage("draft") as out:
             for i in range(k):
                 logits = m.draft_logits(h[:, 0])  # [B, V]
-                d, q = pick(logits)
+                d, q = pick(logits, drafts)
                 if q is not None:
                     qs.append(q)
                 if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1

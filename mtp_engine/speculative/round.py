@@ -97,7 +97,7 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
     emitted)`: the acceptance rule over rows; `fed(post, pre)`: the trunk state the drafter reads;
     `drafting` [B] bool: the rows whose drafts count (None: all). `stage(name)`: the profiler's
     stage, whose list takes what a precise profile evaluates at the stage's end. `draft_pick(logits
-    [B, V]) -> (tokens [B], distributions [B, V] or None)`: how a batch's drafter draws each row's
+    [B, V], drafts so far) -> (tokens [B], distributions [B, V] or None)`: how a batch's drafter draws each row's
     drafts (`row_sampling.RowSampling.draft_pick`; None: a drafter alone follows its sampler).
     `logprobs` n (None: none asked for): the emitted tokens' log-probabilities and n alternatives
     per row, computed with the round (`sampling.logprob_arrays`)."""

@@ -3,12 +3,16 @@ the device: a greedy row takes the argmax; a sampling row draws from its own dis
 (temperature, top-k, top-p, min-p: `sampling.distribution_rows`) with its own key
 (`sampling.DeviceDraws`, from its seeded generator), its drafts drawn from the head's distribution
 under the same settings and kept by the rejection sampler (`round.accept_sampling_device`), so each
-row is lossless on its own whatever the others do. A row whose token needs the host (penalties, a
-grammar, logprobs: `Sampler.on_device` is false) is a greedy row here and its caller samples it.
+row is lossless on its own whatever the others do. Each row's logits are penalised first by its
+own history (`Sampler.penalize`: the tokens its host read, its unread round's, the drafts before
+the row). A row whose token needs the host (a grammar: `Sampler.on_device` is false) is a greedy
+row here and its caller samples it.
 """
 from __future__ import annotations
 
 import mlx.core as mx
+
+from typing import Callable
 
 from ..generation.sampling import DeviceDraws, SamplerConfig, distribution_rows
 from .round import accept_greedy_device, accept_sampling_device, greedy
@@ -16,13 +20,14 @@ from .round import accept_greedy_device, accept_sampling_device, greedy
 
 class RowSampling:
     """The rows' rules for one round: `cfgs[b]`, drawn with `draws[b]` (None: a greedy row);
-    `drafting[b]`: whether row b's drafts count (None: every row's). A sampling row that does not
-    draft takes a plain step's draw (one key, its first verify row): the draws it makes are the
-    ones it makes alone."""
+    `drafting[b]`: whether row b's drafts count (None: every row's); `penalize[b]` (None: none for
+    the row) its `Sampler.penalize`. A sampling row that does not draft takes a plain step's draw
+    (one key, its first verify row): the draws it makes are the ones it makes alone."""
 
     def __init__(self, cfgs: list[SamplerConfig], draws: list[DeviceDraws | None],
-                 drafting: list[bool] | None = None):
+                 drafting: list[bool] | None = None, penalize: list[Callable | None] | None = None):
         self.cfgs = cfgs
+        self.penalize = penalize if penalize is not None and any(penalize) else None
         self.draws = [d if not c.greedy else None for c, d in zip(cfgs, draws)]
         self.sampled = [d is not None for d in self.draws]
         drafting = drafting if drafting is not None else [True] * len(cfgs)
@@ -54,16 +59,26 @@ class RowSampling:
         keys, logp = self._keys(rows), mx.log(p)
         return mx.stack([mx.random.categorical(logp[b], key=keys[b]) for b in range(p.shape[0])]).astype(mx.int32)
 
+    def _penalised(self, logits: mx.array, extra=None) -> mx.array:
+        """Each row's logits penalised by its own history; `extra(b)`: (row b's device tokens after
+        its history, offset) as `Sampler.penalize` takes them."""
+        if self.penalize is None:
+            return logits
+        return mx.stack([p(logits[b], *(extra(b) if extra else ())) if p is not None else logits[b]
+                         for b, p in enumerate(self.penalize)])
+
     def pick(self, logits: mx.array) -> mx.array:
         """A plain round's tokens [B] int32 from logits [B, V]."""
+        logits = self._penalised(logits)
         argmax = greedy(logits)
         if self.greedy:
             return argmax
         return self._mix(self.sampled, self._draw(distribution_rows(logits, self.cfgs), self.sampled), argmax)
 
-    def draft_pick(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        """A draft step's tokens [B] int32 from the head's logits [B, V], and the distributions they
-        were drawn from [B, V] (None: no row draws)."""
+    def draft_pick(self, logits: mx.array, drafts: list[mx.array]) -> tuple[mx.array, mx.array | None]:
+        """A draft step's tokens [B] int32 from the head's logits [B, V] after the round's `drafts`
+        so far ([B] each), and the distributions they were drawn from [B, V] (None: no row draws)."""
+        logits = self._penalised(logits, (lambda b: (mx.stack([d[b] for d in drafts]), len(drafts))) if drafts else None)
         argmax = greedy(logits)
         if not any(self._drafts):
             return argmax, None
@@ -72,7 +87,8 @@ class RowSampling:
 
     def score(self, drafts: mx.array, logits: mx.array) -> mx.array:
         """What each row's rule compares, from the verify's logits [B, k+1, V]: a sampling row's
-        distributions, a greedy row's logits."""
+        distributions, a greedy row's logits (penalised, row i after drafts 1..i)."""
+        logits = self._penalised(logits, lambda b: (drafts[b],))
         if self.greedy:
             return logits
         return self._mix(self.sampled, distribution_rows(logits, self.cfgs), logits)
