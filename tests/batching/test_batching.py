@@ -172,6 +172,8 @@ def test_a_sequence_whose_sampler_fails_mid_decode_ends_alone(models, monkeypatc
     """A row's own sampling failing inside a round (its grammar library or sampler raising,
     say) fails that sequence with the engine's error type; the rows beside it in the same rounds
     decode on to their answers."""
+    pytest.importorskip("llguidance")
+    from mtp_engine import Constraint
     from mtp_engine.generation.sampling import Sampler
 
     tiny = models(need(TINY_Q4))
@@ -191,10 +193,11 @@ def test_a_sequence_whose_sampler_fails_mid_decode_ends_alone(models, monkeypatc
     out: dict[int, object] = {}
 
     def one(i):
-        # a penalised row: sampled on the host each round (a row drawn on the device never calls `sample`)
-        kw = dict(temperature=0.7, seed=666, repeat_penalty=1.1) if i == 2 else {}
+        # a grammar's row: sampled on the host each round (a row drawn on the device never calls `sample`)
+        kw = dict(temperature=0.7, seed=666, constraint=Constraint.regex(r"[a-z ]+")) if i == 2 else \
+            dict(ignore_eos=True)
         try:
-            out[i] = generate(PROMPTS[i], par, max_tokens=24, ignore_eos=True, **kw).token_ids
+            out[i] = generate(PROMPTS[i], par, max_tokens=24, **kw).token_ids
         except Exception as e:  # noqa: BLE001 - checked below
             out[i] = e
 
@@ -278,8 +281,9 @@ def test_requests_the_batch_cannot_take_run_alone(parallel_model, shipped_model)
 def test_greedy_batches_queue_the_next_step_before_reading_this_one(models, monkeypatch):
     """With every row greedy the scheduler queues step t+1 from step t's argmax still on the
     device, then delivers step t; rows that join or leave in between (five prompts of mixed
-    lengths through two slots) still get every token as alone. A sampled row keeps it (its token
-    is drawn on the device); a penalised row turns it off (its scores need the host's history)."""
+    lengths through two slots) still get every token as alone. Sampled and penalised rows keep it
+    (their tokens are drawn on the device, the penalties' history going on through the unread
+    round's tokens); a grammar's row turns it off (its masks follow the tokens the host read)."""
     from mtp_engine.batching.scheduler import BatchScheduler
 
     m = models(need(TINY_Q4))
@@ -295,8 +299,14 @@ def test_greedy_batches_queue_the_next_step_before_reading_this_one(models, monk
     batch_generate(PROMPTS[:2], m, max_tokens=6, ignore_eos=True, parallel=2, temperature=0.7, seed=1)
     assert sum(ahead) > len(ahead) // 2, ahead
     ahead.clear()
-    batch_generate(PROMPTS[:2], m, max_tokens=6, ignore_eos=True, parallel=2, temperature=0.7, seed=1,
-                   repeat_penalty=1.2)
+    kw = dict(max_tokens=6, ignore_eos=True, temperature=0.7, seed=1, repeat_penalty=1.2)
+    got = batch_generate(PROMPTS[:2], m, parallel=2, **kw)
+    assert sum(ahead) > len(ahead) // 2, ahead
+    assert [g.token_ids for g in got] == [w.token_ids for w in _alone(m, PROMPTS[:2], **kw)]
+    pytest.importorskip("llguidance")
+    from mtp_engine import Constraint
+    ahead.clear()
+    batch_generate(PROMPTS[:2], m, max_tokens=6, parallel=2, constraint=Constraint.regex(r"[a-z ]+"))
     assert ahead and not any(ahead)
 
 

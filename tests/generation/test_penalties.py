@@ -59,6 +59,30 @@ def test_penalize_rows_equal_reference(cfg):
         np.testing.assert_allclose(one, _reference(logits[j], history + drafts[:j], cfg), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cfg", [PenaltyConfig(0.7, 0.4, 1.3, 6), PenaltyConfig(0.2, 0.3, 1.5, -1),
+                                 PenaltyConfig(0.0, 0.0, 1.2, 50)])
+@pytest.mark.parametrize("count", [1, 3, 5])
+def test_an_unread_rounds_tokens_count_as_history(cfg, count):
+    """A round queued before the host read the one before it: that round's emitted tokens (5, of
+    which a device count are real) continue the history, for the verify's rows and a draft step's."""
+    rng = np.random.default_rng(count)
+    vocab = 40
+    history = [int(t) for t in rng.integers(0, 12, 9)]
+    unread = [int(t) for t in rng.integers(0, 12, 5)]
+    drafts = [int(t) for t in rng.integers(0, 12, 3)]
+    logits = rng.normal(0, 2, (len(drafts) + 1, vocab)).astype(np.float32)
+    h = PenaltyHistory(cfg)
+    h.tokens = list(history)
+    pending = (mx.array(unread), mx.array(count))
+    got = np.array(h.penalize(mx.array(logits), mx.array(drafts), unread=pending))
+    seen = history + unread[:count]
+    for r in range(len(drafts) + 1):
+        np.testing.assert_allclose(got[r], _reference(logits[r], seen + drafts[:r], cfg), rtol=1e-5, atol=1e-5)
+    for j in range(len(drafts) + 1):
+        one = np.array(h.penalize(mx.array(logits[j]), mx.array(drafts[:j]) if j else None, j, pending))
+        np.testing.assert_allclose(one, _reference(logits[j], seen + drafts[:j], cfg), rtol=1e-5, atol=1e-5)
+
+
 def test_penalties_off_leave_logits_untouched():
     h = PenaltyHistory(PenaltyConfig())
     h.tokens = [1, 1, 2]
