@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|spec|startup|bench|context|batch|batch9b|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|batch|batch9b|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -64,6 +64,11 @@ if [ "$what" = diag ]; then  # one call's worth of the open questions: which op 
     timeout 180 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 3 --shapes 9b \
         --accs 0.5,0.8,0.9 --out "$out/auto" > "$out/auto.log" 2>&1
     echo "auto rc=$?"; tail -8 "$out/auto.log"
+fi
+if [ "$what" = sampled ]; then  # batches of sampled streams (top-p 0.95): their rows draw and draft on the device
+    timeout 300 python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 1,4,8 --repeats 1 --oracle 0.8 \
+        --temperature 0.8 --top-p 0.95 --out "$out/batch9b-sampled.json" > "$out/batch9b-sampled.log" 2>&1
+    echo "sampled rc=$?"; tail -3 "$out/batch9b-sampled.log"
 fi
 if [ "$what" = spec ]; then  # auto's speedups against fixed n-max at the 9B shape
     timeout 330 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 2 --shapes 9b \
