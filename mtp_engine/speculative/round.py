@@ -220,6 +220,14 @@ def jit_accept_sampling(rows: str) -> tuple[mx.array, mx.array]:
     return mx.compile(accept_sampling_device.__wrapped__)(drafts, p, p[:, :-1], live, mx.random.key(0))
 
 
+def jit_accept_sampling_rows(rows: str) -> tuple[mx.array, mx.array]:
+    """The rejection sampler with a key per row (a batch's sampling rows, `RowSampling`)."""
+    drafts, live, scored = _tiny(rows)
+    p = mx.softmax(scored, axis=-1)
+    keys = mx.stack([mx.random.key(b) for b in range(drafts.shape[0])])
+    return mx.compile(accept_sampling_device.__wrapped__)(drafts, p, p[:, :-1], live, keys)
+
+
 def jit_agreeing(rows: str) -> mx.array:
     drafts, live, _ = _tiny(rows)
     return mx.compile(_agreeing)(drafts, mx.zeros((drafts.shape[0], 4), mx.int32), live)
@@ -231,8 +239,8 @@ def jit_emit(rows: str) -> mx.array:
     return mx.compile(_emit)(drafts, mx.zeros((b,), mx.int32), mx.zeros((b,), mx.int32))
 
 
-# (phase, recipe): the greedy round's pieces (2), a batch's (3), the sampler's (4: after a long
-# prompt's and a batch's, `batching.warm`)
+# (phase, recipe): the greedy round's pieces (2), a batch's (3), the sampler's, one key per round
+# or per row (4: after a long prompt's and a batch's, `batching.warm`)
 JIT_RECIPES = [(2, f"{__name__}:jit_agreeing:1"), (2, f"{__name__}:jit_emit:1"), (3, f"{__name__}:jit_emit:2"),
                (3, f"{__name__}:jit_agreeing:2"), (4, f"{__name__}:jit_accept_sampling:1"),
-               (4, f"{__name__}:jit_accept_sampling:2")]
+               (4, f"{__name__}:jit_accept_sampling:2"), (4, f"{__name__}:jit_accept_sampling_rows:2")]
