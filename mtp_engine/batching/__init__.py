@@ -55,7 +55,8 @@ def stream_batched(scheduler: BatchScheduler, prepared: Prepared, model: Model) 
         raise MTPEngineError("not supported with a distributed model", field="parallel")
     prof = Profiler("off")
     seq = Sequence(prepared.prompt_ids, make_sampler(model, prepared), prepared.max_tokens, req.prompt_cache,
-                   draft=req.spec.method == "draft-mtp", n_max=req.spec.n_max, progress=req.progress)
+                   draft=req.spec.method == "draft-mtp", n_max=req.spec.n_max, p_min=req.spec.p_min,
+                   n_min=req.spec.n_min, progress=req.progress)
     decoder = SlotDecoder(scheduler, seq, model.model, prof)
     try:
         yield from run(decoder, model.tokenizer, prepared.prompt_ids, prepared.max_tokens, stop=req.stop,

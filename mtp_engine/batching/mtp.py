@@ -212,8 +212,11 @@ class MTPBatchScheduler(BatchScheduler):
                                logprobs_asked(rows))
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
             capture_at_width(self._batch.layers, max(k, self._k_max) + 1)
+        # each row's own p-min and n-min (a row without one: 0, every draft counts)
+        p_min = mx.array([float(s.p_min) for s in rows]) if any(s.p_min > 0 for s in rows) else 0.0
+        n_min = mx.array([s.n_min for s in rows]) if any(s.n_min > 1 for s in rows) else 0
         return draft_round(m, self._batch, self.drafter, last, k, functools.partial(self._accept, rule), post_norm,
-                           drafting=mx.array([s.draft for s in rows]), score=rule.score,
+                           p_min, n_min, drafting=mx.array([s.draft for s in rows]), score=rule.score,
                            draft_pick=rule.draft_pick, logprobs=logprobs_asked(rows), stage=self.prof.stage)
 
     def _draft_length(self, rows: list[Sequence]) -> int:
@@ -248,9 +251,9 @@ class MTPBatchScheduler(BatchScheduler):
                                            now - last[2] if timed else None, max(s.length for s in rows),
                                            first_use=first, steady=timed and last[1] == r.k == queued)
 
-    def _record(self, s: Sequence, k: int, n: int) -> None:
+    def _record(self, s: Sequence, drafted: int, n: int) -> None:
         if s.draft:
-            s.counts.record(k, n)
+            s.counts.record(drafted, n)
 
     def _bound(self, bounds: list[int]) -> None:
         super()._bound(bounds)

@@ -350,8 +350,8 @@ class BatchScheduler:
                 else:
                     tokens = [s.sampler.sample(r.logits[b, 0])]
                     logprobs = s.sampler.token_logprobs(r.logits[b, :1], tokens)
-                self._record(s, r.k, n)
-                s.deliver(tokens, logprobs, n, r.k if s.draft else 0)
+                self._record(s, d.drafted[b], n)
+                s.deliver(tokens, logprobs, n, d.drafted[b])
             except Exception as e:  # its sampler or grammar failing ends this sequence only
                 if not isinstance(e, MTPEngineError):
                     traceback.print_exc()
@@ -359,8 +359,9 @@ class BatchScheduler:
         queued = self._queued.round.k + 1 if self._queued is not None else 0
         self._bound([s.length + queued for s in self._rows])
 
-    def _record(self, s: Sequence, k: int, n: int) -> None:
-        """A row's round statistics (an MTP batch counts its drafting rows' rounds)."""
+    def _record(self, s: Sequence, drafted: int, n: int) -> None:
+        """A row's round statistics: `drafted` drafts counted (p-min, n-min), n accepted (an MTP
+        batch counts its drafting rows' rounds)."""
 
     def _bound(self, bounds: list[int]) -> None:
         """The host's bounds of the running rows' cache lengths, from what it read."""

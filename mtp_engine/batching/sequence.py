@@ -18,8 +18,10 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
                  prompt_cache: PromptCache | None = None, draft: bool = False, n_max: int | None = None,
-                 progress: Callable[[int, int], None] | None = None):
-        """`progress(done, total)`: the request's (`GenerationRequest.progress`), told how the
+                 p_min: float = 0.0, n_min: int = 0, progress: Callable[[int, int], None] | None = None):
+        """`n_max`, `p_min`, `n_min`: its draft knobs (llama.cpp's: a draft counts while the head's
+        top-10 softmax reaches p_min, a round with fewer than n_min counting drafts keeps none).
+        `progress(done, total)`: the request's (`GenerationRequest.progress`), told how the
         prompt's reading goes as a sequence alone tells it."""
         self.prompt_ids, self.sampler, self.max_tokens = list(prompt_ids), sampler, max_tokens
         self.progress = progress
@@ -37,6 +39,7 @@ class Sequence:
         # host samples, with penalties, a grammar or logprobs, keeps none)
         self.draft = draft and sampler.on_device
         self.n_max = n_max  # None: the batch's draft length
+        self.p_min, self.n_min = p_min, n_min
         self.counts = RoundCounts()  # its rounds' statistics
         self.h_prev = None  # the trunk hidden state its next head row reads (MTP batches, while it prefills)
         self.length = 0  # tokens in its trunk cache rows, as of the last round the host read

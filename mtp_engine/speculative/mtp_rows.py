@@ -26,9 +26,9 @@ from ..model.qwen35 import Qwen35Model
 from .round import greedy, no_stage
 
 
-def greedy_rows(logits: mx.array, drafts: list[mx.array]) -> tuple[mx.array, None]:
+def greedy_rows(logits: mx.array, drafts: list[mx.array]) -> tuple[mx.array, None, mx.array]:
     """Every row's draft its argmax (a batch of greedy rows without penalties)."""
-    return greedy(logits), None
+    return greedy(logits), None, logits
 
 
 WIDTHS = (1, 2, 4, 8)  # block widths a plain stretch pads to: the head's compiled shapes stay few
@@ -92,12 +92,13 @@ class MTPRowsDrafter:
         cache.lengths = before + self.valid  # the host bound grew by the width: rows past valid are stale
         return mx.take_along_axis(h, (self.valid - 1)[:, None, None], axis=1)
 
-    def draft(self, k: int, p_min: float = 0.0,
+    def draft(self, k: int, p_min: "float | mx.array" = 0.0,
               pick: Callable = greedy_rows) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """k drafts per row as device values: (tokens [B, k] int32, the distributions they were
         drawn from [B, k, V] (None: every row greedy), whether each passed p-min [B, k] when p-min
-        is set). `pick(logits [B, V], drafts so far) -> (tokens [B], distributions or None)`: each
-        row's rule (`RowSampling.draft_pick`)."""
+        is set: one for every row, or each row's [B]). `pick(logits [B, V], drafts so far) ->
+        (tokens [B], distributions or None, the logits as the rule scored them)`: each row's rule
+        (`RowSampling.draft_pick`; p-min reads its scored logits, as a sequence alone's does)."""
         m, cache = self.model, self.cache
         with self.stage("catch_up") as out:
             h = self._run_block()
@@ -107,10 +108,10 @@ class MTPRowsDrafter:
         with self.stage("draft") as out:
             for i in range(k):
                 logits = m.draft_logits(h[:, 0])  # [B, V]
-                d, q = pick(logits, drafts)
+                d, q, logits = pick(logits, drafts)
                 if q is not None:
                     qs.append(q)
-                if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
+                if isinstance(p_min, mx.array) or p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
                     confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1]), axis=-1),
                                                        axis=-1), axis=-1) >= p_min)
                 drafts.append(d)

@@ -96,8 +96,9 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
     sampling rule draws from; None: the logits); `accept(drafts, scored, q, live) -> (n,
     emitted)`: the acceptance rule over rows; `fed(post, pre)`: the trunk state the drafter reads;
     `drafting` [B] bool: the rows whose drafts count (None: all). `stage(name)`: the profiler's
-    stage, whose list takes what a precise profile evaluates at the stage's end. `draft_pick(logits
-    [B, V], drafts so far) -> (tokens [B], distributions [B, V] or None)`: how a batch's drafter draws each row's
+    stage, whose list takes what a precise profile evaluates at the stage's end. `p_min`, `n_min`:
+    one for every row, or each row's [B] (a batch's requests set their own). `draft_pick(logits
+    [B, V], drafts so far) -> (tokens [B], distributions [B, V] or None, scored logits)`: how a batch's drafter draws each row's
     drafts (`row_sampling.RowSampling.draft_pick`; None: a drafter alone follows its sampler).
     `logprobs` n (None: none asked for): the emitted tokens' log-probabilities and n alternatives
     per row, computed with the round (`sampling.logprob_arrays`)."""
@@ -149,14 +150,16 @@ def post_norm(post: mx.array, pre: mx.array) -> mx.array:
     return post
 
 
-def live_drafts(confident: mx.array | None, k: int, n_min: int = 0, rows: int = 1) -> mx.array:
+def live_drafts(confident: mx.array | None, k: int, n_min: "int | mx.array" = 0, rows: int = 1) -> mx.array:
     """[B, k]: which of each row's k drafts count: a prefix of those that passed p-min
-    (`confident` [B, k]), none if fewer than n-min (llama.cpp's rules, decided on the device)."""
+    (`confident` [B, k]), none if fewer than n-min (llama.cpp's rules, decided on the device;
+    `n_min` one for every row, or each row's [B])."""
     if confident is None:
         return mx.ones((rows, k), mx.bool_)
+    per_row = isinstance(n_min, mx.array)
     count = mx.sum(mx.cumprod(confident.astype(mx.int32), axis=1), axis=1, keepdims=True)
-    if n_min > 1:
-        count = mx.where(count < n_min, 0, count)
+    if per_row or n_min > 1:
+        count = mx.where(count < (n_min.reshape(-1, 1) if per_row else n_min), 0, count)
     return mx.arange(k)[None, :] < count
 
 

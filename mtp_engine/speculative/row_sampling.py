@@ -75,15 +75,16 @@ class RowSampling:
             return argmax
         return self._mix(self.sampled, self._draw(distribution_rows(logits, self.cfgs), self.sampled), argmax)
 
-    def draft_pick(self, logits: mx.array, drafts: list[mx.array]) -> tuple[mx.array, mx.array | None]:
+    def draft_pick(self, logits: mx.array, drafts: list[mx.array]) -> tuple[mx.array, mx.array | None, mx.array]:
         """A draft step's tokens [B] int32 from the head's logits [B, V] after the round's `drafts`
-        so far ([B] each), and the distributions they were drawn from [B, V] (None: no row draws)."""
+        so far ([B] each), the distributions they were drawn from [B, V] (None: no row draws), and
+        the logits as penalised."""
         logits = self._penalised(logits, (lambda b: (mx.stack([d[b] for d in drafts]), len(drafts))) if drafts else None)
         argmax = greedy(logits)
         if not any(self._drafts):
-            return argmax, None
+            return argmax, None, logits
         q = distribution_rows(logits, self.cfgs)
-        return self._mix(self._drafts, self._draw(q, self._drafts), argmax), q
+        return self._mix(self._drafts, self._draw(q, self._drafts), argmax), q, logits
 
     def score(self, drafts: mx.array, logits: mx.array) -> mx.array:
         """What each row's rule compares, from the verify's logits [B, k+1, V]: a sampling row's

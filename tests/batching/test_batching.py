@@ -58,6 +58,27 @@ def test_batch_sampling_and_penalties_equal_each_alone(shipped_model, extra):
         assert all(g.stats["drafted"] for g in got) and sum(g.stats["accepted"] for g in got) > 0
 
 
+def test_each_rows_p_min_and_n_min_decide_its_drafts_as_alone(shipped_model):
+    """A request's --spec-draft-p-min / -n-min hold in a batch as alone: per row, on the device;
+    the same tokens and the same drafts counted and accepted (rows of different knobs share rounds)."""
+    from mtp_engine.batching import batch_scheduler
+
+    knobs = [dict(p_min=0.6), dict(p_min=0.5, n_min=2), dict(), dict(p_min=0.6, temperature=0.8, seed=2,
+                                                                     repeat_penalty=1.2)]
+    kw = dict(max_tokens=16, ignore_eos=True, spec="draft-mtp", n_max=3)
+    want = [generate(p, shipped_model, **kw, **k) for p, k in zip(PROMPTS[1:5], knobs)]
+    m = replace(shipped_model, scheduler=None)
+    m = replace(m, scheduler=batch_scheduler(m, 4))
+    got: dict[int, object] = {}
+    _in_threads(lambda i: got.__setitem__(i, generate(PROMPTS[1 + i], m, **kw, **knobs[i])), range(4))
+    m.scheduler.stop()
+    for i, w in enumerate(want):
+        g = got[i]
+        assert (g.token_ids, g.stats["drafted"], g.stats["accepted"]) == \
+            (w.token_ids, w.stats["drafted"], w.stats["accepted"]), (i, knobs[i])
+    assert got[0].stats["drafted"] < 3 * got[0].stats["rounds"]  # p-min dropped some drafts
+
+
 def test_batch_stops_and_logprobs_per_sequence(shipped_model):
     kw = dict(max_tokens=16, stop=["\n\n", "return"], logprobs=2)
     want = _alone(shipped_model, PROMPTS, **kw)
