@@ -211,7 +211,7 @@ def test_row_sampling_mixes_greedy_and_sampling_rows():
     assert mx.array_equal(scored[0], logits[0]).item()
     assert mx.allclose(scored[1], distribution(logits[1], cfgs[1])).item()
     head = mx.random.normal((3, 16), key=mx.random.key(4))
-    d, qd = rule.draft_pick(head, [])
+    d, qd, _ = rule.draft_pick(head, [])
     assert d[0].item() == int(mx.argmax(head[0]).item()) and qd.shape == (3, 16)
     assert all(qd[b, d[b]].item() > 0 for b in (1, 2))  # a drawn draft is one its distribution allows
     q = mx.stack([qd] * 3, axis=1)
