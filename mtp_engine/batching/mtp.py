@@ -9,7 +9,7 @@ A round, for B running sequences and a draft length k chosen for the batch (`_dr
   verify    one trunk forward over [B, k+1] rows (last token, d1..dk), recurrent states captured;
   accept    per row: greedy prefix match for a greedy sequence, the rejection sampler with its own
             key for a sampling one (n_b accepted + the next token: `RowSampling`); a sequence that
-            does not draft (penalised, constrained, logprobs) keeps none of its drafts and takes
+            does not draft (spec none, or under a grammar) keeps none of its drafts and takes
             row 0's token from its own sampler on the host, as a plain step would;
   rollback  per row: attention lengths move to n_b + 1 tokens, recurrent layers keep the captured
             state after them (`BatchCache.rollback_lazy`: a kept count per row, no kernel);

@@ -310,8 +310,8 @@ class BatchScheduler:
         on the device)."""
         last = prev.last if prev is not None else mx.array([s.last_token for s in rows], mx.int32)
         for b, s in enumerate(rows):  # a row's penalties go on through `prev`'s tokens, unread yet
-            s.sampler.unread = None if prev is None else \
-                (prev.emitted[b], prev.n[b] + 1 if prev.n is not None else mx.array(1))
+            if prev is not None and s.sampler.cfg.penalties.active:
+                s.sampler.unread = (prev.emitted[b], prev.n[b] + 1 if prev.n is not None else mx.array(1))
         try:
             r = self._round(rows, last)
         finally:

@@ -36,7 +36,7 @@ class Sequence:
         self.joined: float | None = None  # when its prefill started
         self.batch_sizes: list[int] = []  # the batch each of its decode steps ran in
         # draft-mtp in an MTP batch: its drafts are verified (rows drawn on the device; a row the
-        # host samples, with penalties, a grammar or logprobs, keeps none)
+        # host samples, under a grammar, keeps none)
         self.draft = draft and sampler.on_device
         self.n_max = n_max  # None: the batch's draft length
         self.p_min, self.n_min = p_min, n_min

@@ -120,8 +120,8 @@ class DecoderBase:
         raise NotImplementedError
 
     def _pipelined(self) -> bool:
-        # precise profiling must see each stage's own work; penalties, a grammar and logprobs
-        # need the host's tokens or logits (`Sampler.on_device`)
+        # precise profiling must see each stage's own work; a grammar's masks need the host's
+        # tokens (`Sampler.on_device`)
         return bool(self.pipeline) and self.sampler.on_device and not self.prof.enabled
 
     def _wanted(self) -> int:
@@ -220,7 +220,7 @@ class PlainDecoder(DecoderBase):
         """The next step from `token` on the device (`_drawn`); `unread`: the host has not read it
         yet (its penalties' history goes on through it)."""
         h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
-        self.sampler.unread = (token.reshape(1), mx.array(1)) if unread else None
+        self.sampler.unread = (token.reshape(1), mx.array(1)) if unread and self.sampler.cfg.penalties.active else None
         drawn = self._drawn(self.model.logits(h[0, -1]))
         self.sampler.unread = None
         return drawn

@@ -184,9 +184,9 @@ class SpeculativeDecoder(PlainDecoder):
 
     def _unread(self) -> tuple[mx.array, mx.array] | None:
         """The tokens of the round queued last that the host has not read (the penalties' history
-        of the round queued now goes on through them), or None."""
+        of the round queued now goes on through them), or None (none, or no penalties to read them)."""
         r = self._in_flight
-        if r is None:
+        if r is None or not self.sampler.cfg.penalties.active:
             return None
         return (r.emitted[0], r.n[0] + 1) if r.n is not None else (r.emitted[0], mx.array(1))
 
