@@ -196,7 +196,7 @@ class MTPBatchScheduler(BatchScheduler):
         replaces the greedy rows', `batching.ablations`)."""
         return rule.accept(drafts, scored, q, live)
 
-    def _round(self, rows: list[Sequence], last: mx.array) -> Round:
+    def _round(self, rows: list[Sequence], last: mx.array, hold: mx.array | None) -> Round:
         m = self.model.model
         k = self._draft_length(rows)
         self.rounds_by_k[k] = self.rounds_by_k.get(k, 0) + 1
@@ -209,7 +209,7 @@ class MTPBatchScheduler(BatchScheduler):
                 not (_auto(rows) and not self.controller(len(rows)).can_win)
             drafter = self.drafter if later else None
             return plain_round(m, self._batch, drafter, last, rule.pick, post_norm, self.prof.stage,
-                               logprobs_asked(rows))
+                               logprobs_asked(rows), hold)
         if m.compile_steps:  # one verify graph per width, whatever the round before drafted
             capture_at_width(self._batch.layers, max(k, self._k_max) + 1)
         # each row's own p-min and n-min (a row without one: 0, every draft counts)
@@ -217,7 +217,8 @@ class MTPBatchScheduler(BatchScheduler):
         n_min = mx.array([s.n_min for s in rows]) if any(s.n_min > 1 for s in rows) else 0
         return draft_round(m, self._batch, self.drafter, last, k, functools.partial(self._accept, rule), post_norm,
                            p_min, n_min, drafting=mx.array([s.draft for s in rows]), score=rule.score,
-                           draft_pick=rule.draft_pick, logprobs=logprobs_asked(rows), stage=self.prof.stage)
+                           draft_pick=rule.draft_pick, logprobs=logprobs_asked(rows), stage=self.prof.stage,
+                           hold=hold)
 
     def _draft_length(self, rows: list[Sequence]) -> int:
         """The round's k: 0 when no sequence drafts, else the smallest n-max the drafting

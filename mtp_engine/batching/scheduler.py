@@ -12,9 +12,12 @@ One thread (the scheduler's) does all of the batch's device work, in a loop:
   decode    one round of every running sequence (`speculative.round`: a plain round here, one
             forward of each row's last token, each row at its own length; an MTP batch's rounds
             draft, `batching.mtp`); each row sampled by its own sampler (temperature, penalties,
-            grammar, seed: on the device, `RowSampling`, where no host state is involved). Where
-            every row's token is drawn on the device the next round is queued from this one's
-            device values before the host reads it, as a sequence alone is decoded;
+            grammar, seed: on the device, `RowSampling`, where no host state is involved). The
+            next round is queued from this one's device values before the host reads it, as a
+            sequence alone is decoded; a row the host samples (a grammar's) cannot be in it, its
+            token not chosen yet: it sits that round out (keeps none of it) and takes the round
+            after with its token, so it moves every other round and never holds back the rows
+            beside it;
   leave     sequences that are done (max_tokens reached) or cancelled (their reader stopped:
             EOS, a stop string, a closed stream) drop their rows before the next step.
 Each sequence's tokens go to its reader through a queue; the reader (`SlotDecoder`, driven by the
@@ -45,6 +48,7 @@ class Launched(NamedTuple):
 
     rows: list[Sequence]
     round: Round
+    held: list[bool]  # rows that sit it out (their token was still the host's to choose)
 
 
 class SchedulerStopped(MTPEngineError):
@@ -291,39 +295,53 @@ class BatchScheduler:
             self._drop_joining(done)
 
     def _decode(self) -> None:
-        """One round read, with the next one queued first when every row's token is drawn on the device
-        (then the device runs round r+1 while the host delivers round r, as a sequence alone is
-        decoded). A queued round outlives rows that leave or join before it is read: it delivers
-        to the rows it ran (those still running), and a joined row takes the round after it."""
+        """One round read, with the next one queued first (the device runs round r+1 while the host
+        delivers round r, as a sequence alone is decoded) unless every row is sampled on the host.
+        A queued round outlives rows that leave or join before it is read: it delivers to the rows
+        it ran (those still running), and a joined row takes the round after it."""
         rows = list(self._rows)
         if not rows:
             self._queued = None
             return
         cur = self._queued or self._launch(rows)
         self._queued = None
-        if cur.rows == rows and all(s.sampler.on_device for s in rows):
+        if cur.rows == rows and any(s.sampler.on_device for s in rows):
             self._queued = self._launch(rows, cur.round)
         self._complete(cur)
 
     def _launch(self, rows: list[Sequence], prev: Round | None = None) -> Launched:
-        """Queues one round over `rows`, from each row's last token (the host's, or `prev`'s still
-        on the device)."""
-        last = prev.last if prev is not None else mx.array([s.last_token for s in rows], mx.int32)
+        """Queues one round over `rows`, from each row's last token: the host's, or `prev`'s still
+        on the device; a row the host samples takes the token it chose (`Sequence.chosen`) or, with
+        none chosen since its last round, sits this one out."""
+        held = [False] * len(rows)
+        if prev is None:
+            last = mx.array([s.last_token for s in rows], mx.int32)
+            for s in rows:
+                s.chosen = None
+        else:
+            last = prev.last
+            host = [not s.sampler.on_device for s in rows]
+            if any(host):
+                held = [h and s.chosen is None for h, s in zip(host, rows)]
+                chosen = mx.array([s.chosen or 0 for s in rows], mx.int32)
+                last = mx.where(mx.array(host), chosen, last)
+                for s in rows:
+                    s.chosen = None
         for b, s in enumerate(rows):  # a row's penalties go on through `prev`'s tokens, unread yet
-            if prev is not None and s.sampler.cfg.penalties.active:
+            if prev is not None and s.sampler.cfg.penalties.active and s.sampler.on_device:
                 s.sampler.unread = (prev.emitted[b], prev.n[b] + 1 if prev.n is not None else mx.array(1))
         try:
-            r = self._round(rows, last)
+            r = self._round(rows, last, mx.array(held) if any(held) else None)
         finally:
             for s in rows:
                 s.sampler.unread = None
         mx.async_eval(*r.read(), *self._batch.arrays(), *self._round_arrays(rows))
-        return Launched(rows, r)
+        return Launched(rows, r, held)
 
-    def _round(self, rows: list[Sequence], last: mx.array) -> Round:
-        """The round itself: a plain one here (`batching.mtp` drafts)."""
+    def _round(self, rows: list[Sequence], last: mx.array, hold: mx.array | None) -> Round:
+        """The round itself: a plain one here (`batching.mtp` drafts); `hold`: rows that sit it out."""
         return plain_round(self.model.model, self._batch, None, last, sampling(rows).pick, post_norm,
-                           logprobs=logprobs_asked(rows))
+                           logprobs=logprobs_asked(rows), hold=hold)
 
     def _round_arrays(self, rows: list[Sequence]) -> list[mx.array]:
         """What else a queued round leaves on the device (an MTP batch: the head's)."""
@@ -337,6 +355,8 @@ class BatchScheduler:
         emitted, accepted, ok = d.emitted, d.n, d.finite
         self.steps += 1
         for b, s in enumerate(rows):
+            if cur.held[b]:
+                continue
             n = accepted[b]
             s.length += n + 1
             if s.done:
@@ -350,6 +370,7 @@ class BatchScheduler:
                 else:
                     tokens = [s.sampler.sample(r.logits[b, 0])]
                     logprobs = s.sampler.token_logprobs(r.logits[b, :1], tokens)
+                    s.chosen = tokens[0]
                 self._record(s, d.drafted[b], n)
                 s.deliver(tokens, logprobs, n, d.drafted[b])
             except Exception as e:  # its sampler or grammar failing ends this sequence only

@@ -43,6 +43,7 @@ class Sequence:
         self.counts = RoundCounts()  # its rounds' statistics
         self.h_prev = None  # the trunk hidden state its next head row reads (MTP batches, while it prefills)
         self.length = 0  # tokens in its trunk cache rows, as of the last round the host read
+        self.chosen: int | None = None  # a host-sampled row's token no round has taken yet
 
     def report_progress(self, whole: bool = False) -> None:
         """Tells `progress` the prompt tokens handled so far (all of them once `whole`)."""

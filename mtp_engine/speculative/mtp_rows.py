@@ -90,7 +90,8 @@ class MTPRowsDrafter:
         before = cache.lengths
         h = m.mtp.forward_batch(m.embed_tokens(self.tokens), self.hidden, cache)
         cache.lengths = before + self.valid  # the host bound grew by the width: rows past valid are stale
-        return mx.take_along_axis(h, (self.valid - 1)[:, None, None], axis=1)
+        # (a row whose block is empty, after a round it sat out, reads a stale row: it does not draft)
+        return mx.take_along_axis(h, mx.maximum(self.valid - 1, 0)[:, None, None], axis=1)
 
     def draft(self, k: int, p_min: "float | mx.array" = 0.0,
               pick: Callable = greedy_rows) -> tuple[mx.array, mx.array | None, mx.array | None]:
@@ -123,22 +124,24 @@ class MTPRowsDrafter:
         return (mx.stack(drafts, axis=1), mx.stack(qs, axis=1) if qs else None,
                 mx.stack(confident, axis=1) if confident else None)
 
-    def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
+    def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array, hold: mx.array | None = None) -> None:
         """A drafting round emitted `emitted[b, :n[b]+1]` per row (accepted drafts, then the
-        trunk's token): they, with the verify's hidden states [B, k+1, H], are the next block."""
-        self.tokens, self.hidden, self.valid = emitted, hidden, n + 1
+        trunk's token): they, with the verify's hidden states [B, k+1, H], are the next block
+        (rows `hold` [B] sat the round out: theirs is empty, as the trunk kept nothing)."""
+        self.tokens, self.hidden, self.valid = emitted, hidden, n + 1 if hold is None else mx.where(hold, 0, n + 1)
         self._most = int(emitted.shape[1])
 
-    def accept_plain(self, token: mx.array, hidden: mx.array) -> None:
+    def accept_plain(self, token: mx.array, hidden: mx.array, hold: mx.array | None = None) -> None:
         """A plain round emitted `token` [B] from trunk states `hidden` [B, 1, H]: the token's row
-        joins each row's block right after the rows that count; a block that would outgrow the
-        widest width runs first and the token's row starts the next one."""
+        joins each row's block right after the rows that count (not for rows `hold` [B], which
+        sat the round out); a block that would outgrow the widest width runs first and the
+        token's row starts the next one."""
         need = self._most + 1
+        grow = mx.ones(token.shape, mx.int32) if hold is None else (~hold).astype(mx.int32)
         if self.tokens is None or need > WIDTHS[-1]:
             if self.tokens is not None:
                 self._run_block()
-            self.tokens, self.hidden, self._most = token[:, None], hidden, 1
-            self.valid = mx.ones(token.shape, mx.int32)
+            self.tokens, self.hidden, self.valid, self._most = token[:, None], hidden, grow, 1
             return
         w = int(self.tokens.shape[1])
         if need > w:
@@ -148,7 +151,7 @@ class MTPRowsDrafter:
         at = mx.arange(self.tokens.shape[1])[None, :] == self.valid[:, None]  # [B, W]: each row's next
         self.tokens = mx.where(at, token[:, None], self.tokens)
         self.hidden = mx.where(at[..., None], hidden.astype(self.hidden.dtype), self.hidden)
-        self.valid = self.valid + 1
+        self.valid = self.valid + grow
         self._most = need
 
     def arrays(self) -> list[mx.array]:

@@ -89,7 +89,7 @@ def no_stage(name: str):
 def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable, fed: Callable,
                 p_min: float = 0.0, n_min: int = 0, drafting: mx.array | None = None,
                 score: Callable | None = None, draft_pick: Callable | None = None,
-                logprobs: int | None = None, stage: Callable = no_stage) -> Round:
+                logprobs: int | None = None, stage: Callable = no_stage, hold: mx.array | None = None) -> Round:
     """Draft, verify, accept, commit (module docstring). `last` [B]: the tokens the round starts
     from (device values); `cache`: a sequence's `TrunkCache` (B = 1) or a `BatchCache`;
     `score(drafts, logits) -> scored`: what the rule compares (penalties, or the distributions a
@@ -101,7 +101,9 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
     [B, V], drafts so far) -> (tokens [B], distributions [B, V] or None, scored logits)`: how a batch's drafter draws each row's
     drafts (`row_sampling.RowSampling.draft_pick`; None: a drafter alone follows its sampler).
     `logprobs` n (None: none asked for): the emitted tokens' log-probabilities and n alternatives
-    per row, computed with the round (`sampling.logprob_arrays`)."""
+    per row, computed with the round (`sampling.logprob_arrays`). `hold` [B] bool: rows that sit the
+    round out (their input is not known yet: a grammar's row while its last token is being chosen
+    on the host): they keep none of its tokens, in the trunk or the drafter (None: none does)."""
     drafts, q, confident = drafter.draft(k, p_min) if draft_pick is None else drafter.draft(k, p_min, draft_pick)
     live = live_drafts(confident, k, n_min, drafts.shape[0])
     if drafting is not None:
@@ -118,24 +120,31 @@ def draft_round(model, cache, drafter, last: mx.array, k: int, accept: Callable,
         n, emitted = accept(drafts, scored, q, live)
         out.extend([n, emitted])
     with stage("rollback"):
-        cache.rollback_lazy(n + 1)
-        drafter.commit(emitted, n, fed(post, pre))
+        if hold is None:
+            cache.rollback_lazy(n + 1)
+            drafter.commit(emitted, n, fed(post, pre))
+        else:  # (only a batch's drafter, `MTPRowsDrafter`, has rows that hold)
+            cache.rollback_lazy(mx.where(hold, 0, n + 1))
+            drafter.commit(emitted, n, fed(post, pre), hold)
     last = mx.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
     return Round(k, emitted, n, mx.sum(live, axis=1), drafts, mx.all(mx.isfinite(logits), axis=(1, 2)), logits,
                  last, logprob_arrays(logits, emitted, logprobs) if logprobs is not None else None)
 
 
 def plain_round(model, cache, drafter, last: mx.array, pick: Callable, fed: Callable,
-                stage: Callable = no_stage, logprobs: int | None = None) -> Round:
+                stage: Callable = no_stage, logprobs: int | None = None, hold: mx.array | None = None) -> Round:
     """A round without drafts: one trunk step per row from `last` [B]; `pick(logits [B, V]) -> [B]`
-    int32 the tokens; `drafter` (None: none) keeps its head in step; `logprobs` as `draft_round`'s."""
+    int32 the tokens; `drafter` (None: none) keeps its head in step; `logprobs`, `hold` as
+    `draft_round`'s (rows held: the step is captured and they keep none of it)."""
     with stage("decode") as out:
-        post, pre = model.forward_states(last[:, None], cache, Pass.ROUND_STEP)
+        post, pre = model.forward_states(last[:, None], cache, Pass.ROUND_STEP if hold is None else Pass.ROUND_VERIFY)
         logits = model.logits(post)
         token = pick(logits[:, 0])
         out.append(token)
+    if hold is not None:
+        cache.rollback_lazy(mx.where(hold, 0, 1))
     if drafter is not None:
-        drafter.accept_plain(token, fed(post, pre))
+        drafter.accept_plain(token, fed(post, pre), *([] if hold is None else [hold]))
     return Round(0, token[:, None], None, None, None, mx.all(mx.isfinite(logits), axis=(1, 2)), logits, token,
                  logprob_arrays(logits, token[:, None], logprobs) if logprobs is not None else None)
 

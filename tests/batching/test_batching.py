@@ -304,7 +304,8 @@ def test_greedy_batches_queue_the_next_step_before_reading_this_one(models, monk
     device, then delivers step t; rows that join or leave in between (five prompts of mixed
     lengths through two slots) still get every token as alone. Sampled and penalised rows keep it
     (their tokens are drawn on the device, the penalties' history going on through the unread
-    round's tokens); a grammar's row turns it off (its masks follow the tokens the host read)."""
+    round's tokens); a grammar's row sits out every other round (its masks follow the tokens the
+    host read) and the rows beside it stay queued ahead; only a batch of grammar rows is not."""
     from mtp_engine.batching.scheduler import BatchScheduler
 
     m = models(need(TINY_Q4))
@@ -329,6 +330,21 @@ def test_greedy_batches_queue_the_next_step_before_reading_this_one(models, monk
     ahead.clear()
     batch_generate(PROMPTS[:2], m, max_tokens=6, parallel=2, constraint=Constraint.regex(r"[a-z ]+"))
     assert ahead and not any(ahead)
+    ahead.clear()
+    par = models(need(TINY_Q4), parallel=3)
+    c = Constraint.regex(r"[a-z ]+")
+    grammar = dict(max_tokens=10, temperature=0.7, seed=5, constraint=c)
+    want = [generate(PROMPTS[0], m, **grammar).token_ids] + [w.token_ids for w in
+                                                              _alone(m, PROMPTS[1:3], max_tokens=16, ignore_eos=True)]
+    out: dict[int, list[int]] = {}
+
+    def one(i):
+        kw = grammar if i == 0 else dict(max_tokens=16, ignore_eos=True)
+        out[i] = generate(PROMPTS[i], par, **kw).token_ids
+
+    _in_threads(one, range(3))
+    assert [out[i] for i in range(3)] == want
+    assert sum(ahead) > len(ahead) // 2, ahead
 
 
 @pytest.mark.parametrize("spec", ["none", "draft-mtp"])

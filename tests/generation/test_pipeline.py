@@ -204,7 +204,7 @@ def test_the_host_reads_a_round_whole(tiny, monkeypatch, spec):
 
     batch_complete = scheduler.BatchScheduler._complete
     monkeypatch.setattr(scheduler.BatchScheduler, "_complete",
-                        lambda self, cur: batch_complete(self, scheduler.Launched(cur.rows, whole(cur.round))))
+                        lambda self, cur: batch_complete(self, cur._replace(round=whole(cur.round))))
     from mtp_engine import batch_generate
     prompts, kw = ["def f(x):", "import os"], dict(max_tokens=8, ignore_eos=True)
     out = batch_generate(prompts, tiny, spec=spec, **kw, **({"n_max": 3} if spec != "none" else {}))
