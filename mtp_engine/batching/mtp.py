@@ -16,8 +16,8 @@ A round, for B running sequences and a draft length k chosen for the batch (`_dr
   commit    each row's emitted tokens, with the verify's hidden states, are its next head block.
 k = 0 is a plain batched round (with the head kept in step where a row drafts). Every sequence
 here prefills its prompt but the last token and runs it through the head (llama.cpp's draft-mtp
-scheme), so the first round emits its first token; sequences that join together prefill together
-(trunk, then head, each one padded forward per chunk, as `BatchScheduler` does).
+scheme), chunk by chunk on its own caches as `BatchScheduler` prefills, so the first round emits
+its first token.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import numpy as np
 
 from ..errors import MTPEngineError
 from ..generation.profiler import Profiler
-from ..model.batch_cache import BatchCache
-from ..model.cache import TrunkCache, capture_at_width
+from ..model.cache import capture_at_width
+from ..model.step import Pass
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
 from ..speculative.mtp_rows import MTPRowsDrafter
@@ -82,7 +82,6 @@ class MTPBatchScheduler(BatchScheduler):
         self.max_draft = max_draft
         self.prof = Profiler(profile)
         self.drafter = MTPRowsDrafter(model.model, self.prof.stage)
-        self._head_group = BatchCache(model.model)  # the joining sequences' head rows
         self.rounds_by_k: dict[int, int] = {}
         self.prior = prior or default_seed(moe=model.model.is_moe)
         self.controllers: dict[int, DraftLengthScheduler] = {}  # n-max auto, per batch-size bucket
@@ -112,82 +111,59 @@ class MTPBatchScheduler(BatchScheduler):
         for c in self.controllers.values():
             c.forget_pending()
         self.drafter = MTPRowsDrafter(self.model.model, self.prof.stage)
-        self._head_group = BatchCache(self.model.model)
 
     def _keep_rows(self, keep: list[int]) -> None:
         super()._keep_rows(keep)
         self.drafter.keep(keep)
 
-    # ---- prefill: the joining sequences together -------------------------------------------------
-    def _keep_joining_rows(self, keep: list[int]) -> None:
-        super()._keep_joining_rows(keep)
-        if len(self._head_group):
-            self._head_group.keep(keep)
-
+    # ---- prefill: each joining sequence on its own caches, trunk then head per chunk -----------------
     def _start_prefill(self, s: Sequence) -> None:
-        """Its trunk and head caches (a kept prompt state's, or empty) become rows of the joining
-        group; `s.h_prev` is the trunk hidden state its next head row reads."""
+        """Its trunk and head caches (a kept prompt state's, or empty); `s.h_prev` is the trunk
+        hidden state its next head row reads."""
         m = self.model.model
         kept = s.prompt_cache.take(m, s.prompt_ids[:-1], "draft-mtp") if s.prompt_cache is not None else None
         if kept is None:
-            trunk, head = m.make_cache(), m.mtp.make_cache()
+            s.trunk, s.head = m.make_cache(), m.mtp.make_cache()
             s.h_prev = mx.zeros((1, 1, m.cfg.hidden_size))
         else:
-            trunk = kept.trunk
-            trunk.restore(kept.snapshot)
-            head, rows, s.h_prev = kept.drafter_state
-            head.truncate(rows)
+            s.trunk = kept.trunk
+            s.trunk.restore(kept.snapshot)
+            s.head, rows, s.h_prev = kept.drafter_state
+            s.head.truncate(rows)
             s.prefilled = s.cached = len(kept.tokens)
-        self._group.add(trunk)
-        head_trunk = TrunkCache([head])
-        head_trunk.offset = head.offset
-        self._head_group.add(head_trunk)
-        if kept is not None:  # its rows are copied: the kept state is never written again
-            s.prompt_cache.release(trunk)
+        s.prefill_end = len(s.prompt_ids) - 1  # the last token is read by its first round
+        s.prefill_done = s.prefilled == s.prefill_end
 
-    def _prefill_step(self) -> None:
-        """One chunk of every joining prompt but its last token (the first round's), trunk then
-        head, in one padded forward each; sequences whose prompt is done join the batch."""
+    def _prefill_chunk(self, s: Sequence, chunk: int) -> int:
+        """The next chunk of `s`'s prompt but its last token, through the trunk, then the head (a
+        sequence that never drafts and keeps no prompt state leaves the head alone)."""
         m = self.model.model
-        ends = [len(s.prompt_ids) - 1 for s in self._joining]
-        ready = [b for b, (s, e) in enumerate(zip(self._joining, ends)) if s.prefilled == e]
-        if not ready:
-            ids, valid = self._next_chunks(ends)
-            post = m.forward_batch(ids, self._group, valid=valid)
-            carried = mx.concatenate([s.h_prev for s in self._joining], axis=0)
-            h_prev = mx.concatenate([carried, post[:, :-1]], axis=1) if ids.shape[1] > 1 else carried
-            if any(self._may_draft(s) or s.prompt_cache is not None for s in self._joining):
-                # (a group that never drafts and keeps no prompt state leaves the head alone)
-                m.mtp.forward_batch(m.embed_tokens(ids), h_prev, self._head_group, valid=valid)
-            for b, s in enumerate(self._joining):
-                s.h_prev = post[b:b + 1, valid[b] - 1:valid[b]]
-            mx.eval(*[s.h_prev for s in self._joining], *self._group.arrays(), *self._head_group.arrays())
-            for b, s in enumerate(self._joining):
-                s.prefilled += valid[b]
-                s.report_progress()
-                if s.prefilled < len(s.prompt_ids) - 1:
-                    continue
-                ready.append(b)
-                if s.prompt_cache is not None:  # the trunk and head after all but the last token
-                    trunk, head = self._group.row(b), self._head_group.row(b).layers[0]
-                    # the hidden state copied: a slice would hold the whole chunk's hidden states
-                    s.prompt_cache.keep(m, s.prompt_ids[:-1], trunk, "draft-mtp",
-                                        HeadPrefix(head, head.offset, mx.array(np.array(s.h_prev))))
-                    s.prompt_cache.release(trunk)
-        if not ready:  # every joining prompt has chunks left: the running rows step meanwhile
-            return
-        joined = [self._joining[b] for b in ready]
-        for b, s in zip(ready, joined):
-            s.length = self._group.host_lengths[b]
+        ids = s.prompt_ids[s.prefilled:min(s.prefilled + chunk, s.prefill_end)]
+        post = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post
+        if self._may_draft(s) or s.prompt_cache is not None:
+            h_prev = mx.concatenate([s.h_prev, post[:, :-1]], axis=1) if len(ids) > 1 else s.h_prev
+            m.mtp(m.embed_tokens(mx.array([ids])), h_prev, s.head, Pass.PREFILL)
+        s.h_prev = post[:, -1:]
+        mx.eval(s.h_prev, *s.trunk.arrays(), *s.head.arrays())
+        s.prefilled += len(ids)
+        s.report_progress()
+        if s.prefilled == s.prefill_end:
+            s.prefill_done = True
+            if s.prompt_cache is not None:  # the trunk and head after all but the last token
+                # the hidden state copied: a slice would hold the whole chunk's hidden states
+                s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk, "draft-mtp",
+                                    HeadPrefix(s.head, s.head.offset, mx.array(np.array(s.h_prev))))
+        return len(ids)
+
+    def _join(self, joined: list[Sequence]) -> None:
+        for s in joined:
             s.last_token = s.prompt_ids[-1]
             s.report_progress(whole=True)  # its last token is read by its first round
-        self._batch.extend(self._group, ready)
-        self.drafter.join(self._head_group, ready, [s.last_token for s in joined],
+        self.drafter.join([s.head for s in joined], [s.last_token for s in joined],
                           mx.concatenate([s.h_prev for s in joined], axis=0))
         for s in joined:
-            s.h_prev = None
-        self._rows += joined
-        self._drop_joining(ready)
+            s.head = s.h_prev = None
+        super()._join(joined)
 
     # ---- a round ---------------------------------------------------------------------------------
     def _accept(self, rule: RowSampling, drafts: mx.array, scored: mx.array, q: mx.array | None,

@@ -1,14 +1,14 @@
 """Continuous batching: up to `max_batch` sequences decode together, one batched forward a step.
 
 One thread (the scheduler's) does all of the batch's device work, in a loop:
-  admit     waiting sequences take the free slots and start their prefill together;
-  prefill   one chunk of every joining sequence's prompt in one forward (rows of several lengths:
-            each row's padding is masked out of its attention and its recurrent state,
-            `BatchCache.padded`), on caches of their own, so a long prompt delays the running
-            streams by one chunk at a time, never by its whole prefill, and requests that
-            arrive together wait for one prefill, not for each other's; after its last chunk a
-            sequence samples its first token and joins the batch (`BatchCache.extend`: rows
-            appended);
+  admit     waiting sequences take the free slots;
+  prefill   the joining sequences' prompts, oldest first, one chunk at a time on each one's own
+            caches, exactly as the sequence alone prefills (same chunks, same forward: the same
+            numbers on any device, a batch of one as quick to its first token), up to a chunk's
+            worth of tokens a step: a long prompt delays the running streams by one chunk at a
+            time, never by its whole prefill, and short prompts that arrive together are all read
+            in one step; after its last chunk a sequence samples its first token and joins the
+            batch (`BatchCache.add`: its caches appended as a row);
   decode    one round of every running sequence (`speculative.round`: a plain round here, one
             forward of each row's last token, each row at its own length; an MTP batch's rounds
             draft, `batching.mtp`); each row sampled by its own sampler (temperature, penalties,
@@ -37,6 +37,7 @@ from ..errors import MTPEngineError
 from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
+from ..model.step import Pass
 from ..speculative.round import Round, plain_round, post_norm
 from ..speculative.row_sampling import RowSampling
 from ..threads import quiesce_at_exit
@@ -69,8 +70,7 @@ class BatchScheduler:
             raise MTPEngineError(f"expected an integer >= 1, found {max_batch!r}", field="parallel")
         self.model, self.max_batch, self.own_thread = model, max_batch, own_thread
         self._waiting: collections.deque[Sequence] = collections.deque()
-        self._joining: list[Sequence] = []  # prefilling, on `_group`'s rows
-        self._group = BatchCache(model.model)
+        self._joining: list[Sequence] = []  # prefilling, each on its own caches (`Sequence.trunk`)
         self._rows: list[Sequence] = []
         self._batch = BatchCache(model.model)
         self._cv = threading.Condition()
@@ -178,11 +178,13 @@ class BatchScheduler:
 
     def _end_all(self, error: BaseException) -> None:
         seqs = self._rows + self._joining + list(self._waiting)
+        for s in list(self._joining):
+            self._leave_prefill(s)
         for s in seqs:
             s.fail(error)
         self._rows, self._joining, self._queued = [], [], None
         self._waiting.clear()
-        self._batch, self._group = BatchCache(self.model.model), BatchCache(self.model.model)
+        self._batch = BatchCache(self.model.model)
 
     def _leave(self) -> None:
         keep = [i for i, s in enumerate(self._rows) if not s.done]
@@ -209,90 +211,80 @@ class BatchScheduler:
             self._start_prefill(s)
             s.report_progress()  # before its first chunk: what a kept prompt state supplied
             self._joining.append(s)
-        gone = [i for i, s in enumerate(self._joining) if s.cancelled.is_set()]
-        if gone:
-            for i in gone:
-                self._joining[i].out.put(None)
-            self._drop_joining(gone)
-        if not self._joining:
-            return
-        try:
-            self._prefill_step()
-        except Exception as e:  # only the prompts in this chunk fail: the running rows go on
-            if not isinstance(e, MTPEngineError):
-                traceback.print_exc()
-            for s in self._joining:
+        for s in [s for s in self._joining if s.cancelled.is_set()]:
+            s.out.put(None)
+            self._leave_prefill(s)
+        chunk = self.prefill_chunk or self.model.model.options.prefill_chunk
+        spent, joined = 0, []
+        for s in list(self._joining):
+            try:
+                while spent < chunk and not s.prefill_done:
+                    spent += self._prefill_chunk(s, chunk)
+                if s.prefill_done:
+                    joined.append(s)
+            except Exception as e:  # only this prompt fails: the running rows and the others go on
+                if not isinstance(e, MTPEngineError):
+                    traceback.print_exc()
                 s.fail(_engine_error(e))
-            self._drop_joining(list(range(len(self._joining))))
-
-    def _drop_joining(self, idx: list[int]) -> None:
-        """Joining sequences `idx` leave the group (failed, cancelled or joined the batch)."""
-        drop = set(idx)
-        keep = [i for i in range(len(self._joining)) if i not in drop]
-        self._joining = [self._joining[i] for i in keep]
-        self._keep_joining_rows(keep)
-
-    def _keep_joining_rows(self, keep: list[int]) -> None:
-        if len(self._group):
-            self._group.keep(keep)
+                self._leave_prefill(s)
+            if spent >= chunk:
+                break
+        if joined:
+            self._join(joined)
+            self._joining = [s for s in self._joining if s not in joined]
 
     def _start_prefill(self, s: Sequence) -> None:
         """Its caches: a kept prompt state it starts with (the plain decoder's rule: the prompt
-        without its last token), else empty ones; a row of the joining group."""
+        without its last token), else empty ones."""
         m = self.model.model
         kept = s.prompt_cache.take(m, s.prompt_ids[:-1], None) if s.prompt_cache is not None else None
-        if kept is None:
-            trunk = m.make_cache()
-        else:
-            trunk = kept.trunk
-            trunk.restore(kept.snapshot)
+        s.trunk = m.make_cache() if kept is None else kept.trunk
+        if kept is not None:
+            s.trunk.restore(kept.snapshot)
             s.prefilled = s.cached = len(kept.tokens)
-        self._group.add(trunk)
-        if kept is not None:  # its rows are copied: the kept state is never written again
-            s.prompt_cache.release(trunk)
-
-    def _next_chunks(self, ends: list[int]) -> tuple[mx.array, list[int]]:
-        """The next chunk of each joining prompt, up to ends[b] (exclusive), as one padded batch
-        [J, width] and each row's valid length (at most half the slots padding: `_padded_width`)."""
-        chunk = self.prefill_chunk or self.model.model.options.prefill_chunk
-        rest = [min(e - s.prefilled, chunk) for s, e in zip(self._joining, ends)]
-        width = _padded_width(rest)
-        chunks = [s.prompt_ids[s.prefilled:s.prefilled + min(r, width)] for s, r in zip(self._joining, rest)]
-        return mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32), [len(c) for c in chunks]
-
-    def _prefill_step(self) -> None:
-        """One chunk of every joining sequence's prompt in one padded forward; those whose prompt
-        is done sample their first token and join the batch."""
-        m = self.model.model
         # with a prompt cache the last token is a chunk of its own, after the state before it is
-        # kept (as the plain decoder does alone, so the numbers are the same)
-        ids, valid = self._next_chunks([len(s.prompt_ids) - 1 if s.prompt_cache is not None
-                                        and s.prefilled < len(s.prompt_ids) - 1 else len(s.prompt_ids)
-                                        for s in self._joining])
-        h = m.forward_batch(ids, self._group, valid=valid)
-        last = mx.stack([h[b, v - 1] for b, v in enumerate(valid)])
-        mx.eval(last, *self._group.arrays())
-        done = []
-        for b, s in enumerate(self._joining):
-            s.prefilled += valid[b]
+        # kept (as the plain decoder does alone)
+        s.prefill_end = len(s.prompt_ids) - 1 if s.prompt_cache is not None else len(s.prompt_ids)
+        s.prefill_done = False
+
+    def _prefill_chunk(self, s: Sequence, chunk: int) -> int:
+        """The next chunk of `s`'s prompt through the trunk, on its own caches (the chunks the
+        sequence alone runs); after its last one it samples its first token. Returns the tokens run."""
+        m, n = self.model.model, len(s.prompt_ids)
+        ids = s.prompt_ids[s.prefilled:min(s.prefilled + chunk, s.prefill_end)]
+        if ids:
+            s.last_hidden = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post[:, -1]
+            mx.eval(s.last_hidden, *s.trunk.arrays())
+            s.prefilled += len(ids)
             s.report_progress()
-            n = len(s.prompt_ids)
-            if s.prompt_cache is not None and s.prefilled == n - 1:
-                kept = self._group.row(b)  # a copy, never written: handed over at once
-                s.prompt_cache.keep(m, s.prompt_ids[:-1], kept)
-                s.prompt_cache.release(kept)
-            if s.prefilled < n:
-                continue
-            logits = m.logits(last[b])
+        if s.prefilled == s.prefill_end == n - 1:  # (a prompt cache's state before the last token)
+            s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk)
+            s.prefill_end = n
+        if s.prefilled == n:
+            logits = m.logits(s.last_hidden[0])
+            s.last_hidden = None
             token = s.sampler.sample(logits)
             s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
-            done.append(b)
-        if done:
-            for b in done:
-                self._joining[b].length = self._group.host_lengths[b]
-            self._batch.extend(self._group, done)
-            self._rows += [self._joining[b] for b in done]
-            self._drop_joining(done)
+            s.prefill_done = True
+        return len(ids)
+
+    def _leave_prefill(self, s: Sequence) -> None:
+        """A joining sequence leaves before its prefill is done (cancelled, or failed)."""
+        self._joining.remove(s)
+        if s.prompt_cache is not None and s.trunk is not None:
+            s.prompt_cache.release(s.trunk)
+        s.trunk = None
+
+    def _join(self, joined: list[Sequence]) -> None:
+        """Sequences whose prefill is done join the batch: their caches become its last rows (copied:
+        a kept prompt state on them is never written again)."""
+        for s in joined:
+            self._batch.add(s.trunk)
+            s.length = self._batch.host_lengths[-1]
+            if s.prompt_cache is not None:
+                s.prompt_cache.release(s.trunk)
+            s.trunk = None
+        self._rows += joined
 
     def _decode(self) -> None:
         """One round read, with the next one queued first (the device runs round r+1 while the host
@@ -413,10 +405,3 @@ def _engine_error(e: Exception) -> MTPEngineError:
     err = MTPEngineError(f"the batch failed: {type(e).__name__}: {e}", field="model")
     err.__cause__ = e
     return err
-
-
-def _padded_width(lengths: list[int]) -> int:
-    """The widest chunk a padded prefill step may run: at most half of its rows' tokens padding
-    (one long prompt beside short ones runs their width first, the short ones join, and it goes
-    on alone, instead of padding every row to its chunk)."""
-    return max(w for w in set(lengths) if len(lengths) * w <= 2 * sum(min(w, n) for n in lengths))

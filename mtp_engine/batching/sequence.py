@@ -41,7 +41,10 @@ class Sequence:
         self.n_max = n_max  # None: the batch's draft length
         self.p_min, self.n_min = p_min, n_min
         self.counts = RoundCounts()  # its rounds' statistics
-        self.h_prev = None  # the trunk hidden state its next head row reads (MTP batches, while it prefills)
+        # while it prefills: its own caches (the trunk's, an MTP batch's head's), how far its prompt
+        # is read before it joins, and the trunk hidden state its next head row reads
+        self.trunk = self.head = self.h_prev = self.last_hidden = None
+        self.prefill_end, self.prefill_done = len(self.prompt_ids), False
         self.length = 0  # tokens in its trunk cache rows, as of the last round the host read
         self.chosen: int | None = None  # a host-sampled row's token no round has taken yet
 

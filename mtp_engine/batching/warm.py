@@ -2,8 +2,8 @@
 ahead while the model loads (`model.kernels.mlx_jit` recipes run in its worker processes).
 
 A prompt longer than the delta-net kernel's 16 tokens takes MLX's own path (the chunked delta rule,
-the masked attention, MLX's quantized or dequantized products); prompts of several lengths prefilled
-together add the padding's masks; a batch's rounds add their row bookkeeping and sampler. On a fresh
+the masked attention, MLX's quantized or dequantized products); a batch's rounds add their row
+bookkeeping and sampler. On a fresh
 H100 a server's first batched step compiled 22 such modules one after another (48.6 s). Each recipe
 here runs the real code on the model's miniature (`model.miniature`: the same graphs and constants,
 a few layers deep), so the modules it compiles are those the model will ask for; the recipes are

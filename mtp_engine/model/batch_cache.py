@@ -14,8 +14,6 @@ models then need the padding masked in every recurrent state, which went wrong t
 """
 from __future__ import annotations
 
-import contextlib
-
 import mlx.core as mx
 
 from .cache import RecurrentCache, TrunkCache, roll_back_recurrent
@@ -97,18 +95,6 @@ class BatchKVCache:
         if self.keys is not None:
             self.keys, self.values = self.keys[rows], self.values[rows]
 
-    def append_rows(self, other: "BatchKVCache", rows: mx.array, needed: int) -> None:
-        """Appends `other`'s rows `rows` (their lengths at most `needed`), both buffers brought to
-        one capacity."""
-        if self.keys is None:
-            self.keys, self.values = other.keys[rows], other.values[rows]
-            return
-        self.reserve(needed)
-        other.reserve(self.capacity)
-        cap = self.capacity
-        self.keys = mx.concatenate([self.keys, other.keys[rows][:, :, :cap]], axis=0)
-        self.values = mx.concatenate([self.values, other.values[rows][:, :, :cap]], axis=0)
-
     def arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
 
@@ -119,21 +105,12 @@ class BatchRecurrentCache(RecurrentCache):
 
     def __init__(self, first: RecurrentCache):
         self._reset(first.kernel, first.conv, first.state)
-        self.valid: mx.array | None = None  # during a padded forward: each row's valid tokens
 
     def add(self, row: RecurrentCache) -> None:
         self.set(mx.concatenate([self.conv, row.conv], axis=0), mx.concatenate([self.state, row.state], axis=0))
 
     def keep(self, rows: mx.array) -> None:
         self.set(self.conv[rows], self.state[rows])
-
-    def append_rows(self, other: "BatchRecurrentCache", rows: mx.array, needed: int = 0) -> None:
-        conv, state = other.conv[rows], other.state[rows]
-        if self.window is None and self._conv is None:  # no rows yet (a rolled-back pass's form has rows)
-            self.set(conv, state)
-        else:
-            self.set(mx.concatenate([self.conv, conv], axis=0), mx.concatenate([self.state, state], axis=0))
-
 
 class BatchCache:
     """The trunk's caches for a batch of sequences, each with its own length: `lengths` [B] on the
@@ -179,71 +156,10 @@ class BatchCache:
         for layer in self.layers:
             layer.keep(idx)
 
-    @contextlib.contextmanager
-    def padded(self, valid: list[int]):
-        """Around a forward whose row b holds valid[b] tokens and then padding (a batched prefill):
-        the recurrent layers ignore the padding, and each row's length then grows by valid[b]
-        (the keys written past it are stale: masked, and overwritten next)."""
-        v = mx.array(valid, mx.int32)
-        rec = [c for c in self.layers if isinstance(c, BatchRecurrentCache)]
-        for c in rec:
-            c.valid = v
-        try:
-            yield
-        finally:
-            for c in rec:
-                c.valid = None
-        self.set_lengths([x + n for x, n in zip(self.host_lengths, valid)])
-
-    def extend(self, other: "BatchCache", rows: list[int]) -> None:
-        """Appends `other`'s rows `rows` (sequences that prefilled there)."""
-        if not rows:
-            return
-        idx = mx.array(rows, mx.int32)
-        lengths = [other.host_lengths[r] for r in rows]
-        if not self.layers:
-            self.layers = [BatchKVCache(self, c.n_kv, c.head_dim, c.dtype) if isinstance(c, BatchKVCache)
-                           else BatchRecurrentCache(c) for c in other.layers]
-            for mine in self.layers:
-                if isinstance(mine, BatchRecurrentCache):
-                    mine.set(None, None)
-        for mine, theirs in zip(self.layers, other.layers):
-            mine.append_rows(theirs, idx, max(self.host_lengths + lengths))
-        self.host_lengths = self.host_lengths + lengths
-        self.lengths = mx.concatenate([self.lengths, other.lengths[idx]])
-
-    def row(self, r: int) -> TrunkCache:
-        """Row r as a sequence's own (batch-1) caches, copied and evaluated: e.g. for a prompt
-        cache to keep (its host length must be exact)."""
-        layers = []
-        n = self.host_lengths[r]
-        for c in self.layers:
-            if isinstance(c, BatchKVCache):
-                kv = KVCache(c.n_kv, c.head_dim, dtype=c.dtype)
-                kv.reserve(max(n, 1))
-                if n:
-                    kv.keys[:, :, :n] = c.keys[r:r + 1, :, :n]
-                    kv.values[:, :, :n] = c.values[r:r + 1, :, :n]
-                kv.offset = n
-                layers.append(kv)
-            else:
-                layers.append(RecurrentCache.holding(c.kernel, mx.array(c.conv[r:r + 1]), mx.array(c.state[r:r + 1])))
-        trunk = TrunkCache(layers)
-        trunk.offset = n
-        # evaluated here: a generation in another thread may take it over, and MLX evaluates a lazy
-        # array only on a stream of the thread that made it ("no Stream(cpu, 1) in current thread")
-        mx.eval(*trunk.arrays())
-        return trunk
-
     def advance(self, n: int) -> None:
         """Every row took `n` more tokens (after a forward of n tokens per row)."""
         self.host_lengths = [x + n for x in self.host_lengths]
         self.lengths = self.lengths + n
-
-    def set_lengths(self, lengths: list[int]) -> None:
-        """Each row's length (positions past it are stale: masked, and overwritten next)."""
-        self.host_lengths = list(lengths)
-        self.lengths = mx.array(self.host_lengths, mx.int32)
 
     def bound_lengths(self, bounds: list[int]) -> None:
         """The host's bounds of the rows' lengths, tightened from what it has read (the device

@@ -36,12 +36,8 @@ class Mixed(NamedTuple):
 
 def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.array, conv0: mx.array,
         state0: mx.array, conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array,
-        capture: bool = False, valid: mx.array | None = None, fused_steps: bool = True,
-        width: int | None = None) -> Mixed:
+        capture: bool = False, fused_steps: bool = True, width: int | None = None) -> Mixed:
     """qkv_x [b, s, C], z_x [b, s, vh*vd], alpha_x/beta_x [b, s, vh], conv0 [b, K-1, C], state0 [b, vh, kd, vd].
-    `valid` [b] int32: row r's first valid[r] tokens count and the rest pad it (a batched prefill
-    of prompts of several lengths): pads neither decay nor write the state (g = 0, beta = 0) and
-    the conv window returned ends at the last valid token; their outputs are meaningless.
     `fused_steps=False` runs the token steps as separate operations: the CUDA kernel's self-test
     does, since on a GPU each fused step graph is a JIT compile (seconds, on a first run) that
     decoding with the kernel never uses again. `width` (captured passes): the captured buffers
@@ -50,11 +46,6 @@ def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.a
     window = mx.concatenate([conv0, qkv_x], axis=1)  # [b, K-1+s, C]
     prep = _prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)
     q, k, v, g, beta = prep(window, conv_w, alpha_x, beta_x, dt_bias, a)
-    if valid is not None:
-        if capture:
-            raise ValueError("a padded pass is not captured")
-        live = (mx.arange(s)[None, :] < valid.reshape(b, 1))[..., None]  # [b, s, 1]
-        g, beta = mx.where(live, g, 0.0), mx.where(live, beta, 0.0)
     if s <= SEQUENTIAL_MAX or capture:
         # decode, draft and verify: a few fused step kernels per token beat the chunked form's
         # dozens of small kernels (on the H200 the chunked form made V(2) 2.5 instead of ~1.2)
@@ -76,10 +67,6 @@ def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.a
             states += [mx.zeros_like(state0)] * pad
             window = mx.concatenate([window, mx.zeros((b, pad, window.shape[2]), window.dtype)], axis=1)
         return Mixed(y, mx.stack(states, axis=1), window)
-    if valid is not None:  # the window after each row's last valid token
-        rows = (valid.reshape(b, 1) + mx.arange(d.kernel - 1)[None, :])[:, :, None]
-        return Mixed(y, state, mx.take_along_axis(window, mx.broadcast_to(rows, (b, d.kernel - 1, window.shape[2])),
-                                                  axis=1))
     return Mixed(y, state, window[:, s:])
 
 

@@ -52,13 +52,9 @@ class MTPHead(nn.Module):
                                 compiled=self.compile_steps and fits)[0]
         return self._body(embeds, h_prev, [cache])[0]
 
-    def forward_batch(self, embeds: mx.array, h_prev: mx.array, batch, valid: list[int] | None = None) -> mx.array:
-        """The head over a batch (`batch_cache.BatchCache`, advanced here): embeds, h_prev [B, S, H];
-        `valid` as the trunk's `forward_batch` takes it (a padded prefill)."""
+    def forward_batch(self, embeds: mx.array, h_prev: mx.array, batch) -> mx.array:
+        """The head over a batch (`batch_cache.BatchCache`, advanced here): embeds, h_prev [B, S, H]."""
         s = int(embeds.shape[1])
-        if valid is not None:
-            with batch.padded(valid):
-                return self._body(embeds, h_prev, batch.layers)[0]
         if self.compile_steps and s <= compiled.MAX_TOKENS and compilable_ffn(self.layer.mlp):
             h = compiled.run_batch(self.graphs, self._body, [embeds, h_prev], batch, s)[0]
         else:

@@ -171,23 +171,15 @@ class Qwen35Model(nn.Module):
             cache.offset += s
         return TrunkStates(post, x)
 
-    def forward_batch(self, ids: mx.array, batch: BatchCache, valid: list[int] | None = None,
-                      capture: bool = False) -> mx.array:
+    def forward_batch(self, ids: mx.array, batch: BatchCache, capture: bool = False) -> mx.array:
         """ids [B, S]: the next S tokens of each of B sequences, each at its own length in `batch`
         (advanced here); returns the post-norm hidden states [B, S, H]. Up to `step.MAX_TOKENS`
-        tokens per row it is one compiled graph, as a single sequence's. `valid`: row b's first
-        valid[b] tokens count, the rest pad it (prompts of several lengths prefilled together); its
-        length grows by valid[b]. `capture`: recurrent layers keep every position's state
-        (`BatchCache.rollback_lazy` picks one)."""
-        return self._batch_states(ids, batch, valid, capture).post
+        tokens per row it is one compiled graph, as a single sequence's. `capture`: recurrent layers
+        keep every position's state (`BatchCache.rollback_lazy` picks one)."""
+        return self._batch_states(ids, batch, capture).post
 
-    def _batch_states(self, ids: mx.array, batch: BatchCache, valid: list[int] | None = None,
-                      capture: bool = False) -> TrunkStates:
+    def _batch_states(self, ids: mx.array, batch: BatchCache, capture: bool = False) -> TrunkStates:
         s = int(ids.shape[1])
-        if valid is not None:
-            with batch.padded(valid):
-                post, x = self._body(ids, batch.layers)
-            return TrunkStates(post, x)
         if capture:
             batch.begin_capture(s)
         if self._compile_steps and s <= compiled.MAX_TOKENS and all(compilable_ffn(l.mlp) for l in self.layers):

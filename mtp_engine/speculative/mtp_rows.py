@@ -22,6 +22,8 @@ from typing import Callable
 import mlx.core as mx
 
 from ..model.batch_cache import BatchCache
+from ..model.cache import TrunkCache
+from ..model.kv_cache import KVCache
 from ..model.qwen35 import Qwen35Model
 from .round import greedy, no_stage
 
@@ -54,11 +56,14 @@ class MTPRowsDrafter:
         return len(self.cache)
 
     # ---- rows joining and leaving ---------------------------------------------------------------
-    def join(self, heads: BatchCache, rows: list[int], tokens: list[int], hidden: mx.array) -> None:
-        """Rows `rows` of `heads` (the head's caches after the joining prompts but their last
-        token) join; their blocks are each last prompt token `tokens` with the trunk hidden state
-        before it, `hidden` [J, 1, H]."""
-        self.cache.extend(heads, rows)
+    def join(self, heads: list[KVCache], tokens: list[int], hidden: mx.array) -> None:
+        """Sequences join with their head caches `heads` (after their prompts but the last token);
+        their blocks are each last prompt token `tokens` with the trunk hidden state before it,
+        `hidden` [J, 1, H]."""
+        for head in heads:
+            trunk = TrunkCache([head])
+            trunk.offset = head.offset
+            self.cache.add(trunk)
         tok = mx.array(tokens, mx.int32)[:, None]
         valid = mx.ones((len(tokens),), mx.int32)
         if self.tokens is None:

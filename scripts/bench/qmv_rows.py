@@ -50,11 +50,15 @@ def main() -> None:
     ap.add_argument("--check-only", action="store_true", help="only the precision checks")
     ap.add_argument("--rows-equal", action="store_true",
                     help="batch rows against the sequence alone (8-layer 9B shape), per kernel setting")
+    ap.add_argument("--layers", action="store_true",
+                    help="--rows-equal: the first step's sub-blocks (mixer, MLP) per layer, batch row 0 against alone")
     ap.add_argument("--kernel-sets", default="custom,mlx,qmv,gdn,attn,norm",
                     help="--rows-equal: the engine's kernel settings to compare under (MTP_ENGINE_QMV's values)")
     a = ap.parse_args()
     if a.in_model:
         return in_model(a)
+    if a.rows_equal and a.layers:
+        return rows_layers(a)
     if a.rows_equal:
         return rows_equal(a)
     for split in (2, 3):
@@ -214,6 +218,75 @@ def rows_equal(a) -> None:
                 tok = int(mx.argmax(l1).item())
             print(f"kernels={setting:<7} B={b:<3} first differing step: {first}, max |dh| {worst_h:.3e}, "
                   f"max |dlogits| {worst_l:.3e}", flush=True)
+
+
+def rows_layers(a) -> None:
+    """Where inside a step a batch's row 0 first leaves the sequence alone: per layer, the largest
+    difference of the mixer's input and output and the MLP's input and output (eager, uncompiled
+    forwards, so each sub-block's output is seen). The first sub-block whose output differs while
+    its input does not is the one whose arithmetic depends on the row count."""
+    from harness import config_9b, random_model
+
+    from mtp_engine.model import blocks
+    from mtp_engine.model.batch_cache import BatchCache
+    from mtp_engine.model.step import Pass
+
+    model = random_model(config_9b(True))
+    model.compile_steps = False
+    prompt = [(7 * i) % 8000 + 100 for i in range(40)]
+    seen: list[tuple[str, int, mx.array]] = []
+
+    def recording(layer, i, part):
+        inner = getattr(layer, part)
+
+        def call(x, *rest):
+            out = inner(x, *rest)
+            seen.append((part, i, x, out))
+            return out
+        return call
+
+    real = blocks.run_layers
+
+    def run_layers(layers, x, caches, final_norm, eps, fused_norm=False):
+        class Spy:
+            def __init__(self, layer, i):
+                self._l, self.mixer, self.mlp = layer, recording(layer, i, "mixer"), recording(layer, i, "mlp")
+
+            def __getattr__(self, name):
+                return getattr(self._l, name)
+        return real([Spy(layer, i) for i, layer in enumerate(layers)], x, caches, final_norm, eps, fused_norm)
+
+    blocks.run_layers = run_layers
+    import mtp_engine.model.qwen35 as qwen35
+    qwen35.run_layers = run_layers
+
+    def prefilled(cache):
+        mx.eval(model.forward_states(mx.array([prompt[:-1]]), cache, Pass.PREFILL).post, *cache.arrays())
+        return cache
+
+    batches = [int(r) for r in a.rows.split(",") if int(r) > 1]
+    for setting in a.kernel_sets.split(","):
+        model.use(model.options.updated(kernels=setting))
+        for b in batches:
+            alone = prefilled(model.make_cache())
+            batch = BatchCache(model)
+            for _ in range(b):
+                batch.add(prefilled(model.make_cache()))
+            tok = prompt[-1]
+            seen.clear()
+            mx.eval(model.forward_states(mx.array([[tok]]), alone, Pass.ROUND_STEP).post)
+            one = list(seen)
+            seen.clear()
+            mx.eval(model.forward_states(mx.array([[tok]] * b), batch, Pass.ROUND_STEP).post)
+            many = list(seen)
+            cells = []
+            for (part, i, x1, o1), (_, _, xb, ob) in zip(one, many):
+                dx, do = float(mx.abs(xb[0] - x1[0]).max()), float(mx.abs(ob[0] - o1[0]).max())
+                cells.append(f"L{i}.{part} in {dx:.1e} out {do:.1e}")
+            first = next((c for c, (p1, pb) in zip(cells, zip(one, many))
+                          if float(mx.abs(pb[3][0] - p1[3][0]).max()) > 0), "none")
+            print(f"kernels={setting:<7} B={b:<3} first sub-block differing: {first}", flush=True)
+            print("   " + "; ".join(cells[:12]), flush=True)
 
 
 if __name__ == "__main__":

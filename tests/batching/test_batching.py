@@ -147,25 +147,25 @@ def test_batch_refusals_name_the_field(shipped_model):
 
 @pytest.mark.parametrize("spec", ["none", "draft-mtp"])
 def test_a_prefill_that_fails_ends_only_its_own_sequences(models, monkeypatch, spec):
-    """An error inside a prefill chunk (MLX raising, say) fails the prompts of that chunk with the
-    engine's error type, named by `batch_generate` as prompts[i]; the streams already decoding go
-    on to their answers."""
+    """An error inside a prefill chunk (MLX raising, say) fails that prompt with the engine's error
+    type, named by `batch_generate` as prompts[i]; the streams already decoding go on to their
+    answers."""
     from mtp_engine.batching.scheduler import BatchScheduler
 
     tiny = models(need(TINY_Q4))
     bad = "zzz bad prompt"
-    prefill = BatchScheduler._prefill_step
-    mtp_prefill = __import__("mtp_engine.batching.mtp", fromlist=["x"]).MTPBatchScheduler._prefill_step
+    prefill = BatchScheduler._prefill_chunk
+    mtp_prefill = __import__("mtp_engine.batching.mtp", fromlist=["x"]).MTPBatchScheduler._prefill_chunk
 
     def failing(original):
-        def step(self):
-            if any(tiny.tokenizer.decode(s.prompt_ids) == bad for s in self._joining):
+        def chunk(self, s, size):
+            if tiny.tokenizer.decode(s.prompt_ids) == bad:
                 raise ValueError("[concatenate] No arrays provided for concatenation")
-            return original(self)
-        return step
+            return original(self, s, size)
+        return chunk
 
-    monkeypatch.setattr(BatchScheduler, "_prefill_step", failing(prefill))
-    monkeypatch.setattr("mtp_engine.batching.mtp.MTPBatchScheduler._prefill_step", failing(mtp_prefill))
+    monkeypatch.setattr(BatchScheduler, "_prefill_chunk", failing(prefill))
+    monkeypatch.setattr("mtp_engine.batching.mtp.MTPBatchScheduler._prefill_chunk", failing(mtp_prefill))
     prompts = [PROMPTS[1], PROMPTS[2], bad]
     with pytest.raises(MTPEngineError) as e:
         batch_generate(prompts, tiny, max_tokens=8, ignore_eos=True, parallel=2, spec=spec)
@@ -821,72 +821,30 @@ def assert_close_at_scale(got: mx.array, want: mx.array, where) -> None:
 
 
 @pytest.mark.parametrize("path", [SHIPPED, MOE_Q4], ids=["trained", "moe"])
-def test_padded_prefill_of_several_lengths_equals_each_alone(models, path):
-    """Prompts of 3, 40 and 17 tokens prefilled in one forward (each row padded to 40: the
-    recurrent layers skip the padding, attention masks it), in two chunks the second time, one
-    row starting from a kept prefix: every hidden state, the caches and the next step equal each
-    prompt alone; a row copied out (`row`) and rows moved to another batch (`extend`) too."""
+def test_rows_of_several_lengths_step_as_each_alone(models, path):
+    """Prompts of 3, 40 and 17 tokens prefilled each on its own caches (one in two chunks, as a
+    joining sequence's), then rows of one batch (`add`): two batched steps equal each prompt's
+    steps alone, and a row that leaves (`keep`) takes nothing of the others with it."""
     m = models(need(path)).model
     prompts = [[5, 9, 250], [(7 * i + 3) % 500 + 1 for i in range(40)], [(11 * i + 2) % 500 + 1 for i in range(17)]]
-    alone = []
-    for p in prompts:
-        c = m.make_cache()
-        h = m.forward(mx.array([p]), c)
-        alone.append((c, h))
-    for split in (None, 20):
-        group = BatchCache(m)
-        for _ in prompts:
-            group.add(m.make_cache())
-        done = [0] * len(prompts)
-        hs: list[list] = [[] for _ in prompts]
-        for stop in ([split, None] if split else [None]):
-            chunks = [p[d:stop] for p, d in zip(prompts, done)]
-            width = max(len(c) for c in chunks)
-            ids = mx.array([c + [0] * (width - len(c)) for c in chunks], mx.int32)
-            h = m.forward_batch(ids, group, valid=[len(c) for c in chunks])
-            for b, c in enumerate(chunks):
-                hs[b].append(h[b, :len(c)])
-                done[b] += len(c)
-        assert group.host_lengths == [len(p) for p in prompts]
-        for b, (c, h) in enumerate(alone):
-            got = mx.concatenate(hs[b], axis=0)
-            assert float(mx.abs(got - h[0]).max()) < 1e-4, (split, b)
-            row = group.row(b)
-            for x, y in zip(row.layers, c.layers):
-                # keys and the conv window hold projections of size ~1: on the GPU a product of
-                # another row count sums in another order, an error of the sum's size, not of each
-                # value's (2e-5 on keys, 9e-5 on the window, values up to ~2, measured on an H100):
-                # bounded by the values' scale
-                if hasattr(x, "keys"):
-                    assert x.offset == y.offset
-                    # `state`: a compiled step's keys may sit in the cache's tail (`KVCache.rebase`)
-                    (xk, xv), (yk, yv) = x.state(), y.state()
-                    assert_close_at_scale(xk, yk, (split, b))
-                    assert_close_at_scale(xv, yv, (split, b))
-                else:
-                    assert mx.allclose(x.state, y.state, atol=1e-5)
-                    assert_close_at_scale(x.conv, y.conv, (split, b))
-        batch = BatchCache(m)
-        batch.add(alone[0][0])
-        batch.extend(group, [2, 1])
-        assert batch.host_lengths == [3, 17, 40]
-        nxt = m.forward_batch(mx.array([[4], [4], [4]], mx.int32), batch)
-        for b, src in enumerate([0, 2, 1]):
-            c = alone[src][0].fork(alone[src][0].snapshot())
-            ref = m.forward(mx.array([[4]]), c)
-            assert float(mx.abs(nxt[b] - ref[0]).max()) < 1e-4, (split, b)
-
-
-def test_a_padded_prefill_step_pads_at_most_half_its_rows():
-    from mtp_engine.batching.scheduler import _padded_width
-
-    assert _padded_width([512] + [10] * 7) == 10  # the short ones first; the long one then alone
-    assert _padded_width([512]) == 512
-    assert _padded_width([7, 5, 6]) == 7
-    assert _padded_width([100, 90, 3]) == 100  # 300 slots for 193 tokens
-    for lengths in ([1, 2, 3, 40], [16, 1, 1, 1, 1], [9, 9]):
-        w = _padded_width(lengths)
-        assert w in lengths and len(lengths) * w <= 2 * sum(min(w, n) for n in lengths)
+    alone, batch = [], BatchCache(m)
+    for i, p in enumerate(prompts):
+        c, mine = m.make_cache(), m.make_cache()
+        m.forward(mx.array([p]), c)
+        for part in ([p[:20], p[20:]] if i == 1 else [p]):
+            m.forward(mx.array([part]), mine)
+        alone.append(c)
+        batch.add(mine)
+    assert batch.host_lengths == [3, 40, 17]
+    for tok in (4, 77):
+        nxt = m.forward_batch(mx.array([[tok]] * 3, mx.int32), batch)
+        for b, c in enumerate(alone):
+            ref = m.forward(mx.array([[tok]]), c)
+            assert_close_at_scale(nxt[b], ref[0], (tok, b))
+    batch.keep([2, 0])
+    nxt = m.forward_batch(mx.array([[9], [9]], mx.int32), batch)
+    for b, src in enumerate([2, 0]):
+        assert_close_at_scale(nxt[b], m.forward(mx.array([[9]]), alone[src])[0], ("kept", b))
 
 
 def test_plain_rounds_join_the_heads_block_and_later_drafts_are_those_of_a_head_run_every_round(shipped_model,
