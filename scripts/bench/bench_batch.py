@@ -225,9 +225,14 @@ def main(argv=None) -> int:
         ids = [alone.tokenizer.encode(p) for p in prompts]
         peer_rates = None if mlx_lm_batch(peer, ids, 4) is None else []  # its warm-up; None: no peer
         res = {"batched": [], "batched_mtp": [], "sequential": []}
+        mtp_rounds: dict[int, int] = {}  # the timed draft-mtp runs' rounds by k (the plain runs' are k = 0 too)
         for _ in range(args.repeats):  # every repeat runs each config once, the peer's included
             res["batched"].append(run_streams(batched, prompts, args.tokens, True, sampling=sampling))
+            before = dict(getattr(batched.scheduler, "rounds_by_k", {}))
             res["batched_mtp"].append(run_streams(batched, prompts, args.tokens, True, "draft-mtp", sampling))
+            for k, n in getattr(batched.scheduler, "rounds_by_k", {}).items():
+                if n > before.get(k, 0):
+                    mtp_rounds[k] = mtp_rounds.get(k, 0) + n - before.get(k, 0)
             res["sequential"].append(run_streams(alone, prompts, args.tokens, False, sampling=sampling))
             if peer_rates is not None:
                 peer_rates.append(mlx_lm_batch(peer, ids, args.tokens))
@@ -237,7 +242,7 @@ def main(argv=None) -> int:
                                                                      or d["outputs"] == s["outputs"])
                                     for b, d, s in zip(res["batched"], res["batched_mtp"], res["sequential"])),
                "oracle_acceptance": args.oracle, "sampling": sampling,
-               "mtp_rounds_by_k": dict(getattr(batched.scheduler, "rounds_by_k", {})),
+               "mtp_rounds_by_k": dict(sorted(mtp_rounds.items())),
                # what auto measured at this batch size: t(k)/t(0) per k and the plain round's seconds
                # (the cost curve a batch's draft length is chosen on)
                "mtp_round_steps": _round_costs(batched.scheduler, c)}
