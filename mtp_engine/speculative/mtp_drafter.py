@@ -26,6 +26,34 @@ from .drafter import DraftContext, Drafter
 from .round import no_stage
 
 
+def draft_chain(model, h: mx.array, k: int, p_min: "float | mx.array", pick: Callable, advance: Callable,
+                stage: Callable = no_stage) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """The MTP head's k chained draft steps over B rows, from its last output `h` [B, 1, H]: step 1
+    reads it, step i > 1 the head's step on draft i-1 (`advance(tokens [B], h) -> h`). `pick(logits
+    [B, V], drafts so far) -> (tokens [B] int32, the distributions drawn from [B, V] or None, the
+    logits as the rule scored them, whether each draft counts [B] or None)`: each row's rule. A
+    draft counts while the scored logits' top-10 softmax (temperature 1) reaches `p_min` (llama.cpp's
+    rule; one for every row, or each row's [B]). Returns (drafts [B, k], distributions [B, k, V] or
+    None, counting [B, k] or None); `stage` wraps each step (the profiler's)."""
+    drafts, qs, confident = [], [], []
+    for i in range(k):
+        with stage("draft") as out:
+            d, q, scored, ok = pick(model.draft_logits(h[:, 0]), drafts)
+            if q is not None:
+                qs.append(q)
+            if isinstance(p_min, mx.array) or p_min > 0.0:
+                top = mx.max(mx.softmax(mx.topk(scored, min(10, scored.shape[-1]), axis=-1), axis=-1), axis=-1) >= p_min
+                ok = top if ok is None else ok & top
+            if ok is not None:
+                confident.append(ok)
+            drafts.append(d)
+            if i + 1 < k:
+                h = advance(d, h)
+            out.extend([d, h])
+    return (mx.stack(drafts, axis=1), mx.stack(qs, axis=1) if qs else None,
+            mx.stack(confident, axis=1) if confident else None)
+
+
 class HeadPrefix(NamedTuple):
     """The head's state after a prompt, for a prompt cache: its cache (rows below `rows` are never
     rewritten), and the trunk hidden state its next row reads."""
@@ -215,37 +243,34 @@ class MTPDrafter(Drafter):
 
     def _chain(self, h: mx.array, k: int, p_min: float,
                stage: Callable = no_stage) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """The k chained head steps from the block's last output `h` (`stage` per step)."""
+        """The k chained head steps from the block's last output `h` (`draft_chain`, the round's one
+        row: each step penalised, masked by a grammar, drawn by the sampler)."""
         model, sampler, cache = self.model, self.ctx.sampler, self.cache
         kept, bound = cache.offset, cache.bound
-        drafts, qs, confident = [], [], []
         # a grammar masks each step by the drafts before it (read on the host: such a round is not
         # queued ahead anyway); after a draft that ends the text the rest do not count
         grammar, host = sampler.grammar, []
-        for i in range(k):
-            with stage("draft") as out:
-                logits = sampler.penalize(model.draft_logits(h[0, 0]), mx.stack(drafts) if drafts else None,
-                                          len(drafts))
-                allowed = grammar.allowed_after(host) if grammar is not None and host is not None else None
-                if allowed is not None:
-                    logits = masked(logits, allowed)
-                d = self._pick(logits, qs)
-                ok = None
-                if grammar is not None:
-                    ok = mx.array(allowed is not None)
-                    host = host + [int(d.item())] if allowed is not None else None
-                if p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
-                    top = mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1])))) >= p_min
-                    ok = top if ok is None else ok & top
-                if ok is not None:
-                    confident.append(ok)
-                drafts.append(d.astype(mx.int32))
-                if i + 1 < k:
-                    h = model.mtp(model.embed_tokens(d.reshape(1, 1)), h, cache, Pass.ROUND_STEP)
-                out.extend([drafts[-1], h])
+
+        def pick(logits: mx.array, drafts: list[mx.array]):
+            nonlocal host
+            logits = sampler.penalize(logits[0], mx.concatenate(drafts) if drafts else None, len(drafts))
+            allowed = grammar.allowed_after(host) if grammar is not None and host is not None else None
+            if allowed is not None:
+                logits = masked(logits, allowed)
+            qs: list = []
+            d = self._pick(logits, qs).astype(mx.int32).reshape(1)
+            ok = None
+            if grammar is not None:
+                ok = mx.array([allowed is not None])
+                host = host + [int(d.item())] if allowed is not None else None
+            return d, qs[0][None] if qs else None, logits[None], ok
+
+        def advance(d: mx.array, h: mx.array) -> mx.array:
+            return model.mtp(model.embed_tokens(d.reshape(1, 1)), h, cache, Pass.ROUND_STEP)
+
+        out = draft_chain(model, h, k, p_min, pick, advance, stage)
         cache.offset, cache.bound = kept, bound  # rows of steps 2..k were the head's own guesses
-        return (mx.stack(drafts)[None], mx.stack(qs)[None] if qs else None,
-                mx.stack(confident)[None] if confident else None)
+        return out
 
     def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array) -> None:
         """A drafting round emitted `emitted[0, :n+1]` (the round's one row: accepted drafts, then

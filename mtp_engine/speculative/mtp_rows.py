@@ -25,6 +25,7 @@ from ..model.batch_cache import BatchCache
 from ..model.cache import TrunkCache
 from ..model.kv_cache import KVCache
 from ..model.qwen35 import Qwen35Model
+from .mtp_drafter import draft_chain
 from .round import greedy, no_stage
 
 
@@ -110,24 +111,13 @@ class MTPRowsDrafter:
             h = self._run_block()
             out.append(h)
         kept, kept_host = cache.lengths, list(cache.host_lengths)
-        drafts, qs, confident = [], [], []
         with self.stage("draft") as out:
-            for i in range(k):
-                logits = m.draft_logits(h[:, 0])  # [B, V]
-                d, q, logits = pick(logits, drafts)
-                if q is not None:
-                    qs.append(q)
-                if isinstance(p_min, mx.array) or p_min > 0.0:  # llama.cpp: top-10 softmax at temperature 1
-                    confident.append(mx.max(mx.softmax(mx.topk(logits, min(10, logits.shape[-1]), axis=-1),
-                                                       axis=-1), axis=-1) >= p_min)
-                drafts.append(d)
-                if i + 1 < k:
-                    h = m.mtp.forward_batch(m.embed_tokens(d[:, None]), h, cache)
-            out.extend(drafts)
+            drafts = draft_chain(m, h, k, p_min, lambda logits, before: (*pick(logits, before), None),
+                                 lambda d, h: m.mtp.forward_batch(m.embed_tokens(d[:, None]), h, cache))
+            out.append(drafts[0])
         cache.lengths, cache.host_lengths = kept, kept_host  # rows of steps 2..k were the head's guesses
         self.tokens = self.hidden = self.valid = None  # run: the round's commit sets the next block
-        return (mx.stack(drafts, axis=1), mx.stack(qs, axis=1) if qs else None,
-                mx.stack(confident, axis=1) if confident else None)
+        return drafts
 
     def commit(self, emitted: mx.array, n: mx.array, hidden: mx.array, hold: mx.array | None = None) -> None:
         """A drafting round emitted `emitted[b, :n[b]+1]` per row (accepted drafts, then the
