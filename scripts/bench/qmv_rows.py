@@ -182,7 +182,6 @@ def rows_equal(a) -> None:
     hidden state and logits over the steps (0: the same bits)."""
     from harness import config_9b, random_model
 
-    from mtp_engine.model.batch_cache import BatchCache
     from mtp_engine.model.step import Pass
 
     model = random_model(config_9b(True))
@@ -195,17 +194,10 @@ def rows_equal(a) -> None:
         print(f"mx.quantized_matmul 1 row vs row 0 of {b}: max abs diff {float(mx.abs(one[0] - many[0]).max()):.3e}",
               flush=True)
 
-    def prefilled(cache):
-        mx.eval(model.forward_states(mx.array([prompt[:-1]]), cache, Pass.PREFILL).post, *cache.arrays())
-        return cache
-
     for setting in a.kernel_sets.split(","):
         model.use(model.options.updated(kernels=setting))
         for b in batches:
-            alone = prefilled(model.make_cache())
-            batch = BatchCache(model)
-            for _ in range(b):
-                batch.add(prefilled(model.make_cache()))
+            alone, batch = _alone_and_batch(model, prompt, b)
             tok, first, worst_h, worst_l = prompt[-1], None, 0.0, 0.0
             for step in range(a.repeats * 4):
                 h1 = model.forward_states(mx.array([[tok]]), alone, Pass.STEP).post[0, -1]
@@ -220,6 +212,21 @@ def rows_equal(a) -> None:
                   f"max |dlogits| {worst_l:.3e}", flush=True)
 
 
+def _alone_and_batch(model, prompt: list[int], b: int):
+    """The prompt but its last token in a sequence's own caches, and in a batch of b copies of them."""
+    from mtp_engine.model.batch_cache import BatchCache
+    from mtp_engine.model.step import Pass
+
+    def prefilled(cache):
+        mx.eval(model.forward_states(mx.array([prompt[:-1]]), cache, Pass.PREFILL).post, *cache.arrays())
+        return cache
+
+    batch = BatchCache(model)
+    for _ in range(b):
+        batch.add(prefilled(model.make_cache()))
+    return prefilled(model.make_cache()), batch
+
+
 def rows_layers(a) -> None:
     """Where inside a step a batch's row 0 first leaves the sequence alone: per layer, the largest
     difference of the mixer's input and output and the MLP's input and output (eager, uncompiled
@@ -228,7 +235,6 @@ def rows_layers(a) -> None:
     from harness import config_9b, random_model
 
     from mtp_engine.model import blocks
-    from mtp_engine.model.batch_cache import BatchCache
     from mtp_engine.model.step import Pass
 
     model = random_model(config_9b(True))
@@ -260,18 +266,11 @@ def rows_layers(a) -> None:
     import mtp_engine.model.qwen35 as qwen35
     qwen35.run_layers = run_layers
 
-    def prefilled(cache):
-        mx.eval(model.forward_states(mx.array([prompt[:-1]]), cache, Pass.PREFILL).post, *cache.arrays())
-        return cache
-
     batches = [int(r) for r in a.rows.split(",") if int(r) > 1]
     for setting in a.kernel_sets.split(","):
         model.use(model.options.updated(kernels=setting))
         for b in batches:
-            alone = prefilled(model.make_cache())
-            batch = BatchCache(model)
-            for _ in range(b):
-                batch.add(prefilled(model.make_cache()))
+            alone, batch = _alone_and_batch(model, prompt, b)
             tok = prompt[-1]
             seen.clear()
             mx.eval(model.forward_states(mx.array([[tok]]), alone, Pass.ROUND_STEP).post)
