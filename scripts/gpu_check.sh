@@ -54,12 +54,14 @@ if [ "$what" = rows ]; then  # where a batch's rows stop computing what the sequ
     timeout 300 python3 scripts/bench/qmv_rows.py --rows-equal --rows 1,2,4,8,16 --repeats 2 > "$out/rows.log" 2>&1
     echo "rows rc=$?"; cat "$out/rows.log" | grep -E "differing|quantized_matmul"
 fi
-if [ "$what" = diag ]; then  # one call's worth of the open questions: which op makes a batch's rows differ from
-    # alone, batches at 1/4/8 streams, auto's round times per length against fixed lengths'
-    timeout 150 python3 scripts/bench/qmv_rows.py --rows-equal --rows 1,4,8 --repeats 1 > "$out/rows.log" 2>&1
-    echo "rows rc=$?"; grep -E "differing|quantized_matmul" "$out/rows.log"
-    timeout 200 python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 1,4,8 --repeats 1 --oracle 0.8 \
-        --out "$out/batch9b.json" > "$out/batch9b.log" 2>&1
+if [ "$what" = diag ]; then  # one call's worth of the open questions: which stage of a delta-net mixer makes a
+    # batch's rows differ from alone (from equal inputs), batches at 1/4/8 streams with their rounds' stages, auto's
+    # round times per length against fixed lengths'
+    timeout 150 python3 scripts/bench/qmv_rows.py --rows-equal --gdn --rows 1,4,8 --kernel-sets mlx,custom \
+        > "$out/rows-gdn.log" 2>&1
+    echo "rows-gdn rc=$?"; grep -E "kernels=" "$out/rows-gdn.log"
+    timeout 240 python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 1,4,8 --repeats 1 --oracle 0.8 \
+        --profile --out "$out/batch9b.json" > "$out/batch9b.log" 2>&1
     echo "batch9b rc=$?"; tail -3 "$out/batch9b.log"
     timeout 180 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 3 --shapes 9b \
         --accs 0.5,0.8,0.9 --out "$out/auto" > "$out/auto.log" 2>&1

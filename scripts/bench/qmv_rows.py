@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--check-only", action="store_true", help="only the precision checks")
     ap.add_argument("--rows-equal", action="store_true",
                     help="batch rows against the sequence alone (8-layer 9B shape), per kernel setting")
+    ap.add_argument("--gdn", action="store_true",
+                    help="--rows-equal: each stage of a delta-net mixer on B copies of one row against the row alone")
+    ap.add_argument("--model", default=None, help="--rows-equal: a GGUF file instead of the random 9B shape")
     ap.add_argument("--layers", action="store_true",
                     help="--rows-equal: the first step's sub-blocks (mixer, MLP) per layer, batch row 0 against alone")
     ap.add_argument("--kernel-sets", default="custom,mlx,qmv,gdn,attn,norm",
@@ -57,6 +60,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.in_model:
         return in_model(a)
+    if a.rows_equal and a.gdn:
+        return rows_gdn(a)
     if a.rows_equal and a.layers:
         return rows_layers(a)
     if a.rows_equal:
@@ -225,6 +230,74 @@ def _alone_and_batch(model, prompt: list[int], b: int):
     for _ in range(b):
         batch.add(prefilled(model.make_cache()))
     return prefilled(model.make_cache()), batch
+
+
+def _probe_model(a):
+    if a.model:
+        from mtp_engine import load
+        return load(a.model).model
+    from harness import config_9b, random_model
+    return random_model(config_9b(True))
+
+
+def rows_gdn(a) -> None:
+    """Each stage of the first delta-net mixer (its input products, the conv and gates, one
+    delta-rule step fused and as separate operations, the gated norm, the output product) run on
+    B copies of one row and on the row alone, from the same inputs: the largest difference of row
+    0 per stage and kernel setting (0: the same bits). A stage that differs here is one whose
+    arithmetic depends on the row count."""
+    from mtp_engine.model import gdn
+    from mtp_engine.model.cache import RecurrentCache
+    from mtp_engine.model.delta_rule import delta_rule_step, delta_rule_step_ops
+
+    model = _probe_model(a)
+    layer = next(l.mixer for l in model.layers if hasattr(l.mixer, "conv_w"))
+    c = model.cfg
+    d = gdn.Dims(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads, c.ssm_value_dim, c.conv_kernel, c.eps)
+    x = mx.random.normal((1, 1, c.hidden_size), key=mx.random.key(1))
+    conv0 = mx.random.normal((1, d.kernel - 1, c.conv_channels), key=mx.random.key(2)) * 0.5
+    state0 = mx.random.normal((1, d.vh, d.kd, d.vd), key=mx.random.key(3)) * 0.1
+
+    def stages(x, conv0, state0):
+        qkv_x, z_x, alpha_x, beta_x = layer._inputs(x)
+        window = mx.concatenate([conv0, qkv_x], axis=1)
+        q, k, v, g, beta = gdn._prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)(
+            window, layer.conv_w, alpha_x, beta_x, layer.dt_bias, layer.a)
+        return {"input products": qkv_x, "conv and gates": q, "gates g": g,
+                "step (fused)": delta_rule_step(state0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[1],
+                "step (ops)": delta_rule_step_ops(state0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[1]}
+
+    def isolated(b):
+        """Every stage from the alone row's inputs, broadcast to b rows."""
+        rep = lambda t: mx.concatenate([t] * b)  # noqa: E731
+        one = stages(x, conv0, state0)
+        qkv_x, z_x, alpha_x, beta_x = layer._inputs(x)
+        window = mx.concatenate([conv0, qkv_x], axis=1)
+        q, k, v, g, beta = gdn._prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)(
+            window, layer.conv_w, alpha_x, beta_x, layer.dt_bias, layer.a)
+        o1 = delta_rule_step(state0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[1]
+        y1 = gdn._output(o1[:, None], z_x.reshape(1, 1, d.vh, d.vd), layer.norm, d.eps).reshape(1, 1, -1)
+        one.update({"gated norm": y1, "output product": layer.out(y1)})
+        many = stages(rep(x), rep(conv0), rep(state0))
+        many["step (fused)"] = delta_rule_step(rep(state0), rep(q[:, 0]), rep(k[:, 0]), rep(v[:, 0]), rep(g[:, 0]),
+                                               rep(beta[:, 0]))[1]
+        many["step (ops)"] = delta_rule_step_ops(rep(state0), rep(q[:, 0]), rep(k[:, 0]), rep(v[:, 0]),
+                                                 rep(g[:, 0]), rep(beta[:, 0]))[1]
+        many["gated norm"] = gdn._output(rep(o1)[:, None], rep(z_x).reshape(b, 1, d.vh, d.vd), layer.norm,
+                                         d.eps).reshape(b, 1, -1)
+        many["output product"] = layer.out(rep(y1))
+        # the whole mixer as a step runs it (the fused CUDA layer where the setting has it)
+        one["whole mixer"] = layer(x, RecurrentCache.holding(d.kernel, conv0, state0))
+        many["whole mixer"] = layer(rep(x), RecurrentCache.holding(d.kernel, rep(conv0), rep(state0)))
+        return {name: float(mx.abs(many[name][0].astype(mx.float32) - one[name][0].astype(mx.float32)).max())
+                for name in one}
+
+    for setting in a.kernel_sets.split(","):
+        model.use(model.options.updated(kernels=setting))
+        layer = next(l.mixer for l in model.layers if hasattr(l.mixer, "conv_w"))
+        for b in [int(r) for r in a.rows.split(",") if int(r) > 1]:
+            diffs = isolated(b)
+            print(f"kernels={setting:<7} B={b:<3} " + "; ".join(f"{n} {v:.1e}" for n, v in diffs.items()), flush=True)
 
 
 def rows_layers(a) -> None:
