@@ -38,8 +38,8 @@ from ..speculative.round import Round, draft_round, plain_round, post_norm
 from ..speculative.row_sampling import RowSampling
 from ..speculative.calibration import default_seed
 from ..speculative.scheduler import AUTO_MAX, DraftLengthScheduler, auto_k_max
-from .scheduler import BatchScheduler, Launched, logprobs_asked, sampling
-from .sequence import Sequence
+from .scheduler import BatchScheduler, Launched
+from .sequence import Sequence, logprobs_asked, sampling
 
 def bucket(batch: int) -> int:
     """Batch sizes that share one draft-length controller (1, 2, 4, 8, ...): B changes as

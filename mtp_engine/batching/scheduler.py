@@ -39,9 +39,8 @@ from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
 from ..model.step import Pass
 from ..speculative.round import Round, plain_round, post_norm
-from ..speculative.row_sampling import RowSampling
 from ..threads import quiesce_at_exit
-from .sequence import Sequence
+from .sequence import Sequence, logprobs_asked, sampling
 
 
 class Launched(NamedTuple):
@@ -379,22 +378,6 @@ class BatchScheduler:
     def _bound(self, bounds: list[int]) -> None:
         """The host's bounds of the running rows' cache lengths, from what it read."""
         self._batch.bound_lengths(bounds)
-
-
-def sampling(rows: list[Sequence]) -> RowSampling:
-    """The rows' sampling rules for a round on the device (a row sampled on the host: greedy there)."""
-    return RowSampling([s.sampler.cfg for s in rows],
-                       [s.sampler.draws if s.sampler.on_device and not s.sampler.cfg.greedy else None for s in rows],
-                       [s.draft for s in rows],
-                       [s.sampler.penalize if s.sampler.cfg.penalties.active and s.sampler.on_device else None
-                        for s in rows])
-
-
-def logprobs_asked(rows: list[Sequence]) -> int | None:
-    """The most alternatives a row drawn on the device asks its logprobs for (None: none asks):
-    the round computes them for every row."""
-    asked = [s.sampler.cfg.logprobs for s in rows if s.sampler.on_device and s.sampler.cfg.logprobs is not None]
-    return max(asked) if asked else None
 
 
 def _engine_error(e: Exception) -> MTPEngineError:

@@ -1,5 +1,6 @@
 """One request in a batch scheduler: its prompt, sampler and budget, and the queue its tokens
-reach its reader through."""
+reach its reader through; what a round over sequences asks of their samplers (`sampling`,
+`logprobs_asked`)."""
 from __future__ import annotations
 
 import queue
@@ -9,6 +10,7 @@ from typing import Callable
 
 from ..generation.prompt_cache import PromptCache
 from ..generation.sampling import Sampler
+from ..speculative.row_sampling import RowSampling
 from ..speculative.stats import RoundCounts
 
 
@@ -72,3 +74,19 @@ class Sequence:
     def fail(self, error: BaseException) -> None:
         self.cancelled.set()
         self.out.put(error)
+
+
+def sampling(rows: list[Sequence]) -> RowSampling:
+    """The rows' sampling rules for a round on the device (a row sampled on the host: greedy there)."""
+    return RowSampling([s.sampler.cfg for s in rows],
+                       [s.sampler.draws if s.sampler.on_device and not s.sampler.cfg.greedy else None for s in rows],
+                       [s.draft for s in rows],
+                       [s.sampler.penalize if s.sampler.cfg.penalties.active and s.sampler.on_device else None
+                        for s in rows])
+
+
+def logprobs_asked(rows: list[Sequence]) -> int | None:
+    """The most alternatives a row drawn on the device asks its logprobs for (None: none asks):
+    the round computes them for every row."""
+    asked = [s.sampler.cfg.logprobs for s in rows if s.sampler.on_device and s.sampler.cfg.logprobs is not None]
+    return max(asked) if asked else None
