@@ -949,3 +949,47 @@ def test_a_precise_profile_times_a_batch_rounds_stages(shipped_model):
     assert {"catch_up", "draft", "verify", "accept", "rollback"} <= set(stages), stages
     assert all(v["seconds"] > 0 and v["count"] > 0 for k, v in stages.items() if k != "other")
     assert MTPBatchScheduler(replace(shipped_model, scheduler=None), 2, own_thread=False).prof.mode == "off"
+
+
+def test_a_grammar_row_that_sits_out_keeps_its_caches_in_step(models, monkeypatch):
+    """A grammar's row in an MTP batch sits out every other round (its token is the host's to
+    choose): those rounds leave its trunk and head rows where they were, so its head never runs
+    more than one row past its trunk (the host bounds the head's length by the trunk's; a head
+    that ran ahead would write past what was reserved), and every row answers as alone."""
+    pytest.importorskip("llguidance")
+    from mtp_engine import Constraint
+    from mtp_engine.batching import scheduler
+
+    seen = []
+    complete = scheduler.BatchScheduler._complete
+
+    def checked(self, cur):
+        complete(self, cur)
+        if len(self._rows) == len(cur.rows) == 3:  # (the device's lengths, after the round queued ahead too)
+            seen.append((self._batch.lengths.tolist(), self.drafter.cache.lengths.tolist(), any(cur.held)))
+
+    monkeypatch.setattr(scheduler.BatchScheduler, "_complete", checked)
+    m = models(need(TINY_Q4))
+    par = models(need(TINY_Q4), parallel=3)
+    grammar = dict(max_tokens=12, temperature=0.7, seed=3, constraint=Constraint.regex(r"[a-z ]+"))
+    drafting = dict(max_tokens=24, ignore_eos=True, spec="draft-mtp", n_max=2)
+    want = [generate(PROMPTS[1], m, **grammar).token_ids] + [generate(p, m, max_tokens=24, ignore_eos=True).token_ids
+                                                              for p in PROMPTS[2:4]]
+    held = []
+    launch = scheduler.BatchScheduler._launch
+    monkeypatch.setattr(scheduler.BatchScheduler, "_launch",
+                        lambda self, rows, prev=None: held.append(any((r := launch(self, rows, prev)).held)) or r)
+    out: dict[int, list[int]] = {}
+
+    def one(i):
+        out[i] = generate(PROMPTS[i + 1], par, **(grammar if i == 0 else drafting)).token_ids
+
+    _in_threads(one, range(3))
+    assert [out[i] for i in range(3)] == want
+    assert sum(held) >= 4, held  # the grammar row sat rounds out
+    assert sum(h for *_, h in seen) >= 4, seen
+    for trunk, head, _ in seen:
+        assert all(h <= t + 1 for h, t in zip(head, trunk)), seen
+    # (the grammar row's head, never run in its prefill, starts behind its trunk: it must not gain on it)
+    (t0, h0, _), (t1, h1, _) = seen[0], seen[-1]
+    assert all(hb - ha <= tb - ta + 1 for ha, hb, ta, tb in zip(h0, h1, t0, t1)), seen
