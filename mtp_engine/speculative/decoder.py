@@ -11,9 +11,9 @@ over the sequence's one row; this module is the pipelining layer around it:
   - k comes from the scheduler (`n-max auto`, speculative/scheduler.py) or n-max; only k changes
     the graphs, accepted lengths never do; k = 0 is `round.plain_round`;
   - where the next round needs this one on the host it is launched after the read: a drafter
-    whose drafts come from the host's history (n-gram lookup), sampling with penalties (they score
-    with the emitted history), a grammar (its masks follow the emitted tokens), a precise profile
-    (each stage evaluated at its end).
+    whose drafts come from the host's history (n-gram lookup), a grammar (its masks follow the
+    emitted tokens), a precise profile (each stage evaluated at its end). Penalties go on through
+    the queued round's tokens on the device (`Sampler.unread`).
 
 A run that will not draft (n-max 0, or auto where even fully accepted drafts cannot pay on this
 device: MLX's CPU backend) decodes as `PlainDecoder` does, step for step. Output is plain
