@@ -14,10 +14,10 @@ A round, for B running sequences and a draft length k chosen for the batch (`_dr
   rollback  per row: attention lengths move to n_b + 1 tokens, recurrent layers keep the captured
             state after them (`BatchCache.rollback_lazy`: a kept count per row, no kernel);
   commit    each row's emitted tokens, with the verify's hidden states, are its next head block.
-k = 0 is a plain batched round (with the head kept in step where a row drafts). Every sequence
-here prefills its prompt but the last token and runs it through the head (llama.cpp's draft-mtp
-scheme), chunk by chunk on its own caches as `BatchScheduler` prefills, so the first round emits
-its first token.
+k = 0 is a plain batched round (with the head kept in step where a row drafts). A sequence that
+may draft prefills its prompt but the last token and runs it through the head (llama.cpp's
+draft-mtp scheme), chunk by chunk on its own caches as `BatchScheduler` prefills, so the first
+round emits its first token; one that never drafts prefills as plain decoding does.
 """
 from __future__ import annotations
 
@@ -119,8 +119,15 @@ class MTPBatchScheduler(BatchScheduler):
     # ---- prefill: each joining sequence on its own caches, trunk then head per chunk -----------------
     def _start_prefill(self, s: Sequence) -> None:
         """Its trunk and head caches (a kept prompt state's, or empty); `s.h_prev` is the trunk
-        hidden state its next head row reads."""
+        hidden state its next head row reads. A sequence that never drafts prefills as plain
+        decoding alone does (the whole prompt, its first token drawn at the end, a plain prompt
+        state kept), so it answers as alone and its first token waits for no round; its head rows
+        are never read."""
         m = self.model.model
+        if not self._may_draft(s):
+            super()._start_prefill(s)
+            s.head, s.h_prev = m.mtp.make_cache(), mx.zeros((1, 1, m.cfg.hidden_size))
+            return
         kept = s.prompt_cache.take(m, s.prompt_ids[:-1], "draft-mtp") if s.prompt_cache is not None else None
         if kept is None:
             s.trunk, s.head = m.make_cache(), m.mtp.make_cache()
@@ -136,13 +143,14 @@ class MTPBatchScheduler(BatchScheduler):
 
     def _prefill_chunk(self, s: Sequence, chunk: int) -> int:
         """The next chunk of `s`'s prompt but its last token, through the trunk, then the head (a
-        sequence that never drafts and keeps no prompt state leaves the head alone)."""
+        sequence that never drafts prefills as plain decoding does, `BatchScheduler`'s)."""
+        if not self._may_draft(s):
+            return super()._prefill_chunk(s, chunk)
         m = self.model.model
         ids = s.prompt_ids[s.prefilled:min(s.prefilled + chunk, s.prefill_end)]
         post = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post
-        if self._may_draft(s) or s.prompt_cache is not None:
-            h_prev = mx.concatenate([s.h_prev, post[:, :-1]], axis=1) if len(ids) > 1 else s.h_prev
-            m.mtp(m.embed_tokens(mx.array([ids])), h_prev, s.head, Pass.PREFILL)
+        h_prev = mx.concatenate([s.h_prev, post[:, :-1]], axis=1) if len(ids) > 1 else s.h_prev
+        m.mtp(m.embed_tokens(mx.array([ids])), h_prev, s.head, Pass.PREFILL)
         s.h_prev = post[:, -1:]
         mx.eval(s.h_prev, *s.trunk.arrays(), *s.head.arrays())
         s.prefilled += len(ids)
@@ -157,8 +165,9 @@ class MTPBatchScheduler(BatchScheduler):
 
     def _join(self, joined: list[Sequence]) -> None:
         for s in joined:
-            s.last_token = s.prompt_ids[-1]
-            s.report_progress(whole=True)  # its last token is read by its first round
+            if self._may_draft(s):  # its last prompt token is read by its first round
+                s.last_token = s.prompt_ids[-1]
+                s.report_progress(whole=True)
         self.drafter.join([s.head for s in joined], [s.last_token for s in joined],
                           mx.concatenate([s.h_prev for s in joined], axis=0))
         for s in joined:

@@ -161,6 +161,7 @@ class BatchScheduler:
         try:
             self._leave()
             self._admit_and_prefill()
+            self._leave()  # a sequence done at its prefill (one token asked, or an end token) takes no round
             self._decode()
         except Exception as e:  # a bug must not hang the readers: each gets the error
             traceback.print_exc()

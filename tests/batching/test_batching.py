@@ -993,3 +993,24 @@ def test_a_grammar_row_that_sits_out_keeps_its_caches_in_step(models, monkeypatc
     # (the grammar row's head, never run in its prefill, starts behind its trunk: it must not gain on it)
     (t0, h0, _), (t1, h1, _) = seen[0], seen[-1]
     assert all(hb - ha <= tb - ta + 1 for ha, hb, ta, tb in zip(h0, h1, t0, t1)), seen
+
+
+def test_a_sequence_that_never_drafts_prefills_in_an_mtp_batch_as_plain_decoding_does(models):
+    """In an MTP batch a plain request prefills its whole prompt and draws its first token at the
+    end, as plain decoding alone does (its first token waits for no round; the same chunks, the
+    same numbers); one that may draft prefills all but its last token, which its first round reads."""
+    from mtp_engine import load
+    from mtp_engine.batching import MTPBatchScheduler
+
+    par = load(need(TINY_Q4), parallel=2)  # its own scheduler: the test counts its rounds
+    try:
+        assert isinstance(par.scheduler, MTPBatchScheduler)
+        alone = models(need(TINY_Q4))
+        first = generate(PROMPTS[1], par, max_tokens=1)
+        assert par.scheduler.steps == 0 and first.token_ids == generate(PROMPTS[1], alone, max_tokens=1).token_ids
+        generate(PROMPTS[1], par, max_tokens=1, spec="draft-mtp", n_max=2)
+        assert par.scheduler.steps >= 1  # its first token comes from its first round
+        got = generate(PROMPTS[2], par, max_tokens=12, ignore_eos=True)
+        assert got.token_ids == generate(PROMPTS[2], alone, max_tokens=12, ignore_eos=True).token_ids
+    finally:
+        par.scheduler.stop()
