@@ -16,7 +16,8 @@ Sections:
   attn     one decode step's attention over L keys (1, 4 and 9 query rows), launches queued: our
            split kernel per cache type (float32, float16) and keys per block, MLX's sdpa;
   context  per prompt length: ours plain and draft-mtp (oracle acceptance `--oracle`, n-max auto
-           and 3), mlx-lm (up to `--peer-max` tokens: its 32k prefill takes over a minute);
+           and 3), with `--batch` plain as a batch of one (the `--parallel` path), mlx-lm (up to
+           `--peer-max` tokens: its 32k prefill takes over a minute);
            repeats interleaved, medians; a plot of decode tok/s against context.
 Writes DIR/context.json (and context.png); prints one table per section.
 """
@@ -213,7 +214,39 @@ def step(model, lengths, steps: int = 40) -> list[dict]:
     return out
 
 
-def _ours(model, prompt, tokens, spec, n_max=None, oracle=None, on=None) -> dict:
+def _batch_of_one(model, prompt, tokens) -> dict:
+    """Plain decoding of the prompt as one row of a batch (`BatchScheduler`, the server's
+    `--parallel` path), driven here: its first token's time and its tokens' rate as they reach
+    the reader."""
+    from mtp_engine.batching.scheduler import BatchScheduler
+    from mtp_engine.batching.sequence import Sequence
+    from mtp_engine.model.loaded import Model
+    from mtp_engine.model.loader import LoadInfo
+
+    scheduler = BatchScheduler(Model(model, None, LoadInfo(""), ""), 2, own_thread=False)
+    seq = Sequence(list(prompt), Sampler(SamplerConfig(seed=0)), tokens)
+    times: list[float] = []
+
+    def read() -> bool:
+        while not seq.out.empty():
+            item = seq.out.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            if item is not None:
+                times.extend([time.perf_counter()] * len(item[0]))
+        return seq.done and seq.out.empty()
+
+    t0 = time.perf_counter()
+    scheduler.submit(seq)
+    scheduler.drive(read)
+    read()
+    return {"ttft_s": times[0] - t0, "prefill_tok_s": len(prompt) / (times[0] - t0),
+            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0}
+
+
+def _ours(model, prompt, tokens, spec, n_max=None, oracle=None, on=None, batch=False) -> dict:
+    if batch:
+        return _batch_of_one(model, prompt, tokens)
     model = on if on is not None else model
     sampler = Sampler(SamplerConfig(seed=0))
     sched = None
@@ -251,9 +284,12 @@ def _peer(peer, prompt, tokens) -> dict:
 
 
 def context(model, peer, lengths, tokens, repeats, oracle, peer_max, n_maxes=("auto", 3),
-            others: dict | None = None) -> list[dict]:
-    """`others`: name -> a second model of the same shape run plain beside (another cache type)."""
+            others: dict | None = None, batch: bool = False) -> list[dict]:
+    """`others`: name -> a second model of the same shape run plain beside (another cache type);
+    `batch`: plain decoding as a batch of one beside (`_batch_of_one`)."""
     runs = {"plain": dict(spec="none")}
+    if batch:
+        runs["batch_of_one"] = dict(spec="none", batch=True)
     for n in n_maxes:
         runs[f"mtp_{n}_a{oracle}"] = dict(spec="draft-mtp", n_max=n, oracle=oracle)
     for name, other in (others or {}).items():
@@ -324,6 +360,7 @@ def main() -> int:
     ap.add_argument("--rows", default="512,2048,4096", help="the parts section's chunk sizes")
     ap.add_argument("--kv-dtypes", default="", help="cache types run plain beside the default (e.g. float32)")
     ap.add_argument("--no-tail", action="store_true", help="also run plain without the KV tails (KVCache.rebase)")
+    ap.add_argument("--batch", action="store_true", help="also run plain as a batch of one (the --parallel path)")
     ap.add_argument("--layout", default="uniform", choices=LAYOUTS,
                     help="random weights' bits: 4 everywhere, or a llama.cpp Q4_K_M file's mix (mlx-lm's the same)")
     ap.add_argument("--out", default="out/context")
@@ -356,7 +393,8 @@ def main() -> int:
             others["no_tail"] = random_model(cfg, a.layout)
             others["no_tail"].use(model.options.updated(kv_tail=0))
         result["kv_dtype"] = model.options.kv_dtype
-        result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max, n_maxes, others)
+        result["context"] = context(model, peer, lengths, a.tokens, a.repeats, a.oracle, a.peer_max, n_maxes, others,
+                                    a.batch)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "context.json").write_text(json.dumps(result, indent=1))
