@@ -253,16 +253,15 @@ class BatchScheduler:
         m, n = self.model.model, len(s.prompt_ids)
         ids = s.prompt_ids[s.prefilled:min(s.prefilled + chunk, s.prefill_end)]
         if ids:
-            s.last_hidden = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post[:, -1]
-            mx.eval(s.last_hidden, *s.trunk.arrays())
+            last = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post[:, -1]
+            mx.eval(last, *s.trunk.arrays())
             s.prefilled += len(ids)
             s.report_progress()
         if s.prefilled == s.prefill_end == n - 1:  # (a prompt cache's state before the last token)
             s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk)
             s.prefill_end = n
-        if s.prefilled == n:
-            logits = m.logits(s.last_hidden[0])
-            s.last_hidden = None
+        if s.prefilled == n:  # (only ever right after the chunk with the last token, above)
+            logits = m.logits(last[0])
             token = s.sampler.sample(logits)
             s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
             s.prefill_done = True
@@ -321,7 +320,7 @@ class BatchScheduler:
                     s.chosen = None
         for b, s in enumerate(rows):  # a row's penalties go on through `prev`'s tokens, unread yet
             if prev is not None and s.sampler.cfg.penalties.active and s.sampler.on_device:
-                s.sampler.unread = (prev.emitted[b], prev.n[b] + 1 if prev.n is not None else mx.array(1))
+                s.sampler.unread = prev.unread(b)
         try:
             r = self._round(rows, last, mx.array(held) if any(held) else None)
         finally:

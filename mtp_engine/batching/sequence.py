@@ -45,7 +45,7 @@ class Sequence:
         self.counts = RoundCounts()  # its rounds' statistics
         # while it prefills: its own caches (the trunk's, an MTP batch's head's), how far its prompt
         # is read before it joins, and the trunk hidden state its next head row reads
-        self.trunk = self.head = self.h_prev = self.last_hidden = None
+        self.trunk = self.head = self.h_prev = None
         self.prefill_end, self.prefill_done = len(self.prompt_ids), False
         self.length = 0  # tokens in its trunk cache rows, as of the last round the host read
         self.chosen: int | None = None  # a host-sampled row's token no round has taken yet

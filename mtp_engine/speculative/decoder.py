@@ -188,7 +188,7 @@ class SpeculativeDecoder(PlainDecoder):
         r = self._in_flight
         if r is None or not self.sampler.cfg.penalties.active:
             return None
-        return (r.emitted[0], r.n[0] + 1) if r.n is not None else (r.emitted[0], mx.array(1))
+        return r.unread(0)
 
     def _shapes(self, k: int) -> list:
         """The forward shapes a round of k drafts runs (a first use compiles)."""

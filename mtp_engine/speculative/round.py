@@ -54,6 +54,11 @@ class Round:
                          self.drafts.tolist() if self.drafts is not None else None, self.finite.tolist(),
                          [np.array(a) for a in self.logprobs] if self.logprobs is not None else None)
 
+    def unread(self, row: int) -> tuple[mx.array, mx.array]:
+        """Row `row`'s emitted tokens and how many count (a device count), for the penalties of a
+        round queued before the host reads this one (`Sampler.unread`)."""
+        return self.emitted[row], self.n[row] + 1 if self.n is not None else mx.array(1)
+
     def read(self) -> list[mx.array]:
         """The device values the host reads. Each must be queued with the round: one queued only at
         the read lands behind the next round on the stream, so the read waits for that round too
