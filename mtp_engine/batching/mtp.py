@@ -241,6 +241,6 @@ class MTPBatchScheduler(BatchScheduler):
         if s.draft:
             s.counts.record(drafted, n)
 
-    def _bound(self, bounds: list[int]) -> None:
-        super()._bound(bounds)
+    def _bound(self, bounds: list[int], floors: list[int]) -> None:
+        super()._bound(bounds, floors)
         self.drafter.bound(bounds)

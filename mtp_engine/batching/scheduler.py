@@ -71,7 +71,7 @@ class BatchScheduler:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._joining: list[Sequence] = []  # prefilling, each on its own caches (`Sequence.trunk`)
         self._rows: list[Sequence] = []
-        self._batch = BatchCache(model.model)
+        self._batch = BatchCache(model.model, tail=model.model.kv_tail)
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -184,7 +184,7 @@ class BatchScheduler:
             s.fail(error)
         self._rows, self._joining, self._queued = [], [], None
         self._waiting.clear()
-        self._batch = BatchCache(self.model.model)
+        self._batch = BatchCache(self.model.model, tail=self.model.model.kv_tail)
 
     def _leave(self) -> None:
         keep = [i for i, s in enumerate(self._rows) if not s.done]
@@ -369,15 +369,16 @@ class BatchScheduler:
                     traceback.print_exc()
                 s.fail(_engine_error(e))
         queued = self._queued.round.k + 1 if self._queued is not None else 0
-        self._bound([s.length + queued for s in self._rows])
+        self._bound([s.length + queued for s in self._rows], [s.length for s in self._rows])
 
     def _record(self, s: Sequence, drafted: int, n: int) -> None:
         """A row's round statistics: `drafted` drafts counted (p-min, n-min), n accepted (an MTP
         batch counts its drafting rows' rounds)."""
 
-    def _bound(self, bounds: list[int]) -> None:
-        """The host's bounds of the running rows' cache lengths, from what it read."""
-        self._batch.bound_lengths(bounds)
+    def _bound(self, bounds: list[int], floors: list[int]) -> None:
+        """The host's bounds of the running rows' cache lengths, and the lengths it read (no
+        rollback of the round queued since returns below them)."""
+        self._batch.bound_lengths(bounds, floors)
 
 
 def _engine_error(e: Exception) -> MTPEngineError:

@@ -11,6 +11,12 @@ A sequence joins with the caches of its own prefill (`add`: batch-1 caches appen
 leaves by row (`keep`), so one joining or leaving costs a copy of the buffers, never a change to
 the other rows' positions. (mlx-lm's BatchKVCache pads on the left and shares one offset; hybrid
 models then need the padding masked in every recurrent state, which went wrong there once.)
+
+Compiled steps write into a tail, as a sequence's `KVCache` does (its docstring says why: a
+pipelined step that wrote the whole-context buffer copied it whole, a batch of one decoded at 0.76x
+of alone at 32k positions on an H100): row b's positions base[b] .. base[b] + tail sit in
+[B, n_kv, tail, D] buffers, each row with its own `base` (rows sit at different lengths). A base
+moves only to a row's `floor`, a length the host has read (no rollback returns below it).
 """
 from __future__ import annotations
 
@@ -30,6 +36,13 @@ class BatchKVCache:
         self.owner, self.n_kv, self.head_dim, self.dtype = owner, n_kv, head_dim, dtype
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
+        self.tail_keys: mx.array | None = None  # [B, n_kv, tail, D] while the owner has bases
+        self.tail_values: mx.array | None = None
+
+    @property
+    def base(self) -> mx.array | None:
+        """Each row's first position in the tail [B] (None: no tail, the main buffers hold all)."""
+        return self.owner.base_array
 
     @property
     def offset(self) -> mx.array:
@@ -55,12 +68,35 @@ class BatchKVCache:
         self.keys, self.values = k, v
 
     def attention_buffers(self):
-        """(keys, values, tail) a fused attention reads: a batch's cache has no tail (`KVCache`)."""
+        """(keys, values, tail) a fused attention reads: outside a compiled step the tail is
+        settled, so None."""
         return self.keys, self.values, None
+
+    def _window(self, base: mx.array, n: int) -> mx.array:
+        """Indices of positions base[b] .. base[b] + n of every row, for the buffers' axis 2."""
+        rows = int(self.keys.shape[0])
+        idx = base[:, None, None, None] + mx.arange(n)[None, None, :, None]
+        return mx.broadcast_to(idx, (rows, self.n_kv, n, self.head_dim)).astype(mx.int32)
+
+    def open_tail(self, base: mx.array, tail: int) -> None:
+        """Positions base[b] .. base[b] + tail of each row move into tail buffers (the main
+        buffers have room for them: `BatchCache.rebase` reserved it)."""
+        idx = self._window(base, tail)
+        self.tail_keys = mx.take_along_axis(self.keys, idx, axis=2)
+        self.tail_values = mx.take_along_axis(self.values, idx, axis=2)
+
+    def settle(self, base: mx.array) -> None:
+        """The tail's positions back into the main buffers (past a row's length they are stale,
+        masked as any position there is)."""
+        idx = self._window(base, int(self.tail_keys.shape[2]))
+        self.keys = mx.put_along_axis(self.keys, idx, self.tail_keys, axis=2)
+        self.values = mx.put_along_axis(self.values, idx, self.tail_values, axis=2)
+        self.tail_keys = self.tail_values = None
 
     def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Writes k, v [B, n_kv, S, D] at each row's length; returns the keys and values up to the
         longest row's new end and the boolean mask [B, 1, S, L] of what each query may see."""
+        self.owner.settle()
         s = int(k.shape[2])
         end = max(self.owner.host_lengths) + s
         self.reserve(end)
@@ -96,7 +132,7 @@ class BatchKVCache:
             self.keys, self.values = self.keys[rows], self.values[rows]
 
     def arrays(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [a for a in (self.keys, self.values, self.tail_keys, self.tail_values) if a is not None]
 
 
 class BatchRecurrentCache(RecurrentCache):
@@ -117,19 +153,26 @@ class BatchCache:
     device (exact), `host_lengths` the host's upper bound of each (exact while no round whose
     accepted length the host has not read is queued: `bound_lengths`)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, tail: int = 0) -> None:
+        """`tail`: positions of the attention layers' tails for compiled steps (0: none)."""
         self.model = model
         self.layers: list[BatchKVCache | BatchRecurrentCache] = []
         self.host_lengths: list[int] = []
         self.lengths = mx.array([], mx.int32)
         self._captured = 0
+        self.tail = tail
+        self.floors: list[int] = []  # per row: a length the host has read, no rollback returns below
+        self.base: list[int] | None = None  # per row: the first position in the tails (None: no tails)
+        self.base_array: mx.array | None = None
 
     def __len__(self) -> int:
         return len(self.host_lengths)
 
     def add(self, trunk: TrunkCache) -> int:
         """Appends a sequence whose batch-1 caches hold its prompt; returns its row."""
+        self.settle()
         trunk.to_host()
+        self.floors.append(int(trunk.offset))
         self.host_lengths.append(int(trunk.offset))
         self.lengths = mx.concatenate([self.lengths, mx.array([int(trunk.offset)], mx.int32)])
         if not self.layers:
@@ -147,7 +190,9 @@ class BatchCache:
 
     def keep(self, rows: list[int]) -> None:
         """Keeps only `rows` (in that order): the others' sequences have left."""
+        self.settle()
         self.host_lengths = [self.host_lengths[r] for r in rows]
+        self.floors = [self.floors[r] for r in rows]
         if not rows:
             self.layers, self.lengths = [], mx.array([], mx.int32)
             return
@@ -161,10 +206,42 @@ class BatchCache:
         self.host_lengths = [x + n for x in self.host_lengths]
         self.lengths = self.lengths + n
 
-    def bound_lengths(self, bounds: list[int]) -> None:
+    def bound_lengths(self, bounds: list[int], floors: list[int] | None = None) -> None:
         """The host's bounds of the rows' lengths, tightened from what it has read (the device
-        lengths are not touched)."""
+        lengths are not touched); `floors`: lengths it has read, which no rollback of a round
+        queued since returns below (where the tails may start)."""
         self.host_lengths = [min(x, b) for x, b in zip(self.host_lengths, bounds)]
+        if floors is not None:
+            self.floors = list(floors)
+
+    def rebase(self, n_tokens: int) -> bool:
+        """Before a compiled forward of `n_tokens` per row that writes into the tails: makes room
+        for them, moving each row's tail to start at its floor when it must. False when they cannot
+        fit (no tails: the forward writes the main buffers)."""
+        if not self.tail or not self.layers:
+            return False
+        ends = [h + n_tokens for h in self.host_lengths]
+        if self.base is not None and all(e <= b + self.tail for e, b in zip(ends, self.base)):
+            return True
+        self.settle()
+        base = [min(f, h) for f, h in zip(self.floors, self.host_lengths)]
+        if any(e - b > self.tail for e, b in zip(ends, base)):
+            return False
+        self.base, self.base_array = base, mx.array(base, mx.int32)
+        for layer in self.layers:
+            if isinstance(layer, BatchKVCache):
+                layer.reserve(max(base) + self.tail)
+                layer.open_tail(self.base_array, self.tail)
+        return True
+
+    def settle(self) -> None:
+        """The tails' positions into the main buffers (which then hold everything)."""
+        if self.base is None:
+            return
+        for layer in self.layers:
+            if isinstance(layer, BatchKVCache):
+                layer.settle(self.base_array)
+        self.base = self.base_array = None
 
     def begin_capture(self, n_tokens: int = 0) -> None:
         """Before a forward of `n_tokens` per row whose tokens a rollback may drop, row by row."""

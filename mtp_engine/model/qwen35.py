@@ -121,6 +121,11 @@ class Qwen35Model(nn.Module):
     def is_moe(self) -> bool:
         return self.cfg.n_expert > 0 if hasattr(self.cfg, "n_expert") else False
 
+    @property
+    def kv_tail(self) -> int:
+        """Positions of an attention cache's tail (`KVCache`): compiled steps write there; 0: none."""
+        return self.options.kv_tail if self._compile_steps else 0
+
     def make_cache(self) -> TrunkCache:
         c = self.cfg
         caches: list[KVCache | RecurrentCache] = []
@@ -129,8 +134,7 @@ class Qwen35Model(nn.Module):
                 caches.append(RecurrentCache(c.conv_kernel, c.conv_channels, c.ssm_value_heads, c.ssm_key_dim,
                                              c.ssm_value_dim))
             else:
-                caches.append(KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype,
-                                      tail=self.options.kv_tail if self._compile_steps else 0))
+                caches.append(KVCache(c.n_head_kv, c.head_dim, dtype=self.kv_dtype, tail=self.kv_tail))
         return TrunkCache(caches)
 
     def embed_tokens(self, ids: mx.array) -> mx.array:

@@ -139,6 +139,33 @@ class _BatchKVView(_KVView):
         return self.keys, self.values, mask[:, None]
 
 
+class _BatchTailKVView(_BatchKVView):
+    """A batch's KV cache with tails inside a trace: row b's new keys go into its tail at
+    lengths[b] - base[b]; the main buffers are read, never written."""
+
+    def __init__(self, big_keys, big_values, keys, values, lengths, base):
+        super().__init__(keys, values, lengths)
+        self.big_keys, self.big_values, self.base = big_keys, big_values, base
+
+    def update(self, k: mx.array, v: mx.array):
+        s, cap, tail = k.shape[2], self.big_keys.shape[2], self.keys.shape[2]
+        pos = (self.offset - self.base)[:, None, None, None] + mx.arange(s)[None, None, :, None]
+        idx = mx.broadcast_to(pos, k.shape).astype(mx.int32)
+        self.keys = mx.put_along_axis(self.keys, idx, k.astype(self.keys.dtype), axis=2)
+        self.values = mx.put_along_axis(self.values, idx, v.astype(self.values.dtype), axis=2)
+        # the MLX path: both buffers end to end, each row's main positions from its base on masked
+        i = mx.arange(cap + tail)[None, :]
+        base = self.base[:, None]
+        pos = mx.where(i < cap, i, base + i - cap)  # [B, L]
+        q_pos = self.offset[:, None] + mx.arange(s)[None, :]  # [B, S]
+        mask = (pos[:, None, :] <= q_pos[:, :, None]) & ((i < base) | (i >= cap))[:, None, :]
+        return (mx.concatenate([self.big_keys, self.keys], axis=2),
+                mx.concatenate([self.big_values, self.values], axis=2), mask[:, None])
+
+    def attention_buffers(self):
+        return self.big_keys, self.big_values, (self.keys, self.values, self.base)
+
+
 class _RecurrentView:
     """A gated-delta-net cache inside a trace: what the forward starts from (`sources`, as
     `RecurrentCache.sources` gave it) and what it leaves (`update`)."""
@@ -162,7 +189,7 @@ def _layout(caches) -> tuple[tuple[str, ...], list[mx.array]]:
     kept)."""
     kinds, arrays = [], []
     for c in caches:
-        if isinstance(c, KVCache) and c.base is not None:
+        if isinstance(c, (KVCache, BatchKVCache)) and c.base is not None:
             kinds.append("kvt")
             arrays += [c.keys, c.values, c.tail_keys, c.tail_values]
         elif isinstance(c, (KVCache, BatchKVCache)):
@@ -267,29 +294,34 @@ def run_batch(graphs: StepGraphs, body: Callable, args: Sequence[mx.array], batc
     keep every per-position state (rollback picks one). The caller advances the lengths."""
     layers = batch.layers
     capture = any(getattr(c, "capturing", False) for c in layers)
-    end = max(batch.host_lengths) + n_tokens
-    for c in layers:
-        if isinstance(c, BatchKVCache):
-            c.reserve(end)
+    if not batch.rebase(n_tokens):  # no tails: the new keys go into the main buffers
+        end = max(batch.host_lengths) + n_tokens
+        for c in layers:
+            if isinstance(c, BatchKVCache):
+                c.reserve(end)
     key, arrays = _key(layers, n_tokens, capture)
     kinds, width = key[1], key[3]
     key = ("batch",) + key
     fns = graphs.compiled
     if key not in fns:
         layout: dict[str, int] = {}
-        fn = _traced(body, kinds, capture, None, layout,
-                     lambda arrays, lengths, bases, i: _BatchKVView(*arrays, lengths), width)
+        fn = _traced(body, kinds, capture, None, layout, _batch_kv_view, width)
         fns[key] = (mx.compile(fn), layout)
     fn, layout = fns[key]
     saved = _release_kv(layers, BatchKVCache)
     try:
-        outs = fn(batch.lengths, batch.lengths, *args, *arrays)
+        outs = fn(batch.lengths, batch.lengths if batch.base_array is None else batch.base_array, *args, *arrays)
     except Exception:
         _restore(saved)
         raise
     del arrays, saved
     _write_back(layers, outs[layout["body"]:], BatchKVCache, tokens=n_tokens)
     return outs[:layout["body"]]
+
+
+def _batch_kv_view(arrays, lengths: mx.array, bases: mx.array, i: int) -> _KVView:
+    """A batch's attention layer inside a trace: its main buffers, and its tails when it has them."""
+    return _BatchKVView(*arrays, lengths) if len(arrays) == 2 else _BatchTailKVView(*arrays, lengths, bases)
 
 
 def _offsets(kv: list[KVCache]) -> mx.array:
@@ -345,7 +377,7 @@ def _traced(body: Callable, kinds: tuple[str, ...], capture: bool, side, layout:
         outs = list(body(*args, views))
         layout["body"] = len(outs)
         for v in views:
-            if isinstance(v, _TailKVView):
+            if isinstance(v, (_TailKVView, _BatchTailKVView)):
                 outs += [v.big_keys, v.big_values, v.keys, v.values]
             elif isinstance(v, _KVView):
                 outs += [v.keys, v.values]

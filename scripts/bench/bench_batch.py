@@ -219,7 +219,9 @@ def main(argv=None) -> int:
         # warm-up (first-use costs out of the timings): draft-mtp as long as a timed run, so n-max
         # auto's exploration of every draft length at this batch size, and each length's first
         # verify and head shapes (compiles: a 1.9 s TTFT in a timed run on an H100), happen here
-        run_streams(batched, prompts, 4, True, sampling=sampling)
+        # plain as long as a timed run too: its steps' shapes (batch sizes, KV capacities) are new
+        # compiled graphs at first use, which a timed run must not pay
+        run_streams(batched, prompts, args.tokens, True, sampling=sampling)
         run_streams(batched, prompts, args.tokens, True, "draft-mtp", sampling)
         run_streams(alone, prompts[:1], 4, False, sampling=sampling)
         ids = [alone.tokenizer.encode(p) for p in prompts]

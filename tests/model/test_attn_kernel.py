@@ -332,6 +332,45 @@ def test_a_tail_reads_as_the_main_buffer(dtype):
     assert np.isnan(np.array(bad)).all()
 
 
+@gpu_only
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_a_batchs_rows_read_their_own_tails(dtype):
+    """A batch's cache with tails (`BatchCache.rebase`): row b's positions from base[b] on sit in
+    its own tail row; each row's output equals the row read from one buffer (garbage in the main
+    buffers past each base is never read), for 1 and 4 tokens per row and rows far apart."""
+    nh, nkv, d, nrot, width = 16, 4, 256, 64, 64
+    for s in (1, 4):
+        rows = [(300, 290), (40, 40), (4096, 4070), (7, 0)]  # (position of the first new token, base)
+        cap = max(p for p, _ in rows) + s + 5
+        ys, qs, keys, values, want = [], None, [], [], []
+        for i, (pos, _) in enumerate(rows):
+            y, qn, _, k, v = _inputs(nh, nkv, d, s, pos, seed=pos + s + i)
+            k = mx.pad(k, [(0, 0), (0, 0), (0, cap - k.shape[2]), (0, 0)]).astype(dtype)
+            v = mx.pad(v, [(0, 0), (0, 0), (0, cap - v.shape[2]), (0, 0)]).astype(dtype)
+            ys.append(y)
+            qs = qn
+            keys.append(k)
+            values.append(v)
+        y = mx.stack(ys)
+        keys, values = mx.concatenate(keys), mx.concatenate(values)
+        pos = mx.array([p for p, _ in rows], dtype=mx.int32)
+        one = kernels.attn.attend(y, qs, keys, values, pos, nh, nkv, d, nrot, 1e-6, 10000.0)
+        tk, tv = [], []
+        for b, (p, base) in enumerate(rows):
+            n = p + s - base
+            pad = mx.zeros((1, nkv, width - n, d), dtype)
+            tk.append(mx.concatenate([keys[b:b + 1, :, base:p + s], pad], axis=2))
+            tv.append(mx.concatenate([values[b:b + 1, :, base:p + s], pad], axis=2))
+        base = mx.array([b0 for _, b0 in rows], dtype=mx.int32)
+        junk = mx.arange(cap)[None, None, :, None] >= base[:, None, None, None]
+        big_k = mx.where(junk, 1e4, keys).astype(dtype)
+        big_v = mx.where(junk, -1e4, values).astype(dtype)
+        two = kernels.attn.attend(y, qs, big_k, big_v, pos, nh, nkv, d, nrot, 1e-6, 10000.0,
+                                  tail=(mx.concatenate(tk), mx.concatenate(tv), base))
+        for b in range(len(rows)):
+            assert float(mx.abs(one[b] - two[b]).max()) < 1e-4, (s, rows[b])
+
+
 def test_layers_with_q_k_v_stored_apart_take_the_fused_kernels_too(monkeypatch):
     """A Q4_K_M file keeps v in Q6_K, so q, k and v cannot be joined into one product at load: the
     fused path then puts the three products side by side, in the joined product's layout [q and

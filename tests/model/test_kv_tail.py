@@ -157,3 +157,105 @@ def test_a_view_takes_the_tail_without_changing_the_cache():
     assert c.base == 16 and c.tail_keys is tail_before
     np.testing.assert_array_equal(np.array(v.state()[0]), np.array(k[:, :, :19]))
     np.testing.assert_array_equal(np.array(c.view(12).state()[1]), np.array(-k[:, :, :12]))
+
+
+def _batch_of(rows: list[int], tail: int):
+    """A BatchCache (with tails of `tail` positions) over two attention layers whose row b holds
+    positions 0 .. rows[b] of known keys (row b, position t: b * 1000 + t), and those keys."""
+    from mtp_engine.model.batch_cache import BatchCache
+    from mtp_engine.model.cache import TrunkCache
+
+    class Cfg:
+        n_head_kv, head_dim = 2, 4
+
+    class Net:
+        cfg = Cfg()
+
+    batch, want = BatchCache(Net(), tail=tail), []
+    for b, n in enumerate(rows):
+        k = (mx.arange(n, dtype=mx.float32)[None, None, :, None] + 1000 * b) * mx.ones((1, 2, n, 4))
+        layers = [KVCache(2, 4, step=8), KVCache(2, 4, step=8)]
+        for c in layers:
+            c.update(k, -k)
+        trunk = TrunkCache(layers)
+        trunk.offset = n
+        batch.add(trunk)
+        want.append(np.array(k[0]))
+    return batch, want
+
+
+def _positions(batch, layer) -> list[np.ndarray]:
+    """Each row's valid keys read through the tail and the main buffer as the kernel does."""
+    out = []
+    for b, n in enumerate(batch.host_lengths):
+        base = n if batch.base is None else batch.base[b]
+        main = np.array(layer.keys[b, :, :min(n, base)])
+        tail = np.array(layer.tail_keys[b, :, :max(0, n - base)]) if batch.base is not None else main[:, :0]
+        out.append(np.concatenate([main, tail], axis=1))
+    return out
+
+
+def test_a_batch_opens_moves_and_settles_each_rows_tail():
+    """Rows at different lengths each get a tail from their own floor; positions read back the
+    same through tail and buffer, after a move, and after settling (a row joining or leaving)."""
+    batch, want = _batch_of([5, 17, 11], tail=6)
+    layer = batch.layers[0]
+    batch.bound_lengths([5, 17, 11], floors=[3, 15, 11])
+    assert batch.rebase(2) and batch.base == [3, 15, 11]
+    assert all(np.array_equal(g, w) for g, w in zip(_positions(batch, layer), want))
+    assert batch.rebase(2) and batch.base == [3, 15, 11]  # 7, 19, 13 positions fit 3+6, 15+6, 11+6
+    batch.host_lengths = [8, 17, 11]  # row 0 took 3 positions (written into its tail by a step)
+    assert batch.rebase(1) and batch.base == [3, 15, 11]
+    assert not batch.rebase(2) and batch.base is None  # row 0 would reach 10 > 3 + 6, floor still 3
+    batch.bound_lengths([8, 17, 11], floors=[8, 16, 11])
+    assert batch.rebase(2) and batch.base == [8, 16, 11]
+    np.testing.assert_array_equal(np.array(layer.tail_keys[1, :, :1]), want[1][:, 16:17])
+    batch.keep([2, 1])  # a row leaves: the tails settle first, every kept position stays
+    assert batch.base is None and batch.floors == [11, 16]
+    assert all(np.array_equal(g, w) for g, w in zip(_positions(batch, layer), [want[2], want[1]]))
+
+
+def test_a_batch_step_reads_each_rows_tail_and_buffer_as_one():
+    """The batch graph view's attention inputs (the MLX path), row by row, against the same
+    positions in one buffer; the new keys land in each row's tail at its own length."""
+    from mtp_engine.model import step
+    big = mx.random.normal((2, 2, 16, 4))
+    tail = mx.random.normal((2, 2, 6, 4))
+    lengths, base = mx.array([12, 7]), mx.array([10, 4])
+    view = step._BatchTailKVView(big, big, tail, tail, lengths, base)
+    new = mx.random.normal((2, 2, 2, 4))
+    keys, _, mask = view.update(new, new)
+    k, m = np.array(keys), np.array(mask)
+    for b, (n, b0) in enumerate([(12, 10), (7, 4)]):
+        whole = np.concatenate([np.array(big[b, :, :b0]), np.array(tail[b, :, :n - b0]), np.array(new[b])], axis=1)
+        for q in range(2):
+            np.testing.assert_array_equal(k[b][:, m[b, 0, q]], whole[:, :n + q + 1])
+
+
+@pytest.mark.parametrize("spec", ["none", "draft-mtp"])
+def test_batched_decoding_through_moving_tails_equals_alone(models, spec, monkeypatch):
+    """Compiled batched steps (the GPU's default; forced here) with tails of 12 positions: rows
+    at different lengths each move their tail many times, rows join and leave, verifies roll
+    back inside the tails; every answer is its prompt's alone (uncompiled, one buffer)."""
+    from mtp_engine import EngineOptions, batch_generate, load
+    from mtp_engine.model.batch_cache import BatchCache
+    from tests.conftest import TINY_Q4, need
+
+    prompts = ["x", "def fib(n):\n    if n < 2:\n        return n\n", "class A:", "import os\nimport sys\n",
+               "for i in range(3):"]
+    want = [generate(p, models(need(TINY_Q4)), max_tokens=40, ignore_eos=True).token_ids for p in prompts]
+    moves = []
+    rebase = BatchCache.rebase
+
+    def counted(self, n_tokens):
+        before = self.base
+        ok = rebase(self, n_tokens)
+        moves.append(ok and before is not None and self.base != before)
+        return ok
+
+    monkeypatch.setattr(BatchCache, "rebase", counted)
+    m = load(need(TINY_Q4), options=EngineOptions(compile_steps=True, kv_tail=12))
+    kw = dict(spec="draft-mtp", n_max=3) if spec == "draft-mtp" else {}
+    got = batch_generate(prompts, m, max_tokens=40, ignore_eos=True, parallel=3, **kw)
+    assert [g.token_ids for g in got] == want
+    assert sum(moves) >= 6, moves  # 40 tokens through 12-position tails, rows moving on their own

@@ -165,13 +165,15 @@ _ATTEND_SOURCE = """
     const int per = (T + NSPLIT - 1) / NSPLIT;
     const int t0 = split * per;
     const int t1 = min(T, t0 + per);
-    // positions from B0 on sit in the tail buffers (a cache's tail, else B0 is past every position)
-    const int B0 = base[0];
+    // positions from B0 on sit in the tail buffers (a cache's tail, else B0 is past every position);
+    // a batch's rows each have their own tail and base
+    const int B0 = base[base_shape[0] > 1 ? r : 0];
     const int TCAP = tail_k_shape[2];
+    const size_t tr = tail_k_shape[0] > 1 ? (size_t)r : 0;
     const auto* kb = keys + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
     const auto* vb = values + ((size_t)r * HKV + hk) * CAP * D + lane * DL;
-    const auto* tkb = tail_k + (size_t)hk * TCAP * D + lane * DL;
-    const auto* tvb = tail_v + (size_t)hk * TCAP * D + lane * DL;
+    const auto* tkb = tail_k + (tr * HKV + hk) * TCAP * D + lane * DL;
+    const auto* tvb = tail_v + (tr * HKV + hk) * TCAP * D + lane * DL;
     for (int t = t0 + warp; t < t1; t += NW) {
         float kv[DL], vv[DL];
         if (t < B0) {
@@ -310,9 +312,10 @@ def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos:
     head_dim] (row b already holding its new keys at pos[b] .. pos[b] + S - 1), gated:
     [S, n_head * head_dim] (or [B, S, n_head * head_dim]). Two launches: each block attends one
     kv head's query heads (read once for the group) over one range of the keys (`splits`), then
-    the ranges' partial softmaxes are merged and gated. `tail` (one sequence): (tail keys, tail
-    values, base [1]) of a cache whose positions from base on sit in the tail (`KVCache.rebase`);
-    a query before base (a contract broken upstream) gets NaN, which the round's check reports."""
+    the ranges' partial softmaxes are merged and gated. `tail`: (tail keys, tail values, base) of
+    a cache whose positions from base on sit in the tail (a sequence's [1, n_kv, T, D] and base
+    [1], `KVCache.rebase`; a batch's [B, n_kv, T, D] and base [B], `BatchCache.rebase`); a query
+    before its base (a contract broken upstream) gets NaN, which the round's check reports."""
     global _attend_kernel, _merge_kernel
     if _attend_kernel is None:
         _attend_kernel = CudaKernel(
@@ -326,8 +329,8 @@ def attend(y: mx.array, q_norm: mx.array, keys: mx.array, values: mx.array, pos:
     b, s = int(y.shape[0]), int(y.shape[1])
     if tail is None:  # every position in the main buffers
         tail = (keys, values, mx.array([2 ** 31 - 1], dtype=mx.int32))
-    elif b != 1:
-        raise ValueError("a cache tail is one sequence's")
+    elif int(tail[0].shape[0]) != b or int(tail[2].shape[0]) != b:
+        raise ValueError(f"a cache tail of {tail[0].shape[0]} rows and {tail[2].shape[0]} bases for {b} rows")
     n = splits(int(keys.shape[2]) + int(tail[0].shape[2]))
     dims = [("D", head_dim), ("HQ", n_head), ("HKV", n_head_kv)]
     part_o, lse = _attend_kernel(
