@@ -342,7 +342,7 @@ def test_a_batchs_rows_read_their_own_tails(dtype):
     for s in (1, 4):
         rows = [(300, 290), (40, 40), (4096, 4070), (7, 0)]  # (position of the first new token, base)
         cap = max(p for p, _ in rows) + s + 5
-        ys, qs, keys, values, want = [], None, [], [], []
+        ys, qs, keys, values = [], None, [], []
         for i, (pos, _) in enumerate(rows):
             y, qn, _, k, v = _inputs(nh, nkv, d, s, pos, seed=pos + s + i)
             k = mx.pad(k, [(0, 0), (0, 0), (0, cap - k.shape[2]), (0, 0)]).astype(dtype)
