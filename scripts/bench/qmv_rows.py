@@ -7,7 +7,8 @@ Each timed product reads a different copy of the weight (more bytes than the L2 
 effective bandwidth counts weights, scales and biases. The products of one timing are independent,
 so a CUDA graph may overlap them, which flatters kernels that leave the GPU half idle (a decode
 step's products depend on each other). `--in-model` times what a step sees instead: whole 9B-shape
-forwards of S rows, queued back to back, under each tensor-core block shape. `--rows-equal` asks
+forwards of S rows, queued back to back, under each tensor-core block shape (`--batched`: and a
+batch's steps and verifies of B rows x T tokens). `--rows-equal` asks
 where a batch's rows stop computing what the same sequence computes alone: B identical sequences
 in a `BatchCache` against one in its own cache, step by step, per kernel setting, and MLX's own
 product at 1 row against B.
@@ -47,6 +48,9 @@ def main() -> None:
                     help="tensor-core block shapes: warps x tiles x stages [x bf16 parts of x]; --in-model: "
                          "every row count on that kernel, one row included, beside `base` (one row on the CUDA cores)")
     ap.add_argument("--in-model", action="store_true", help="time 9B-shape forwards per block shape")
+    ap.add_argument("--batched", default="",
+                    help="--in-model: also batched steps of B rows x T tokens (a BatchCache, compiled), as BxT "
+                         "(e.g. 1x1,4x1,8x1,4x5)")
     ap.add_argument("--check-only", action="store_true", help="only the precision checks")
     ap.add_argument("--rows-equal", action="store_true",
                     help="batch rows against the sequence alone (8-layer 9B shape), per kernel setting")
@@ -150,10 +154,12 @@ def in_model(a) -> None:
         for owner in (model, model.mtp):  # each variant keeps its own traced graphs
             owner.graphs = graphs.setdefault((id(owner), v), StepGraphs())
 
-    def forwards(s: int, n: int) -> float:
+    def forwards(shape, n: int) -> float:
+        if isinstance(shape, tuple):
+            return batched(*shape, n)
         cache = model.make_cache()
         mx.eval(model.forward(mx.array([list(range(100, 164))]), cache), *cache.arrays())
-        ids = mx.array([list(range(7, 7 + s))])
+        ids = mx.array([list(range(7, 7 + shape))])
         outs = []
         t0 = time.perf_counter()
         for _ in range(n):
@@ -163,7 +169,30 @@ def in_model(a) -> None:
         mx.eval(outs)
         return (time.perf_counter() - t0) / n * 1e3
 
-    rows = [int(r) for r in a.rows.split(",")]
+    def batched(b: int, t: int, n: int) -> float:
+        """A batch's step (t = 1) or verify (t > 1, captured and rolled back to one token) of b
+        rows at a 64-token prompt each, queued n times."""
+        from mtp_engine.model.batch_cache import BatchCache
+        from mtp_engine.model.step import Pass
+        batch = BatchCache(model, tail=model.kv_tail)
+        for _ in range(b):
+            c = model.make_cache()
+            mx.eval(model.forward(mx.array([list(range(100, 164))]), c), *c.arrays())
+            batch.add(c)
+        ids = mx.array([list(range(7, 7 + t))] * b)
+        outs = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            post = model.forward_states(ids, batch, Pass.ROUND_VERIFY if t > 1 else Pass.ROUND_STEP).post
+            if t > 1:
+                batch.rollback_lazy(mx.full((b,), 1, mx.int32))
+            outs.append(mx.argmax(model.logits(post[:, -1]), axis=-1))
+            mx.async_eval(outs[-1], *batch.arrays())
+        mx.eval(outs)
+        return (time.perf_counter() - t0) / n * 1e3
+
+    rows = [int(r) for r in a.rows.split(",")] + \
+        [tuple(int(x) for x in bt.split("x")) for bt in a.batched.split(",") if bt]
     times = {(v, s): [] for v in variants for s in rows}
     for v in variants:  # trace and compile each shape
         select(v)
@@ -175,8 +204,10 @@ def in_model(a) -> None:
             for s in rows:
                 forwards(s, 2)
                 times[(v, s)].append(forwards(s, 20))
-    print("ms per forward of S rows (9B shape), medians of", a.repeats, flush=True)
-    print("variant " + "".join(f"{'S=' + str(s):>9}" for s in rows))
+    print("ms per forward of S rows of one sequence, or of a batch's B rows x T tokens (9B shape), medians of",
+          a.repeats, flush=True)
+    name = lambda s: f"B{s[0]}xT{s[1]}" if isinstance(s, tuple) else f"S={s}"  # noqa: E731
+    print("variant " + "".join(f"{name(s):>9}" for s in rows))
     for v in variants:
         print(f"{v:>7} " + "".join(f"{statistics.median(times[(v, s)]):9.2f}" for s in rows), flush=True)
 
