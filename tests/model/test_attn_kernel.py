@@ -341,7 +341,7 @@ def test_a_batchs_rows_read_their_own_tails(dtype):
     nh, nkv, d, nrot, width = 16, 4, 256, 64, 64
     for s in (1, 4):
         rows = [(300, 290), (40, 40), (4096, 4070), (7, 0)]  # (position of the first new token, base)
-        cap = max(p for p, _ in rows) + s + 5
+        cap = max(p for p, _ in rows) + s + 7  # (the longest row's inputs as `_inputs` makes them)
         ys, qs, keys, values = [], None, [], []
         for i, (pos, _) in enumerate(rows):
             y, qn, _, k, v = _inputs(nh, nkv, d, s, pos, seed=pos + s + i)
