@@ -26,6 +26,7 @@ ordinary generation loop) cuts them at EOS and stop strings, as for a sequence d
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import traceback
@@ -318,14 +319,11 @@ class BatchScheduler:
                 last = mx.where(mx.array(host), chosen, last)
                 for s in rows:
                     s.chosen = None
-        for b, s in enumerate(rows):  # a row's penalties go on through `prev`'s tokens, unread yet
-            if prev is not None and s.sampler.cfg.penalties.active and s.sampler.on_device:
-                s.sampler.unread = prev.unread(b)
-        try:
+        with contextlib.ExitStack() as ahead:
+            for b, s in enumerate(rows):  # a row's penalties go on through `prev`'s tokens, unread yet
+                if prev is not None and s.sampler.cfg.penalties.active and s.sampler.on_device:
+                    ahead.enter_context(s.sampler.reading_ahead(prev.unread(b)))
             r = self._round(rows, last, mx.array(held) if any(held) else None)
-        finally:
-            for s in rows:
-                s.sampler.unread = None
         mx.async_eval(*r.read(), *self._batch.arrays(), *self._round_arrays(rows))
         return Launched(rows, r, held)
 

@@ -220,10 +220,9 @@ class PlainDecoder(DecoderBase):
         """The next step from `token` on the device (`_drawn`); `unread`: the host has not read it
         yet (its penalties' history goes on through it)."""
         h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
-        self.sampler.unread = (token.reshape(1), mx.array(1)) if unread and self.sampler.cfg.penalties.active else None
-        drawn = self._drawn(self.model.logits(h[0, -1]))
-        self.sampler.unread = None
-        return drawn
+        ahead = (token.reshape(1), mx.array(1)) if unread and self.sampler.cfg.penalties.active else None
+        with self.sampler.reading_ahead(ahead):
+            return self._drawn(self.model.logits(h[0, -1]))
 
     def _take(self, drawn: list[mx.array]) -> list[int]:
         """The host reads a `_drawn` step: its token becomes the last one, with its logprobs."""

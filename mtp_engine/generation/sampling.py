@@ -7,8 +7,9 @@ and the draft's distributions with the same `distribution`, which is what makes 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -153,8 +154,8 @@ class Sampler:
         self.grammar = grammar  # a constraint's GrammarState (constraint.py): logits masked to it
         self._draws: DeviceDraws | None = None
         # the tokens of a round queued ahead that the host has not read (tokens [m], how many count:
-        # a device value), set by whoever queues it: the penalties' history goes on through them
-        self.unread: tuple[mx.array, mx.array] | None = None
+        # a device value), while the round after it is built (`reading_ahead`)
+        self._unread: tuple[mx.array, mx.array] | None = None
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Starts the penalty history with the prompt (llama.cpp penalises prompt tokens too)."""
@@ -169,8 +170,20 @@ class Sampler:
 
     def penalize(self, logits: mx.array, extra: mx.array | None = None, offset: int = 0) -> mx.array:
         """Logits with the repetition penalties applied (row r's history: the generation's, the
-        `unread` round's tokens, then extra[:offset + r]); unchanged when no penalty is set."""
-        return self.history.penalize(logits, extra, offset, self.unread)
+        unread round's tokens (`reading_ahead`), then extra[:offset + r]); unchanged when no
+        penalty is set."""
+        return self.history.penalize(logits, extra, offset, self._unread)
+
+    @contextmanager
+    def reading_ahead(self, unread: tuple[mx.array, mx.array] | None) -> Iterator[None]:
+        """While a round is built ahead of one the host has not read: the penalties' history goes
+        on through that round's tokens `unread` (tokens [m], how many count: a device value; None:
+        none). The host's own draws after it (`sample`) follow the history it read."""
+        self._unread = unread
+        try:
+            yield
+        finally:
+            self._unread = None
 
     def constrain(self, logits: mx.array, drafts: Any = None) -> mx.array:
         """Logits with the tokens a constraint refuses at -inf (row r: after drafts[:r]; `drafts`
@@ -197,7 +210,7 @@ class Sampler:
     def on_device(self) -> bool:
         """Whether the next token is drawn on the device, with no host decision (a grammar's
         masks follow the tokens the host read): its argmax or a draw with a key (`DeviceDraws`),
-        from logits penalised by the history the host read plus the `unread` round's. Then a
+        from logits penalised by the history the host read plus the unread round's. Then a
         decode loop may queue the next step from the token still on the device before the host
         reads it (its logprobs, where asked for, computed with it: `logprob_arrays`), and a batch's
         row may draft."""

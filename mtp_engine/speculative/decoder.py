@@ -13,7 +13,7 @@ over the sequence's one row; this module is the pipelining layer around it:
   - where the next round needs this one on the host it is launched after the read: a drafter
     whose drafts come from the host's history (n-gram lookup), a grammar (its masks follow the
     emitted tokens), a precise profile (each stage evaluated at its end). Penalties go on through
-    the queued round's tokens on the device (`Sampler.unread`).
+    the queued round's tokens on the device (`Sampler.reading_ahead`).
 
 A run that will not draft (n-max 0, or auto where even fully accepted drafts cannot pay on this
 device: MLX's CPU backend) decodes as `PlainDecoder` does, step for step. Output is plain
@@ -176,10 +176,10 @@ class SpeculativeDecoder(PlainDecoder):
         if k == 0:
             return self._launch_plain()
         shapes = self._shapes(k)
-        self.sampler.unread = self._unread()
-        r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k, self._accept, self._fed,
-                        self.params.p_min, self.params.n_min, score=self._score, logprobs=self.sampler.cfg.logprobs,
-                        stage=self.prof.stage)
+        with self.sampler.reading_ahead(self._unread()):
+            r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k, self._accept, self._fed,
+                            self.params.p_min, self.params.n_min, score=self._score,
+                            logprobs=self.sampler.cfg.logprobs, stage=self.prof.stage)
         return self._queue(Queued(r, k + 1, shapes))
 
     def _unread(self) -> tuple[mx.array, mx.array] | None:
@@ -195,13 +195,12 @@ class SpeculativeDecoder(PlainDecoder):
         return self.drafter.round_shapes(k) + [("trunk", k + 1, True, kv_capacity(self.cache))]
 
     def _launch_plain(self) -> Queued:
-        self.sampler.unread = self._unread()
-        r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed, self.prof.stage,
-                        self.sampler.cfg.logprobs)
+        with self.sampler.reading_ahead(self._unread()):
+            r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed,
+                            self.prof.stage, self.sampler.cfg.logprobs)
         return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
 
     def _queue(self, r: Queued) -> Queued:
-        self.sampler.unread = None  # the host's own draws (`Sampler.sample`) follow the history it read
         self._last_dev, self._in_flight = r.round.last, r.round
         if self._ahead():
             mx.async_eval(*r.read(), *self.drafter.pending_arrays())

@@ -56,7 +56,7 @@ class Round:
 
     def unread(self, row: int) -> tuple[mx.array, mx.array]:
         """Row `row`'s emitted tokens and how many count (a device count), for the penalties of a
-        round queued before the host reads this one (`Sampler.unread`)."""
+        round queued before the host reads this one (`Sampler.reading_ahead`)."""
         return self.emitted[row], self.n[row] + 1 if self.n is not None else mx.array(1)
 
     def read(self) -> list[mx.array]:

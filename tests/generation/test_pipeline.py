@@ -43,7 +43,7 @@ def _tokens(dec, tok, n, logprobs=None):
 def test_pipelined_equals_unpipelined_and_stops_at_max_tokens(tiny, spec, cfg):
     """Queued ahead or not, the same tokens (and logprobs): a sampled step draws on the device,
     its logprobs come with it, and penalties go on through the tokens of the step or round queued
-    ahead (`Sampler.unread`), so sampling, logprobs and penalties keep the pipeline."""
+    ahead (`Sampler.reading_ahead`), so sampling, logprobs and penalties keep the pipeline."""
     def make(pipeline):
         s = Sampler(SamplerConfig(**cfg))
         if spec == "none":
