@@ -227,6 +227,37 @@ def test_a_sequence_whose_sampler_fails_mid_decode_ends_alone(models, monkeypatc
     assert isinstance(out[2], MTPEngineError) and "ValueError" in str(out[2]), out[2]
 
 
+
+def test_a_first_token_that_fails_ends_only_its_own_sequence(models, monkeypatch):
+    """Prompts that finish their prefill in one step have their first tokens read after all of them
+    are queued; one whose first draw fails (its sampler raising) ends alone, with the engine's
+    error type, and the others answer as alone."""
+    from mtp_engine.generation.sampling import Sampler
+
+    tiny = models(need(TINY_Q4))
+    bad = tiny.tokenizer.encode(PROMPTS[3])
+    sample = Sampler.sample
+
+    def failing(self, logits):
+        if self.history.tokens == bad:
+            raise ValueError("the sampler gave up")
+        return sample(self, logits)
+
+    monkeypatch.setattr(Sampler, "sample", failing)
+    want = _alone(tiny, PROMPTS[:3], max_tokens=12, ignore_eos=True)
+    par = models(need(TINY_Q4), parallel=4)
+    out: dict[int, object] = {}
+
+    def one(i):
+        try:
+            out[i] = generate(PROMPTS[i], par, max_tokens=12, ignore_eos=True).token_ids
+        except Exception as e:  # noqa: BLE001 - checked below
+            out[i] = e
+
+    _in_threads(one, range(4))
+    assert [out[i] for i in range(3)] == [w.token_ids for w in want]
+    assert isinstance(out[3], MTPEngineError) and "ValueError" in str(out[3]), out[3]
+
 # ---- stream_generate from many threads, on a model loaded with parallel= --------------------------
 
 @pytest.fixture(scope="module")
