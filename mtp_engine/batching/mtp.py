@@ -25,6 +25,7 @@ import functools
 import time
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import MTPEngineError
 from ..generation.profiler import Profiler
@@ -140,10 +141,9 @@ class MTPBatchScheduler(BatchScheduler):
         s.prefill_end = len(s.prompt_ids) - 1  # the last token is read by its first round
         s.prefill_done = s.prefilled == s.prefill_end
 
-    def _prefill_chunk(self, s: Sequence, chunk: int) -> tuple[int, mx.array | None]:
-        """Queues the next chunk of `s`'s prompt but its last token, through the trunk, then the
-        head (a sequence that never drafts prefills as plain decoding does, `BatchScheduler`'s):
-        the tokens run, and no first token's logits (its first round reads the last token)."""
+    def _prefill_chunk(self, s: Sequence, chunk: int) -> int:
+        """The next chunk of `s`'s prompt but its last token, through the trunk, then the head (a
+        sequence that never drafts prefills as plain decoding does, `BatchScheduler`'s)."""
         if not self._may_draft(s):
             return super()._prefill_chunk(s, chunk)
         m = self.model.model
@@ -151,17 +151,17 @@ class MTPBatchScheduler(BatchScheduler):
         post = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post
         h_prev = mx.concatenate([s.h_prev, post[:, :-1]], axis=1) if len(ids) > 1 else s.h_prev
         m.mtp(m.embed_tokens(mx.array([ids])), h_prev, s.head, Pass.PREFILL)
-        # the hidden state computed anew: a slice would hold the whole chunk's hidden states
-        s.h_prev = post[:, -1:] * 1.0
-        mx.async_eval(s.h_prev, *s.trunk.arrays(), *s.head.arrays())
+        s.h_prev = post[:, -1:]
+        mx.eval(s.h_prev, *s.trunk.arrays(), *s.head.arrays())
         s.prefilled += len(ids)
         s.report_progress()
         if s.prefilled == s.prefill_end:
             s.prefill_done = True
             if s.prompt_cache is not None:  # the trunk and head after all but the last token
+                # the hidden state copied: a slice would hold the whole chunk's hidden states
                 s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk, "draft-mtp",
-                                    HeadPrefix(s.head, s.head.offset, s.h_prev))
-        return len(ids), None
+                                    HeadPrefix(s.head, s.head.offset, mx.array(np.array(s.h_prev))))
+        return len(ids)
 
     def _join(self, joined: list[Sequence]) -> None:
         for s in joined:

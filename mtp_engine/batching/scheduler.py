@@ -216,39 +216,23 @@ class BatchScheduler:
             s.out.put(None)
             self._leave_prefill(s)
         chunk = self.prefill_chunk or self.model.model.options.prefill_chunk
-        spent, joined, first = 0, [], []
+        spent, joined = 0, []
         for s in list(self._joining):
             try:
                 while spent < chunk and not s.prefill_done:
-                    n, logits = self._prefill_chunk(s, chunk)
-                    spent += n
-                    if logits is not None:
-                        first.append((s, logits))
+                    spent += self._prefill_chunk(s, chunk)
                 if s.prefill_done:
                     joined.append(s)
             except Exception as e:  # only this prompt fails: the running rows and the others go on
-                self._fail_prefill(s, e)
+                if not isinstance(e, MTPEngineError):
+                    traceback.print_exc()
+                s.fail(_engine_error(e))
+                self._leave_prefill(s)
             if spent >= chunk:
                 break
-        # first tokens read once every prompt of this step is queued: the device runs one prompt's
-        # forward while the host queues the next (each a few dozen operations per layer)
-        for s, logits in first:
-            try:
-                token = s.sampler.sample(logits)
-                s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
-            except Exception as e:
-                joined.remove(s)
-                self._fail_prefill(s, e)
         if joined:
             self._join(joined)
             self._joining = [s for s in self._joining if s not in joined]
-
-    def _fail_prefill(self, s: Sequence, e: Exception) -> None:
-        """A prompt failed: it ends alone, the running rows and the other prompts go on."""
-        if not isinstance(e, MTPEngineError):
-            traceback.print_exc()
-        s.fail(_engine_error(e))
-        self._leave_prefill(s)
 
     def _start_prefill(self, s: Sequence) -> None:
         """Its caches: a kept prompt state it starts with (the plain decoder's rule: the prompt
@@ -264,26 +248,25 @@ class BatchScheduler:
         s.prefill_end = len(s.prompt_ids) - 1 if s.prompt_cache is not None else len(s.prompt_ids)
         s.prefill_done = False
 
-    def _prefill_chunk(self, s: Sequence, chunk: int) -> tuple[int, mx.array | None]:
-        """Queues the next chunk of `s`'s prompt through the trunk, on its own caches (the chunks
-        the sequence alone runs). Returns the tokens run and, after its last chunk, the logits its
-        first token is drawn from (queued, not read)."""
+    def _prefill_chunk(self, s: Sequence, chunk: int) -> int:
+        """The next chunk of `s`'s prompt through the trunk, on its own caches (the chunks the
+        sequence alone runs); after its last one it samples its first token. Returns the tokens run."""
         m, n = self.model.model, len(s.prompt_ids)
         ids = s.prompt_ids[s.prefilled:min(s.prefilled + chunk, s.prefill_end)]
         if ids:
             last = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post[:, -1]
-            mx.async_eval(last, *s.trunk.arrays())
+            mx.eval(last, *s.trunk.arrays())
             s.prefilled += len(ids)
             s.report_progress()
         if s.prefilled == s.prefill_end == n - 1:  # (a prompt cache's state before the last token)
             s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk)
             s.prefill_end = n
         if s.prefilled == n:  # (only ever right after the chunk with the last token, above)
-            s.prefill_done = True
             logits = m.logits(last[0])
-            mx.async_eval(logits)
-            return len(ids), logits
-        return len(ids), None
+            token = s.sampler.sample(logits)
+            s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
+            s.prefill_done = True
+        return len(ids)
 
     def _leave_prefill(self, s: Sequence) -> None:
         """A joining sequence leaves before its prefill is done (cancelled, or failed)."""
