@@ -172,19 +172,15 @@ def test_a_prefill_that_fails_ends_only_its_own_sequences(models, monkeypatch, s
     assert "prompts[2]" in str(e.value) and "ValueError" in str(e.value)
     want = _alone(tiny, prompts[:2], max_tokens=200, ignore_eos=True, spec=spec)
     par = models(need(TINY_Q4), parallel=3)
-    out: dict[int, object] = {}
 
-    def one(i):
+    def later(i):
         if i == 2:  # it joins once the others decode
             deadline = time.time() + 30
             while len(par.scheduler._rows) < 2 and time.time() < deadline:
                 time.sleep(0.002)
-        try:
-            out[i] = generate(prompts[i], par, max_tokens=200, ignore_eos=True, spec=spec).token_ids
-        except Exception as e:  # noqa: BLE001 - checked below
-            out[i] = e
+        return dict(max_tokens=200, ignore_eos=True, spec=spec)
 
-    _in_threads(one, range(3))
+    out = _answers_in_threads(par, prompts, later)
     assert [out[0], out[1]] == [w.token_ids for w in want]
     assert isinstance(out[2], MTPEngineError), out[2]
 
@@ -211,18 +207,10 @@ def test_a_sequence_whose_sampler_fails_mid_decode_ends_alone(models, monkeypatc
     monkeypatch.setattr(Sampler, "sample", failing)
     want = _alone(tiny, PROMPTS[:2], max_tokens=24, ignore_eos=True)
     par = models(need(TINY_Q4), parallel=3)
-    out: dict[int, object] = {}
-
-    def one(i):
-        # a grammar's row: sampled on the host each round (a row drawn on the device never calls `sample`)
-        kw = dict(temperature=0.7, seed=666, constraint=Constraint.regex(r"[a-z ]+")) if i == 2 else \
-            dict(ignore_eos=True)
-        try:
-            out[i] = generate(PROMPTS[i], par, max_tokens=24, **kw).token_ids
-        except Exception as e:  # noqa: BLE001 - checked below
-            out[i] = e
-
-    _in_threads(one, range(3))
+    # a grammar's row: sampled on the host each round (a row drawn on the device never calls `sample`)
+    out = _answers_in_threads(par, PROMPTS[:3], lambda i: dict(
+        max_tokens=24, **(dict(temperature=0.7, seed=666, constraint=Constraint.regex(r"[a-z ]+")) if i == 2
+                          else dict(ignore_eos=True))))
     assert [out[0], out[1]] == [w.token_ids for w in want]
     assert isinstance(out[2], MTPEngineError) and "ValueError" in str(out[2]), out[2]
 
@@ -245,16 +233,8 @@ def test_a_first_token_that_fails_ends_only_its_own_sequence(models, monkeypatch
 
     monkeypatch.setattr(Sampler, "sample", failing)
     want = _alone(tiny, PROMPTS[:3], max_tokens=12, ignore_eos=True)
-    par = models(need(TINY_Q4), parallel=4)
-    out: dict[int, object] = {}
-
-    def one(i):
-        try:
-            out[i] = generate(PROMPTS[i], par, max_tokens=12, ignore_eos=True).token_ids
-        except Exception as e:  # noqa: BLE001 - checked below
-            out[i] = e
-
-    _in_threads(one, range(4))
+    out = _answers_in_threads(models(need(TINY_Q4), parallel=4), PROMPTS[:4],
+                              lambda i: dict(max_tokens=12, ignore_eos=True))
     assert [out[i] for i in range(3)] == [w.token_ids for w in want]
     assert isinstance(out[3], MTPEngineError) and "ValueError" in str(out[3]), out[3]
 
@@ -834,6 +814,22 @@ def test_serve_parallel_streams_together_and_shows_slots(shipped_model):
         assert status == 200 and want[0].startswith(body["choices"][0]["text"])
     finally:
         server.stop()
+
+
+def _answers_in_threads(model, prompts, keywords) -> dict[int, object]:
+    """Each prompt's `generate(prompts[i], model, **keywords(i)).token_ids`, or the error it
+    raised, each in a thread of its own (`keywords(i)` runs in that thread: it may wait)."""
+    out: dict[int, object] = {}
+
+    def one(i):
+        kw = keywords(i)
+        try:
+            out[i] = generate(prompts[i], model, **kw).token_ids
+        except Exception as e:  # noqa: BLE001 - checked by the caller
+            out[i] = e
+
+    _in_threads(one, range(len(prompts)))
+    return out
 
 
 def _in_threads(fn, args) -> None:
