@@ -109,3 +109,6 @@ H100_9B_B4 = SimDevice(verify={1: 1.0, **{s: 0.85 + 0.43 * (s - 1) for s in rang
 H100_9B_B16 = SimDevice(verify={s: 1.0 + 1.15 * (s - 1) for s in range(1, 10)}, draft=0.1)
 H100_9B_S16 = SimDevice(verify={2: 1.15, 3: 1.07, 4: 1.12, 5: 1.12, 6: 1.6, 7: 1.8, 8: 2.0, 9: 2.2}, draft=0.09,
                         switch=0.4)
+# 9B rounds on an H100, 2026-12-07 (bench_gpu.py --sections auto, fixed n-max at a = 0.5): t(k)/t(0)
+# ~1.21, 1.29, 1.52, 1.65 for k = 1..4
+H100_9B_1207 = SimDevice(verify={2: 1.06, 3: 1.04, 4: 1.17, 5: 1.2, 6: 2.0, 7: 2.2, 8: 2.4, 9: 2.6}, draft=0.1)

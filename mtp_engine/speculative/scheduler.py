@@ -225,7 +225,8 @@ class DraftLengthScheduler:
             if self.expected_tokens(k) / measured[longest] > best_rate * (1.0 + MARGIN[0]):
                 return k
         shorter = longest - 1
-        if len(measured) == 1 and self.times.plain_unmeasured() and shorter >= 1 and (b, shorter) not in self._explored:
+        if len(measured) == 1 and self.times.plain_unmeasured() and shorter >= 1 and shorter not in self.stored and \
+                (b, shorter) not in self._explored:
             # one length timed and no plain step: every cost is the seed's shape scaled to that one
             # length, and a seed that underrates it (the MoE shape's 5-row verify: 3.3 steps where
             # the prior says 2.5) keeps the run there; the length below it, timed, gives the slope

@@ -20,8 +20,8 @@ from mtp_engine.speculative.scheduler import DraftLengthScheduler
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
-from tests.sim_device import (CPU, GPU, H200_9B, H200_9B_S11, MOE, H100_9B, H100_9B_B4, H100_9B_B16, H100_9B_S16,
-                               simulate)
+from tests.sim_device import (CPU, GPU, H200_9B, H200_9B_S11, MOE, H100_9B, H100_9B_1207, H100_9B_B4, H100_9B_B16,
+                               H100_9B_S16, simulate)
 
 
 def _costs(v, c=0.1, f=0.05, k=8):
@@ -568,3 +568,21 @@ def test_a_first_run_whose_prior_underrates_its_longest_draft_finds_the_shorter_
             best = max(simulate(dev, lambda i: a, rounds, fixed_k=k, seed=seed, pipelined=True).rate for k in range(5))
             rates.append(run.rate / best)
         assert statistics.mean(rates) >= 0.925, (dev, rates)
+
+
+@pytest.mark.parametrize("a", [0.8, 0.9])
+def test_a_run_with_stored_costs_does_not_explore_the_lengths_they_hold(a):
+    """A second run on a device starts from the round costs and acceptance an earlier run stored.
+    With only its chosen length timed so far and no plain step, a first run tries the length below
+    it (to learn the cost curve's slope); a length the store holds is no guess, so a second run
+    keeps its best length from the start (on the H100's curve of 2026-12-07 it spent 4-12 of 60
+    rounds on shorter drafts and ended at 0.95 of the best fixed n-max)."""
+    rates, shorter = [], 0
+    for seed in range(12):
+        best = max(simulate(H100_9B_1207, lambda i: a, 60, fixed_k=k, seed=seed).rate for k in range(5))
+        s = DraftLengthScheduler(H100_9B_1207.seed_costs(), k_max=4, prior=default_seed(gpu=True), acceptance=[a] * 4)
+        run = simulate(H100_9B_1207, lambda i: a, 60, sched=s, seed=seed, pipelined=True)
+        rates.append(run.rate / best)
+        shorter += sum(1 for k in run.chosen if 0 < k < 4)
+    assert statistics.mean(rates) >= 0.97, rates
+    assert shorter <= 2 * 12, shorter  # (a = 0.8: an unlucky stretch may still move it for a few rounds)
