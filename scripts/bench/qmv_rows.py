@@ -8,7 +8,8 @@ effective bandwidth counts weights, scales and biases. The products of one timin
 so a CUDA graph may overlap them, which flatters kernels that leave the GPU half idle (a decode
 step's products depend on each other). `--in-model` times what a step sees instead: whole 9B-shape
 forwards of S rows, queued back to back, under each tensor-core block shape (`--batched`: and a
-batch's steps and verifies of B rows x T tokens). `--rows-equal` asks
+batch's steps and verifies of B rows x T tokens; `--resident`: one-token steps with the KV offsets
+kept on the device). `--rows-equal` asks
 where a batch's rows stop computing what the same sequence computes alone: B identical sequences
 in a `BatchCache` against one in its own cache, step by step, per kernel setting, and MLX's own
 product at 1 row against B.
@@ -48,6 +49,9 @@ def main() -> None:
                     help="tensor-core block shapes: warps x tiles x stages [x bf16 parts of x]; --in-model: "
                          "every row count on that kernel, one row included, beside `base` (one row on the CUDA cores)")
     ap.add_argument("--in-model", action="store_true", help="time 9B-shape forwards per block shape")
+    ap.add_argument("--resident", action="store_true",
+                    help="--in-model: also one-token steps on a sequence's cache with device-held offsets (`R1`: "
+                         "Pass.ROUND_STEP, as a speculative decoder's plain rounds run) beside S=1 (host offsets)")
     ap.add_argument("--batched", default="",
                     help="--in-model: also batched steps of B rows x T tokens (a BatchCache, compiled), as BxT "
                          "(e.g. 1x1,4x1,8x1,4x5)")
@@ -155,6 +159,8 @@ def in_model(a) -> None:
             owner.graphs = graphs.setdefault((id(owner), v), StepGraphs())
 
     def forwards(shape, n: int) -> float:
+        if shape == "R1":
+            return resident(n)
         if isinstance(shape, tuple):
             return batched(*shape, n)
         cache = model.make_cache()
@@ -166,6 +172,23 @@ def in_model(a) -> None:
             h = model.forward(ids, cache)
             outs.append(mx.argmax(model.logits(h[0]), axis=-1))
             mx.async_eval(outs[-1], *cache.arrays())
+        mx.eval(outs)
+        return (time.perf_counter() - t0) / n * 1e3
+
+    def resident(n: int) -> float:
+        """One-token steps fed their own argmax, on a cache whose KV offsets stay on the device."""
+        from mtp_engine.model.step import Pass
+        cache = model.make_cache()
+        mx.eval(model.forward(mx.array([list(range(100, 164))]), cache), *cache.arrays())
+        cache.kv_to_device()
+        tok = mx.array([7], mx.int32)
+        outs = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            post = model.forward_states(tok[:, None], cache, Pass.ROUND_STEP).post
+            tok = mx.argmax(model.logits(post[:, -1]), axis=-1).astype(mx.int32)
+            outs.append(tok)
+            mx.async_eval(tok, *cache.arrays())
         mx.eval(outs)
         return (time.perf_counter() - t0) / n * 1e3
 
@@ -191,7 +214,7 @@ def in_model(a) -> None:
         mx.eval(outs)
         return (time.perf_counter() - t0) / n * 1e3
 
-    rows = [int(r) for r in a.rows.split(",")] + \
+    rows = [int(r) for r in a.rows.split(",")] + (["R1"] if a.resident else []) + \
         [tuple(int(x) for x in bt.split("x")) for bt in a.batched.split(",") if bt]
     times = {(v, s): [] for v in variants for s in rows}
     for v in variants:  # trace and compile each shape
@@ -206,7 +229,7 @@ def in_model(a) -> None:
                 times[(v, s)].append(forwards(s, 20))
     print("ms per forward of S rows of one sequence, or of a batch's B rows x T tokens (9B shape), medians of",
           a.repeats, flush=True)
-    name = lambda s: f"B{s[0]}xT{s[1]}" if isinstance(s, tuple) else f"S={s}"  # noqa: E731
+    name = lambda s: f"B{s[0]}xT{s[1]}" if isinstance(s, tuple) else s if s == "R1" else f"S={s}"  # noqa: E731
     print("variant " + "".join(f"{name(s):>9}" for s in rows))
     for v in variants:
         print(f"{v:>7} " + "".join(f"{statistics.median(times[(v, s)]):9.2f}" for s in rows), flush=True)
