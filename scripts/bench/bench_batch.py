@@ -262,7 +262,7 @@ def main(argv=None) -> int:
               f"p95 {row['batched_ttft_p95_s']:.3f} s, stream {row['batched_stream_tok_s']:.1f})  draft-mtp "
               f"{row['batched_mtp_aggregate_tok_s']:7.1f} (x{row['mtp_ratio']:.2f} of batched plain, rounds by k "
               f"{row['mtp_rounds_by_k']}, t(k)/t(0) {row['mtp_round_steps']})  one at a time {row['sequential_aggregate_tok_s']:7.1f} (ttft p50 "
-              f"{row['sequential_ttft_p50_s']:.3f} s)  batched/one-at-a-time x{row['aggregate_ratio']:.2f}  "
+              f"{row['sequential_ttft_p50_s']:.3f} s, stream {row['sequential_stream_tok_s']:.1f})  batched/one-at-a-time x{row['aggregate_ratio']:.2f}  "
               f"outputs equal: {row['outputs_equal']}"
               + (f"  mlx-lm batch_generate {row['mlx_lm_batch_tok_s']:.1f}" if row.get("mlx_lm_batch_tok_s") else ""),
               flush=True)
