@@ -128,16 +128,12 @@ class MTPBatchScheduler(BatchScheduler):
             super()._start_prefill(s)
             s.head, s.h_prev = m.mtp.make_cache(), mx.zeros((1, 1, m.cfg.hidden_size))
             return
-        kept = s.prompt_cache.take(m, s.prompt_ids[:-1], "draft-mtp") if s.prompt_cache is not None else None
+        kept = self._take_prompt_state(s, "draft-mtp")
         if kept is None:
-            s.trunk, s.head = m.make_cache(), m.mtp.make_cache()
-            s.h_prev = mx.zeros((1, 1, m.cfg.hidden_size))
+            s.head, s.h_prev = m.mtp.make_cache(), mx.zeros((1, 1, m.cfg.hidden_size))
         else:
-            s.trunk = kept.trunk
-            s.trunk.restore(kept.snapshot)
             s.head, rows, s.h_prev = kept.drafter_state
             s.head.truncate(rows)
-            s.prefilled = s.cached = len(kept.tokens)
         s.prefill_end = len(s.prompt_ids) - 1  # the last token is read by its first round
         s.prefill_done = s.prefilled == s.prefill_end
 

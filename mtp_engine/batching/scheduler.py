@@ -237,16 +237,23 @@ class BatchScheduler:
     def _start_prefill(self, s: Sequence) -> None:
         """Its caches: a kept prompt state it starts with (the plain decoder's rule: the prompt
         without its last token), else empty ones."""
-        m = self.model.model
-        kept = s.prompt_cache.take(m, s.prompt_ids[:-1], None) if s.prompt_cache is not None else None
-        s.trunk = m.make_cache() if kept is None else kept.trunk
-        if kept is not None:
-            s.trunk.restore(kept.snapshot)
-            s.prefilled = s.cached = len(kept.tokens)
+        self._take_prompt_state(s, None)
         # with a prompt cache the last token is a chunk of its own, after the state before it is
         # kept (as the plain decoder does alone)
         s.prefill_end = len(s.prompt_ids) - 1 if s.prompt_cache is not None else len(s.prompt_ids)
         s.prefill_done = False
+
+    def _take_prompt_state(self, s: Sequence, drafter: str | None):
+        """`s.trunk`: the state a prompt cache kept for `s`'s prompt but its last token (kept by a
+        generation of `drafter`), restored, with `s.prefilled` / `s.cached` past its tokens; else
+        an empty cache. Returns what was kept (None: nothing)."""
+        m = self.model.model
+        kept = s.prompt_cache.take(m, s.prompt_ids[:-1], drafter) if s.prompt_cache is not None else None
+        s.trunk = m.make_cache() if kept is None else kept.trunk
+        if kept is not None:
+            s.trunk.restore(kept.snapshot)
+            s.prefilled = s.cached = len(kept.tokens)
+        return kept
 
     def _prefill_chunk(self, s: Sequence, chunk: int) -> int:
         """The next chunk of `s`'s prompt through the trunk, on its own caches (the chunks the
