@@ -158,13 +158,18 @@ def in_model(a) -> None:
         for owner in (model, model.mtp):  # each variant keeps its own traced graphs
             owner.graphs = graphs.setdefault((id(owner), v), StepGraphs())
 
+    def primed():
+        """A sequence's cache after a 64-token prompt."""
+        cache = model.make_cache()
+        mx.eval(model.forward(mx.array([list(range(100, 164))]), cache), *cache.arrays())
+        return cache
+
     def forwards(shape, n: int) -> float:
         if shape == "R1":
             return resident(n)
         if isinstance(shape, tuple):
             return batched(*shape, n)
-        cache = model.make_cache()
-        mx.eval(model.forward(mx.array([list(range(100, 164))]), cache), *cache.arrays())
+        cache = primed()
         ids = mx.array([list(range(7, 7 + shape))])
         outs = []
         t0 = time.perf_counter()
@@ -178,8 +183,7 @@ def in_model(a) -> None:
     def resident(n: int) -> float:
         """One-token steps fed their own argmax, on a cache whose KV offsets stay on the device."""
         from mtp_engine.model.step import Pass
-        cache = model.make_cache()
-        mx.eval(model.forward(mx.array([list(range(100, 164))]), cache), *cache.arrays())
+        cache = primed()
         cache.kv_to_device()
         tok = mx.array([7], mx.int32)
         outs = []
@@ -199,9 +203,7 @@ def in_model(a) -> None:
         from mtp_engine.model.step import Pass
         batch = BatchCache(model, tail=model.kv_tail)
         for _ in range(b):
-            c = model.make_cache()
-            mx.eval(model.forward(mx.array([list(range(100, 164))]), c), *c.arrays())
-            batch.add(c)
+            batch.add(primed())
         ids = mx.array([list(range(7, 7 + t))] * b)
         outs = []
         t0 = time.perf_counter()
@@ -313,26 +315,24 @@ def rows_gdn(a) -> None:
     state0 = mx.random.normal((1, d.vh, d.kd, d.vd), key=mx.random.key(3)) * 0.1
 
     def stages(x, conv0, state0):
+        """Each stage's output, and the later stages' inputs ((q, k, v, g, beta), z_x)."""
         qkv_x, z_x, alpha_x, beta_x = layer._inputs(x)
         window = mx.concatenate([conv0, qkv_x], axis=1)
         q, k, v, g, beta = gdn._prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)(
             window, layer.conv_w, alpha_x, beta_x, layer.dt_bias, layer.a)
         return {"input products": qkv_x, "conv and gates": q, "gates g": g,
                 "step (fused)": delta_rule_step(state0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[1],
-                "step (ops)": delta_rule_step_ops(state0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[1]}
+                "step (ops)": delta_rule_step_ops(state0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[1]}, \
+            (q, k, v, g, beta), z_x
 
     def isolated(b):
         """Every stage from the alone row's inputs, broadcast to b rows."""
         rep = lambda t: mx.concatenate([t] * b)  # noqa: E731
-        one = stages(x, conv0, state0)
-        qkv_x, z_x, alpha_x, beta_x = layer._inputs(x)
-        window = mx.concatenate([conv0, qkv_x], axis=1)
-        q, k, v, g, beta = gdn._prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)(
-            window, layer.conv_w, alpha_x, beta_x, layer.dt_bias, layer.a)
-        o1 = delta_rule_step(state0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[1]
+        one, (q, k, v, g, beta), z_x = stages(x, conv0, state0)
+        o1 = one["step (fused)"]
         y1 = gdn._output(o1[:, None], z_x.reshape(1, 1, d.vh, d.vd), layer.norm, d.eps).reshape(1, 1, -1)
         one.update({"gated norm": y1, "output product": layer.out(y1)})
-        many = stages(rep(x), rep(conv0), rep(state0))
+        many = stages(rep(x), rep(conv0), rep(state0))[0]
         many["step (fused)"] = delta_rule_step(rep(state0), rep(q[:, 0]), rep(k[:, 0]), rep(v[:, 0]), rep(g[:, 0]),
                                                rep(beta[:, 0]))[1]
         many["step (ops)"] = delta_rule_step_ops(rep(state0), rep(q[:, 0]), rep(k[:, 0]), rep(v[:, 0]),
