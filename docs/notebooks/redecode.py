@@ -11,9 +11,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mtp_engine.model.step import Pass
-from mtp_engine.speculative.decoder import Queued
+from mtp_engine.generation.decode import Queued
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder
-from mtp_engine.speculative.round import Round, live_drafts
+from mtp_engine.generation.round import Round
+from mtp_engine.speculative.round import live_drafts
 
 
 class RedecodeDecoder(DraftMTPDecoder):

@@ -34,7 +34,8 @@ from ..model.step import Pass
 from ..model.loaded import Model
 from ..speculative.mtp_drafter import HeadPrefix
 from ..speculative.mtp_rows import MTPRowsDrafter
-from ..speculative.round import Round, draft_round, plain_round, post_norm
+from ..generation.round import Round, plain_round, post_norm
+from ..speculative.round import draft_round
 from ..speculative.row_sampling import RowSampling
 from ..speculative.calibration import default_seed
 from ..speculative.scheduler import AUTO_MAX, DraftLengthScheduler, auto_k_max

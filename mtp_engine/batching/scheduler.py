@@ -39,7 +39,7 @@ from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
 from ..model.step import Pass
-from ..speculative.round import Round, plain_round, post_norm
+from ..generation.round import Round, plain_round, post_norm
 from ..threads import quiesce_at_exit
 from .sequence import Sequence, logprobs_asked, sampling
 

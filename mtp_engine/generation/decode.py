@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
-import numpy as np
 
 from ..model.qwen35 import Qwen35Model
 from ..model.step import Pass
 from .profiler import Profiler
 from .prompt_cache import PromptCache
-from .sampling import Sampler, check_finite, logprob_arrays, logprob_dicts
+from .round import Round, plain_round, token_round
+from .sampling import Sampler, check_finite
 
 Progress = Callable[[int, int], None]  # (prompt tokens prefilled, of total)
 
@@ -196,43 +197,53 @@ class DecoderBase:
         return {"moe_distinct_experts_per_layer": {k: t / n for k, (n, t) in self.moe_experts.items()}}
 
 
+@dataclass
+class Queued:
+    """A round queued on the device (`round.Round`), read by the host later."""
+
+    round: Round
+    rows: int  # trunk rows it runs (its bound on the KV offsets' growth; 0: a prefill's first token)
+    shapes: list = field(default_factory=list)  # forward shapes it runs (first use = a compile)
+    launch_s: float = 0.0  # host seconds it took to queue, when queued ahead of another round's read
+    shift: float = 0.0  # correction to its timed interval (`step`)
+    steady: bool = True  # queued between rounds of its own k: its time is a sample of t(k)
+
+    @property
+    def k(self) -> int:
+        return self.round.k
+
+    def read(self) -> list[mx.array]:
+        return self.round.read()
+
+
 class PlainDecoder(DecoderBase):
-    """Decodes one token per trunk forward."""
+    """Decodes one token per trunk forward: `round.plain_round` over the sequence's one row, in
+    rounds the host reads one round late. The prompt's last row gives the first token
+    (`round.token_round`); where the caller wants more tokens than a round gives (`prefill`'s
+    budget) and nothing needs the host in between (a grammar's masks, precise profiling), round
+    r+1 is queued from round r's device values before the host reads r (KV offsets stay device
+    values: the host counts a round's tokens when it reads it), as mlx-lm's `generate_step` does,
+    so the device never waits for the host's detokenization and stop checks. A speculative
+    decoder is this loop with drafting rounds (`speculative.decoder`)."""
+
+    drafting = False  # whether rounds may draft (a speculative decoder's run that drafts)
+    drafter = None  # a speculative decoder's drafter
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
                  prompt_cache: PromptCache | None = None, progress: Progress | None = None,
                  pipeline: bool = True):
         super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress, pipeline=pipeline)
-        self._next: list[mx.array] | None = None  # a queued step's `_drawn` values
+        self._queued: list[Queued] = []  # rounds queued ahead of the host's read
+        self._prev_k = -1
+        self._last_dev: mx.array | None = None  # the next round's first input, on the device
+        self._in_flight: Round | None = None  # the round queued last, until the host reads it
 
-    def _drawn(self, logits: mx.array) -> list[mx.array]:
-        """A step's device values from its logits [V], evaluated asynchronously: its token
-        (`Sampler.draw` of the penalised logits), whether the logits are finite, and its logprobs
-        where asked for."""
-        token = self.sampler.draw(self.sampler.penalize(logits))
-        out = [token, mx.all(mx.isfinite(logits))]
-        if self.sampler.cfg.logprobs is not None:
-            out += logprob_arrays(logits[None], token.reshape(1), self.sampler.cfg.logprobs)
-        mx.async_eval(*out)
-        return out
+    def _fed(self, post: mx.array, pre: mx.array) -> mx.array:
+        """The trunk state a drafter reads: the post-norm hidden state (what the output head reads;
+        an ablation feeds another)."""
+        return post
 
-    def _queue_step(self, token: mx.array, unread: bool) -> list[mx.array]:
-        """The next step from `token` on the device (`_drawn`); `unread`: the host has not read it
-        yet (its penalties' history goes on through it)."""
-        h = self.model.forward(token.reshape(1, 1).astype(mx.int32), self.cache)
-        ahead = (token.reshape(1), mx.array(1)) if unread and self.sampler.cfg.penalties.active else None
-        with self.sampler.reading_ahead(ahead):
-            return self._drawn(self.model.logits(h[0, -1]))
-
-    def _take(self, drawn: list[mx.array]) -> list[int]:
-        """The host reads a `_drawn` step: its token becomes the last one, with its logprobs."""
-        mx.eval(*drawn)
-        check_finite(drawn[1])
-        self.last_token = int(drawn[0].item())
-        n = self.sampler.cfg.logprobs
-        logprobs = logprob_dicts([np.array(a) for a in drawn[2:]], [self.last_token], n) if n is not None else None
-        return self._emitted([self.last_token], 0, 0, logprobs)
-
+    # ---- prompt -------------------------------------------------------------------------------
     def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
         """Processes the prompt; returns the tokens it already produces (here the first one)."""
         self.budget = budget
@@ -247,36 +258,131 @@ class PlainDecoder(DecoderBase):
                 self._prefill_trunk(ids[self.cached_tokens:-1], pick=last, start=self.cached_tokens, whole=len(ids))
                 self.prompt_cache.keep(self.model, ids[:-1], self.cache)
                 h = self._prefill_trunk(ids[-1:], start=len(ids) - 1, whole=len(ids))
-            logits = self.model.logits(h[0, -1])
-            if self._pipelined():
-                cur = self._drawn(logits)
-                if self._wanted() > 1:
-                    self._next = self._queue_step(cur[0], unread=True)
-                emitted = self._take(cur)
-            else:
-                self.last_token = self.sampler.sample(logits)
-                emitted = self._emitted([self.last_token], 0, 0, self.sampler.token_logprobs(logits, [self.last_token]))
+            self._start_rounds()
+            first = self._queue(Queued(token_round(self.model.logits(h[:, -1:]), self._pick,
+                                                   self.sampler.cfg.logprobs), 0))
+            if self._ahead() and self._wanted() > 1:
+                self._queued.append(self._launch(self._choose_k()))
+            tokens, _, _, logprobs = self._read(first)
+            emitted = self._emitted(tokens, 0, 0, logprobs)
         self.clock.start()
         return emitted
 
+    def _start_rounds(self) -> None:
+        """After a prefill: no round queued; the KV offsets go to the device (rounds move them)."""
+        self._queued, self._prev_k, self._in_flight = [], -1, None
+        self.cache.kv_to_device()
+
+    # ---- one round ----------------------------------------------------------------------------
     def step(self) -> list[int]:
-        """Feeds the last token; returns the next one."""
-        if self._pipelined():
-            cur = self._next or self._queue_step(mx.array(self.last_token), unread=False)
-            self._next = self._queue_step(cur[0], unread=True) if self._wanted() > 1 else None
-            emitted = self._take(cur)
-            self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
-            return emitted
-        with self.prof.stage("decode") as out:
-            h = self.model.forward(mx.array([[self.last_token]]), self.cache)
-            logits = self.model.logits(h[0, -1])
-            out.append(logits)
+        """One round; returns the tokens it emits (at least one)."""
+        cur = self._queued.pop(0) if self._queued else self._launch(self._choose_k())
+        if self._ahead() and self._wanted() > 1:
+            # queued before the host reads `cur`: it starts from cur's device values
+            t = time.perf_counter()
+            nxt = self._launch(self._choose_k())
+            nxt.launch_s = time.perf_counter() - t
+            self._queued.append(nxt)
+            # cur's timed interval (host read to host read) holds nxt's queuing, not its own: swap
+            # them, or a plain round before a drafting one times like a drafting round and auto
+            # sees drafting as free (it kept drafting at acceptance 0.5 and lost 40%)
+            cur.shift = cur.launch_s - nxt.launch_s
+            cur.steady = self._prev_k == cur.k == nxt.k
+        elif self._ahead():
+            cur.steady = False  # the last round: nothing queued behind it
+        self._prev_k = cur.k
+        return self._complete(cur)
+
+    def _choose_k(self) -> int:
+        """The next round's draft length (0: a plain round)."""
+        return 0
+
+    def _ahead(self) -> bool:
+        """Whether the next round is queued before the host reads this one (class docstring)."""
+        return bool(self.pipeline) and self.sampler.on_device and not self.prof.enabled
+
+    def _launch(self, k: int) -> Queued:
+        """Queues a round of k drafts (here always a plain one)."""
+        with self.sampler.reading_ahead(self._unread()):
+            r = plain_round(self.model, self.cache, self.drafter if self.drafting else None, self._last_dev,
+                            self._pick, self._fed, self.prof.stage, self.sampler.cfg.logprobs)
+        return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
+
+    def _unread(self) -> tuple[mx.array, mx.array] | None:
+        """The tokens of the round queued last that the host has not read (the penalties' history
+        of the round queued now goes on through them), or None (none, or no penalties to read them)."""
+        r = self._in_flight
+        if r is None or not self.sampler.cfg.penalties.active:
+            return None
+        return r.unread(0)
+
+    def _queue(self, r: Queued) -> Queued:
+        self._last_dev, self._in_flight = r.round.last, r.round
+        if self._ahead():
+            mx.async_eval(*r.read(), *self._pending())
+        return r
+
+    def _pending(self) -> list[mx.array]:
+        """What else a queued round leaves on the device (a drafter's block)."""
+        return []
+
+    def _pick(self, logits: mx.array) -> mx.array:
+        """A round's token [1] from its logits [1, V] (one row), on the device; a token the host
+        draws (a grammar's, sampled) is drawn at the read (`_read`), this one a placeholder."""
+        if self._host_draws():
+            return mx.zeros((1,), mx.int32)
+        return self.sampler.draw(self.sampler.constrain(self.sampler.penalize(logits)))
+
+    def _host_draws(self) -> bool:
+        """Whether a plain round's token is drawn on the host (sampled under a grammar: its
+        masks follow the tokens the host read, and the draw is the host's, as a batch's)."""
+        return not (self.sampler.cfg.greedy or self.sampler.on_device)
+
+    # ---- the host's read, one round late -------------------------------------------------------
+    def _read(self, r: Queued) -> tuple[list[int], int, list[int], list[dict] | None]:
+        """The host reads a round: (its tokens, accepted drafts n, the drafts that counted, the
+        tokens' logprobs); its tokens are committed (KV offsets, the drafter) and the last one is
+        the next round's input."""
         with self.prof.stage("sync"):
-            self.last_token = self.sampler.sample(logits)
-        self._count_experts("step")
-        self.clock.lap(0, [("trunk", 1, False, kv_capacity(self.cache))])
-        return self._emitted([self.last_token], 0, 0, self.sampler.token_logprobs(logits, [self.last_token]))
+            # this round's block is evaluated with it; once a later round is queued the block is
+            # that round's (its `_queue` evaluates it): waiting for it here would serialise them
+            mx.eval(*r.read(), *([] if self._queued else self._pending()))
+            d = r.round.host()
+            if self._in_flight is r.round:
+                self._in_flight = None
+            check_finite(d.finite[0])
+            n, emitted = d.n[0], d.emitted[0]
+            drafts = d.drafts[0][:d.drafted[0]] if d.drafts is not None else []
+            if r.k == 0 and self._host_draws():  # drawn here from the round's logits, as a batch's host rows are
+                emitted = [self.sampler.sample(r.round.logits[0, 0])]
+                logprobs = self.sampler.token_logprobs(r.round.logits[0, :1], emitted)
+                self._last_dev = mx.array(emitted, mx.int32)
+            else:
+                logprobs = d.token_logprobs(0, emitted[:n + 1], self.sampler.cfg.logprobs)
+        self._committed(emitted[:n + 1], min(n + 1, r.rows))
+        self.last_token = emitted[n]
+        if r.rows:  # (a prefill's first token ran no forward of its own)
+            self._count_experts("verify" if r.k else "step")
+        return emitted[:n + 1], n, drafts, logprobs
+
+    def _committed(self, emitted: list[int], kept: int) -> None:
+        """A read round's `emitted` tokens: the trunk keeps `kept` rows (the host's count of the KV
+        offsets moves on; each round queued behind it may add its rows)."""
+        self.cache.offset += kept
+        self.cache.set_bound(self.cache.offset + sum(q.rows for q in self._queued))
+
+    def _complete(self, r: Queued) -> list[int]:
+        """The host reads round `r`: its tokens, with its time and statistics."""
+        tokens, n, drafts, logprobs = self._read(r)
+        emitted = self._emitted(tokens, n, len(drafts), logprobs)
+        seconds, first_use = self.clock.lap(r.k, r.shapes, r.shift)
+        self._record_round(r.k, drafts, n, emitted, seconds, first_use, r.steady)
+        return emitted
+
+    def _record_round(self, k: int, drafts: list[int], n: int, emitted: list[int], seconds: float,
+                      first_use: bool, steady: bool) -> None:
+        """A completed round's statistics (a speculative decoder's)."""
 
     def finish(self) -> None:
-        """The generation is over (a queued step, if any, is dropped)."""
-        self._next = None
+        """The generation is over (a queued round, if any, is dropped)."""
+        self._queued = []

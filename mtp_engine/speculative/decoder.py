@@ -9,56 +9,37 @@ over the sequence's one row; this module is the pipelining layer around it:
     `state_after` of n + 1 tokens), then reads r's (emitted, n), detokenizes and checks stops
     while the device runs r+1;
   - k comes from the scheduler (`n-max auto`, speculative/scheduler.py) or n-max; only k changes
-    the graphs, accepted lengths never do; k = 0 is `round.plain_round`;
+    the graphs, accepted lengths never do; k = 0 is `PlainDecoder`'s round (`round.plain_round`,
+    the drafter kept in step);
   - where the next round needs this one on the host it is launched after the read: a drafter
     whose drafts come from the host's history (n-gram lookup), a grammar (its masks follow the
     emitted tokens), a precise profile (each stage evaluated at its end). Penalties go on through
     the queued round's tokens on the device (`Sampler.reading_ahead`).
 
-A run that will not draft (n-max 0, or auto where even fully accepted drafts cannot pay on this
-device: MLX's CPU backend) decodes as `PlainDecoder` does, step for step. Output is plain
+The pipelining, the host's read and the plain round are `PlainDecoder`'s, which this extends with
+drafting rounds: a run that will not draft (n-max 0, or auto where even fully accepted drafts
+cannot pay on this device: MLX's CPU backend) is `PlainDecoder`'s run, round for round. Output is plain
 decoding's: greedy token-identical, sampling lossless (`round.accept_sampling_device`).
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from ..errors import MTPEngineError
-from ..generation.decode import PlainDecoder, Progress, kv_capacity
+from ..generation.decode import PlainDecoder, Progress, Queued, kv_capacity
 from ..generation.profiler import Profiler
 from ..generation.prompt_cache import PromptCache
-from ..generation.sampling import Sampler, check_finite, distribution
+from ..generation.sampling import Sampler, distribution
 from ..model.cache import capture_at_width
 from ..model.qwen35 import Qwen35Model
 from . import calibration
 from .config import DraftParams
 from .drafter import DraftContext, Drafter, DrafterFactory
-from .round import Round, accept_greedy_device, accept_sampling_device, draft_round, plain_round
+from .round import accept_greedy_device, accept_sampling_device, draft_round
 from .scheduler import DraftLengthScheduler
 from .stats import RoundCounts
-
-
-@dataclass
-class Queued:
-    """A round queued on the device (`round.Round`), read by the host later."""
-
-    round: Round
-    rows: int  # trunk rows it runs (its bound on the KV offsets' growth)
-    shapes: list = field(default_factory=list)  # forward shapes it runs (first use = a compile)
-    launch_s: float = 0.0  # host seconds it took to queue, when queued ahead of another round's read
-    shift: float = 0.0  # correction to its timed interval (`step`)
-    steady: bool = True  # queued between rounds of its own k: its time is a sample of t(k)
-
-    @property
-    def k(self) -> int:
-        return self.round.k
-
-    def read(self) -> list[mx.array]:
-        return self.round.read()
 
 
 class SpeculativeDecoder(PlainDecoder):
@@ -85,15 +66,6 @@ class SpeculativeDecoder(PlainDecoder):
         # decided once per run; a run that does not draft leaves nothing for the next one to learn
         # beyond its plain steps' time (a device's costs, not its acceptance, rule drafting out)
         self.drafting = self.scheduler.can_win if self.scheduler is not None else params.k_max > 0
-        self._queued: list[Queued] = []
-        self._prev_k = -1
-        self._last_dev: mx.array | None = None  # the next round's first input, on the device
-        self._in_flight: Round | None = None  # the round queued last, until the host reads it
-
-    def _fed(self, post: mx.array, pre: mx.array) -> mx.array:
-        """The trunk state a drafter reads: the post-norm hidden state (what the output head reads;
-        an ablation feeds another)."""
-        return post
 
     # ---- prompt -------------------------------------------------------------------------------
     def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
@@ -121,60 +93,31 @@ class SpeculativeDecoder(PlainDecoder):
             if self.prompt_cache is not None:
                 self.prompt_cache.keep(self.model, ids[:-1], self.cache, self.drafter.name,
                                        self.drafter.prefix_state())
-        self._queued, self._prev_k, self._in_flight = [], -1, None
+        self._start_rounds()
         self._last_dev = mx.array([ids[-1]], dtype=mx.int32)
-        self.cache.kv_to_device()
         self.drafter.to_device()
         self.clock.start()
         return []
 
     # ---- one round ----------------------------------------------------------------------------
-    def step(self) -> list[int]:
-        if not self.drafting:
-            return self._plain_run_step()
-        cur = self._queued.pop(0) if self._queued else self._launch(self._choose_k())
-        if self._ahead() and self._wanted() > 1:
-            # queued before the host reads `cur`: it starts from cur's device values
-            t = time.perf_counter()
-            nxt = self._launch(self._choose_k())
-            nxt.launch_s = time.perf_counter() - t
-            self._queued.append(nxt)
-            # cur's timed interval (host read to host read) holds nxt's queuing, not its own: swap
-            # them, or a plain round before a drafting one times like a drafting round and auto
-            # sees drafting as free (it kept drafting at acceptance 0.5 and lost 40%)
-            cur.shift = cur.launch_s - nxt.launch_s
-            cur.steady = self._prev_k == cur.k == nxt.k
-        elif self._ahead():
-            cur.steady = False  # the last round: nothing queued behind it
-        self._prev_k = cur.k
-        return self._complete(cur)
-
     def plain_step(self) -> list[int]:
         """A round without drafting (the drafter kept in step)."""
-        if not self.drafting:
-            return self._plain_run_step()
-        return self._complete(self._launch_plain())
-
-    def _plain_run_step(self) -> list[int]:
-        """A step of a run that does not draft: `PlainDecoder`'s, counted as a round of none."""
-        emitted = super().step()
-        _, seconds, first_use = self.clock.rounds[-1]
-        self._record_round(0, [], 0, emitted, seconds, first_use, True)
-        return emitted
+        return self._complete(self._launch(0))
 
     def _choose_k(self) -> int:
+        if not self.drafting:
+            return 0
         k = self.scheduler.next_k(self.cache.offset) if self.scheduler else self.params.k_max
         return self.drafter.available(k) if k else 0
 
     def _ahead(self) -> bool:
         """Whether the next round is queued before the host reads this one (module docstring)."""
-        return (self.pipeline and not self.prof.enabled and self.sampler.grammar is None
-                and not self.drafter.reads_history)
+        return super()._ahead() and not (self.drafting and self.drafter.reads_history)
 
     # ---- launch -------------------------------------------------------------------------------
     def _launch(self, k: int) -> Queued:
         if k == 0:
-            return self._launch_plain()
+            return super()._launch(0)
         shapes = self._shapes(k)
         with self.sampler.reading_ahead(self._unread()):
             r = draft_round(self.model, self.cache, self.drafter, self._last_dev, k, self._accept, self._fed,
@@ -182,33 +125,12 @@ class SpeculativeDecoder(PlainDecoder):
                             logprobs=self.sampler.cfg.logprobs, stage=self.prof.stage)
         return self._queue(Queued(r, k + 1, shapes))
 
-    def _unread(self) -> tuple[mx.array, mx.array] | None:
-        """The tokens of the round queued last that the host has not read (the penalties' history
-        of the round queued now goes on through them), or None (none, or no penalties to read them)."""
-        r = self._in_flight
-        if r is None or not self.sampler.cfg.penalties.active:
-            return None
-        return r.unread(0)
-
     def _shapes(self, k: int) -> list:
         """The forward shapes a round of k drafts runs (a first use compiles)."""
         return self.drafter.round_shapes(k) + [("trunk", k + 1, True, kv_capacity(self.cache))]
 
-    def _launch_plain(self) -> Queued:
-        with self.sampler.reading_ahead(self._unread()):
-            r = plain_round(self.model, self.cache, self.drafter, self._last_dev, self._pick, self._fed,
-                            self.prof.stage, self.sampler.cfg.logprobs)
-        return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
-
-    def _queue(self, r: Queued) -> Queued:
-        self._last_dev, self._in_flight = r.round.last, r.round
-        if self._ahead():
-            mx.async_eval(*r.read(), *self.drafter.pending_arrays())
-        return r
-
-    def _pick(self, logits: mx.array) -> mx.array:
-        """A plain round's token [1] from its logits [1, V] (one row), on the device."""
-        return self.sampler.draw(self.sampler.constrain(self.sampler.penalize(logits)))
+    def _pending(self) -> list[mx.array]:
+        return self.drafter.pending_arrays() if self.drafting else []
 
     def _score(self, drafts: mx.array, logits: mx.array) -> mx.array:
         """What the rule compares, for the one row's drafts [1, k] and logits [1, k+1, V]: the
@@ -225,35 +147,12 @@ class SpeculativeDecoder(PlainDecoder):
         return accept_sampling_device(drafts, scored, q, live, self.sampler.draws.next())
 
     # ---- the host's read, one round late -------------------------------------------------------
-    def _complete(self, r: Queued) -> list[int]:
-        with self.prof.stage("sync"):
-            # this round's block is evaluated with it; once a later round is queued the block is
-            # that round's (its `_queue` evaluates it): waiting for it here would serialise them
-            block = [] if self._queued else self.drafter.pending_arrays()
-            mx.eval(*r.read(), *block)
-            d = r.round.host()
-            if self._in_flight is r.round:
-                self._in_flight = None
-            check_finite(d.finite[0])
-            n, drafted, emitted = d.n[0], d.drafted[0], d.emitted[0]
-            drafts = d.drafts[0][:drafted] if d.drafts is not None else []
-        token = emitted[n]
-        logprobs = d.token_logprobs(0, emitted[:n + 1], self.sampler.cfg.logprobs)
-        self.drafter.round_read(emitted[:n + 1])
-        self.cache.offset += n + 1
-        self.cache.set_bound(self.cache.offset + sum(q.rows for q in self._queued))
-        self.drafter.trunk_committed(self.cache.offset)
-        self.last_token = token
-        self._count_experts("verify" if r.k else "step")
-        return self._finish_round(emitted[:n] + drafts[n:], n, token, r, logprobs)
-
-    def _finish_round(self, drafts: list[int], n: int, token: int, r: Queued,
-                      logprobs: list[dict] | None) -> list[int]:
-        """The round's time and records (`_record_round`); its emitted tokens, with `logprobs`."""
-        emitted = self._emitted(drafts[:n] + [token], n, len(drafts), logprobs)
-        seconds, first_use = self.clock.lap(r.k, r.shapes, r.shift)
-        self._record_round(r.k, drafts, n, emitted, seconds, first_use, r.steady)
-        return emitted
+    def _committed(self, emitted: list[int], kept: int) -> None:
+        if self.drafting:
+            self.drafter.round_read(emitted)
+        super()._committed(emitted, kept)
+        if self.drafting:
+            self.drafter.trunk_committed(self.cache.offset)
 
     def _record_round(self, k: int, drafts: list[int], n: int, emitted: list[int], seconds: float,
                       first_use: bool, steady: bool) -> None:
@@ -269,7 +168,6 @@ class SpeculativeDecoder(PlainDecoder):
     def finish(self) -> None:
         """The generation is over: a queued round is dropped, and what this run measured of its
         rounds' costs is kept for the next run on this model and device."""
-        self._queued = []
         super().finish()
         if self.scheduler and self.calibration_path:
             t0 = self.scheduler.step_seconds()

@@ -23,7 +23,7 @@ from ..generation.sampling import distribution
 from ..model.kv_cache import KVCache
 from ..model.step import Pass
 from .drafter import DraftContext, Drafter
-from .round import no_stage
+from ..generation.round import no_stage
 
 
 def draft_chain(model, h: mx.array, k: int, p_min: "float | mx.array", pick: Callable, advance: Callable,

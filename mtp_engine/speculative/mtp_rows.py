@@ -26,7 +26,7 @@ from ..model.cache import TrunkCache
 from ..model.kv_cache import KVCache
 from ..model.qwen35 import Qwen35Model
 from .mtp_drafter import draft_chain
-from .round import greedy, no_stage
+from ..generation.round import greedy, no_stage
 
 
 def greedy_rows(logits: mx.array, drafts: list[mx.array]) -> tuple[mx.array, None, mx.array]:

@@ -14,8 +14,9 @@ import mlx.core as mx
 
 from typing import Callable
 
+from ..generation.round import greedy
 from ..generation.sampling import DeviceDraws, SamplerConfig, distribution_rows
-from .round import accept_greedy_device, accept_sampling_device, greedy
+from .round import accept_greedy_device, accept_sampling_device
 
 
 class RowSampling:

@@ -13,7 +13,7 @@ from tests.conftest import TINY, need
 from mtp_engine import generate
 from mtp_engine.cli.main import main
 from mtp_engine.cli.output import format_stats
-from mtp_engine.generation.decode import PlainDecoder
+from mtp_engine.generation.decode import PlainDecoder, Queued
 from mtp_engine.generation.penalties import PenaltyConfig
 from mtp_engine.generation.loop import run
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
@@ -152,8 +152,8 @@ def test_the_host_reads_only_what_was_queued_with_the_round(tiny, monkeypatch, p
     got, st = _tokens(d, tiny.tokenizer, 20)
     assert d.drafting and st["drafted"] > 0
     assert not late, f"{len(late)} values read that were not queued with their round"
-    from mtp_engine.speculative.round import Round
-    r = decoder.Queued(Round(3, *(mx.array([0]) for _ in range(7))), 4)
+    from mtp_engine.generation.round import Round
+    r = Queued(Round(3, *(mx.array([0]) for _ in range(7))), 4)
     assert len(r.read()) == 5  # emitted, n, drafted, drafts, finite: every device value the read takes
 
 
@@ -275,3 +275,29 @@ def test_a_run_that_will_not_draft_keeps_the_plain_decoders_steps(tiny, case):
     assert traced == got[len(got) - len(traced):] and len(traced) >= len(got) - 1 and st["rounds"] == len(d.trace)
     ref, _ = _tokens(PlainDecoder(tiny.model, Sampler(SamplerConfig())), tiny.tokenizer, 12)
     assert got == ref
+
+
+def test_compiled_plain_rounds_keep_kv_offsets_on_the_device(monkeypatch):
+    """Pipelined compiled plain rounds (the GPU's default; forced here) run with the KV offsets
+    held on the device, as a batch's lengths are: the host counts a round when it reads it. The
+    answers equal uncompiled decoding's, through tails of 12 positions that move many times and a
+    prompt cache's kept state taken up by the next prompt."""
+    from mtp_engine import EngineOptions, PromptCache, load
+    from mtp_engine.model.kv_cache import KVCache
+
+    path = need(TINY / "qwen35-mtp-tiny-Q4_K_M.gguf")
+    ref, comp = load(path), load(path, options=EngineOptions(compile_steps=True, kv_tail=12))
+    device_offsets = []
+    read = PlainDecoder._read
+
+    def spy(self, r):
+        if self.model is comp.model:
+            device_offsets.append(any(isinstance(c, KVCache) and c.bound is not None for c in self.cache.layers))
+        return read(self, r)
+
+    monkeypatch.setattr(PlainDecoder, "_read", spy)
+    cache = PromptCache()
+    for prompt in ("def f(x):", "def f(x):\n# more"):
+        want = generate(prompt, ref, max_tokens=60, ignore_eos=True).token_ids
+        assert generate(prompt, comp, max_tokens=60, ignore_eos=True, prompt_cache=cache).token_ids == want
+    assert len(device_offsets) > 100 and all(device_offsets), device_offsets[:5]
