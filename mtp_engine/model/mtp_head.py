@@ -44,7 +44,7 @@ class MTPHead(nn.Module):
             raise ValueError(f"the MTP head keeps no rollback states: {how} is not one of its passes")
         s = int(embeds.shape[1])
         fits = s <= compiled.MAX_TOKENS and compilable_ffn(self.layer.mlp) and \
-            (how is not compiled.Pass.PREFILL or compiled.recurs(self.graphs, [cache], s))
+            (how is not compiled.Pass.PREFILL or compiled.traced(self.graphs, [cache], s))
         if (self.compile_steps and fits) or how.resident:
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("mtp")) if self.expert_use \
                 else (None, None)

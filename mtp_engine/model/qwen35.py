@@ -160,7 +160,7 @@ class Qwen35Model(nn.Module):
         if how.capture:
             cache.begin_capture(s)
         fits = s <= compiled.MAX_TOKENS and all(compilable_ffn(l.mlp) for l in self.layers) and \
-            (how is not compiled.Pass.PREFILL or compiled.recurs(self.graphs, cache.layers, s, how.capture))
+            (how is not compiled.Pass.PREFILL or compiled.traced(self.graphs, cache.layers, s, how.capture))
         if (self._compile_steps and fits) or how.resident:
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
             side, set_side = self.expert_use.graph_outputs(self.expert_use.slots("trunk")) if self.expert_use \

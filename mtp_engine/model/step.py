@@ -33,8 +33,8 @@ class Pass(Enum):
     """What a forward of the trunk or the MTP head is for, which decides how it runs.
 
     STEP: a decode step, a draft, a catch-up: one compiled graph when it fits (`MAX_TOKENS`).
-    PREFILL: a prompt's rows, a shape that may not recur: compiled once it does (`recurs`), so a
-    prompt length seen once costs no trace.
+    PREFILL: a prompt's rows, a shape that may not recur: compiled only when its graph is traced
+    already (`traced`), so a new prompt length costs no trace.
     VERIFY: a step whose caches keep what a rollback needs to keep only its first n tokens.
     ROUND_STEP, ROUND_VERIFY: the same inside a device-resident round (`speculative.round`): KV
     offsets may be device values and the host's token count is left to the round."""
@@ -64,7 +64,6 @@ class StepGraphs:
         self.compiled: dict = {}
         self.uncompiled: dict = {}
         self.seen: set = set()
-        self.prefilled: set = set()  # prefill shapes run once uncompiled (`recurs`)
 
 
 class _KVView:
@@ -210,19 +209,12 @@ def _key(caches, n_tokens: int, capture: bool) -> tuple[tuple, list[mx.array]]:
     return (n_tokens, kinds, capture, width), arrays
 
 
-def recurs(graphs: StepGraphs, caches: Sequence[KVCache | RecurrentCache], n_tokens: int,
+def traced(graphs: StepGraphs, caches: Sequence[KVCache | RecurrentCache], n_tokens: int,
            capture: bool = False) -> bool:
-    """Whether a forward of a shape that may not recur (a prompt's prefill) runs as `run`'s
-    compiled graph: once that graph is traced, or from the shape's second use. A trace costs more
-    than dispatching the operations once (70-100 ms of host at the 9B shape, measured), but a
-    short prompt's length recurs (a server's, a batch's joining prompts), and a compiled forward of
-    a few rows dispatches in a third of the time (8 ms against 24-28 on an H100 at 9B)."""
-    key = _key(caches, n_tokens, capture)[0]
-    if key in graphs.compiled:
-        return True
-    again = key in graphs.prefilled
-    graphs.prefilled.add(key)
-    return again
+    """Whether `run` has a compiled graph for this forward already: a forward of a shape that may
+    not recur (a prompt's prefill) runs uncompiled unless it has, since a trace costs more than
+    dispatching the operations once (70-100 ms of host at the 9B shape, measured)."""
+    return _key(caches, n_tokens, capture)[0] in graphs.compiled
 
 
 def run(graphs: StepGraphs, body: Callable, args: Sequence[mx.array], caches: Sequence[KVCache | RecurrentCache],
