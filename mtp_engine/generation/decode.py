@@ -120,11 +120,6 @@ class DecoderBase:
         """One round; returns the tokens it emits (at least one)."""
         raise NotImplementedError
 
-    def _pipelined(self) -> bool:
-        # precise profiling must see each stage's own work; a grammar's masks need the host's
-        # tokens (`Sampler.on_device`)
-        return bool(self.pipeline) and self.sampler.on_device and not self.prof.enabled
-
     def _wanted(self) -> int:
         return self.budget if self.budget is not None else 1
 
@@ -298,7 +293,9 @@ class PlainDecoder(DecoderBase):
         return 0
 
     def _ahead(self) -> bool:
-        """Whether the next round is queued before the host reads this one (class docstring)."""
+        """Whether the next round is queued before the host reads this one (class docstring): precise
+        profiling must see each stage's own work, a grammar's masks need the host's tokens
+        (`Sampler.on_device`)."""
         return bool(self.pipeline) and self.sampler.on_device and not self.prof.enabled
 
     def _launch(self, k: int) -> Queued:

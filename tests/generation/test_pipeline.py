@@ -66,7 +66,7 @@ def test_pipelined_equals_unpipelined_and_stops_at_max_tokens(tiny, spec, cfg):
             [(x["token"], [t for t, _ in x["top"]]) for x in lp_ref] and len(lp) == n
         assert [x["logprob"] for x in lp] == pytest.approx([x["logprob"] for x in lp_ref], abs=1e-4)
     if spec == "none":
-        assert a._pipelined() and not b._pipelined()
+        assert a._ahead() and not b._ahead()
     if spec == "none":  # every token but the last was fed; no step was queued past max_tokens
         assert a.cache.offset == len(IDS) + n - 1
     assert st["time_to_first_token_seconds"] > 0 and "compile_seconds" in st
