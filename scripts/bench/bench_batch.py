@@ -174,6 +174,18 @@ def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: 
             "outputs": [out[i] for i in range(n)]}
 
 
+def _first_differences(batched: list[dict], alone: list[dict]) -> list[tuple[int, int, int]]:
+    """(repeat, stream, first differing token) of every batched plain answer unequal to its answer
+    alone: a flip late in a stream points at a near tie of accumulated rounding, one at token 0
+    at the prompt's prefill or first draw."""
+    out = []
+    for r, (b, s) in enumerate(zip(batched, alone)):
+        for i, (x, y) in enumerate(zip(b["outputs"], s["outputs"])):
+            if x != y:
+                out.append((r, i, next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the model in models/)")
@@ -243,6 +255,8 @@ def main(argv=None) -> int:
                "outputs_equal": all(b["outputs"] == s["outputs"] and (args.oracle is not None or sampling is not None
                                                                      or d["outputs"] == s["outputs"])
                                     for b, d, s in zip(res["batched"], res["batched_mtp"], res["sequential"])),
+               # where a batched plain answer first leaves its answer alone: (repeat, stream, token index)
+               "first_differences": _first_differences(res["batched"], res["sequential"]),
                "oracle_acceptance": args.oracle, "sampling": sampling,
                "mtp_rounds_by_k": dict(sorted(mtp_rounds.items())),
                # what auto measured at this batch size: t(k)/t(0) per k and the plain round's seconds
@@ -264,6 +278,7 @@ def main(argv=None) -> int:
               f"{row['mtp_rounds_by_k']}, t(k)/t(0) {row['mtp_round_steps']})  one at a time {row['sequential_aggregate_tok_s']:7.1f} (ttft p50 "
               f"{row['sequential_ttft_p50_s']:.3f} s, stream {row['sequential_stream_tok_s']:.1f})  batched/one-at-a-time x{row['aggregate_ratio']:.2f}  "
               f"outputs equal: {row['outputs_equal']}"
+              + (f" (first differences, repeat/stream/token: {row['first_differences']})" if row["first_differences"] else "")
               + (f"  mlx-lm batch_generate {row['mlx_lm_batch_tok_s']:.1f}" if row.get("mlx_lm_batch_tok_s") else ""),
               flush=True)
         if "stages" in row:  # ms per call of each stage, synchronised
