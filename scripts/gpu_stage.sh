@@ -4,7 +4,12 @@
 # wheel in three ~30 MB parts, which leaves a tree of 35 MB at most, and the tree (the shipped model
 # and the vendored fixtures) is larger. Run from the project root, here:
 #     sh scripts/gpu_stage.sh [../shared/device/mlx-cuda]
-# then the calls it prints, back to back (the machine keeps /tmp only while warm).
+# then the calls it prints, back to back (the machine keeps /tmp only while warm). With BASE=REV it
+# also writes REV's package and scripts to .gpu/base: a warm call that carries .gpu/base runs any
+# bench section on both trees in one lease (ratios only within one), e.g.
+#     PYTHONPATH=/tmp/site:$PWD/.gpu/base OUT=$OUT/base sh scripts/gpu_check.sh batch9b
+#     PYTHONPATH=/tmp/site:$PWD OUT=$OUT/new sh scripts/gpu_check.sh batch9b
+# (the scripts run from this tree import the package PYTHONPATH names; the suite is this tree's)
 set -e
 src=${1:-../shared/device/mlx-cuda}
 limit=$((60 * 1024 * 1024))  # of the 64 MiB, keeping 4 MiB for files added before the calls
@@ -70,6 +75,10 @@ python3 -m pip download -q --no-deps -d ".gpu/$n" mlx-lm==0.32.2 >/dev/null 2>&1
 # constraint tests
 python3 -m pip download -q --no-deps -d ".gpu/$n" llguidance==1.9.1 >/dev/null 2>&1 ||
     echo "gpu_stage: llguidance not staged (no package index): the constraint tests skip on the GPU" >&2
+if [ -n "${BASE:-}" ]; then  # the tree to compare against (git ignores .gpu/: a call carries it only when named)
+    rm -rf .gpu/base && mkdir -p .gpu/base && git archive "$BASE" mtp_engine scripts | tar -x -C .gpu/base
+    echo "staged $BASE's mtp_engine and scripts in .gpu/base (carry .gpu/base on the calls that compare)"
+fi
 echo "staged MLX in $n parts (tree $((tree / 1048576)) MiB + at most $(( (wheel / n + extra) / 1048576 + 1)) MiB a call)."
 i=1
 while [ "$i" -lt "$n" ]; do
