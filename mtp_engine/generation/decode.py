@@ -331,9 +331,11 @@ class PlainDecoder(DecoderBase):
         return self.sampler.draw(self.sampler.constrain(self.sampler.penalize(logits)))
 
     def _host_draws(self) -> bool:
-        """Whether a plain round's token is drawn on the host (sampled under a grammar: its
-        masks follow the tokens the host read, and the draw is the host's, as a batch's)."""
-        return not (self.sampler.cfg.greedy or self.sampler.on_device)
+        """Whether a plain round's token is drawn on the host: sampled under a grammar (its masks
+        follow the tokens the host read; the draw is the host's, as a batch's grammar row's), in
+        a run that does not draft (a drafting run's drafter reads the round's token on the device:
+        there it is drawn on the device, under the grammar's mask, as its drafting rounds' are)."""
+        return not (self.sampler.cfg.greedy or self.sampler.on_device or self.drafting)
 
     # ---- the host's read, one round late -------------------------------------------------------
     def _read(self, r: Queued) -> tuple[list[int], int, list[int], list[dict] | None]:

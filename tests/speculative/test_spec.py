@@ -307,3 +307,29 @@ def test_greedy_parity_at_a_4096_token_context():
     base = _plain(m, ids, 24)
     r = generate(ids, m, max_tokens=24, spec="draft-mtp", n_max=3, ignore_eos=True)
     assert r.token_ids == base and r.stats["drafted"] > 0
+
+
+def test_a_drafting_runs_plain_rounds_under_a_grammar_feed_the_head_the_drawn_token(shipped_model, monkeypatch):
+    """Sampled under a grammar, a drafting run's plain rounds draw their token on the device (under
+    the grammar's mask), so the MTP head is fed the token the round emitted, never a stand-in;
+    every token follows the grammar."""
+    import re
+
+    from mtp_engine import Constraint
+    from mtp_engine.speculative import decoder as decoder_module
+    from mtp_engine.speculative.mtp_drafter import MTPDrafter
+
+    ks = iter([0, 2] * 40)
+    monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_choose_k", lambda d: next(ks, 0))
+    fed = []
+    accept_plain = MTPDrafter.accept_plain
+    monkeypatch.setattr(MTPDrafter, "accept_plain", lambda self, token, hidden: (fed.append(token),
+                                                                                    accept_plain(self, token, hidden))[1])
+    eos = shipped_model.tokenizer.eos_token_ids
+    for seed in range(4):
+        fed.clear()
+        r = generate("name = '", shipped_model, max_tokens=24, temperature=0.8, seed=seed, spec="draft-mtp", n_max=2,
+                     constraint=Constraint.regex(r"[a-z ]{3,40}'"))
+        assert re.fullmatch(r"[a-z ]{3,40}'?", r.text), r.text
+        tokens = [int(t.item()) for t in fed]  # (the end token, where the grammar ended the text, is not in it)
+        assert tokens and all(t in r.token_ids or t in eos for t in tokens), (tokens, r.token_ids)
