@@ -38,8 +38,9 @@ class Sequence:
         self.joined: float | None = None  # when its prefill started
         self.batch_sizes: list[int] = []  # the batch each of its decode steps ran in
         # draft-mtp in an MTP batch: its drafts are verified (rows drawn on the device; a row the
-        # host samples, under a grammar, keeps none)
-        self.draft = draft and sampler.on_device
+        # host samples, under a grammar, keeps none; n-max 0 drafts none, and so does not fix the
+        # batch's draft length at 0 for the rows beside it)
+        self.draft = draft and sampler.on_device and n_max != 0
         self.n_max = n_max  # None: the batch's draft length
         self.p_min, self.n_min = p_min, n_min
         self.counts = RoundCounts()  # its rounds' statistics

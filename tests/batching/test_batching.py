@@ -649,19 +649,52 @@ def test_auto_batches_draft_by_the_controller_beside_every_other_kind_of_row(shi
     want = [generate(PROMPTS[i % len(PROMPTS)], shipped_model, max_tokens=lengths[i], ignore_eos=True,
                      **kinds[i]).token_ids for i in range(len(kinds))]
     m = replace(shipped_model, scheduler=None)
-    sched = MTPBatchScheduler(m, 3, prior=default_seed(gpu=True))
+    # driven here once every request waits, in order: the batch's rows, and so which rounds are the
+    # controller's (a fixed n-max row in the batch fixes its draft length), are the same every run
+    sched = MTPBatchScheduler(m, 3, own_thread=False, prior=default_seed(gpu=True))
     m = replace(m, scheduler=sched)
     got: dict[int, list[int]] = {}
 
     def one(i):
         got[i] = generate(PROMPTS[i % len(PROMPTS)], m, max_tokens=lengths[i], ignore_eos=True, **kinds[i]).token_ids
 
-    try:
-        _in_threads(one, range(len(kinds)))
-    finally:
-        sched.stop()
-    assert [got[i] for i in range(len(kinds))] == want
+    _drive_in_order(sched, one, len(kinds))
+    assert [got.get(i) for i in range(len(kinds))] == want
     assert any(c.drafting_rounds for c in sched.controllers.values()), sched.rounds_by_k
+
+
+def test_a_row_of_n_max_0_leaves_the_batchs_draft_length_to_the_others(shipped_model):
+    """A draft-mtp request of n-max 0 drafts nothing, and beside a row of n-max 2 the batch still
+    drafts 2 a round (the n-max 0 row keeps none of them): one client's n-max 0 does not turn MTP
+    off for its batch. Each answer is its answer alone."""
+    from mtp_engine.batching import MTPBatchScheduler
+
+    kinds = [dict(spec="draft-mtp", n_max=0), dict(spec="draft-mtp", n_max=2)]
+    want = [generate(PROMPTS[i], shipped_model, max_tokens=12, ignore_eos=True, **kinds[i]).token_ids for i in range(2)]
+    sched = MTPBatchScheduler(replace(shipped_model, scheduler=None), 2, own_thread=False)
+    m = replace(shipped_model, scheduler=sched)
+    got: dict[int, list[int]] = {}
+
+    def one(i):
+        got[i] = generate(PROMPTS[i], m, max_tokens=12, ignore_eos=True, **kinds[i]).token_ids
+
+    _drive_in_order(sched, one, 2)
+    assert [got.get(i) for i in range(2)] == want
+    assert sched.rounds_by_k.get(2, 0) >= 2, sched.rounds_by_k  # while both ran (the n-max 2 row is done first)
+
+
+def _drive_in_order(sched, one, n: int) -> None:
+    """one(i) for i < n, each in a thread of its own, each request waiting in the scheduler before
+    the next is made; then the scheduler (own_thread=False) is driven here until all are answered:
+    a batch's rows, and so its rounds, are the same every run."""
+    threads = []
+    for i in range(n):
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 60
+        while sched.waiting <= i and time.monotonic() < deadline:
+            time.sleep(0.002)
+    sched.drive(lambda: not any(t.is_alive() for t in threads))
 
 
 def test_auto_in_a_batch_is_the_draft_length_scheduler_per_batch_size(shipped_model):
