@@ -103,9 +103,9 @@ class MTPBatchScheduler(BatchScheduler):
         return self.controllers[b]
 
     def _may_draft(self, s: Sequence) -> bool:
-        """Whether any round may draft for `s`: a drafting sequence whose n-max is not 0, and for
-        n-max auto a device where drafts can pay (the prior)."""
-        return s.draft and s.n_max != 0 and (s.n_max is not None or self._auto_can_win)
+        """Whether any round may draft for `s`: a drafting sequence (n-max 0 is none: `Sequence.draft`),
+        and for n-max auto a device where drafts can pay (the prior)."""
+        return s.draft and (s.n_max is not None or self._auto_can_win)
 
     def _end_all(self, error: BaseException) -> None:
         super()._end_all(error)

@@ -51,7 +51,8 @@ def main() -> None:
     ap.add_argument("--in-model", action="store_true", help="time 9B-shape forwards per block shape")
     ap.add_argument("--resident", action="store_true",
                     help="--in-model: also one-token steps on a sequence's cache with device-held offsets (`R1`: "
-                         "Pass.ROUND_STEP, as a speculative decoder's plain rounds run) beside S=1 (host offsets)")
+                         "Pass.ROUND_STEP, as every decoder's plain rounds run) beside S=1 (host offsets, as a plain step ran "
+                         "before the one round)")
     ap.add_argument("--batched", default="",
                     help="--in-model: also batched steps of B rows x T tokens (a BatchCache, compiled), as BxT "
                          "(e.g. 1x1,4x1,8x1,4x5)")
