@@ -255,7 +255,7 @@ class PlainDecoder(DecoderBase):
                 h = self._prefill_trunk(ids[-1:], start=len(ids) - 1, whole=len(ids))
             self._start_rounds()
             first = self._queue(Queued(token_round(self.model.logits(h[:, -1:]), self._pick,
-                                                   self.sampler.cfg.logprobs), 0))
+                                                   self._round_logprobs()), 0))
             if self._ahead() and self._wanted() > 1:
                 self._queued.append(self._launch(self._choose_k()))
             tokens, _, _, logprobs = self._read(first)
@@ -302,7 +302,7 @@ class PlainDecoder(DecoderBase):
         """Queues a round of k drafts (here always a plain one)."""
         with self.sampler.reading_ahead(self._unread()):
             r = plain_round(self.model, self.cache, self.drafter if self.drafting else None, self._last_dev,
-                            self._pick, self._fed, self.prof.stage, self.sampler.cfg.logprobs)
+                            self._pick, self._fed, self.prof.stage, self._round_logprobs())
         return self._queue(Queued(r, 1, [("trunk", 1, False, kv_capacity(self.cache))]))
 
     def _unread(self) -> tuple[mx.array, mx.array] | None:
@@ -336,6 +336,11 @@ class PlainDecoder(DecoderBase):
         a run that does not draft (a drafting run's drafter reads the round's token on the device:
         there it is drawn on the device, under the grammar's mask, as its drafting rounds' are)."""
         return not (self.sampler.cfg.greedy or self.sampler.on_device or self.drafting)
+
+    def _round_logprobs(self) -> int | None:
+        """The logprobs a plain round computes with its token (None where the host draws it: they
+        come with the host's draw, `_read`)."""
+        return None if self._host_draws() else self.sampler.cfg.logprobs
 
     # ---- the host's read, one round late -------------------------------------------------------
     def _read(self, r: Queued) -> tuple[list[int], int, list[int], list[dict] | None]:

@@ -748,6 +748,22 @@ def test_batch_follows_each_sequences_grammar(shipped_model):
     assert all(len(g.text) == 6 and g.text[3] == "-" for g in got)
 
 
+def test_a_sampled_grammar_rows_logprobs_come_with_its_host_draws_alone_and_in_a_batch(shipped_model):
+    """Sampled under a grammar a token is the host's draw (a plain round computes no logprobs for
+    it): alone and in a batch each token's logprobs are the ones of the token drawn, the same."""
+    pytest.importorskip("llguidance", reason="constrained decoding needs llguidance (pip install -e '.[test]')")
+    from mtp_engine import Constraint
+
+    kw = dict(max_tokens=8, temperature=0.8, seed=4, logprobs=2, constraint=Constraint.regex(r"[a-z ]{3,20}'"))
+    want = _alone(shipped_model, PROMPTS[:2], **kw)
+    got = batch_generate(PROMPTS[:2], shipped_model, **kw)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and [a["token"] for a in w.logprobs] == w.token_ids
+        assert [(a["token"], [t for t, _ in a["top"]]) for a in g.logprobs] == \
+            [(a["token"], [t for t, _ in a["top"]]) for a in w.logprobs]
+        assert [a["logprob"] for a in g.logprobs] == pytest.approx([a["logprob"] for a in w.logprobs], abs=1e-4)
+
+
 # ---- the batch caches ---------------------------------------------------------------------------
 
 def test_batch_cache_rows_join_and_leave_without_moving_others(shipped_model):
