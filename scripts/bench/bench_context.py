@@ -359,6 +359,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="trunk layers (8: a quick check)")
     ap.add_argument("--rows", default="512,2048,4096", help="the parts section's chunk sizes")
     ap.add_argument("--kv-dtypes", default="", help="cache types run plain beside the default (e.g. float32)")
+    ap.add_argument("--prefill-chunks", default="",
+                    help="prompt tokens per prefill forward run plain beside the default (e.g. 8192)")
     ap.add_argument("--no-tail", action="store_true", help="also run plain without the KV tails (KVCache.rebase)")
     ap.add_argument("--batch", action="store_true", help="also run plain as a batch of one (the --parallel path)")
     ap.add_argument("--layout", default="uniform", choices=LAYOUTS,
@@ -389,6 +391,9 @@ def main() -> int:
         for dt in [x for x in a.kv_dtypes.split(",") if x and x != model.options.kv_dtype]:
             others[f"kv_{dt}"] = random_model(cfg, a.layout)
             others[f"kv_{dt}"].use(model.options.updated(kv_dtype=dt))
+        for c in [int(x) for x in a.prefill_chunks.split(",") if x and int(x) != model.options.prefill_chunk]:
+            others[f"chunk_{c}"] = random_model(cfg, a.layout)
+            others[f"chunk_{c}"].use(model.options.updated(prefill_chunk=c))
         if a.no_tail:  # the same model without compiled steps' KV tails (what the tail costs or saves)
             others["no_tail"] = random_model(cfg, a.layout)
             others["no_tail"].use(model.options.updated(kv_tail=0))
