@@ -25,14 +25,12 @@ import functools
 import time
 
 import mlx.core as mx
-import numpy as np
 
 from ..errors import MTPEngineError
 from ..generation.profiler import Profiler
 from ..model.cache import capture_at_width
-from ..model.step import Pass
 from ..model.loaded import Model
-from ..speculative.mtp_drafter import HeadPrefix
+from ..speculative.mtp_drafter import HeadReader
 from ..speculative.mtp_rows import MTPRowsDrafter
 from ..generation.round import Round, plain_round, post_norm
 from ..speculative.round import draft_round
@@ -119,56 +117,20 @@ class MTPBatchScheduler(BatchScheduler):
 
     # ---- prefill: each joining sequence on its own caches, trunk then head per chunk -----------------
     def _start_prefill(self, s: Sequence) -> None:
-        """Its trunk and head caches (a kept prompt state's, or empty); `s.h_prev` is the trunk
-        hidden state its next head row reads. A sequence that never drafts prefills as plain
-        decoding alone does (the whole prompt, its first token drawn at the end, a plain prompt
-        state kept), so it answers as alone and its first token waits for no round; its head rows
-        are never read."""
-        m = self.model.model
-        if not self._may_draft(s):
-            super()._start_prefill(s)
-            s.head, s.h_prev = m.mtp.make_cache(), mx.zeros((1, 1, m.cfg.hidden_size))
-            return
-        kept = self._take_prompt_state(s, "draft-mtp")
-        if kept is None:
-            s.head, s.h_prev = m.mtp.make_cache(), mx.zeros((1, 1, m.cfg.hidden_size))
-        else:
-            s.head, rows, s.h_prev = kept.drafter_state
-            s.head.truncate(rows)
-        s.prefill_end = len(s.prompt_ids) - 1  # the last token is read by its first round
-        s.prefill_done = s.prefilled == s.prefill_end
-
-    def _prefill_chunk(self, s: Sequence, chunk: int) -> int:
-        """The next chunk of `s`'s prompt but its last token, through the trunk, then the head (a
-        sequence that never drafts prefills as plain decoding does, `BatchScheduler`'s)."""
-        if not self._may_draft(s):
-            return super()._prefill_chunk(s, chunk)
-        m = self.model.model
-        ids = s.prompt_ids[s.prefilled:min(s.prefilled + chunk, s.prefill_end)]
-        post = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post
-        h_prev = mx.concatenate([s.h_prev, post[:, :-1]], axis=1) if len(ids) > 1 else s.h_prev
-        m.mtp(m.embed_tokens(mx.array([ids])), h_prev, s.head, Pass.PREFILL)
-        s.h_prev = post[:, -1:]
-        mx.eval(s.h_prev, *s.trunk.arrays(), *s.head.arrays())
-        s.prefilled += len(ids)
-        s.report_progress()
-        if s.prefilled == s.prefill_end:
-            s.prefill_done = True
-            if s.prompt_cache is not None:  # the trunk and head after all but the last token
-                # the hidden state copied: a slice would hold the whole chunk's hidden states
-                s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk, "draft-mtp",
-                                    HeadPrefix(s.head, s.head.offset, mx.array(np.array(s.h_prev))))
-        return len(ids)
+        """A sequence that may draft reads its prompt but the last token with the head beside the
+        trunk (`mtp_drafter.HeadReader`), as it does alone; one that never drafts reads it as
+        plain decoding alone does (its first token drawn at the end, its head rows never read)."""
+        super()._start_prefill(s, HeadReader(self.model.model) if self._may_draft(s) else None)
 
     def _join(self, joined: list[Sequence]) -> None:
+        heads = []
         for s in joined:
-            if self._may_draft(s):  # its last prompt token is read by its first round
+            if s.reader.drafter is not None:  # its last prompt token is read by its first round
                 s.last_token = s.prompt_ids[-1]
-                s.report_progress(whole=True)
-        self.drafter.join([s.head for s in joined], [s.last_token for s in joined],
-                          mx.concatenate([s.h_prev for s in joined], axis=0))
-        for s in joined:
-            s.head = s.h_prev = None
+                s.reader.report(whole=True)
+            heads.append(s.reader.drafter or HeadReader(self.model.model))
+        self.drafter.join([h.cache for h in heads], [s.last_token for s in joined],
+                          mx.concatenate([h.h_last for h in heads], axis=0))
         super()._join(joined)
 
     # ---- a round ---------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from ..errors import MTPEngineError
 from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
-from ..model.step import Pass
+from ..generation.prompt_read import PromptDrafter, PromptReader
 from ..generation.round import Round, plain_round, post_norm
 from ..threads import quiesce_at_exit
 from .sequence import Sequence, logprobs_asked, sampling
@@ -62,15 +62,12 @@ class BatchScheduler:
     stopped (a thread that ran MLX work must outlive the interpreter's exit: `threads`); without,
     the caller runs the loop with `drive` (batch_generate, on the engine thread)."""
 
-    prefill_chunk: int | None = None  # None: the model's options' (the decoder's alone, so a prompt's
-    # prefill is the one it has alone)
-
     def __init__(self, model: Model, max_batch: int = 8, own_thread: bool = True):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise MTPEngineError(f"expected an integer >= 1, found {max_batch!r}", field="parallel")
         self.model, self.max_batch, self.own_thread = model, max_batch, own_thread
         self._waiting: collections.deque[Sequence] = collections.deque()
-        self._joining: list[Sequence] = []  # prefilling, each on its own caches (`Sequence.trunk`)
+        self._joining: list[Sequence] = []  # prefilling, each on its own caches (`Sequence.reader`)
         self._rows: list[Sequence] = []
         self._batch = BatchCache(model.model, tail=model.model.kv_tail)
         self._cv = threading.Condition()
@@ -120,7 +117,8 @@ class BatchScheduler:
                 **({"drafted": s.counts.drafted, "accepted": s.counts.accepted} if s.draft else {})}
                for i, s in enumerate(rows)]
         out += [{"id": len(out) + i, "state": "prefilling", "prompt_tokens": len(s.prompt_ids),
-                 "prefilled_tokens": s.prefilled} for i, s in enumerate(joining)]
+                 "prefilled_tokens": s.reader.done_tokens if s.reader is not None else 0}
+                for i, s in enumerate(joining)]
         out += [{"id": i, "state": "idle"} for i in range(len(out), self.max_batch)]
         return out
 
@@ -210,18 +208,17 @@ class BatchScheduler:
             s.joined = time.perf_counter()
             s.sampler.begin(s.prompt_ids)
             self._start_prefill(s)
-            s.report_progress()  # before its first chunk: what a kept prompt state supplied
             self._joining.append(s)
         for s in [s for s in self._joining if s.cancelled.is_set()]:
             s.out.put(None)
             self._leave_prefill(s)
-        chunk = self.prefill_chunk or self.model.model.options.prefill_chunk
+        chunk = self.model.model.options.prefill_chunk
         spent, joined = 0, []
         for s in list(self._joining):
             try:
-                while spent < chunk and not s.prefill_done:
-                    spent += self._prefill_chunk(s, chunk)
-                if s.prefill_done:
+                while spent < chunk and not s.reader.done:
+                    spent += self._prefill_chunk(s)
+                if s.reader.done:
                     joined.append(s)
             except Exception as e:  # only this prompt fails: the running rows and the others go on
                 if not isinstance(e, MTPEngineError):
@@ -234,63 +231,42 @@ class BatchScheduler:
             self._join(joined)
             self._joining = [s for s in self._joining if s not in joined]
 
-    def _start_prefill(self, s: Sequence) -> None:
-        """Its caches: a kept prompt state it starts with (the plain decoder's rule: the prompt
-        without its last token), else empty ones."""
-        self._take_prompt_state(s, None)
-        # with a prompt cache the last token is a chunk of its own, after the state before it is
-        # kept (as the plain decoder does alone)
-        s.prefill_end = len(s.prompt_ids) - 1 if s.prompt_cache is not None else len(s.prompt_ids)
-        s.prefill_done = False
+    def _start_prefill(self, s: Sequence, drafter: PromptDrafter | None = None) -> None:
+        """`s.reader`: its prompt's reader (`generation.prompt_read`, as the sequence alone reads
+        it), on caches of its own; with `drafter`, a drafting sequence's (its last token is read
+        by its first round)."""
+        end = len(s.prompt_ids) - 1 if drafter is not None else None
+        s.reader = PromptReader(self.model.model, s.prompt_ids, end=end, prompt_cache=s.prompt_cache,
+                                drafter=drafter, progress=s.progress)
+        s.cached = s.reader.cached
 
-    def _take_prompt_state(self, s: Sequence, drafter: str | None):
-        """`s.trunk`: the state a prompt cache kept for `s`'s prompt but its last token (kept by a
-        generation of `drafter`), restored, with `s.prefilled` / `s.cached` past its tokens; else
-        an empty cache. Returns what was kept (None: nothing)."""
-        m = self.model.model
-        kept = s.prompt_cache.take(m, s.prompt_ids[:-1], drafter) if s.prompt_cache is not None else None
-        s.trunk = m.make_cache() if kept is None else kept.trunk
-        if kept is not None:
-            s.trunk.restore(kept.snapshot)
-            s.prefilled = s.cached = len(kept.tokens)
-        return kept
-
-    def _prefill_chunk(self, s: Sequence, chunk: int) -> int:
-        """The next chunk of `s`'s prompt through the trunk, on its own caches (the chunks the
-        sequence alone runs); after its last one it samples its first token. Returns the tokens run."""
-        m, n = self.model.model, len(s.prompt_ids)
-        ids = s.prompt_ids[s.prefilled:min(s.prefilled + chunk, s.prefill_end)]
-        if ids:
-            last = m.forward_states(mx.array([ids]), s.trunk, Pass.PREFILL).post[:, -1]
-            mx.eval(last, *s.trunk.arrays())
-            s.prefilled += len(ids)
-            s.report_progress()
-        if s.prefilled == s.prefill_end == n - 1:  # (a prompt cache's state before the last token)
-            s.prompt_cache.keep(m, s.prompt_ids[:-1], s.trunk)
-            s.prefill_end = n
-        if s.prefilled == n:  # (only ever right after the chunk with the last token, above)
-            logits = m.logits(last[0])
+    def _prefill_chunk(self, s: Sequence) -> int:
+        """The next chunk of `s`'s prompt; after its last one a sequence that does not draft samples
+        its first token. Returns the tokens run."""
+        r = s.reader
+        n = r.read_chunk()
+        if r.done and r.end == len(s.prompt_ids):
+            logits = self.model.model.logits(r.last[0, 0])
             token = s.sampler.sample(logits)
             s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
-            s.prefill_done = True
-        return len(ids)
+        return n
 
     def _leave_prefill(self, s: Sequence) -> None:
         """A joining sequence leaves before its prefill is done (cancelled, or failed)."""
         self._joining.remove(s)
-        if s.prompt_cache is not None and s.trunk is not None:
-            s.prompt_cache.release(s.trunk)
-        s.trunk = None
+        if s.prompt_cache is not None and s.reader is not None:
+            s.prompt_cache.release(s.reader.trunk)
+        s.reader = None
 
     def _join(self, joined: list[Sequence]) -> None:
         """Sequences whose prefill is done join the batch: their caches become its last rows (copied:
         a kept prompt state on them is never written again)."""
         for s in joined:
-            self._batch.add(s.trunk)
+            self._batch.add(s.reader.trunk)
             s.length = self._batch.host_lengths[-1]
             if s.prompt_cache is not None:
-                s.prompt_cache.release(s.trunk)
-            s.trunk = None
+                s.prompt_cache.release(s.reader.trunk)
+            s.reader = None
         self._rows += joined
 
     def _decode(self) -> None:

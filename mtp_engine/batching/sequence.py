@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from ..generation.prompt_cache import PromptCache
+from ..generation.prompt_read import PromptReader
 from ..generation.sampling import Sampler
 from ..speculative.row_sampling import RowSampling
 from ..speculative.stats import RoundCounts
@@ -33,7 +34,6 @@ class Sequence:
         self.cancelled = threading.Event()
         self.produced = 0
         self.last_token: int | None = None
-        self.prefilled = 0
         self.submitted = time.perf_counter()
         self.joined: float | None = None  # when its prefill started
         self.batch_sizes: list[int] = []  # the batch each of its decode steps ran in
@@ -44,18 +44,9 @@ class Sequence:
         self.n_max = n_max  # None: the batch's draft length
         self.p_min, self.n_min = p_min, n_min
         self.counts = RoundCounts()  # its rounds' statistics
-        # while it prefills: its own caches (the trunk's, an MTP batch's head's), how far its prompt
-        # is read before it joins, and the trunk hidden state its next head row reads
-        self.trunk = self.head = self.h_prev = None
-        self.prefill_end, self.prefill_done = len(self.prompt_ids), False
+        self.reader: PromptReader | None = None  # while it prefills: its prompt's reader, on its own caches
         self.length = 0  # tokens in its trunk cache rows, as of the last round the host read
         self.chosen: int | None = None  # a host-sampled row's token no round has taken yet
-
-    def report_progress(self, whole: bool = False) -> None:
-        """Tells `progress` the prompt tokens handled so far (all of them once `whole`)."""
-        if self.progress is not None:
-            n = len(self.prompt_ids)
-            self.progress(n if whole else min(self.prefilled, n), n)
 
     def cancel(self) -> None:
         """Its reader is done: the row leaves before the next step."""

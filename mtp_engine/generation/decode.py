@@ -13,18 +13,16 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import mlx.core as mx
 
 from ..model.qwen35 import Qwen35Model
-from ..model.step import Pass
 from .profiler import Profiler
 from .prompt_cache import PromptCache
+from .prompt_read import Progress, PromptReader
 from .round import Round, plain_round, token_round
 from .sampling import Sampler, check_finite
 
-Progress = Callable[[int, int], None]  # (prompt tokens prefilled, of total)
 
 
 class RoundClock:
@@ -84,8 +82,6 @@ class DecoderBase:
     profiling) expert counts. A decoder turns a prompt into a stream of token lists: `prefill`,
     then `step` per round, then `finish`; `stats` at the end."""
 
-    prefill_chunk: int | None = None  # prompt tokens per prefill forward; None: the model's options'
-
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
                  prompt_cache: PromptCache | None = None, progress: Progress | None = None,
                  pipeline: bool = True):
@@ -108,7 +104,7 @@ class DecoderBase:
         self.round_logprobs: list[dict] | None = None
         self.round_n_drafted = 0
         self.prompt_cache = prompt_cache  # where prompt state is reused from and kept
-        self.cached_tokens = 0  # prompt tokens the last prefill took from the prompt cache
+        self.cached_tokens = 0  # prompt tokens the last prefill took from the prompt cache (`_reader`)
 
     def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
         """Processes the prompt; returns the tokens it already produces. `budget`: the most tokens
@@ -135,39 +131,12 @@ class DecoderBase:
             self.budget -= len(tokens)
         return tokens
 
-    def _prefill_trunk(self, ids: list[int], pick: Callable[[mx.array, mx.array], mx.array] | None = None,
-                       start: int = 0, whole: int | None = None) -> mx.array:
-        """Runs the prompt through the trunk in chunks; returns every row's post-norm hidden state,
-        or `pick(post, pre)` of it (what a drafter is fed). `ids` sit at `start` of a prompt of
-        `whole` tokens: `progress` is told the prompt's tokens handled of all of them, once before
-        the first chunk (those reused from a prompt cache) and after each chunk."""
-        if not ids:
-            return mx.zeros((1, 0, self.model.cfg.hidden_size))
-        whole = start + len(ids) if whole is None else whole
-        if self.progress is not None:
-            self.progress(start, whole)
-        hiddens = []
-        chunk = self.prefill_chunk or self.model.options.prefill_chunk
-        for s in range(0, len(ids), chunk):
-            post, pre = self.model.forward_states(mx.array([ids[s:s + chunk]]), self.cache, Pass.PREFILL)
-            h = pick(post, pre) if pick else post
-            mx.eval(h, *self.cache.arrays())
-            hiddens.append(h)
-            if self.progress is not None:
-                self.progress(start + min(s + chunk, len(ids)), whole)
-        return mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0]
-
-    def _reuse_prefix(self, prefix: list[int], drafter: str | None = None):
-        """With a prompt cache: takes over the kept state when `prefix` starts with its tokens
-        (returns it, and `self.cache` now holds it); None otherwise."""
-        self.cached_tokens = 0
-        kept = self.prompt_cache.take(self.model, prefix, drafter) if self.prompt_cache is not None else None
-        if kept is None:
-            return None
-        self.cache = kept.trunk
-        self.cache.restore(kept.snapshot)
-        self.cached_tokens = len(kept.tokens)
-        return kept
+    def _reader(self, ids: list[int], **kw) -> PromptReader:
+        """A reader of the prompt `ids` into this decoder's cache (`prompt_read`; `kw`: its
+        drafter, its end), with this decoder's prompt cache and progress."""
+        reader = PromptReader(self.model, ids, prompt_cache=self.prompt_cache, progress=self.progress, **kw)
+        self.cache, self.cached_tokens = reader.trunk, reader.cached
+        return reader
 
     def _count_experts(self, kind: str) -> None:
         """MoE models, when profiling: distinct experts each layer read in the last forward
@@ -244,15 +213,7 @@ class PlainDecoder(DecoderBase):
         self.budget = budget
         self.sampler.begin(ids)
         with self.prof.stage("prefill"):
-            # only each chunk's last row is kept: a 32k-token prompt's every hidden state is 0.5 GB at 9B
-            last = lambda post, pre: post[:, -1:]  # noqa: E731
-            if self.prompt_cache is None:
-                h = self._prefill_trunk(ids, pick=last)
-            else:  # all but the last token, kept for the next prompt that starts with them
-                self._reuse_prefix(ids[:-1])
-                self._prefill_trunk(ids[self.cached_tokens:-1], pick=last, start=self.cached_tokens, whole=len(ids))
-                self.prompt_cache.keep(self.model, ids[:-1], self.cache)
-                h = self._prefill_trunk(ids[-1:], start=len(ids) - 1, whole=len(ids))
+            h = self._reader(ids).read_all().last
             self._start_rounds()
             first = self._queue(Queued(token_round(self.model.logits(h[:, -1:]), self._pick,
                                                    self._round_logprobs()), 0))

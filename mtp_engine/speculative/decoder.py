@@ -77,22 +77,12 @@ class SpeculativeDecoder(PlainDecoder):
         self.sampler.begin(ids)
         self._emitted([], 0, 0, None)
         with self.prof.stage("prefill"):
-            kept = self._reuse_prefix(ids[:-1], self.drafter.name)
-            h = self._prefill_trunk(ids[self.cached_tokens:-1], pick=self._fed, start=self.cached_tokens,
-                                    whole=len(ids))
-            if self.progress is not None:  # the last token is read by the first round, at once
-                self.progress(len(ids), len(ids))
+            reader = self._reader(ids, end=len(ids) - 1, drafter=self.drafter, fed=self._fed).read_all()
+            reader.report(whole=True)  # the last token is read by the first round, at once
             if self.model.compile_steps:  # one verify graph per width, whatever the round before drafted
                 longest = self.scheduler.k_max if self.scheduler is not None else self.params.k_max
                 capture_at_width(self.cache.layers, longest + 1)
             self.last_token = ids[-1]
-            if kept is None:
-                self.drafter.begin(ids, h)
-            else:  # the drafter starts from its state after the kept tokens
-                self.drafter.begin_from(ids, h, self.cached_tokens, kept.drafter_state)
-            if self.prompt_cache is not None:
-                self.prompt_cache.keep(self.model, ids[:-1], self.cache, self.drafter.name,
-                                       self.drafter.prefix_state())
         self._start_rounds()
         self._last_dev = mx.array([ids[-1]], dtype=mx.int32)
         self.drafter.to_device()

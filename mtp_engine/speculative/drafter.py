@@ -48,27 +48,32 @@ class Drafter(ABC):
         drafter class, or any `DrafterFactory`, with its own context)."""
         self.ctx = ctx
 
+    # ---- the prompt, read beside the trunk (`generation.prompt_read.PromptDrafter`) ----------------
     @abstractmethod
-    def begin(self, prompt: list[int], hidden: mx.array) -> None:
-        """The trunk has prefilled `prompt[:-1]` (`hidden`: its hidden states, [1, len-1, H]);
-        the first round drafts after `prompt[-1]`."""
+    def start(self, prompt: list[int], start: int, state: object) -> None:
+        """A generation of `prompt` begins; its first `start` tokens come from a prompt cache with
+        this drafter's `state` (what `prefix_state()` gave after an earlier prompt; None and 0:
+        nothing kept). The trunk then reads `prompt[start:-1]` (`read`); the first round drafts
+        after `prompt[-1]`."""
+
+    def read(self, ids: list[int], hidden: mx.array) -> None:
+        """The trunk read the prompt's next tokens `ids` (`hidden`: its hidden states [1, len, H]).
+        The default suits a drafter that reads only tokens."""
 
     def prefix_state(self) -> object:
-        """Right after `begin`: what a later prompt that starts with this one can start from (see
-        `begin_from`); its `nbytes()`, if it has one, counts the memory it holds (a prompt cache's
-        bound). The default suits a drafter that reads only tokens."""
+        """After the prompt but its last token: what a later prompt that starts with it can start
+        from (`start`); its `nbytes()`, if it has one, counts the memory it holds (a prompt
+        cache's bound). The default suits a drafter that reads only tokens."""
         return None
 
-    def begin_from(self, prompt: list[int], hidden: mx.array, start: int, state: object) -> None:
-        """As `begin`, when the trunk took over the state of `prompt[:start]` from a prompt cache:
-        `hidden` holds only rows start..len-2, and `state` is what `prefix_state()` returned after
-        the earlier `begin`. The default suits a drafter that reads only tokens."""
-        self.begin(prompt, hidden)
+    def prompt_arrays(self) -> list[mx.array]:
+        """What reading a chunk of the prompt left for the drafter (evaluated with the chunk)."""
+        return []
 
     reads_history = False  # whether a round's drafts need the round before it read on the host
 
     def to_device(self) -> None:
-        """After `begin` (or `begin_from`): rounds follow, as device values."""
+        """After the prompt: rounds follow, as device values."""
 
     def available(self, k: int) -> int:
         """How many of k drafts the next round gets (a drafter that may have fewer: the round is

@@ -21,6 +21,7 @@ from ..errors import MTPEngineError
 from ..generation.decode import kv_capacity
 from ..generation.sampling import distribution
 from ..model.kv_cache import KVCache
+from ..model.qwen35 import Qwen35Model
 from ..model.step import Pass
 from .drafter import DraftContext, Drafter
 from ..generation.round import no_stage
@@ -71,6 +72,42 @@ class HeadPrefix(NamedTuple):
         return self.cache.nbytes()
 
 
+class HeadReader:
+    """The MTP head reading a prompt beside the trunk (`generation.prompt_read.PromptDrafter`): the
+    head sees prompt row t as (token t, the trunk's hidden state at t-1), zeros before the first.
+    Holds its cache and `h_last`, the trunk state its next row reads. A sequence alone
+    (`MTPDrafter`) and a sequence joining a batch (`batching.mtp`) read their prompts with it."""
+
+    name = "draft-mtp"
+
+    def __init__(self, model: Qwen35Model):
+        self.model = model
+        self.cache = model.mtp.make_cache()
+        self.h_last = mx.zeros((1, 1, model.cfg.hidden_size))
+
+    def start(self, prompt: list[int], start: int, state: HeadPrefix | None) -> None:
+        if state is None:
+            return
+        cache, rows, h_last = state
+        if rows != start:
+            raise MTPEngineError(f"prompt cache: the head kept {rows} rows for a {start}-token prefix",
+                                 field="prompt_cache")
+        self.cache, self.h_last = cache, h_last
+        self.cache.truncate(rows)
+
+    def read(self, ids: list[int], hidden: mx.array) -> None:
+        h_prev = mx.concatenate([self.h_last, hidden[:, :-1]], axis=1) if len(ids) > 1 else self.h_last
+        self.model.mtp(self.model.embed_tokens(mx.array([ids])), h_prev, self.cache, Pass.PREFILL)
+        self.h_last = hidden[:, -1:]
+
+    def prefix_state(self) -> HeadPrefix:
+        # the trunk hidden state is copied: a slice would keep the whole chunk's hidden states
+        return HeadPrefix(self.cache, self.cache.offset, mx.array(np.array(self.h_last)))
+
+    def prompt_arrays(self) -> list[mx.array]:
+        return [self.h_last, *self.cache.arrays()]
+
+
 class HeadBlock(NamedTuple):
     """The rows the head runs before its next draft, on the device (resident rounds): owed
     catch-up rows, then the last emitted token's row at index valid-1. After a drafting round it is
@@ -86,7 +123,6 @@ class MTPDrafter(Drafter):
     """Drafts with the model's MTP head; owns the head's KV cache and the rows it is owed."""
 
     name = "draft-mtp"
-    prefill_chunk: int | None = None  # prompt rows per head forward; None: the model's options'
     # owed rows kept across plain rounds (`accept_plain`): every plain round owes the head one row,
     # and where a product of M rows costs M single rows (MLX's CPU backend) catching up a long plain
     # stretch cost c steps per plain token (auto fell to 0.86x plain from its probes' catch-ups).
@@ -112,36 +148,23 @@ class MTPDrafter(Drafter):
         self._block: HeadBlock | None = None  # device-resident rounds' rows to run (to_device), see `block`
         self._skip = 0  # leading rows of a host-counted `_block` dropped from the catch-up window
         self._plain_rows: list[tuple[mx.array, mx.array]] = []  # plain rounds' rows, joined on demand
+        self._prompt: HeadReader | None = None  # the head reading the prompt (`start`)
 
-    def begin(self, prompt: list[int], hidden: mx.array) -> None:
-        """The head sees prompt row t as (token t, trunk hidden t-1), zeros before the first."""
-        self._rows(prompt, hidden, 0, mx.zeros((1, 1, self.model.cfg.hidden_size)))
+    # ---- the prompt (`generation.prompt_read`): the head reads it beside the trunk ---------------
+    def start(self, prompt: list[int], start: int, state: HeadPrefix | None) -> None:
+        self._prompt = HeadReader(self.model)
+        self._prompt.start(prompt, start, state)
+        self.cache, self.h_last, self.last_token = self._prompt.cache, self._prompt.h_last, prompt[-1]
 
-    def prefix_state(self) -> "HeadPrefix":
-        # the trunk hidden state is copied: a slice would keep the whole prompt's hidden states
-        return HeadPrefix(self.cache, self.cache.offset, mx.array(np.array(self.h_last)))
+    def read(self, ids: list[int], hidden: mx.array) -> None:
+        self._prompt.read(ids, hidden)
+        self.h_last = self._prompt.h_last
 
-    def begin_from(self, prompt: list[int], hidden: mx.array, start: int, state: "HeadPrefix") -> None:
-        cache, rows, h_last = state
-        if rows != start:
-            raise MTPEngineError(f"prompt cache: the head kept {rows} rows for a {start}-token prefix",
-                                 field="prompt_cache")
-        self.cache = cache
-        self.cache.truncate(rows)
-        self._rows(prompt, hidden, start, h_last)
+    def prefix_state(self) -> HeadPrefix:
+        return self._prompt.prefix_state()
 
-    def _rows(self, prompt: list[int], hidden: mx.array, start: int, h_before: mx.array) -> None:
-        """Rows start..len-2 of the prompt through the head; `hidden` holds the trunk's rows
-        start..len-2 and `h_before` the one before them."""
-        head = prompt[start:-1]
-        self.last_token = prompt[-1]
-        self.h_last = hidden[:, -1:] if head else h_before
-        h_prev = mx.concatenate([h_before, hidden[:, :-1]], axis=1)
-        chunk = self.prefill_chunk or self.model.options.prefill_chunk
-        for s in range(0, len(head), chunk):
-            e = slice(s, s + chunk)
-            m = self.model.mtp(self.model.embed_tokens(mx.array([head[e]])), h_prev[:, e], self.cache, Pass.PREFILL)
-            mx.eval(m, *self.cache.state())
+    def prompt_arrays(self) -> list[mx.array]:
+        return self._prompt.prompt_arrays()
 
     def _pick(self, logits: mx.array, qs: list) -> mx.array:
         """The draft token on the device: argmax, or a draw from the sampler's distribution (kept
@@ -155,7 +178,7 @@ class MTPDrafter(Drafter):
 
     # ---- the device round's stages (speculative/round.py): no host reads -----------------------------
     def to_device(self) -> None:
-        """After `begin`: the last prompt token's row is the first `HeadBlock`."""
+        """After the prompt: the last prompt token's row is the first `HeadBlock`."""
         self.cache.to_device()
         self._block = HeadBlock(mx.array([self.last_token], dtype=mx.int32), self.h_last, 1)
         self._skip, self._plain_rows = 0, []

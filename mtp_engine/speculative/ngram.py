@@ -43,7 +43,7 @@ class NGramDrafter(Drafter):
         self.hits = 0
         self._next: list[int] = []  # the device round's lookup (`available`), drafted by `draft`
 
-    def begin(self, prompt: list[int], hidden: mx.array) -> None:
+    def start(self, prompt: list[int], start: int, state: object) -> None:
         self.history, self._latest = [], {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
         self._extend(prompt)
 

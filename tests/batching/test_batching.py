@@ -91,12 +91,14 @@ def test_batch_stops_and_logprobs_per_sequence(shipped_model):
 
 
 @pytest.mark.parametrize("spec", ["none", "draft-mtp"])
-def test_long_prompt_prefills_in_chunks_beside_running_streams(shipped_model, monkeypatch, spec):
-    from mtp_engine.batching.scheduler import BatchScheduler
+def test_long_prompt_prefills_in_chunks_beside_running_streams(models, spec):
+    """Prompts of several chunks (4 tokens a chunk) read a chunk at a time between the running
+    streams' steps answer as they do alone, where the same chunks are read at once."""
+    from mtp_engine import EngineOptions
 
-    monkeypatch.setattr(BatchScheduler, "prefill_chunk", 4)  # every prompt here takes several chunks
-    want = _alone(shipped_model, PROMPTS, max_tokens=6, ignore_eos=True, spec=spec)
-    got = batch_generate(PROMPTS, shipped_model, max_tokens=6, ignore_eos=True, parallel=4, spec=spec)
+    m = models(SHIPPED, options=EngineOptions(prefill_chunk=4))
+    want = _alone(m, PROMPTS, max_tokens=6, ignore_eos=True, spec=spec)
+    got = batch_generate(PROMPTS, m, max_tokens=6, ignore_eos=True, parallel=4, spec=spec)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
@@ -154,18 +156,14 @@ def test_a_prefill_that_fails_ends_only_its_own_sequences(models, monkeypatch, s
 
     tiny = models(need(TINY_Q4))
     bad = "zzz bad prompt"
-    prefill = BatchScheduler._prefill_chunk
-    mtp_prefill = __import__("mtp_engine.batching.mtp", fromlist=["x"]).MTPBatchScheduler._prefill_chunk
+    prefill = BatchScheduler._prefill_chunk  # (an MTP batch's too)
 
-    def failing(original):
-        def chunk(self, s, size):
-            if tiny.tokenizer.decode(s.prompt_ids) == bad:
-                raise ValueError("[concatenate] No arrays provided for concatenation")
-            return original(self, s, size)
-        return chunk
+    def failing(self, s):
+        if tiny.tokenizer.decode(s.prompt_ids) == bad:
+            raise ValueError("[concatenate] No arrays provided for concatenation")
+        return prefill(self, s)
 
-    monkeypatch.setattr(BatchScheduler, "_prefill_chunk", failing(prefill))
-    monkeypatch.setattr("mtp_engine.batching.mtp.MTPBatchScheduler._prefill_chunk", failing(mtp_prefill))
+    monkeypatch.setattr(BatchScheduler, "_prefill_chunk", failing)
     prompts = [PROMPTS[1], PROMPTS[2], bad]
     with pytest.raises(MTPEngineError) as e:
         batch_generate(prompts, tiny, max_tokens=8, ignore_eos=True, parallel=2, spec=spec)
@@ -982,17 +980,17 @@ def test_plain_rounds_join_the_heads_block_and_later_drafts_are_those_of_a_head_
 
 
 @pytest.mark.parametrize("spec", ["none", "draft-mtp"])
-def test_a_batched_prompt_reports_its_reading_as_one_alone_does(parallel_model, shipped_model, monkeypatch, spec):
+def test_a_batched_prompt_reports_its_reading_as_one_alone_does(models, spec):
     """`GenerationRequest.progress` in a batch: the prompt's tokens handled of all of them, before
     its first chunk and after each, all of them at the end, as the same request alone reports."""
-    from mtp_engine import GenerationRequest, SpecConfig, stream_request
-    from mtp_engine.batching.scheduler import BatchScheduler
+    from mtp_engine import EngineOptions, GenerationRequest, SpecConfig, stream_request
 
-    monkeypatch.setattr(BatchScheduler, "prefill_chunk", 4)
+    opts = EngineOptions(prefill_chunk=4)
     prompt = PROMPTS[3]
-    n = len(shipped_model.tokenizer.encode(prompt))
+    alone = models(SHIPPED, options=opts)
+    n = len(alone.tokenizer.encode(prompt))
     reports: dict[str, list] = {"batch": [], "alone": []}
-    for name, m in (("batch", parallel_model), ("alone", shipped_model)):
+    for name, m in (("batch", models(SHIPPED, parallel=4, options=opts)), ("alone", alone)):
         req = GenerationRequest(prompt=prompt, max_tokens=3, spec=SpecConfig(spec),
                                 progress=lambda d, t, r=reports[name]: r.append((d, t)))
         chunks = list(stream_request(req, m))

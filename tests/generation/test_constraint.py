@@ -156,7 +156,8 @@ def test_the_head_drafts_only_what_the_grammar_allows(shipped):
     sampler.grammar = Constraint.json(SCHEMA).matcher(tok, m.cfg.vocab_size)
     sampler.grammar.accept(tok.encode(text)[:-1])  # the grammar has seen the text up to the last token
     drafter = MTPDrafter(DraftContext(m, sampler, Profiler("off")))
-    drafter.begin(ids, post)
+    drafter.start(ids, 0, None)
+    drafter.read(ids[:-1], post)
     drafter.to_device()
     tokens, _, counts = drafter.draft(6)
     drafts = tokens[0].tolist()[:int(np.cumprod(np.array(counts[0])).sum())]  # those before the text's end

@@ -113,17 +113,20 @@ def test_the_head_continues_exactly_from_a_kept_prefix(tiny_any):
     start = 37
     ctx = DraftContext(m.model, Sampler(SamplerConfig()), Profiler())
     whole = MTPDrafter(ctx)
-    whole.begin(ids, post)
+    whole.start(ids, 0, None)
+    whole.read(ids[:-1], post)
     earlier = MTPDrafter(ctx)
-    earlier.begin(ids[:start + 1], post[:, :start])
+    earlier.start(ids[:start + 1], 0, None)
+    earlier.read(ids[:start], post[:, :start])
     later = MTPDrafter(ctx)
-    later.begin_from(ids, post[:, start:], start, earlier.prefix_state())
+    later.start(ids, start, earlier.prefix_state())
+    later.read(ids[start:-1], post[:, start:])
     assert later.cache.offset == whole.cache.offset == len(ids) - 1
     for a, b in zip(later.cache.state(), whole.cache.state()):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(later.h_last), np.array(whole.h_last), rtol=1e-6)
     with pytest.raises(MTPEngineError, match="prompt cache"):
-        MTPDrafter(ctx).begin_from(ids, post[:, start + 1:], start + 1, earlier.prefix_state())
+        MTPDrafter(ctx).start(ids, start + 1, earlier.prefix_state())
 
 
 def test_slots_keep_interleaved_conversations(tiny_any):

@@ -147,7 +147,6 @@ def test_max_context_caps_generation_and_the_memory_check(monkeypatch):
 def test_estimate_constants_follow_the_engine():
     """memory.py mirrors a few engine constants without importing MLX; they must stay in step."""
     from mtp_engine.model import memory
-    from mtp_engine.generation.decode import PlainDecoder
     from mtp_engine.model import delta_rule
     from mtp_engine.model.kv_cache import KVCache
 
@@ -155,4 +154,4 @@ def test_estimate_constants_follow_the_engine():
     assert memory._KV_MAX_STEP == KVCache.max_growth
     assert memory._DELTA_CHUNK == delta_rule.CHUNK
     from mtp_engine.options import PREFILL_CHUNK
-    assert memory._PREFILL_CHUNK == PREFILL_CHUNK["cpu"] and PlainDecoder.prefill_chunk is None
+    assert memory._PREFILL_CHUNK == PREFILL_CHUNK["cpu"]

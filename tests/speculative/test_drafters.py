@@ -43,7 +43,7 @@ def _ctx():
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     d = NGramDrafter(_ctx(), max_ngram=2)
-    d.begin([5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2], None)
+    d.start([5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2], 0, None)
     assert d.lookup(2) == [4, 7]  # the latest earlier "1 2" is followed by 4 7
     assert d.lookup(5) == [4, 7, 1, 2]  # up to the end of the history
     d.round_read([8])  # history ... 1 2 8: "2 8" and "8" never occurred before
@@ -107,7 +107,7 @@ def test_ngram_index_agrees_with_a_scan_of_the_history():
     for _ in range(200):
         hist = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
         d = NGramDrafter(_ctx())
-        d.begin(hist[:len(hist) // 2], None)
+        d.start(hist[:len(hist) // 2], 0, None)
         for t in hist[len(hist) // 2:]:
             d.round_read([t])
         assert d.history == hist

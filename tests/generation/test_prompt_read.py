@@ -1,0 +1,54 @@
+"""One way of reading a prompt (`generation.prompt_read`), alone and in a batch: a drafter's head
+reads each chunk beside the trunk (nothing of a long prompt's hidden states is held past its
+chunk), and a prompt cache's state is kept again by every generation that took it."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import SHIPPED
+
+PROMPT = "def area(r):\n    return 3.14159 * r * r\n\n\ndef perimeter(r):\n    return 2 * 3.14159 * r\n"
+
+
+def test_a_drafting_prompt_is_read_a_chunk_at_a_time_with_the_head_beside_the_trunk(models, monkeypatch):
+    from mtp_engine import EngineOptions, generate
+    from mtp_engine.speculative.mtp_drafter import HeadReader
+
+    m = models(SHIPPED, options=EngineOptions(prefill_chunk=8))
+    n = len(m.tokenizer.encode(PROMPT))
+    rows: list[int] = []
+    read = HeadReader.read
+
+    def spy(self, ids, hidden):
+        rows.append(hidden.shape[1])
+        read(self, ids, hidden)
+
+    monkeypatch.setattr(HeadReader, "read", spy)
+    got = generate(PROMPT, m, max_tokens=8, ignore_eos=True, spec="draft-mtp", n_max=2)
+    assert n > 3 * 8 and rows and max(rows) <= 8 and sum(rows) == n - 1, (n, rows)
+    assert got.token_ids == generate(PROMPT, m, max_tokens=8, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("where", ["alone", "batch"])
+def test_a_prompt_taken_whole_from_the_cache_is_kept_again(shipped_model, where):
+    """The same draft-mtp prompt three times: the second takes the first's kept state (nothing left
+    to read but the last token, which its first round reads) and keeps it again for the third (an
+    MTP batch's sequence used not to, so the third read the whole prompt again)."""
+    from mtp_engine import PromptCache, generate
+    from mtp_engine.batching import batch_scheduler
+
+    m = shipped_model
+    if where == "batch":
+        m = replace(m, scheduler=None)
+        m = replace(m, scheduler=batch_scheduler(m, 2))
+    cache = PromptCache()
+    try:
+        runs = [generate(PROMPT, m, max_tokens=6, spec="draft-mtp", n_max=2, prompt_cache=cache) for _ in range(3)]
+    finally:
+        if where == "batch":
+            m.scheduler.stop()
+    n = len(runs[0].prompt_token_ids)
+    assert [r.stats["cached_prompt_tokens"] for r in runs] == [0, n - 1, n - 1]
+    assert runs[1].token_ids == runs[2].token_ids == runs[0].token_ids
