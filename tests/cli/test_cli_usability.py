@@ -157,9 +157,7 @@ def test_a_long_prefill_shows_its_progress(capsys, monkeypatch, tmp_path, spec):
     import mtp_engine as me
     import importlib
     cli_main = importlib.import_module("mtp_engine.cli.main")
-    from mtp_engine.generation.decode import DecoderBase
-
-    monkeypatch.setattr(DecoderBase, "prefill_chunk", 16)
+    monkeypatch.setenv("MTP_ENGINE_PREFILL_CHUNK", "16")  # the API's load and the command line's
     m = me.load(need(TINY_Q4))
     prompt = "".join(f"x{i} = {i}\n" for i in range(20))
     n = len(m.tokenizer.encode(prompt))
