@@ -1,6 +1,6 @@
 """Where a batch verify's time goes: trunk forwards of B rows x S tokens, alone and batched, compiled.
 
-    PYTHONPATH=scripts/bench python3 docs/bench/h100-2026-12-06-s25/batchprobe.py [small] [quick] [slab16]
+    PYTHONPATH=scripts/bench python3 docs/bench/h100-2026-12-06-b/batchprobe.py [small] [quick] [slab16]
 """
 import statistics, sys, time
 import mlx.core as mx
