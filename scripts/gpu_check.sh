@@ -27,7 +27,8 @@ group1="tests/model/test_attn_kernel.py tests/model/test_gdn_kernel.py tests/mod
 group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.py tests/generation/test_constraint.py
     tests/batching/test_batching.py tests/speculative/test_capture_width.py tests/speculative/test_long_context.py
     tests/speculative/test_kv_dtype.py tests/speculative/test_draft_vocab.py tests/generation/test_sampling_oracle.py
-    tests/generation/test_pipeline.py tests/generation/test_profiler_bench.py tests/model/test_product_slabs.py"
+    tests/generation/test_pipeline.py tests/generation/test_profiler_bench.py tests/model/test_product_slabs.py
+    tests/generation/test_prompt_read.py"
 gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU
     t=$(left 580 120 "$1") || return 0
     # MLX's modules are not prepared in worker processes here: 8 test processes, each with its own
