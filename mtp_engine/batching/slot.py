@@ -10,7 +10,7 @@ from .sequence import Sequence
 
 
 class SlotDecoder:
-    """A `DecoderBase` look-alike over a `Sequence` in a `BatchScheduler`."""
+    """The generation loop's `Decoder` over a `Sequence` in a `BatchScheduler`."""
 
     prompt_cache = None  # the sequence's own prefill reuses and keeps prompt state (scheduler)
     cache = None

@@ -76,11 +76,39 @@ def kv_capacity(cache) -> int:
     return 0
 
 
-class DecoderBase:
-    """What plain and speculative decoders share: the trunk's cache and chunked prefill, the
-    sampler, the round clock, per-round provenance for the generation loop, and (MoE models, when
-    profiling) expert counts. A decoder turns a prompt into a stream of token lists: `prefill`,
-    then `step` per round, then `finish`; `stats` at the end."""
+@dataclass
+class Queued:
+    """A round queued on the device (`round.Round`), read by the host later."""
+
+    round: Round
+    rows: int  # trunk rows it runs (its bound on the KV offsets' growth; 0: a prefill's first token)
+    shapes: list = field(default_factory=list)  # forward shapes it runs (first use = a compile)
+    launch_s: float = 0.0  # host seconds it took to queue, when queued ahead of another round's read
+    shift: float = 0.0  # correction to its timed interval (`step`)
+    steady: bool = True  # queued between rounds of its own k: its time is a sample of t(k)
+
+    @property
+    def k(self) -> int:
+        return self.round.k
+
+    def read(self) -> list[mx.array]:
+        return self.round.read()
+
+
+class PlainDecoder:
+    """Decodes one token per trunk forward: `round.plain_round` over the sequence's one row, in
+    rounds the host reads one round late. The prompt's last row gives the first token
+    (`round.token_round`); where the caller wants more tokens than a round gives (`prefill`'s
+    budget) and nothing needs the host in between (a grammar's masks, precise profiling), round
+    r+1 is queued from round r's device values before the host reads r (KV offsets stay device
+    values: the host counts a round's tokens when it reads it), as mlx-lm's `generate_step` does,
+    so the device never waits for the host's detokenization and stop checks. A speculative
+    decoder is this loop with drafting rounds (`speculative.decoder`). The generation loop drives
+    it (`loop.Decoder`): `prefill`, then `step` per round, then `finish`; `stats` at the end (the
+    round clock's compile time and, MoE models when profiling, expert counts)."""
+
+    drafting = False  # whether rounds may draft (a speculative decoder's run that drafts)
+    drafter = None  # a speculative decoder's drafter
 
     def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
                  prompt_cache: PromptCache | None = None, progress: Progress | None = None,
@@ -105,16 +133,39 @@ class DecoderBase:
         self.round_n_drafted = 0
         self.prompt_cache = prompt_cache  # where prompt state is reused from and kept
         self.cached_tokens = 0  # prompt tokens the last prefill took from the prompt cache (`_reader`)
+        self._queued: list[Queued] = []  # rounds queued ahead of the host's read
+        self._prev_k = -1
+        self._last_dev: mx.array | None = None  # the next round's first input, on the device
+        self._in_flight: Round | None = None  # the round queued last, until the host reads it
 
+    def _fed(self, post: mx.array, pre: mx.array) -> mx.array:
+        """The trunk state a drafter reads: the post-norm hidden state (what the output head reads;
+        an ablation feeds another)."""
+        return post
+
+    # ---- prompt -------------------------------------------------------------------------------
     def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
-        """Processes the prompt; returns the tokens it already produces. `budget`: the most tokens
-        the caller will take (the generation loop's max_tokens; None: it reads one round at a time,
-        so no round is queued ahead)."""
-        raise NotImplementedError
+        """Processes the prompt; returns the tokens it already produces (here the first one).
+        `budget`: the most tokens the caller will take (the generation loop's max_tokens; None: it
+        reads one round at a time, so no round is queued ahead)."""
+        self.budget = budget
+        self.sampler.begin(ids)
+        with self.prof.stage("prefill"):
+            h = self._reader(ids).read_all().last
+            self._start_rounds()
+            first = self._queue(Queued(token_round(self.model.logits(h[:, -1:]), self._pick,
+                                                   self._round_logprobs()), 0))
+            if self._ahead() and self._wanted() > 1:
+                self._queued.append(self._launch(self._choose_k()))
+            tokens, _, _, logprobs = self._read(first)
+            emitted = self._emitted(tokens, 0, 0, logprobs)
+        self.clock.start()
+        return emitted
 
-    def step(self) -> list[int]:
-        """One round; returns the tokens it emits (at least one)."""
-        raise NotImplementedError
+    def _start_rounds(self) -> None:
+        """After a prefill: no round queued; the KV offsets go to the device (rounds move them)."""
+        self._queued, self._prev_k, self._in_flight = [], -1, None
+        self.cache.kv_to_device()
 
     def _wanted(self) -> int:
         return self.budget if self.budget is not None else 1
@@ -148,86 +199,6 @@ class DecoderBase:
         if counts:
             n, total = self.moe_experts.get(kind, (0, 0.0))
             self.moe_experts[kind] = (n + 1, total + sum(counts) / len(counts))
-
-    def finish(self) -> None:
-        """The generation is over."""
-
-    def stats(self) -> dict:
-        return {"compile_seconds": self.clock.compile_seconds(), **self._moe_stats()}
-
-    def _moe_stats(self) -> dict:
-        if not self.moe_experts:
-            return {}
-        return {"moe_distinct_experts_per_layer": {k: t / n for k, (n, t) in self.moe_experts.items()}}
-
-
-@dataclass
-class Queued:
-    """A round queued on the device (`round.Round`), read by the host later."""
-
-    round: Round
-    rows: int  # trunk rows it runs (its bound on the KV offsets' growth; 0: a prefill's first token)
-    shapes: list = field(default_factory=list)  # forward shapes it runs (first use = a compile)
-    launch_s: float = 0.0  # host seconds it took to queue, when queued ahead of another round's read
-    shift: float = 0.0  # correction to its timed interval (`step`)
-    steady: bool = True  # queued between rounds of its own k: its time is a sample of t(k)
-
-    @property
-    def k(self) -> int:
-        return self.round.k
-
-    def read(self) -> list[mx.array]:
-        return self.round.read()
-
-
-class PlainDecoder(DecoderBase):
-    """Decodes one token per trunk forward: `round.plain_round` over the sequence's one row, in
-    rounds the host reads one round late. The prompt's last row gives the first token
-    (`round.token_round`); where the caller wants more tokens than a round gives (`prefill`'s
-    budget) and nothing needs the host in between (a grammar's masks, precise profiling), round
-    r+1 is queued from round r's device values before the host reads r (KV offsets stay device
-    values: the host counts a round's tokens when it reads it), as mlx-lm's `generate_step` does,
-    so the device never waits for the host's detokenization and stop checks. A speculative
-    decoder is this loop with drafting rounds (`speculative.decoder`)."""
-
-    drafting = False  # whether rounds may draft (a speculative decoder's run that drafts)
-    drafter = None  # a speculative decoder's drafter
-
-    def __init__(self, model: Qwen35Model, sampler: Sampler, profiler: Profiler | None = None, *,
-                 prompt_cache: PromptCache | None = None, progress: Progress | None = None,
-                 pipeline: bool = True):
-        super().__init__(model, sampler, profiler, prompt_cache=prompt_cache, progress=progress, pipeline=pipeline)
-        self._queued: list[Queued] = []  # rounds queued ahead of the host's read
-        self._prev_k = -1
-        self._last_dev: mx.array | None = None  # the next round's first input, on the device
-        self._in_flight: Round | None = None  # the round queued last, until the host reads it
-
-    def _fed(self, post: mx.array, pre: mx.array) -> mx.array:
-        """The trunk state a drafter reads: the post-norm hidden state (what the output head reads;
-        an ablation feeds another)."""
-        return post
-
-    # ---- prompt -------------------------------------------------------------------------------
-    def prefill(self, ids: list[int], budget: int | None = None) -> list[int]:
-        """Processes the prompt; returns the tokens it already produces (here the first one)."""
-        self.budget = budget
-        self.sampler.begin(ids)
-        with self.prof.stage("prefill"):
-            h = self._reader(ids).read_all().last
-            self._start_rounds()
-            first = self._queue(Queued(token_round(self.model.logits(h[:, -1:]), self._pick,
-                                                   self._round_logprobs()), 0))
-            if self._ahead() and self._wanted() > 1:
-                self._queued.append(self._launch(self._choose_k()))
-            tokens, _, _, logprobs = self._read(first)
-            emitted = self._emitted(tokens, 0, 0, logprobs)
-        self.clock.start()
-        return emitted
-
-    def _start_rounds(self) -> None:
-        """After a prefill: no round queued; the KV offsets go to the device (rounds move them)."""
-        self._queued, self._prev_k, self._in_flight = [], -1, None
-        self.cache.kv_to_device()
 
     # ---- one round ----------------------------------------------------------------------------
     def step(self) -> list[int]:
@@ -351,3 +322,12 @@ class PlainDecoder(DecoderBase):
     def finish(self) -> None:
         """The generation is over (a queued round, if any, is dropped)."""
         self._queued = []
+
+    def stats(self) -> dict:
+        """The run's statistics beyond the loop's."""
+        return {"compile_seconds": self.clock.compile_seconds(), **self._moe_stats()}
+
+    def _moe_stats(self) -> dict:
+        if not self.moe_experts:
+            return {}
+        return {"moe_distinct_experts_per_layer": {k: t / n for k, (n, t) in self.moe_experts.items()}}

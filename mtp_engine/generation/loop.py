@@ -9,14 +9,14 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import mlx.core as mx
 
 from ..errors import MTPEngineError
 from ..tokenizer.tokenizer import Tokenizer
-from .decode import DecoderBase
 from .profiler import Profiler
+from .prompt_cache import PromptCache
 
 
 @dataclass
@@ -80,6 +80,30 @@ def peak_memory_bytes() -> int:
     return max(peak, int(rss))
 
 
+class Decoder(Protocol):
+    """What the loop drives: `decode.PlainDecoder` (and the speculative decoders built on it) or
+    `batching.slot.SlotDecoder` (a sequence in a batch). After `prefill` and each `step`, the
+    `round_*` fields describe the tokens returned: per token whether it was an accepted draft,
+    their logprobs (when asked for), how many drafts the round proposed."""
+
+    model: object  # its `cfg` bounds the context
+    prof: Profiler
+    prompt_cache: PromptCache | None
+    cache: object  # the trunk's caches (released to the prompt cache at the end)
+    cached_tokens: int  # prompt tokens the prompt cache supplied
+    round_drafted: list[bool]
+    round_logprobs: list[dict] | None
+    round_n_drafted: int
+
+    def prefill(self, ids: list[int], budget: int | None = None) -> list[int]: ...
+
+    def step(self) -> list[int]: ...
+
+    def finish(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+
 def check_context(n_prompt: int, max_tokens: int, cfg) -> None:
     """A generation's context rules: a prompt of at least one token, no longer than the context
     (whatever max_tokens is), and room in the context for max_tokens more; MTPEngineError naming
@@ -95,7 +119,7 @@ def check_context(n_prompt: int, max_tokens: int, cfg) -> None:
                              f"length {ctx} ({cfg.context_source})", field="max_tokens")
 
 
-def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+def run(decoder: Decoder, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
         stop: list[str] | None = None, ignore_eos: bool = False,
         profiler: Profiler | None = None) -> Iterator[Chunk]:
     """Streams the generation of up to `max_tokens` tokens after `prompt_ids`."""
@@ -114,7 +138,7 @@ def run(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_t
             decoder.prompt_cache.release(decoder.cache)
 
 
-def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
+def _generate(decoder: Decoder, tokenizer: Tokenizer, prompt_ids: list[int], max_tokens: int,
               stop: list[str] | None, ignore_eos: bool, prof: Profiler, t0: float) -> Iterator[Chunk]:
     eos = set() if ignore_eos else set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer()
@@ -155,13 +179,13 @@ def _generate(decoder: DecoderBase, tokenizer: Tokenizer, prompt_ids: list[int],
     yield Chunk("", [], finish, stats)
 
 
-def _round_meta(decoder, pending: list[int]) -> tuple[list[bool], list[dict] | None, int]:
+def _round_meta(decoder: Decoder, pending: list[int]) -> tuple[list[bool], list[dict] | None, int]:
     """What the decoder recorded about the round that emitted `pending`: per-token provenance,
-    logprobs and the number of drafts it proposed (defaults for a decoder that records none)."""
-    drafted = getattr(decoder, "round_drafted", None)
-    if drafted is None or len(drafted) != len(pending):
+    logprobs and the number of drafts it proposed."""
+    drafted = decoder.round_drafted
+    if len(drafted) != len(pending):
         drafted = [False] * len(pending)
-    return drafted, getattr(decoder, "round_logprobs", None), getattr(decoder, "round_n_drafted", 0)
+    return drafted, decoder.round_logprobs, decoder.round_n_drafted
 
 
 def _emit(pending: list[int], eos: set[int], max_tokens: int, generated: list[int], out_ids: list[int],
@@ -193,11 +217,11 @@ def _emit(pending: list[int], eos: set[int], max_tokens: int, generated: list[in
     return stopped, done, text
 
 
-def _stats(decoder, n_prompt: int, n_gen: int, from_prefill: int, t_prefill: float, t_decode: float,
+def _stats(decoder: Decoder, n_prompt: int, n_gen: int, from_prefill: int, t_prefill: float, t_decode: float,
            prof: Profiler) -> dict:
     # decode speed counts only tokens produced by decode steps (a plain prefill yields the first);
     # prefill speed only the tokens prefilled (not those a prompt cache supplied)
-    cached = getattr(decoder, "cached_tokens", 0)
+    cached = decoder.cached_tokens
     stats = {
         "prompt_tokens": n_prompt,
         "cached_prompt_tokens": cached,

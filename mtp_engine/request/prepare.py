@@ -18,7 +18,7 @@ from ..chat import tool_calls
 from ..chat.template import CHATML, CHATML_NOTE
 from ..constraint import Constraint
 from ..errors import MTPEngineError
-from ..generation.decode import DecoderBase, PlainDecoder
+from ..generation.decode import PlainDecoder
 from ..generation.loop import check_context
 from ..generation.profiler import Profiler
 from ..generation.sampling import Sampler
@@ -115,7 +115,7 @@ def make_sampler(model: Model, prepared: Prepared, seed: int | None = None) -> S
 
 
 def make_decoder(model: Model, prepared: Prepared, profiler: Profiler, seed: int | None = None,
-                 agree: Callable[[int], int] | None = None) -> DecoderBase:
+                 agree: Callable[[int], int] | None = None) -> PlainDecoder:
     """The decoder of a prepared request: plain, or the speculative method its spec names
     (`speculative/methods.py`); n-max auto gets a scheduler seeded, for draft-mtp, with the costs
     earlier runs stored for this model file and device (another drafter's rounds cost something
