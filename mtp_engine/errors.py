@@ -1,4 +1,5 @@
-"""The engine's one error type for bad input (files, fields, arguments)."""
+"""The engine's one error type for bad input (files, fields, arguments), and the device running
+out of memory said in its terms."""
 from __future__ import annotations
 
 
@@ -20,3 +21,21 @@ class MTPEngineError(ValueError):
             parts.append(field)
         prefix = ": ".join(parts)
         super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+# what MLX's allocators say when the device's memory runs out (CUDA, Metal, the CPU backend)
+_OUT_OF_MEMORY = ("out of memory", "[metal::malloc]", "insufficient memory", "[malloc]")
+
+
+def out_of_memory(e: BaseException, what: str) -> MTPEngineError | None:
+    """`e` said as the engine's error when it is MLX reporting that the device's memory ran out
+    while doing `what` (None for anything else): the memory estimate let through work that did
+    not fit, and the caller gets what to change instead of an allocator's message."""
+    text = str(e)
+    if not isinstance(e, (RuntimeError, MemoryError)) or not any(m in text.lower() for m in _OUT_OF_MEMORY):
+        return None
+    err = MTPEngineError(f"the device ran out of memory {what} ({text.strip()[:200]}); a shorter prompt, fewer "
+                         "streams at once, a smaller prefill chunk (MTP_ENGINE_PREFILL_CHUNK) or a 16-bit KV cache "
+                         "(MTP_ENGINE_KV_DTYPE=float16) needs less", field="memory")
+    err.__cause__ = e
+    return err

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..errors import MTPEngineError
+from ..errors import MTPEngineError, out_of_memory
 from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
 from ..model.loaded import Model
@@ -367,6 +367,9 @@ def _engine_error(e: Exception) -> MTPEngineError:
     type, whatever raised (MLX raises ValueError and RuntimeError)."""
     if isinstance(e, MTPEngineError):
         return e
+    oom = out_of_memory(e, "in a batch's step or prefill")
+    if oom is not None:
+        return oom
     err = MTPEngineError(f"the batch failed: {type(e).__name__}: {e}", field="model")
     err.__cause__ = e
     return err

@@ -13,7 +13,7 @@ from typing import Iterator, Protocol
 
 import mlx.core as mx
 
-from ..errors import MTPEngineError
+from ..errors import MTPEngineError, out_of_memory
 from ..tokenizer.tokenizer import Tokenizer
 from .profiler import Profiler
 from .prompt_cache import PromptCache
@@ -133,6 +133,11 @@ def run(decoder: Decoder, tokenizer: Tokenizer, prompt_ids: list[int], max_token
         return
     try:
         yield from _generate(decoder, tokenizer, prompt_ids, max_tokens, stop, ignore_eos, prof, t0)
+    except (RuntimeError, MemoryError) as e:
+        err = out_of_memory(e, f"generating after a prompt of {len(prompt_ids)} tokens")
+        if err is None:
+            raise
+        raise err from e
     finally:  # also when the caller abandons the stream: its prompt-cache state may be handed over
         if decoder.prompt_cache is not None and decoder.cache is not None:
             decoder.prompt_cache.release(decoder.cache)

@@ -52,3 +52,35 @@ def test_a_prompt_taken_whole_from_the_cache_is_kept_again(shipped_model, where)
     n = len(runs[0].prompt_token_ids)
     assert [r.stats["cached_prompt_tokens"] for r in runs] == [0, n - 1, n - 1]
     assert runs[1].token_ids == runs[2].token_ids == runs[0].token_ids
+
+
+@pytest.mark.parametrize("where", ["alone", "batch"])
+def test_the_device_running_out_of_memory_is_said_as_the_engines_error(models, monkeypatch, where):
+    """MLX's allocator failing inside a prompt's reading (a memory estimate that let through what
+    did not fit) reaches the caller as an `MTPEngineError` naming memory and what to change, alone
+    and in a batch (named as that prompt's, the other prompt answered); anything else still raises
+    as itself."""
+    from mtp_engine import EngineOptions, MTPEngineError, batch_generate, generate
+    from mtp_engine.generation.prompt_read import PromptReader
+
+    m = models(SHIPPED, options=EngineOptions(prefill_chunk=8))
+    read = PromptReader.read_chunk
+    failure = RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    def chunk(self):
+        if len(self.ids) > 20:
+            raise failure
+        return read(self)
+
+    monkeypatch.setattr(PromptReader, "read_chunk", chunk)
+    with pytest.raises(MTPEngineError, match=r"memory: the device ran out of memory .*MTP_ENGINE_PREFILL_CHUNK") as e:
+        if where == "alone":
+            generate(PROMPT, m, max_tokens=4)
+        else:
+            batch_generate(["def f(x):", PROMPT], m, max_tokens=4, parallel=2)
+    assert e.value.__cause__ is failure or e.value.__cause__.__cause__ is failure
+    if where == "batch":
+        assert "prompts[1]" in str(e.value)
+    failure = RuntimeError("something else")
+    with pytest.raises(RuntimeError, match="something else"):
+        generate(PROMPT, m, max_tokens=4)
