@@ -58,8 +58,7 @@ def test_a_prompt_taken_whole_from_the_cache_is_kept_again(shipped_model, where)
 def test_the_device_running_out_of_memory_is_said_as_the_engines_error(models, monkeypatch, where):
     """MLX's allocator failing inside a prompt's reading (a memory estimate that let through what
     did not fit) reaches the caller as an `MTPEngineError` naming memory and what to change, alone
-    and in a batch (named as that prompt's, the other prompt answered); anything else still raises
-    as itself."""
+    and in a batch (named as that prompt's); anything else still raises as itself."""
     from mtp_engine import EngineOptions, MTPEngineError, batch_generate, generate
     from mtp_engine.generation.prompt_read import PromptReader
 
