@@ -279,15 +279,24 @@ def repack(
         raise _err(f"q6k_mode: expected one of {Q6K_MODES}, found {q6k_mode!r}", name)
     rows, cols = _check_shape(shape, name)
     data, type_size = _blocks(raw, qtype, rows, cols, name)
-
     if qtype == QT.Q6_K and q6k_mode == "f32":
-        out = np.empty((rows, cols), dtype=np.float32)
-        for r0, r1 in _row_chunks(rows, cols):
-            blocks = data[r0:r1].reshape(-1, type_size)
-            out[r0:r1] = dequant_q6_k(blocks).reshape(r1 - r0, cols)
-            _check_finite(out[r0:r1], qtype, "value", name)
-        return out
+        return _q6_k_float(data, type_size, rows, cols, name)
+    return _requantized(data, qtype, type_size, rows, cols, name)
 
+
+def _q6_k_float(data: np.ndarray, type_size: int, rows: int, cols: int, name: str | None) -> np.ndarray:
+    """Q6_K blocks exactly, as float32 [rows, cols]."""
+    out = np.empty((rows, cols), dtype=np.float32)
+    for r0, r1 in _row_chunks(rows, cols):
+        blocks = data[r0:r1].reshape(-1, type_size)
+        out[r0:r1] = dequant_q6_k(blocks).reshape(r1 - r0, cols)
+        _check_finite(out[r0:r1], QT.Q6_K, "value", name)
+    return out
+
+
+def _requantized(data: np.ndarray, qtype: QT, type_size: int, rows: int, cols: int,
+                 name: str | None) -> QuantizedWeight:
+    """Quantized blocks as MLX's affine form in groups of 32 (Q6_K through 8 bits)."""
     bits = _QUANT_BITS[qtype]
     n_groups = cols // GROUP_SIZE
     weight = np.empty((rows, cols * bits // 32), dtype=np.uint32)
