@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|batch|batch9b|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|batch|batch9b|ab8|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -116,6 +116,15 @@ if [ "$what" = batch9b ]; then  # batching at the 9B shape: 1 to 16 streams, pla
     timeout 560 python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 1,4,8,16 --repeats 2 --oracle 0.8 \
         --out "$out/batch9b.json" --plot "$out/batch9b.png" > "$out/batch9b.log" 2>&1
     echo "batch9b rc=$?"; tail -6 "$out/batch9b.log"
+fi
+if [ "$what" = ab8 ]; then  # 8 streams at the 9B shape, this tree against .gpu/base (`BASE=REV gpu_stage.sh`,
+    # carried), interleaved: where a change moved the batch's first tokens or steps
+    for t in new base new base; do
+        p=$PYTHONPATH; [ "$t" = base ] && p=/tmp/site:$PWD/.gpu/base
+        PYTHONPATH=$p timeout 80 python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 8 --repeats 1 \
+            > "$out/ab8-$t.log" 2>&1
+        echo "$t rc=$? $(grep 'C= 8' "$out/ab8-$t.log" | cut -c1-110)"
+    done
 fi
 if [ "$what" = server ] || [ "$what" = all ]; then
     # single runs of the shipped model vary by +-25% (1.6 ms a token, host-bound): medians need many
