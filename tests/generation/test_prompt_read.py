@@ -34,8 +34,8 @@ def test_a_drafting_prompt_is_read_a_chunk_at_a_time_with_the_head_beside_the_tr
 @pytest.mark.parametrize("where", ["alone", "batch"])
 def test_a_prompt_taken_whole_from_the_cache_is_kept_again(shipped_model, where):
     """The same draft-mtp prompt three times: the second takes the first's kept state (nothing left
-    to read but the last token, which its first round reads) and keeps it again for the third (an
-    MTP batch's sequence used not to, so the third read the whole prompt again)."""
+    to read but the last token, which its first round reads) and keeps it again for the third
+    (taken and not kept again, the third would read the whole prompt)."""
     from mtp_engine import PromptCache, generate
     from mtp_engine.batching import batch_scheduler
 
