@@ -245,7 +245,7 @@ class BatchScheduler:
         its first token. Returns the tokens run."""
         r = s.reader
         n = r.read_chunk()
-        if r.done and r.end == len(s.prompt_ids):
+        if r.done and r.drafter is None:  # (a drafting sequence's first round reads its last token)
             logits = self.model.model.logits(r.last[0, 0])
             token = s.sampler.sample(logits)
             s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
