@@ -4,8 +4,9 @@ A sequence alone reads its prompt all at once (`decode.PlainDecoder.prefill`); a
 joining sequence's prompt a chunk at a time between its steps (`batching.scheduler`). Both go
 through `PromptReader`, so a prompt gives the same caches and the same first token either way:
   take    a prompt cache's kept state for the prompt but its last token, if one matches;
-  chunks  the rest through the trunk in chunks of the model's `prefill_chunk` tokens, each told
-          to a drafter that reads the trunk's states (an MTP head), `progress` after each;
+  chunks  the rest through the trunk in chunks of the model's `prefill_chunk` tokens (fewer deep
+          in a long prompt: `model.memory.prefill_chunk_at` bounds a chunk's attention scores),
+          each told to a drafter that reads the trunk's states (an MTP head), `progress` after each;
   keep    with a prompt cache, the state before the prompt's last token is kept for the next
           prompt that starts with it (the last token is then a chunk of its own).
 A drafting run leaves the last token to its first round (`end`).
@@ -16,6 +17,7 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
+from ..model.memory import prefill_chunk_at
 from ..model.qwen35 import Qwen35Model
 from ..model.step import Pass
 from .prompt_cache import PromptCache
@@ -84,7 +86,8 @@ class PromptReader:
     def read_chunk(self) -> int:
         """Reads the next chunk (keeping a prompt cache's state where it is due); returns its tokens."""
         stop = self.end if self._keep_at is None else min(self.end, self._keep_at)
-        ids = self.ids[self.done_tokens:min(self.done_tokens + self.chunk, stop)]
+        size = prefill_chunk_at(self.chunk, self.done_tokens)
+        ids = self.ids[self.done_tokens:min(self.done_tokens + size, stop)]
         if ids:
             post, pre = self.model.forward_states(mx.array([ids]), self.trunk, Pass.PREFILL)
             self.last = post[:, -1:]

@@ -11,8 +11,9 @@ The estimate is read from the checked GGUF header alone (no tensor data is touch
   again for the copy a growth step makes;
 * gated-delta-net state: conv window and recurrent state per layer, plus the per-position states
   a speculative verify captures;
-* activations: one prefill chunk through the widest layer, attention scores included, and the
-  recurrent states the chunk's delta-rule loop holds until it is evaluated.
+* activations: one prefill chunk through the widest layer, attention scores included (bounded by
+  `prefill_chunk_at`), and the recurrent states the chunk's delta-rule loop holds until it is
+  evaluated.
 
 The limit is MemAvailable on Linux, physical memory (capped by Metal's recommended working set
 when MLX reports one) on macOS, or `EngineOptions.memory_limit` (bytes; its default from
@@ -20,6 +21,7 @@ when MLX reports one) on macOS, or `EngineOptions.memory_limit` (bytes; its defa
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -31,7 +33,7 @@ from ..gguf.reader import GGUFFile, open_header
 from ..gguf.validate import Header, TensorHeader
 from ..options import ENV, KV_TAIL, EngineOptions
 
-__all__ = ["estimate", "check_fits", "available_memory", "ENV_LIMIT"]
+__all__ = ["estimate", "check_fits", "available_memory", "prefill_chunk_at", "ENV_LIMIT", "SCORE_POSITIONS"]
 
 ENV_LIMIT = ENV["memory_limit"]
 _F32 = 4
@@ -43,9 +45,27 @@ _DELTA_CHUNK = 64  # delta_rule.CHUNK
 # vectors), so one extra state per recurrent layer.
 DEFAULT_CAPTURE_POSITIONS = 1
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+# A prefill chunk is full-sized while it attends over at most this many positions (or its own
+# length, when longer); past them it shrinks (`prefill_chunk_at`)
+SCORE_POSITIONS = 8192
+_MIN_CHUNK = 64
 # products that the loader joins into one (GatedDeltaNet.fuse, MLP.fuse), by tensor suffix -> group
 _FUSED = {"attn_qkv.weight": 0, "attn_gate.weight": 0, "ssm_alpha.weight": 0, "ssm_beta.weight": 0,
           "ffn_gate.weight": 1, "ffn_up.weight": 1, "ffn_gate_shexp.weight": 2, "ffn_up_shexp.weight": 2}
+
+
+def prefill_chunk_at(chunk: int, offset: int) -> int:
+    """Tokens of the prefill chunk that starts after `offset` positions, of at most `chunk`: fewer
+    once the positions it attends to pass max(chunk, SCORE_POSITIONS), so that its attention scores
+    (per head, its tokens x the positions they attend to) stay within those of a full chunk over
+    that many. A long prompt's peak memory then stops growing with its length: at the 9B shape
+    4096-token chunks at 32k positions held 8.6 GB of scores per copy, 8192-token ones ran out of
+    memory. Multiples of 64 tokens keep the shapes few."""
+    limit = chunk * max(chunk, SCORE_POSITIONS)
+    if chunk * (offset + chunk) <= limit:
+        return chunk
+    fits = int((math.sqrt(offset * offset + 4 * limit) - offset) / 2)  # fits * (offset + fits) <= limit
+    return max(min(_MIN_CHUNK, chunk), fits // _MIN_CHUNK * _MIN_CHUNK)
 
 
 def _header(gguf_file: GGUFFile | Header | str | os.PathLike) -> Header:
@@ -125,10 +145,11 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     # The chunked delta rule creates one state per delta-rule chunk of a prefill chunk before the
     # prefill chunk is evaluated, plus the input and output states.
     states_alive = -(-chunk // _DELTA_CHUNK) + 2
+    # attention scores and their softmax, per head a chunk's tokens x the positions they attend to
+    scores = 2 * n_head * chunk * min(capacity, max(chunk, SCORE_POSITIONS))
     # a prefill chunk's products on a GPU (EngineOptions.dequant_rows): the weight dequantized to
     # float32 and its transposed copy, one product at a time
-    activations = (chunk * width + n_head * chunk * capacity + vocab + states_alive * state_max) * _F32 \
-        + 2 * dense * _F32
+    activations = (chunk * width + scores + vocab + states_alive * state_max) * _F32 + 2 * dense * _F32
     total = weights + kv_cache + recurrent_state + activations + load_transient
     return {"weights": int(weights), "kv_cache": int(kv_cache), "recurrent_state": int(recurrent_state),
             "activations": int(activations), "load_transient": int(load_transient), "total": int(total), "context": int(ctx)}

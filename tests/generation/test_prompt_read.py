@@ -31,6 +31,50 @@ def test_a_drafting_prompt_is_read_a_chunk_at_a_time_with_the_head_beside_the_tr
     assert got.token_ids == generate(PROMPT, m, max_tokens=8, ignore_eos=True).token_ids
 
 
+@pytest.mark.parametrize("chunk", [64, 512, 4096, 8192])
+def test_a_chunk_deep_in_a_long_prompt_shrinks_so_that_its_attention_scores_stay_bounded(chunk):
+    from mtp_engine.model.memory import SCORE_POSITIONS, prefill_chunk_at
+
+    limit = chunk * max(chunk, SCORE_POSITIONS)
+    sizes = [prefill_chunk_at(chunk, offset) for offset in range(0, 131072, 97)]
+    assert sizes[0] == chunk and all(a >= b for a, b in zip(sizes, sizes[1:])), "shrinks as the prompt goes on"
+    for offset in range(0, 131072, 97):
+        c = prefill_chunk_at(chunk, offset)
+        assert 0 < c <= chunk and (c == chunk or c % 64 == 0), (offset, c)
+        if chunk * (offset + chunk) <= limit:
+            assert c == chunk, (offset, c)  # full-sized while its scores fit
+        elif c > 64:
+            assert c * (offset + c) <= limit and (c + 64) * (offset + c + 64) > limit, (offset, c)
+
+
+def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(models, monkeypatch):
+    """Bounded scores shrink a long prompt's later chunks (here a bound of 128 positions, so that a
+    prompt of a few hundred tokens shows it): trunk and head read every token once, and the tokens
+    are those of the same prompt read in one chunk."""
+    from mtp_engine import EngineOptions, generate
+    from mtp_engine.model import memory
+    from mtp_engine.speculative.mtp_drafter import HeadReader
+
+    whole = models(SHIPPED, options=EngineOptions(prefill_chunk=2048))
+    prompt = PROMPT * 8
+    n = len(whole.tokenizer.encode(prompt))
+    want = generate(prompt, whole, max_tokens=8, ignore_eos=True).token_ids
+    monkeypatch.setattr(memory, "SCORE_POSITIONS", 128)
+    rows: list[int] = []
+    read = HeadReader.read
+
+    def spy(self, ids, hidden):
+        rows.append(hidden.shape[1])
+        read(self, ids, hidden)
+
+    monkeypatch.setattr(HeadReader, "read", spy)
+    m = models(SHIPPED, options=EngineOptions(prefill_chunk=128))
+    got = generate(prompt, m, max_tokens=8, ignore_eos=True, spec="draft-mtp", n_max=2)
+    assert n > 300 and sum(rows) == n - 1 and rows[0] == 128 and 64 in rows, (n, rows)
+    assert got.token_ids == want
+    assert generate(prompt, m, max_tokens=8, ignore_eos=True).token_ids == want
+
+
 @pytest.mark.parametrize("where", ["alone", "batch"])
 def test_a_prompt_taken_whole_from_the_cache_is_kept_again(shipped_model, where):
     """The same draft-mtp prompt three times: the second takes the first's kept state (nothing left
