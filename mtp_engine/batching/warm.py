@@ -6,8 +6,12 @@ the masked attention, MLX's quantized or dequantized products); a batch's rounds
 bookkeeping and sampler. On a fresh
 H100 a server's first batched step compiled 22 such modules one after another (48.6 s). Each recipe
 here runs the real code on the model's miniature (`model.miniature`: the same graphs and constants,
-a few layers deep), so the modules it compiles are those the model will ask for; the recipes are
-split so that the workers compile them side by side. A module a worker has moved into the cache
+a few layers deep), so the modules it compiles are those the model will ask for. A whole run compiles
+its ~30 modules one after another in one worker, longer than a first long prompt waited for them
+(a fresh H100's first 600-token prompt: 46 s, none delivered in time); so a prompt's pieces come
+first, each its own recipe (a delta-net layer, an attention layer, a feed-forward, the output
+layer, at both product paths), compiled side by side by the workers, and the whole runs after
+them take what the pieces compiled (`mlx_jit.share_modules`) and compile what is left. A module a worker has moved into the cache
 folder is read, not compiled, by a first use that meets it later; one that meets it earlier compiles
 it as it always did.
 """
@@ -15,10 +19,13 @@ from __future__ import annotations
 
 import os
 
+import mlx.core as mx
+
 from ..generation.decode import PlainDecoder
 from ..generation.sampling import Sampler, SamplerConfig
 from ..model.loaded import Model
 from ..model.loader import LoadInfo
+from ..model.layers import rms_norm
 from ..model.miniature import VOCAB, miniature
 from ..speculative.config import DraftParams
 from ..speculative.methods import build_decoder
@@ -61,6 +68,22 @@ def jit_prompt(hexpath: str, spec: str, n: str) -> list:
     return []
 
 
+def jit_part(hexpath: str, part: str, n: str) -> list:
+    """One piece of a prompt of `n` tokens through the miniature: "delta" or "attention", the first
+    layer of that mixer on its own cache; "mlp", a feed-forward; "head", the output norm and layer."""
+    model = miniature(_path(hexpath))
+    cfg = model.cfg
+    x = model.embed_tokens(mx.array([_ids(int(n))]))
+    if part == "head":
+        return [model.logits(rms_norm(x, model.output_norm, cfg.eps)[:, -1:])]
+    if part == "mlp":
+        layer = model.layers[0]
+        return [layer.mlp(rms_norm(x, layer.post_norm, cfg.eps))]
+    i = cfg.recurrent.index(part == "delta")
+    layer, cache = model.layers[i], model.make_cache()
+    return [layer.mixer(rms_norm(x, layer.attn_norm, cfg.eps), cache.layers[i]), *cache.layers[i].arrays()]
+
+
 def jit_batch(hexpath: str, spec: str, lengths: str) -> list:
     """Sequences of the prompt `lengths` ("40+5") decoding together, plain or draft-mtp."""
     path = _path(hexpath)
@@ -81,13 +104,16 @@ def jit_batch(hexpath: str, spec: str, lengths: str) -> list:
     return []
 
 
-# (phase, recipe) per model file, after the first generations' own (phases 0-2): five runs that
-# between them compile every graph the nine runs of a long prompt alone and a batch of one or two
-# (plain or draft-mtp; prompts of 5, 40 and 300 tokens) compile (on this CPU: 41 graphs, each run
-# ~30 of them; a worker links what others finished, `mlx_jit.share_modules`), the likeliest first
+# (phase, recipe) per model file, after the first generations' own (phases 0-2): a prompt's pieces
+# at both product paths (3), then five runs that between them compile every graph the nine runs of
+# a long prompt alone and a batch of one or two (plain or draft-mtp; prompts of 5, 40 and 300
+# tokens) compile (on this CPU: 41 graphs, each run ~30 of them), the likeliest first (5: after the
+# sampler's, which a first sampled round meets sooner)
 def recipes(path: str) -> list[tuple[int, str]]:
     """The recipes for the GGUF model at `path`."""
     p, m = recipe_path(path), __name__
-    return [(3, f"{m}:jit_prompt:{p},draft-mtp,{MEDIUM}"), (3, f"{m}:jit_batch:{p},none,{SHORT}+{SHORT}"),
-            (3, f"{m}:jit_prompt:{p},none,{LONG}"), (3, f"{m}:jit_batch:{p},draft-mtp,{MEDIUM}+{SHORT}"),
-            (3, f"{m}:jit_batch:{p},none,{SHORT}")]
+    parts = [(3, f"{m}:jit_part:{p},{part},{n}") for n in (LONG, MEDIUM) for part in ("delta", "attention", "mlp")]
+    return [*parts, (3, f"{m}:jit_part:{p},head,{LONG}"),
+            (5, f"{m}:jit_prompt:{p},draft-mtp,{MEDIUM}"), (5, f"{m}:jit_batch:{p},none,{SHORT}+{SHORT}"),
+            (5, f"{m}:jit_prompt:{p},none,{LONG}"), (5, f"{m}:jit_batch:{p},draft-mtp,{MEDIUM}+{SHORT}"),
+            (5, f"{m}:jit_batch:{p},none,{SHORT}")]

@@ -198,7 +198,7 @@ def jit_sigmoid_gate() -> mx.array:
     return mx.compile(_sigmoid_gate.__wrapped__)(mx.zeros((1, 1, 8)), mx.zeros((1, 1, 8)))
 
 
-JIT_RECIPES = [(0, f"{__name__}:jit_swiglu"), (3, f"{__name__}:jit_sigmoid_gate")]  # (phase, recipe)
+JIT_RECIPES = [(0, f"{__name__}:jit_swiglu"), (2, f"{__name__}:jit_sigmoid_gate")]  # (phase, recipe)
 
 
 class DecoderLayer(nn.Module):

@@ -230,6 +230,35 @@ def test_the_miniature_warms_every_graph_of_a_long_prompt_and_a_batch(tmp_path):
     assert len(warmed) >= 20 and real <= warmed, sorted(real - warmed)
 
 
+def test_a_prompts_pieces_warm_every_graph_its_prefill_compiles(tmp_path):
+    """The prompt's pieces (`warm.jit_part`: a delta-net layer, an attention layer, a feed-forward,
+    the output layer, each its own recipe so that workers compile them side by side) compile every
+    fused graph a real prefill of a medium and a long prompt compiles (the helpers fused as on a GPU)."""
+    from tests.conftest import SHIPPED
+
+    model = str(SHIPPED)
+    warmed = _compiled_names(tmp_path / "warm", f"""
+        from mtp_engine.model import fused
+        fused.on_gpu = lambda: True
+        import mlx.core as mx
+        from mtp_engine.batching import warm
+        from mtp_engine.model.kernels.mlx_jit import resolve
+        for _, r in warm.recipes({model!r}):
+            if ":jit_part:" in r:
+                mx.eval(resolve(r)())
+    """, keep_hash=True)
+    real = _compiled_names(tmp_path / "real", f"""
+        from mtp_engine.model import fused
+        fused.on_gpu = lambda: True
+        import mtp_engine as me
+        m = me.load({model!r})
+        long = [(7 * i + 3) % 500 + 1 for i in range(300)]
+        me.generate(long[:40], model=m, max_tokens=1)
+        me.generate(long, model=m, max_tokens=1)
+    """, keep_hash=True)
+    assert len(real) >= 3 and real <= warmed, (sorted(real - warmed), sorted(real))
+
+
 def test_the_miniature_keeps_the_constants_and_the_bits(models):
     """Every constant a graph may hold (epsilon, head sizes, stream width, experts per token) and
     each matrix's bits are the real file's, for a dense and an MoE model; the layers stop after the
