@@ -237,7 +237,9 @@ def test_a_prompts_pieces_warm_every_graph_its_prefill_compiles(tmp_path):
     from tests.conftest import SHIPPED
 
     model = str(SHIPPED)
-    warmed = _compiled_names(tmp_path / "warm", f"""
+    # the pieces first, then the real prefills in the same cache folder: a graph they compile anew
+    # is one the pieces missed
+    warmed = _compiled_names(tmp_path, f"""
         from mtp_engine.model import fused
         fused.on_gpu = lambda: True
         import mlx.core as mx
@@ -247,7 +249,7 @@ def test_a_prompts_pieces_warm_every_graph_its_prefill_compiles(tmp_path):
             if ":jit_part:" in r:
                 mx.eval(resolve(r)())
     """, keep_hash=True)
-    real = _compiled_names(tmp_path / "real", f"""
+    real = _compiled_names(tmp_path, f"""
         from mtp_engine.model import fused
         fused.on_gpu = lambda: True
         import mtp_engine as me
@@ -256,7 +258,7 @@ def test_a_prompts_pieces_warm_every_graph_its_prefill_compiles(tmp_path):
         me.generate(long[:40], model=m, max_tokens=1)
         me.generate(long, model=m, max_tokens=1)
     """, keep_hash=True)
-    assert len(real) >= 3 and real <= warmed, (sorted(real - warmed), sorted(real))
+    assert len(warmed) >= 10 and real <= warmed, sorted(real - warmed)
 
 
 def test_the_miniature_keeps_the_constants_and_the_bits(models):
