@@ -16,6 +16,9 @@ import mlx.core as mx
 from .costmodel import Costs
 
 MAX_K = 8  # longest draft n-max auto considers (speculative/scheduler.py's AUTO_MAX)
+# stored timed rounds a run's own are weighed against, at most: a device whose costs changed is
+# followed within a few runs
+KEPT_SAMPLES = 32
 
 
 def cache_file(folder: Path) -> Path:
@@ -110,19 +113,42 @@ def _acceptance_of(d: dict | None) -> list[float] | None:
     return out if out and all(0.0 <= a <= 1.0 for a in out) else None
 
 
+def merge_costs(stored: dict[int, float], stored_rounds: dict[int, int], measured: dict[int, float],
+                measured_rounds: dict[int, int]) -> tuple[dict[int, float], dict[int, int]]:
+    """(costs, timed rounds) per draft length: a run's measured costs merged into the stored ones,
+    each weighted by the rounds it was timed in (the stored by at most `KEPT_SAMPLES`; a length
+    stored without a count by two). A run that timed a length in two rounds (an exploration) no
+    longer replaces what many rounds measured: on an H200 one such pair (10.4 ms where fixed runs
+    of that length took 9.3) stood for the length afterwards, and auto drafted one token fewer
+    than the best length for a whole run."""
+    costs, rounds = dict(stored), {k: min(stored_rounds.get(k, 2), KEPT_SAMPLES) for k in stored}
+    for k, v in measured.items():
+        n = max(int(measured_rounds.get(k, 1)), 1)
+        old = rounds.get(k, 0)
+        costs[k] = (costs.get(k, 0.0) * old + v * n) / (old + n)
+        rounds[k] = old + n
+    return costs, rounds
+
+
 def save(model_path: str, model, round_steps: dict[int, float], step_ms: float | None, folder: Path,
-         acceptance: list[float] | None = None) -> None:
-    """Merges this run's measured round costs (and the acceptance per draft position it ended at)
-    into the store (a read-only home only costs the next run its seed)."""
+         acceptance: list[float] | None = None, rounds: dict[int, int] | None = None) -> None:
+    """Merges this run's measured round costs (`rounds`: the rounds each was timed in, else one
+    each; `merge_costs`) and the acceptance per draft position it ended at into the store (a
+    read-only home only costs the next run its seed)."""
     if not model_path or not (round_steps or acceptance):
         return
     data = _read_all(folder)
     key = costs_key(model_path, model)
     entry = data.get(key) if isinstance(data.get(key), dict) else {}
-    merged = {int(k): float(v) for k, v in (entry.get("round_steps") or {}).items()} \
-        if isinstance(entry.get("round_steps"), dict) else {}
-    merged.update({int(k): float(v) for k, v in round_steps.items()})
+    try:
+        old = {int(k): float(v) for k, v in entry.get("round_steps", {}).items()}
+        old_rounds = {int(k): int(v) for k, v in entry.get("round_rounds", {}).items()}
+    except (AttributeError, TypeError, ValueError):  # another program's entry: replaced
+        old, old_rounds = {}, {}
+    merged, merged_rounds = merge_costs(old, old_rounds, {int(k): float(v) for k, v in round_steps.items()},
+                                        rounds or {})
     entry["round_steps"] = {str(k): round(v, 4) for k, v in sorted(merged.items())}
+    entry["round_rounds"] = {str(k): n for k, n in sorted(merged_rounds.items())}
     if step_ms:
         entry["step_ms"] = round(step_ms, 4)
     if acceptance:

@@ -163,7 +163,7 @@ class SpeculativeDecoder(PlainDecoder):
             t0 = self.scheduler.step_seconds()
             calibration.save(self.calibration_path, self.model, self.scheduler.measured_round_steps(),
                              t0 * 1e3 if t0 else None, self.model.options.cache_path,
-                             self.scheduler.measured_acceptance())
+                             self.scheduler.measured_acceptance(), self.scheduler.measured_rounds())
 
     # ---- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict:

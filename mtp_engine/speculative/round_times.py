@@ -159,15 +159,23 @@ class RoundTimes:
 
     def measured(self) -> dict[int, float]:
         """{k: t(k)/t(0)} for the k's this run timed (in the context range timed most)."""
-        counts: dict[int, int] = {}
-        for (b, _), d in self._times.items():
-            counts[b] = counts.get(b, 0) + len(d)
-        if not counts:
-            return {}
-        b = max(counts, key=counts.get)
-        t0 = self.median(0, b)  # measured: one derived from the seed would store the seed back as measured
+        b = self._most_timed()
+        t0 = self.median(0, b) if b is not None else None  # measured: one derived from the seed would store the seed back as measured
         if t0 is None:
             return {}
         # steady rounds only: a probe's time carries the catch-up of a plain stretch
         return {k: self.median(k, b, True) / t0 for k in range(1, self.k_max + 1)
                 if self.median(k, b, True) is not None}
+
+    def measured_rounds(self) -> dict[int, int]:
+        """{k: rounds timed} behind `measured`'s costs (the fewer of k's and the plain step's)."""
+        b = self._most_timed()
+        plain = len(self._times.get((b, 0), ()))
+        return {k: min(len(self._times.get((b, k), ())), plain) or 1 for k in self.measured()}
+
+    def _most_timed(self) -> int | None:
+        """The context range with the most timed rounds (None: none timed)."""
+        counts: dict[int, int] = {}
+        for (b, _), d in self._times.items():
+            counts[b] = counts.get(b, 0) + len(d)
+        return max(counts, key=counts.get) if counts else None

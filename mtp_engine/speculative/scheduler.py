@@ -298,6 +298,10 @@ class DraftLengthScheduler:
         """{k: t(k)/t(0)} for the k's this run timed (in the context range timed most)."""
         return self.times.measured()
 
+    def measured_rounds(self) -> dict[int, int]:
+        """{k: rounds timed} behind `measured_round_steps` (what the store weighs them by)."""
+        return self.times.measured_rounds()
+
     def measured_acceptance(self) -> list[float] | None:
         """Per draft position, the acceptance this run saw (its share of accepted tests, where tested
         often enough), worth storing for the next run once it drafted `_EXPLORE_AFTER` rounds or

@@ -26,6 +26,7 @@ from mtp_engine.model.build import build_model
 from mtp_engine.model.config import Qwen35Config
 from mtp_engine.model.miniature import random_linear, random_vector
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
+from mtp_engine.speculative import calibration
 from mtp_engine.speculative.ablations import ablation_decoder
 from mtp_engine.speculative.config import DraftParams
 from mtp_engine.speculative.scheduler import DraftLengthScheduler
@@ -115,20 +116,23 @@ class NullTokenizer:
         return D()
 
 
-# n-max auto's round costs as earlier runs on each model measured them (per model object): what
-# the API keeps in the cache folder (`speculative.calibration`), so an auto run here starts where
-# the ones before it ended, as a user's second run does
-STORED: dict[int, dict[int, float]] = {}
+# n-max auto's round costs as earlier runs on each model measured them, with the rounds behind each
+# (per model object): what the API keeps in the cache folder (`speculative.calibration`), so an
+# auto run here starts where the ones before it ended, as a user's second run does
+STORED: dict[int, tuple[dict[int, float], dict[int, int]]] = {}
 
 
 def stored_scheduler(model, scheduler_type=DraftLengthScheduler):
     """n-max auto for a run of `model`, starting from what earlier auto runs on it measured."""
-    return scheduler_type.for_model(model, STORED.get(id(model)))
+    costs = STORED.get(id(model), ({}, {}))[0]
+    return scheduler_type.for_model(model, costs or None)
 
 
 def store(model, sched) -> None:
-    """Keeps what an auto run measured for the next run on `model` (the API's `calibration.save`)."""
-    STORED.setdefault(id(model), {}).update(sched.measured_round_steps())
+    """Keeps what an auto run measured for the next run on `model`, merged as the API's
+    `calibration.save` merges it."""
+    costs, rounds = STORED.get(id(model), ({}, {}))
+    STORED[id(model)] = calibration.merge_costs(costs, rounds, sched.measured_round_steps(), sched.measured_rounds())
 
 
 def decode_tps(model, prompt, tokens, spec=None, n_max=3, oracle=None, costs=None, scheduler_type=DraftLengthScheduler,

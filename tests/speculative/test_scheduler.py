@@ -114,7 +114,10 @@ def test_no_calibration_pass_and_measured_costs_seed_the_next_run(tiny, tmp_path
         measured = {int(k): v for k, v in r.stats["auto_round_steps"].items()}
         if measured:  # stored, and the next run starts from it
             assert calibration.load_seed(tiny.path, tiny.model, folder) == pytest.approx(measured, rel=1e-3)
-        # a run whose rounds were timed at k = 0 and k = 2 stores t(2)/t(0) when it finishes
+        # a run whose rounds were timed at k = 0 and k = 2 stores t(2)/t(0) when it finishes (in a
+        # folder of its own: merged with the run above's it would be their weighted mean)
+        folder = tmp_path / "second"
+        tiny.model.use(before.updated(cache_dir=str(folder)))
         sched = DraftLengthScheduler(None)
         for _ in range(6):
             sched.observe(0, 0, 0.010, 100)
@@ -125,13 +128,36 @@ def test_no_calibration_pass_and_measured_costs_seed_the_next_run(tiny, tmp_path
         assert calibration.load_seed(tiny.path, tiny.model, folder)[2] == pytest.approx(2.5, rel=1e-3)
         calibration.save(tiny.path, tiny.model, {1: 1.7, 2: 2.1}, 3.0, folder)
         seed = calibration.load_seed(tiny.path, tiny.model, folder)
-        assert seed[1] == pytest.approx(1.7) and seed[2] == pytest.approx(2.1)
+        assert seed[1] == pytest.approx(1.7) and seed[2] == pytest.approx((2.5 * 6 + 2.1) / 7, rel=1e-3)
         assert DraftLengthScheduler(seed).seed[1] == pytest.approx(1.7)
         stored = json.loads((folder / "costs.json").read_text())
-        assert len(stored) == 1 and set(next(iter(stored.values()))) >= {"round_steps", "step_ms"}
+        assert len(stored) == 1 and set(next(iter(stored.values()))) >= {"round_steps", "round_rounds", "step_ms"}
         assert not (tmp_path / "from-the-environment").exists()
     finally:
         tiny.model.use(before)
+
+
+def test_a_few_timed_rounds_do_not_replace_what_many_measured(tiny, tmp_path):
+    """Stored costs are weighed by the rounds behind them: a later run that timed a length in two
+    rounds moves the stored cost by its share (the stored rounds count up to KEPT_SAMPLES), so a
+    changed device is still followed within a few runs; an entry without counts (an older store)
+    counts two rounds a length."""
+    folder = tmp_path / "costs"
+    calibration.save(tiny.path, tiny.model, {3: 1.45, 4: 1.5}, 3.0, folder, rounds={3: 5, 4: 40})
+    calibration.save(tiny.path, tiny.model, {4: 2.0}, 3.0, folder, rounds={4: 2})
+    seed = calibration.load_seed(tiny.path, tiny.model, folder)
+    kept = calibration.KEPT_SAMPLES
+    assert seed[4] == pytest.approx((1.5 * kept + 2.0 * 2) / (kept + 2), rel=1e-3) and seed[3] == pytest.approx(1.45)
+    for _ in range(12):  # the device changed: runs of many rounds move the stored cost there
+        calibration.save(tiny.path, tiny.model, {4: 2.0}, 3.0, folder, rounds={4: 32})
+    assert calibration.load_seed(tiny.path, tiny.model, folder)[4] == pytest.approx(2.0, abs=0.01)
+    costs, rounds = calibration.merge_costs({2: 1.4}, {}, {2: 1.6}, {2: 2})
+    assert costs[2] == pytest.approx(1.5) and rounds[2] == 4
+    sched = DraftLengthScheduler(None)
+    for _ in range(6):
+        sched.observe(0, 0, 0.010, 100)
+        sched.observe(2, 1, 0.025, 100)
+    assert sched.measured_round_steps() == {2: pytest.approx(2.5)} and sched.measured_rounds() == {2: 6}
 
 
 def test_a_stored_entry_of_some_draft_lengths_seeds_every_length(tiny, tmp_path):
