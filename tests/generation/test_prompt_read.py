@@ -12,12 +12,10 @@ from tests.conftest import SHIPPED
 PROMPT = "def area(r):\n    return 3.14159 * r * r\n\n\ndef perimeter(r):\n    return 2 * 3.14159 * r\n"
 
 
-def test_a_drafting_prompt_is_read_a_chunk_at_a_time_with_the_head_beside_the_trunk(models, monkeypatch):
-    from mtp_engine import EngineOptions, generate
+def _head_rows(monkeypatch) -> list[int]:
+    """The rows of each chunk the MTP head reads of a prompt, as they are read."""
     from mtp_engine.speculative.mtp_drafter import HeadReader
 
-    m = models(SHIPPED, options=EngineOptions(prefill_chunk=8))
-    n = len(m.tokenizer.encode(PROMPT))
     rows: list[int] = []
     read = HeadReader.read
 
@@ -26,6 +24,14 @@ def test_a_drafting_prompt_is_read_a_chunk_at_a_time_with_the_head_beside_the_tr
         read(self, ids, hidden)
 
     monkeypatch.setattr(HeadReader, "read", spy)
+    return rows
+
+
+def test_a_drafting_prompt_is_read_a_chunk_at_a_time_with_the_head_beside_the_trunk(models, monkeypatch):
+    from mtp_engine import EngineOptions, generate
+    m = models(SHIPPED, options=EngineOptions(prefill_chunk=8))
+    n = len(m.tokenizer.encode(PROMPT))
+    rows = _head_rows(monkeypatch)
     got = generate(PROMPT, m, max_tokens=8, ignore_eos=True, spec="draft-mtp", n_max=2)
     assert n > 3 * 8 and rows and max(rows) <= 8 and sum(rows) == n - 1, (n, rows)
     assert got.token_ids == generate(PROMPT, m, max_tokens=8, ignore_eos=True).token_ids
@@ -53,21 +59,13 @@ def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(model
     are those of the same prompt read in one chunk."""
     from mtp_engine import EngineOptions, generate
     from mtp_engine.model import memory
-    from mtp_engine.speculative.mtp_drafter import HeadReader
 
     whole = models(SHIPPED, options=EngineOptions(prefill_chunk=2048))
     prompt = PROMPT * 8
     n = len(whole.tokenizer.encode(prompt))
     want = generate(prompt, whole, max_tokens=8, ignore_eos=True).token_ids
     monkeypatch.setattr(memory, "SCORE_POSITIONS", 128)
-    rows: list[int] = []
-    read = HeadReader.read
-
-    def spy(self, ids, hidden):
-        rows.append(hidden.shape[1])
-        read(self, ids, hidden)
-
-    monkeypatch.setattr(HeadReader, "read", spy)
+    rows = _head_rows(monkeypatch)
     m = models(SHIPPED, options=EngineOptions(prefill_chunk=128))
     got = generate(prompt, m, max_tokens=8, ignore_eos=True, spec="draft-mtp", n_max=2)
     assert n > 300 and sum(rows) == n - 1 and rows[0] == 128 and 64 in rows, (n, rows)
