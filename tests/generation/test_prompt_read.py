@@ -61,14 +61,14 @@ def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(model
     from mtp_engine.model import memory
 
     whole = models(SHIPPED, options=EngineOptions(prefill_chunk=2048))
-    prompt = PROMPT * 8
+    prompt = PROMPT * 5
     n = len(whole.tokenizer.encode(prompt))
     want = generate(prompt, whole, max_tokens=8, ignore_eos=True).token_ids
     monkeypatch.setattr(memory, "SCORE_POSITIONS", 128)
     rows = _head_rows(monkeypatch)
     m = models(SHIPPED, options=EngineOptions(prefill_chunk=128))
     got = generate(prompt, m, max_tokens=8, ignore_eos=True, spec="draft-mtp", n_max=2)
-    assert n > 300 and sum(rows) == n - 1 and rows[0] == 128 and 64 in rows, (n, rows)
+    assert n > 180 and sum(rows) == n - 1 and rows[0] == 128 and 64 in rows, (n, rows)
     assert got.token_ids == want
     assert generate(prompt, m, max_tokens=8, ignore_eos=True).token_ids == want
 
