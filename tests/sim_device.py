@@ -112,3 +112,8 @@ H100_9B_S16 = SimDevice(verify={2: 1.15, 3: 1.07, 4: 1.12, 5: 1.12, 6: 1.6, 7: 1
 # 9B rounds on an H100, 2026-12-07 (bench_gpu.py --sections auto, fixed n-max at a = 0.5): t(k)/t(0)
 # ~1.21, 1.29, 1.52, 1.65 for k = 1..4
 H100_9B_1207 = SimDevice(verify={2: 1.06, 3: 1.04, 4: 1.17, 5: 1.2, 6: 2.0, 7: 2.2, 8: 2.4, 9: 2.6}, draft=0.1)
+# 9B rounds on an H200, 2026-12-07 (bench_gpu.py --sections auto, fixed n-max; t(0) 5.33 ms):
+# t(k)/t(0) ~1.37, 1.56, 1.74, 1.75 for k = 1..4 (a 4-draft round costs what a 3-draft one does);
+# repeats of one setting spread by up to 20%
+H200_9B_1207 = SimDevice(verify={2: 1.22, 3: 1.31, 4: 1.39, 5: 1.30, 6: 2.0, 7: 2.2, 8: 2.4, 9: 2.6}, draft=0.1,
+                         switch=0.3, noise=0.08)
