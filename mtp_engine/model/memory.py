@@ -146,7 +146,8 @@ def estimate(gguf_file: GGUFFile | Header | str | os.PathLike, exact: bool = Fal
     # prefill chunk is evaluated, plus the input and output states.
     states_alive = -(-chunk // _DELTA_CHUNK) + 2
     # attention scores and their softmax, per head a chunk's tokens x the positions they attend to
-    scores = 2 * n_head * chunk * min(capacity, max(chunk, SCORE_POSITIONS))
+    # (`prefill_chunk_at`'s bound, or its smallest chunk over the whole context where that is more)
+    scores = 2 * n_head * max(chunk * min(capacity, max(chunk, SCORE_POSITIONS)), min(_MIN_CHUNK, chunk) * capacity)
     # a prefill chunk's products on a GPU (EngineOptions.dequant_rows): the weight dequantized to
     # float32 and its transposed copy, one product at a time
     activations = (chunk * width + scores + vocab + states_alive * state_max) * _F32 + 2 * dense * _F32
