@@ -139,7 +139,8 @@ class EngineOptions:
     - `dequant_rows`: quantized products of at least this many tokens per sequence (prefill chunks)
       dequantize the weight and run a dense product (on a GPU several times the 4-bit product's
       rate, on the tensor cores' float32 mode); 0: never.
-    - `prefill_chunk`: prompt tokens per prefill forward (a long prompt's peak memory grows with it).
+    - `prefill_chunk`: prompt tokens per prefill forward, fewer past 8192 positions so that a chunk's
+      attention scores stay bounded (`model.memory.prefill_chunk_at`); peak memory grows with it.
     - `draft_vocab`: the MTP head drafts over the first N token ids only (a BPE vocabulary's
       earliest merges, the most frequent tokens): its output product reads N rows instead of the
       whole vocabulary at every draft step. Lossless: the verify decides every token, and a
