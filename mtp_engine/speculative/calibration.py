@@ -117,10 +117,9 @@ def merge_costs(stored: dict[int, float], stored_rounds: dict[int, int], measure
                 measured_rounds: dict[int, int]) -> tuple[dict[int, float], dict[int, int]]:
     """(costs, timed rounds) per draft length: a run's measured costs merged into the stored ones,
     each weighted by the rounds it was timed in (the stored by at most `KEPT_SAMPLES`; a length
-    stored without a count by two). A run that timed a length in two rounds (an exploration) no
-    longer replaces what many rounds measured: on an H200 one such pair (10.4 ms where fixed runs
-    of that length took 9.3) stood for the length afterwards, and auto drafted one token fewer
-    than the best length for a whole run."""
+    stored without a count by two): a run that timed a length in two rounds (an exploration, its
+    samples beside changes of k) moves the stored cost by its share instead of replacing what many
+    rounds measured, which could keep the next runs off the best length."""
     costs, rounds = dict(stored), {k: min(stored_rounds.get(k, 2), KEPT_SAMPLES) for k in stored}
     for k, v in measured.items():
         n = max(int(measured_rounds.get(k, 1)), 1)

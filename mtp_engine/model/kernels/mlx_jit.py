@@ -69,8 +69,7 @@ def dynamic_offset() -> mx.array:
 
 # (phase, recipe): a prompt's forward (0), a plain step (1), a greedy draft-mtp round (2): the
 # modules a fresh GPU's first runs compiled one after another in those phases before any were
-# prepared (docs/performance.md, start-up; a fresh H100's first draft-mtp round still compiled both
-# gathers of int32 rows and float32 columns itself); then the rest (3: the sampler's, a batch's)
+# prepared (docs/performance.md, start-up); then the rest (3: the sampler's, a batch's)
 _M = __name__
 GENERIC = [(0, f"{_M}:gather:float32,int32"), (0, f"{_M}:gather:uint32,int32"), (0, f"{_M}:gather:float32,uint32"),
            (1, f"{_M}:dynamic_offset"), (1, f"{_M}:gather:int32,uint32"), (2, f"{_M}:gather_axis:int32,int32"),
