@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|batch|batch9b|ab8|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|chunks|batch|batch9b|ab8|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -107,6 +107,12 @@ if [ "$what" = context ]; then  # long prompts and contexts: prefill, decode and
     timeout 260 python3 scripts/bench/bench_gpu.py --sections auto --tokens 128 --repeats 1 --shapes 9b --accs 0.8 \
         --prompt-tokens 512,8192,32768 --out "$out/auto-context" > "$out/auto-context.log" 2>&1
     echo "auto-context rc=$?"; tail -16 "$out/auto-context.log"
+fi
+if [ "$what" = chunks ]; then  # long prompts at the default prefill chunk and at 8192 (chunks shrink past 8192
+    # positions: model/memory.prefill_chunk_at), draft-mtp n-max 3 beside plain at each length
+    timeout 300 python3 scripts/bench/bench_context.py --sections context --lengths 8192,32768 --tokens 32 --repeats 1 \
+        --n-max 3 --peer-max 0 --prefill-chunks 8192 --out "$out/chunks" > "$out/chunks.log" 2>&1
+    echo "chunks rc=$?"; tail -6 "$out/chunks.log"
 fi
 if [ "$what" = batch ]; then  # continuous batching: the shipped model, then pass -m for the 9B shape
     timeout 500 python3 scripts/bench/bench_batch.py -t 64 --concurrency 1,2,4,8,16 --repeats 3 --out "$out/batch.json" \
