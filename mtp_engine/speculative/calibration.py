@@ -120,7 +120,7 @@ def merge_costs(stored: dict[int, float], stored_rounds: dict[int, int], measure
     stored without a count by two): a run that timed a length in two rounds (an exploration, its
     samples beside changes of k) moves the stored cost by its share instead of replacing what many
     rounds measured, which could keep the next runs off the best length."""
-    costs, rounds = dict(stored), {k: min(stored_rounds.get(k, 2), KEPT_SAMPLES) for k in stored}
+    costs, rounds = dict(stored), {k: max(min(stored_rounds.get(k, 2), KEPT_SAMPLES), 0) for k in stored}
     for k, v in measured.items():
         n = max(int(measured_rounds.get(k, 1)), 1)
         old = rounds.get(k, 0)

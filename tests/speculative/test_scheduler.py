@@ -153,6 +153,15 @@ def test_a_few_timed_rounds_do_not_replace_what_many_measured(tiny, tmp_path):
     assert calibration.load_seed(tiny.path, tiny.model, folder)[4] == pytest.approx(2.0, abs=0.01)
     costs, rounds = calibration.merge_costs({2: 1.4}, {}, {2: 1.6}, {2: 2})
     assert costs[2] == pytest.approx(1.5) and rounds[2] == 4
+    # a store another program wrote (or a damaged one) seeds nothing wrong and fails nothing
+    (folder / "costs.json").write_text(json.dumps({k: {"round_steps": {"4": 1.5}, "round_rounds": {"4": -2}}
+                                                   for k in json.loads((folder / "costs.json").read_text())}))
+    calibration.save(tiny.path, tiny.model, {4: 1.7}, 3.0, folder, rounds={4: 2})
+    assert calibration.load_seed(tiny.path, tiny.model, folder)[4] == pytest.approx(1.7)
+    (folder / "costs.json").write_text(json.dumps({k: {"round_steps": ["x"]} for k in
+                                                   json.loads((folder / "costs.json").read_text())}))
+    calibration.save(tiny.path, tiny.model, {4: 1.6}, 3.0, folder, rounds={4: 2})
+    assert calibration.load_seed(tiny.path, tiny.model, folder)[4] == pytest.approx(1.6)
     sched = DraftLengthScheduler(None)
     for _ in range(6):
         sched.observe(0, 0, 0.010, 100)
