@@ -6,13 +6,14 @@ the masked attention, MLX's quantized or dequantized products); a batch's rounds
 bookkeeping and sampler. On a fresh
 H100 a server's first batched step compiled 22 such modules one after another (48.6 s). Each recipe
 here runs the real code on the model's miniature (`model.miniature`: the same graphs and constants,
-a few layers deep), so the modules it compiles are those the model will ask for. A whole run compiles
-its ~30 modules one after another in one worker, longer than a first long prompt waits for them;
-so a prompt's pieces come first, each its own recipe (a delta-net layer, an attention layer, a feed-forward, the output
-layer, at both product paths), compiled side by side by the workers, and the whole runs after
-them take what the pieces compiled (`mlx_jit.share_modules`) and compile what is left. A module a worker has moved into the cache
-folder is read, not compiled, by a first use that meets it later; one that meets it earlier compiles
-it as it always did.
+a few layers deep), so the modules it compiles are those the model will ask for. A whole run
+compiles its ~30 modules one after another in one worker, longer than a first long prompt waits
+for them; so a prompt's pieces come first, each its own recipe (a delta-net layer, an attention
+layer, a feed-forward, the output layer, at both product paths), compiled side by side by the
+workers, and the whole runs after them take what the pieces compiled (`mlx_jit.share_modules`)
+and compile what is left. A module a worker has moved into the cache folder is read, not
+compiled, by a first use that meets it later; one that meets it earlier compiles it as it always
+did.
 """
 from __future__ import annotations
 

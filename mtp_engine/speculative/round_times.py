@@ -62,14 +62,19 @@ class RoundTimes:
         return self._medians[key]
 
     def _measure_median(self, k: int, b: int, steady: bool) -> float | None:
-        found = [(abs(bb - b), bb) for (bb, kk), d in self._times.items() if kk == k and len(d) >= MIN_SAMPLES]
-        if not found:
+        d = self._timed(k, b)
+        if not d:
             if k == 1 and not steady and len(self._probes) >= 1:  # only probes measured it: an upper bound
                 return statistics.median(self._probes)
             return None
-        d = self._times[(min(found)[1], k)]
         # two samples: the smaller (a stall only ever adds time); more: the median
         return min(d) if len(d) < 3 else statistics.median(d)
+
+    def _timed(self, k: int, b: int) -> deque:
+        """The timed k-rounds of context range b, or of the nearest range with enough of them
+        (empty: none has)."""
+        found = [(abs(bb - b), bb) for (bb, kk), d in self._times.items() if kk == k and len(d) >= MIN_SAMPLES]
+        return self._times[(min(found)[1], k)] if found else deque()
 
     def probe_median(self) -> float | None:
         """What probes took here (their catch-up rows included), once one was timed."""
@@ -160,7 +165,9 @@ class RoundTimes:
     def measured(self) -> dict[int, float]:
         """{k: t(k)/t(0)} for the k's this run timed (in the context range timed most)."""
         b = self._most_timed()
-        t0 = self.median(0, b) if b is not None else None  # measured: one derived from the seed would store the seed back as measured
+        if b is None:
+            return {}
+        t0 = self.median(0, b)  # measured: one derived from the seed would store the seed back as measured
         if t0 is None:
             return {}
         # steady rounds only: a probe's time carries the catch-up of a plain stretch
@@ -168,10 +175,11 @@ class RoundTimes:
                 if self.median(k, b, True) is not None}
 
     def measured_rounds(self) -> dict[int, int]:
-        """{k: rounds timed} behind `measured`'s costs (the fewer of k's and the plain step's)."""
+        """{k: rounds timed} behind `measured`'s costs (the fewer of k's and the plain step's, from
+        the context ranges their medians came from)."""
         b = self._most_timed()
-        plain = len(self._times.get((b, 0), ()))
-        return {k: min(len(self._times.get((b, k), ())), plain) or 1 for k in self.measured()}
+        plain = len(self._timed(0, b)) if b is not None else 0
+        return {k: min(len(self._timed(k, b)), plain) for k in self.measured()}
 
     def _most_timed(self) -> int | None:
         """The context range with the most timed rounds (None: none timed)."""

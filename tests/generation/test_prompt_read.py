@@ -52,7 +52,8 @@ def test_a_chunk_deep_in_a_long_prompt_shrinks_so_that_its_attention_scores_stay
         elif c > 64:
             assert c * (offset + c) <= limit and (c + 64) * (offset + c + 64) > limit, (offset, c)
         # what the memory estimate counts per head for a context of offset + c positions
-        assert c * (offset + c) <= max(chunk * min(offset + c, max(chunk, SCORE_POSITIONS)), min(64, chunk) * (offset + c))
+        positions = offset + c
+        assert c * positions <= max(chunk * min(positions, max(chunk, SCORE_POSITIONS)), min(64, chunk) * positions)
 
 
 def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(models, monkeypatch):
