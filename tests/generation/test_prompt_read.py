@@ -56,11 +56,13 @@ def test_a_chunk_deep_in_a_long_prompt_shrinks_so_that_its_attention_scores_stay
         assert c * positions <= max(chunk * min(positions, max(chunk, SCORE_POSITIONS)), min(64, chunk) * positions)
 
 
-def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(models, monkeypatch):
+@pytest.mark.parametrize("where", ["alone", "batch"])
+def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(models, monkeypatch, where):
     """Bounded scores shrink a long prompt's later chunks (here a bound of 128 positions, so that a
-    prompt of a few hundred tokens shows it): trunk and head read every token once, and the tokens
-    are those of the same prompt read in one chunk."""
+    prompt of a few hundred tokens shows it), alone and joining a batch: trunk and head read every
+    token once, and the tokens are those of the same prompt read alone in one chunk."""
     from mtp_engine import EngineOptions, generate
+    from mtp_engine.batching import batch_scheduler
     from mtp_engine.model import memory
 
     whole = models(SHIPPED, options=EngineOptions(prefill_chunk=2048))
@@ -70,10 +72,17 @@ def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(model
     monkeypatch.setattr(memory, "SCORE_POSITIONS", 128)
     rows = _head_rows(monkeypatch)
     m = models(SHIPPED, options=EngineOptions(prefill_chunk=128))
-    got = generate(prompt, m, max_tokens=8, ignore_eos=True, spec="draft-mtp", n_max=2)
-    assert n > 180 and sum(rows) == n - 1 and rows[0] == 128 and 64 in rows, (n, rows)
-    assert got.token_ids == want
-    assert generate(prompt, m, max_tokens=8, ignore_eos=True).token_ids == want
+    if where == "batch":
+        m = replace(m, scheduler=None)
+        m = replace(m, scheduler=batch_scheduler(m, 2))
+    try:
+        got = generate(prompt, m, max_tokens=8, ignore_eos=True, spec="draft-mtp", n_max=2)
+        assert n > 180 and sum(rows) == n - 1 and rows[0] == 128 and 64 in rows, (n, rows)
+        assert got.token_ids == want
+        assert generate(prompt, m, max_tokens=8, ignore_eos=True).token_ids == want
+    finally:
+        if where == "batch":
+            m.scheduler.stop()
 
 
 @pytest.mark.parametrize("where", ["alone", "batch"])
