@@ -44,6 +44,11 @@ from ..threads import quiesce_at_exit
 from .sequence import Sequence, logprobs_asked, sampling
 
 
+# a joining prompt's last chunk of at most this many tokens is queued without a wait (what several
+# such chunks hold at once is small beside one full chunk's memory)
+QUEUED_TOKENS = 64
+
+
 class Launched(NamedTuple):
     """A round queued on the device for these rows (read later by `_complete`)."""
 
@@ -213,23 +218,36 @@ class BatchScheduler:
             s.out.put(None)
             self._leave_prefill(s)
         chunk = self.model.model.options.prefill_chunk
-        spent, joined = 0, []
+        spent, joined, firsts = 0, [], []
         for s in list(self._joining):
             try:
                 while spent < chunk and not s.reader.done:
-                    spent += self._prefill_chunk(s)
+                    n, first = self._prefill_chunk(s)
+                    spent += n
+                    if first is not None:
+                        firsts.append((s, first))
                 if s.reader.done:
                     joined.append(s)
             except Exception as e:  # only this prompt fails: the running rows and the others go on
-                if not isinstance(e, MTPEngineError):
-                    traceback.print_exc()
-                s.fail(_engine_error(e))
-                self._leave_prefill(s)
+                self._prefill_failed(s, e)
             if spent >= chunk:
                 break
+        for s, logits in firsts:  # their forwards ran back to back; one wait for all of them
+            try:
+                token = s.sampler.sample(logits)
+                s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
+            except Exception as e:
+                self._prefill_failed(s, e)
+                joined.remove(s)
         if joined:
             self._join(joined)
             self._joining = [s for s in self._joining if s not in joined]
+
+    def _prefill_failed(self, s: Sequence, e: Exception) -> None:
+        if not isinstance(e, MTPEngineError):
+            traceback.print_exc()
+        s.fail(_engine_error(e))
+        self._leave_prefill(s)
 
     def _start_prefill(self, s: Sequence, drafter: PromptDrafter | None = None) -> None:
         """`s.reader`: its prompt's reader (`generation.prompt_read`, as the sequence alone reads
@@ -240,16 +258,18 @@ class BatchScheduler:
                                 drafter=drafter, progress=s.progress)
         s.cached = s.reader.cached
 
-    def _prefill_chunk(self, s: Sequence) -> int:
-        """The next chunk of `s`'s prompt; after its last one a sequence that does not draft samples
-        its first token. Returns the tokens run."""
+    def _prefill_chunk(self, s: Sequence) -> tuple[int, mx.array | None]:
+        """The next chunk of `s`'s prompt: the tokens run and, after its last one, the logits its
+        first token is sampled from (a drafting sequence's first round reads its last token: None).
+        A short chunk is left running (`QUEUED_TOKENS`): the joining prompts' last chunks queue
+        back to back, and the host waits once for their first tokens."""
         r = s.reader
-        n = r.read_chunk()
-        if r.done and r.drafter is None:  # (a drafting sequence's first round reads its last token)
+        n = r.read_chunk(wait=r.remaining > QUEUED_TOKENS)
+        if r.done and r.drafter is None:
             logits = self.model.model.logits(r.last[0, 0])
-            token = s.sampler.sample(logits)
-            s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
-        return n
+            mx.async_eval(logits)
+            return n, logits
+        return n, None
 
     def _leave_prefill(self, s: Sequence) -> None:
         """A joining sequence leaves before its prefill is done (cancelled, or failed)."""

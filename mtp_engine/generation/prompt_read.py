@@ -83,8 +83,16 @@ class PromptReader:
             n = len(self.ids)
             self.progress(n if whole else min(self.done_tokens, n), n)
 
-    def read_chunk(self) -> int:
-        """Reads the next chunk (keeping a prompt cache's state where it is due); returns its tokens."""
+    @property
+    def remaining(self) -> int:
+        """Tokens still to read."""
+        return max(0, self.end - self.done_tokens)
+
+    def read_chunk(self, wait: bool = True) -> int:
+        """Reads the next chunk (keeping a prompt cache's state where it is due); returns its tokens.
+        `wait=False` leaves the chunk running on the device (its arrays queued, not read): a batch
+        queues the short last chunks of several joining prompts back to back and reads their
+        first tokens once."""
         stop = self.end if self._keep_at is None else min(self.end, self._keep_at)
         size = prefill_chunk_at(self.chunk, self.done_tokens)
         ids = self.ids[self.done_tokens:min(self.done_tokens + size, stop)]
@@ -95,7 +103,7 @@ class PromptReader:
             if self.drafter is not None:
                 self.drafter.read(ids, self.fed(post, pre))
                 out += self.drafter.prompt_arrays()
-            mx.eval(*out, *self.trunk.arrays())
+            (mx.eval if wait else mx.async_eval)(*out, *self.trunk.arrays())
             self.done_tokens += len(ids)
             self.report()
         if self.done_tokens == self._keep_at:

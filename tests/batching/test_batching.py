@@ -236,6 +236,43 @@ def test_a_first_token_that_fails_ends_only_its_own_sequence(models, monkeypatch
     assert [out[i] for i in range(3)] == [w.token_ids for w in want]
     assert isinstance(out[3], MTPEngineError) and "ValueError" in str(out[3]), out[3]
 
+def test_joining_prompts_are_read_back_to_back_and_their_first_tokens_once(models, monkeypatch):
+    """Short prompts that join together have their last chunks queued one after another without a
+    wait (a wait per prompt left the device idle while the host built the next prompt's forward:
+    the eighth of eight streams waited for seven prefills and seven reads), then their first tokens
+    are read; a long prompt's earlier chunks still wait (one chunk of memory at a time). Answers as
+    alone."""
+    from mtp_engine import EngineOptions
+    from mtp_engine.batching.scheduler import QUEUED_TOKENS
+    from mtp_engine.generation.prompt_read import PromptReader
+    from mtp_engine.generation.sampling import Sampler
+
+    m = models(need(TINY_Q4), options=EngineOptions(prefill_chunk=QUEUED_TOKENS))
+    events = []
+    read, sample = PromptReader.read_chunk, Sampler.sample
+
+    def reading(self, wait=True):
+        events.append(("read", wait))
+        return read(self, wait)
+
+    def sampling(self, logits):
+        events.append(("sample", None))
+        return sample(self, logits)
+
+    monkeypatch.setattr(PromptReader, "read_chunk", reading)
+    monkeypatch.setattr(Sampler, "sample", sampling)
+    long = PROMPTS[3] * 4  # more than one chunk: its first chunk waits
+    assert len(m.tokenizer.encode(long)) > QUEUED_TOKENS
+    prompts = PROMPTS[:3] + [long]
+    want = _alone(m, prompts, max_tokens=6, ignore_eos=True)
+    events.clear()
+    got = batch_generate(prompts, m, max_tokens=6, ignore_eos=True, parallel=4)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    first_sample = events.index(("sample", None))
+    assert events[:first_sample + 3] == [("read", False)] * 3 + [("sample", None)] * 3, events
+    assert ("read", True) in events[first_sample:] and events.count(("read", False)) == 4, events
+
+
 # ---- stream_generate from many threads, on a model loaded with parallel= --------------------------
 
 @pytest.fixture(scope="module")

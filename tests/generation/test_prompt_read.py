@@ -120,10 +120,10 @@ def test_the_device_running_out_of_memory_is_said_as_the_engines_error(models, m
     read = PromptReader.read_chunk
     failure = RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
 
-    def chunk(self):
+    def chunk(self, wait=True):
         if len(self.ids) > 20:
             raise failure
-        return read(self)
+        return read(self, wait)
 
     monkeypatch.setattr(PromptReader, "read_chunk", chunk)
     with pytest.raises(MTPEngineError, match=r"memory: the device ran out of memory .*MTP_ENGINE_PREFILL_CHUNK") as e:
