@@ -218,30 +218,39 @@ class BatchScheduler:
             s.out.put(None)
             self._leave_prefill(s)
         chunk = self.model.model.options.prefill_chunk
-        spent, joined, firsts = 0, [], []
+        spent, joined, pending = 0, [], None
         for s in list(self._joining):
             try:
                 while spent < chunk and not s.reader.done:
                     n, first = self._prefill_chunk(s)
                     spent += n
-                    if first is not None:
-                        firsts.append((s, first))
+                    if first is not None:  # read the prompt before's first token while this one runs
+                        self._first_token(pending, joined)
+                        pending = (s, first)
                 if s.reader.done:
                     joined.append(s)
             except Exception as e:  # only this prompt fails: the running rows and the others go on
                 self._prefill_failed(s, e)
             if spent >= chunk:
                 break
-        for s, logits in firsts:  # their forwards ran back to back; one wait for all of them
-            try:
-                token = s.sampler.sample(logits)
-                s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
-            except Exception as e:
-                self._prefill_failed(s, e)
-                joined.remove(s)
+        self._first_token(pending, joined)
         if joined:
             self._join(joined)
             self._joining = [s for s in self._joining if s not in joined]
+
+    def _first_token(self, pending: tuple[Sequence, mx.array] | None, joined: list[Sequence]) -> None:
+        """Samples and delivers a joining sequence's first token from its logits (queued by
+        `_prefill_chunk`); one that fails leaves alone."""
+        if pending is None:
+            return
+        s, logits = pending
+        try:
+            token = s.sampler.sample(logits)
+            s.deliver([token], s.sampler.token_logprobs(logits[None], [token]))
+        except Exception as e:
+            self._prefill_failed(s, e)
+            if s in joined:
+                joined.remove(s)
 
     def _prefill_failed(self, s: Sequence, e: Exception) -> None:
         if not isinstance(e, MTPEngineError):
@@ -261,8 +270,9 @@ class BatchScheduler:
     def _prefill_chunk(self, s: Sequence) -> tuple[int, mx.array | None]:
         """The next chunk of `s`'s prompt: the tokens run and, after its last one, the logits its
         first token is sampled from (a drafting sequence's first round reads its last token: None).
-        A short chunk is left running (`QUEUED_TOKENS`): the joining prompts' last chunks queue
-        back to back, and the host waits once for their first tokens."""
+        A short chunk is left running (`QUEUED_TOKENS`): the host builds the next joining prompt's
+        forward while the device runs this one, and reads this one's first token after that (the
+        device is never idle between joiners, and no joiner waits for all of them)."""
         r = s.reader
         n = r.read_chunk(wait=r.remaining > QUEUED_TOKENS)
         if r.done and r.drafter is None:

@@ -236,12 +236,12 @@ def test_a_first_token_that_fails_ends_only_its_own_sequence(models, monkeypatch
     assert [out[i] for i in range(3)] == [w.token_ids for w in want]
     assert isinstance(out[3], MTPEngineError) and "ValueError" in str(out[3]), out[3]
 
-def test_joining_prompts_are_read_back_to_back_and_their_first_tokens_once(models, monkeypatch):
-    """Short prompts that join together have their last chunks queued one after another without a
-    wait (a wait per prompt left the device idle while the host built the next prompt's forward:
-    the eighth of eight streams waited for seven prefills and seven reads), then their first tokens
-    are read; a long prompt's earlier chunks still wait (one chunk of memory at a time). Answers as
-    alone."""
+def test_joining_prompts_are_read_back_to_back_each_first_token_read_behind_the_next(models, monkeypatch):
+    """Short prompts that join together have their last chunks queued without a wait, each
+    prompt's first token read once the next prompt's forward is queued (a wait per prompt left the
+    device idle while the host built the next prompt's forward; one wait for all would hold the
+    first joiner's token until the last's forward ran); a long prompt's earlier chunks still wait
+    (one chunk of memory at a time). Answers as alone."""
     from mtp_engine import EngineOptions
     from mtp_engine.batching.scheduler import QUEUED_TOKENS
     from mtp_engine.generation.prompt_read import PromptReader
@@ -268,9 +268,9 @@ def test_joining_prompts_are_read_back_to_back_and_their_first_tokens_once(model
     events.clear()
     got = batch_generate(prompts, m, max_tokens=6, ignore_eos=True, parallel=4)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    first_sample = events.index(("sample", None))
-    assert events[:first_sample + 3] == [("read", False)] * 3 + [("sample", None)] * 3, events
-    assert ("read", True) in events[first_sample:] and events.count(("read", False)) == 4, events
+    read, drew = ("read", False), ("sample", None)
+    assert events[:6] == [read, read, drew, read, drew, drew], events
+    assert ("read", True) in events[6:] and events.count(read) == 4, events
 
 
 # ---- stream_generate from many threads, on a model loaded with parallel= --------------------------
