@@ -9,6 +9,8 @@ did before --parallel). Reported per C and mode, medians over the repeats (inter
   aggregate tok/s   all generated tokens / wall time from the first request to the last token;
   ttft p50 / p95    per request, from its arrival to its first token (queueing included: all C
                     requests arrive at once, so one at a time the last waits for the others);
+                    batched, split in two: waiting for a slot and the scheduler (queue), then
+                    its prompt read and first token (read), each its p50;
   stream tok/s      per request, tokens after the first / time from its first token to its last;
   outputs equal     every batched answer equals its sequential one (greedy: token for token).
 Writes JSON (--out) and a plot of aggregate tok/s and TTFT against C (--plot).
@@ -139,7 +141,7 @@ def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: 
     answer can equal its sequential one); None: greedy."""
     from mtp_engine import stream_generate
 
-    sub, first, last, out = {}, {}, {}, {}
+    sub, first, last, out, stats = {}, {}, {}, {}, {}
 
     def one(i: int) -> None:
         sub.setdefault(i, time.perf_counter())
@@ -149,6 +151,8 @@ def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: 
             if c.token_ids and i not in first:
                 first[i] = time.perf_counter()
             toks += c.token_ids
+            if c.stats:
+                stats[i] = c.stats
         last[i] = time.perf_counter()
         out[i] = toks
 
@@ -171,7 +175,18 @@ def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: 
     return {"aggregate_tok_s": sum(len(o) for o in out.values()) / wall,
             "ttft_p50_s": ttft[n // 2], "ttft_p95_s": ttft[min(n - 1, int(0.95 * n))],
             "stream_tok_s": statistics.median(rates) if rates else 0.0,
-            "outputs": [out[i] for i in range(n)]}
+            **_ttft_split(list(stats.values())), "outputs": [out[i] for i in range(n)]}
+
+
+def _ttft_split(stats: list[dict]) -> dict:
+    """Where a batched request's first token waited (p50s): for a slot and the scheduler's next
+    pass (`batch_queue_seconds`), then for its prompt's read and first draw (the rest of its
+    time to first token); {} for requests that did not go through a batch."""
+    queued = [st["batch_queue_seconds"] for st in stats if "batch_queue_seconds" in st]
+    if not queued:
+        return {}
+    read = [st["time_to_first_token_seconds"] - st["batch_queue_seconds"] for st in stats if "batch_queue_seconds" in st]
+    return {"ttft_queue_p50_s": statistics.median(queued), "ttft_read_p50_s": statistics.median(read)}
 
 
 def _first_differences(batched: list[dict], alone: list[dict]) -> list[tuple[int, int, int]]:
@@ -263,8 +278,10 @@ def main(argv=None) -> int:
                # (the cost curve a batch's draft length is chosen on)
                "mtp_round_steps": _round_costs(batched.scheduler, c)}
         for kind, runs in res.items():
-            for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "stream_tok_s"):
-                row[f"{kind}_{key}"] = statistics.median(r[key] for r in runs)
+            for key in ("aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "stream_tok_s", "ttft_queue_p50_s",
+                        "ttft_read_p50_s"):
+                if all(key in r for r in runs):
+                    row[f"{kind}_{key}"] = statistics.median(r[key] for r in runs)
         row["aggregate_ratio"] = row["batched_aggregate_tok_s"] / row["sequential_aggregate_tok_s"]
         if peer_rates:
             row["mlx_lm_batch_tok_s"] = statistics.median(peer_rates)
@@ -272,7 +289,9 @@ def main(argv=None) -> int:
         if args.profile:
             row["stages"] = _stage_breakdown(alone, max(c, 2), args.oracle, prompts, args.tokens)
         rows.append(row)
-        print(f"C={c:2d}  batched {row['batched_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['batched_ttft_p50_s']:.3f} "
+        split = (f": queue {row['batched_ttft_queue_p50_s']:.3f} + read {row['batched_ttft_read_p50_s']:.3f}"
+                 if "batched_ttft_read_p50_s" in row else "")
+        print(f"C={c:2d}  batched {row['batched_aggregate_tok_s']:7.1f} tok/s (ttft p50 {row['batched_ttft_p50_s']:.3f}{split} "
               f"p95 {row['batched_ttft_p95_s']:.3f} s, stream {row['batched_stream_tok_s']:.1f})  draft-mtp "
               f"{row['batched_mtp_aggregate_tok_s']:7.1f} (x{row['mtp_ratio']:.2f} of batched plain, rounds by k "
               f"{row['mtp_rounds_by_k']}, t(k)/t(0) {row['mtp_round_steps']})  one at a time {row['sequential_aggregate_tok_s']:7.1f} (ttft p50 "
