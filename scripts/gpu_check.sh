@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|chunks|batch|batch9b|ab8|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|chunks|batch|batch9b|ab8|open|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -130,8 +130,24 @@ if [ "$what" = ab8 ]; then  # 8 streams at the 9B shape, this tree against .gpu/
         p=$PYTHONPATH; [ "$t" = base ] && p=/tmp/site:$PWD/.gpu/base
         PYTHONPATH=$p timeout 80 python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 8 --repeats 1 \
             > "$out/ab8-$t.log" 2>&1
-        echo "$t rc=$? $(grep 'C= 8' "$out/ab8-$t.log" | cut -c1-110)"
+        echo "$t rc=$? $(grep 'C= 8' "$out/ab8-$t.log" | cut -c1-130)"
     done
+fi
+if [ "$what" = open ]; then  # what the open issues wait on, in one call after the suite's: the 8 streams' first
+    # tokens against .gpu/base, long prompts' chunks, a fresh start-up (each bounded; `spec` in a call of its own)
+    for t in new base; do
+        p=$PYTHONPATH; [ "$t" = base ] && p=/tmp/site:$PWD/.gpu/base
+        r=$(left 120 60 "ab8 $t") || continue
+        PYTHONPATH=$p timeout "$r" python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 1,8 --repeats 1 \
+            > "$out/ab8-$t.log" 2>&1
+        echo "$t rc=$? $(grep 'C= ' "$out/ab8-$t.log" | cut -c1-130)"
+    done
+    r=$(left 200 120 chunks) && timeout "$r" python3 scripts/bench/bench_context.py --sections context --lengths 8192,32768 \
+        --tokens 32 --repeats 1 --n-max 3 --peer-max 0 --prefill-chunks 8192 --out "$out/chunks" > "$out/chunks.log" 2>&1
+    echo "chunks rc=$?"; tail -6 "$out/chunks.log"
+    r=$(left 150 60 startup) && timeout "$r" python3 scripts/bench/startup_breakdown.py --root "$(mktemp -d /tmp/mtp-startup.XXXXXX)" \
+        --first-forward --long 600 --batch > "$out/startup1.json" 2> "$out/startup1.err"
+    echo "startup rc=$?"; tail -c 600 "$out/startup1.json"
 fi
 if [ "$what" = server ] || [ "$what" = all ]; then
     # single runs of the shipped model vary by +-25% (1.6 ms a token, host-bound): medians need many
