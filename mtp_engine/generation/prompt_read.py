@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
+from ..model.cache import TrunkCache
 from ..model.memory import prefill_chunk_at
 from ..model.qwen35 import Qwen35Model
 from ..model.step import Pass
@@ -88,14 +89,17 @@ class PromptReader:
         """Tokens still to read."""
         return max(0, self.end - self.done_tokens)
 
+    def next_ids(self) -> list[int]:
+        """The tokens the next `read_chunk` reads (up to a prompt cache's keep point; none once done)."""
+        stop = self.end if self._keep_at is None else min(self.end, self._keep_at)
+        return self.ids[self.done_tokens:min(self.done_tokens + prefill_chunk_at(self.chunk, self.done_tokens), stop)]
+
     def read_chunk(self, wait: bool = True) -> int:
         """Reads the next chunk (keeping a prompt cache's state where it is due); returns its tokens.
         `wait=False` leaves the chunk running on the device (its arrays queued, not read): a batch
         queues the short last chunks of several joining prompts back to back and reads their
         first tokens once."""
-        stop = self.end if self._keep_at is None else min(self.end, self._keep_at)
-        size = prefill_chunk_at(self.chunk, self.done_tokens)
-        ids = self.ids[self.done_tokens:min(self.done_tokens + size, stop)]
+        ids = self.next_ids()
         if ids:
             post, pre = self.model.forward_states(mx.array([ids]), self.trunk, Pass.PREFILL)
             self.last = post[:, -1:]
@@ -104,14 +108,26 @@ class PromptReader:
                 self.drafter.read(ids, self.fed(post, pre))
                 out += self.drafter.prompt_arrays()
             (mx.eval if wait else mx.async_eval)(*out, *self.trunk.arrays())
-            self.done_tokens += len(ids)
+        self._read(len(ids))
+        return len(ids)
+
+    def took(self, trunk: TrunkCache, last: mx.array) -> None:
+        """`next_ids()` were read elsewhere, in one forward beside other prompts (a batch's joint
+        read; no drafter), into `trunk`, this prompt's caches from now on; `last` [1, 1, H] the
+        last one's post-norm state."""
+        self.trunk, self.last = trunk, last
+        self._read(len(self.next_ids()))
+
+    def _read(self, n: int) -> None:
+        """n more tokens are read: progress, and a prompt cache's state kept where it is due."""
+        self.done_tokens += n
+        if n:
             self.report()
         if self.done_tokens == self._keep_at:
             state = self.drafter.prefix_state() if self.drafter is not None else None
             self.prompt_cache.keep(self.model, self.ids[:-1], self.trunk, self.drafter.name if self.drafter else None,
                                    state)
             self._keep_at = None
-        return len(ids)
 
     def read_all(self) -> "PromptReader":
         """Reads the whole prompt (a sequence alone)."""

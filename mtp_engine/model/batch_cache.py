@@ -104,6 +104,11 @@ class BatchKVCache:
         idx = mx.broadcast_to(pos, k.shape).astype(mx.int32)
         self.keys = mx.put_along_axis(self.keys, idx, k.astype(self.dtype), axis=2)
         self.values = mx.put_along_axis(self.values, idx, v.astype(self.dtype), axis=2)
+        if s > 1 and self.owner.valid is not None and len(set(self.owner.host_lengths)) == 1:
+            # prompts read together from one length (`BatchCache.begin_rows`): each row's queries
+            # see what a sequence alone sees, by the mask it reads with (rows past a prompt's
+            # length are stale, rewritten by its next tokens)
+            return self.keys[:, :, :end], self.values[:, :, :end], "causal"
         # query j of row b sits at position lengths[b] + j and sees every position up to it
         q_pos = self.owner.lengths[:, None] + mx.arange(s)[None, :]  # [B, S]
         mask = mx.arange(end)[None, None, :] <= q_pos[:, :, None]  # [B, S, L]
@@ -164,6 +169,7 @@ class BatchCache:
         self.floors: list[int] = []  # per row: a length the host has read, no rollback returns below
         self.base: list[int] | None = None  # per row: the first position in the tails (None: no tails)
         self.base_array: mx.array | None = None
+        self.valid: list[int] | None = None  # per row: the tokens that count of the next forward (`begin_rows`)
 
     def __len__(self) -> int:
         return len(self.host_lengths)
@@ -202,9 +208,43 @@ class BatchCache:
             layer.keep(idx)
 
     def advance(self, n: int) -> None:
-        """Every row took `n` more tokens (after a forward of n tokens per row)."""
+        """Every row took `n` more tokens (after a forward of n tokens per row), or with
+        `begin_rows` its own count of them."""
+        if self.valid is not None:
+            self.host_lengths = [x + v for x, v in zip(self.host_lengths, self.valid)]
+            self.lengths = self.lengths + mx.array(self.valid, mx.int32)
+            self.valid = None
+            for layer in self.layers:
+                if isinstance(layer, BatchRecurrentCache):
+                    layer.valid = None
+            return
         self.host_lengths = [x + n for x in self.host_lengths]
         self.lengths = self.lengths + n
+
+    def begin_rows(self, valid: list[int]) -> None:
+        """Before an uncompiled forward of more than a step's tokens per row, row b padded past its
+        first valid[b]: prompts of several lengths read in one pass, each row's caches left as its
+        own tokens alone leave them (`gdn.mix`'s `valid`; the attention's rows past a prompt's
+        length are stale, its length moves by valid[b])."""
+        self.valid = list(valid)
+        rows = mx.array(self.valid, mx.int32)
+        for layer in self.layers:
+            if isinstance(layer, BatchRecurrentCache):
+                layer.valid = rows
+
+    def row(self, b: int) -> TrunkCache:
+        """Row b as a sequence's own caches (slices of the batch's arrays): a prompt read in a batch
+        of prompts, handed back to its sequence."""
+        self.settle()
+        n = self.host_lengths[b]
+        trunk = self.model.make_cache()
+        for mine, c in zip(self.layers, trunk.layers):
+            if isinstance(c, KVCache):
+                c.keys, c.values, c.offset = mine.keys[b:b + 1], mine.values[b:b + 1], n
+            else:
+                c.set(mine.conv[b:b + 1], mine.state[b:b + 1])
+        trunk.offset = n
+        return trunk
 
     def bound_lengths(self, bounds: list[int], floors: list[int] | None = None) -> None:
         """The host's bounds of the rows' lengths, tightened from what it has read (the device

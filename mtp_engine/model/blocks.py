@@ -165,7 +165,7 @@ class GatedDeltaNet(nn.Module):
         conv0, state0, kept = cache.sources()
         capture = cache.capturing
         width = max(s, cache.capture_width or s) if capture else None  # fixed-width captures (RecurrentCache)
-        if self.fused_kernel and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
+        if self.fused_kernel and cache.valid is None and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
             r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
                                                   self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps,
                                                   kept=kept, capture=capture, width=width))
@@ -173,7 +173,7 @@ class GatedDeltaNet(nn.Module):
             if kept is not None:
                 conv0, state0 = pick_state(conv0, state0, kept, d.kernel)
             r = gdn.mix(d, qkv_x, z_x, alpha_x, beta_x, conv0, state0, self.conv_w, self.dt_bias, self.a, self.norm,
-                        capture=capture, width=width)
+                        capture=capture, width=width, valid=cache.valid)
         cache.update(r.conv, r.state, tokens=s)
         return self.out(r.y)
 

@@ -55,6 +55,7 @@ class RecurrentCache:
         self._open = False  # a captured pass not yet rolled back
         self._tokens = 0  # tokens of the last captured pass
         self.capture_width: int | None = None
+        self.valid: mx.array | None = None  # [B]: rows of a pass that count their first valid[b] tokens (`gdn.mix`)
 
     @property
     def conv(self) -> mx.array:

@@ -66,6 +66,13 @@ def _unit_lower_inverse(a: mx.array) -> mx.array:
     return x.reshape(*lead, c, c)
 
 
+def chunking(s: int, chunk: int = CHUNK) -> tuple[int, int]:
+    """(tokens a chunk, chunks) of `delta_rule_chunked` over s tokens: what its arithmetic depends
+    on (rows of one pass padded to the same chunking, their padded tokens masked, compute as alone)."""
+    c = min(chunk, 1 << (s - 1).bit_length())
+    return c, 1 << (-(-s // c) - 1).bit_length()
+
+
 def delta_rule_chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                        state: mx.array, chunk: int = CHUNK) -> tuple[mx.array, mx.array, mx.array]:
     """S tokens at once. q, k [b, s, h, kd]; v [b, s, h, vd]; g, beta [b, s, h]; state [b, h, kd, vd].
@@ -78,8 +85,7 @@ def delta_rule_chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta:
     inverse take 4.7 ms: what is left is the chunk-to-chunk recurrence, a few small products a
     chunk."""
     b, s, h, kd = k.shape
-    c = min(chunk, 1 << (s - 1).bit_length())
-    n = 1 << (-(-s // c) - 1).bit_length()
+    c, n = chunking(s, chunk)
     pad = n * c - s
     if pad:  # padded tokens have decay 1 and beta 0: they leave the state unchanged
         q, k, v = (mx.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (q, k, v))

@@ -36,16 +36,26 @@ class Mixed(NamedTuple):
 
 def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.array, conv0: mx.array,
         state0: mx.array, conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array,
-        capture: bool = False, fused_steps: bool = True, width: int | None = None) -> Mixed:
+        capture: bool = False, fused_steps: bool = True, width: int | None = None,
+        valid: mx.array | None = None) -> Mixed:
     """qkv_x [b, s, C], z_x [b, s, vh*vd], alpha_x/beta_x [b, s, vh], conv0 [b, K-1, C], state0 [b, vh, kd, vd].
     `fused_steps=False` runs the token steps as separate operations: the CUDA kernel's self-test
     does, since on a GPU each fused step graph is a JIT compile (seconds, on a first run) that
     decoding with the kernel never uses again. `width` (captured passes): the captured buffers
-    hold that many tokens (>= s; the slots past s are zeros), `cache.RecurrentCache` says why."""
+    hold that many tokens (>= s; the slots past s are zeros), `cache.RecurrentCache` says why.
+    `valid` [b] int32: row b's tokens are its first valid[b] (prompts of several lengths read in
+    one pass): the tokens past them have decay 1 and write strength 0, as the chunked form's own
+    padding, so each row's outputs and state are those of its tokens alone, and its conv window
+    ends at its last token (the chunked form only)."""
     b, s = qkv_x.shape[0], qkv_x.shape[1]
     window = mx.concatenate([conv0, qkv_x], axis=1)  # [b, K-1+s, C]
     prep = _prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)
     q, k, v, g, beta = prep(window, conv_w, alpha_x, beta_x, dt_bias, a)
+    if valid is not None:
+        if s <= SEQUENTIAL_MAX or capture:
+            raise ValueError(f"rows of their own lengths are read in the chunked form only ({s} tokens)")
+        real = mx.arange(s)[None, :, None] < valid[:, None, None]
+        g, beta = mx.where(real, g, 0.0), mx.where(real, beta, 0.0)
     if s <= SEQUENTIAL_MAX or capture:
         # decode, draft and verify: a few fused step kernels per token beat the chunked form's
         # dozens of small kernels (on the H200 the chunked form made V(2) 2.5 instead of ~1.2)
@@ -67,6 +77,9 @@ def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.a
             states += [mx.zeros_like(state0)] * pad
             window = mx.concatenate([window, mx.zeros((b, pad, window.shape[2]), window.dtype)], axis=1)
         return Mixed(y, mx.stack(states, axis=1), window)
+    if valid is not None:  # each row's last kernel-1 inputs: window rows valid .. valid + kernel - 2
+        at = valid[:, None] + mx.arange(d.kernel - 1)[None, :]
+        return Mixed(y, state, mx.take_along_axis(window, at[..., None], axis=1))
     return Mixed(y, state, window[:, s:])
 
 

@@ -87,39 +87,55 @@ class Linear(nn.Module):
             return int(self.weight.shape[1]) * 32 // self.bits
         return int(self.weight.shape[1])
 
+    def product_path(self, tokens: int, rows: int) -> str:
+        """How a product of `rows` rows, `tokens` per sequence, runs: "dense" (dequantized W),
+        "slabs" or "slabs, prompt" (the custom kernel at a step's or a prompt's precision),
+        "padded" (MLX's product over `row_pad` rows), "mlx", or
+        "float" (an unquantized W). A row's arithmetic depends on this path only, not on the rows
+        beside it; decided by the tokens per sequence, so a prompt read beside others takes the
+        path it takes alone, but for the padded one and MLX's CUDA group-128 limit, which count
+        all rows."""
+        if not self.quantized:
+            return "float"
+        if self.dequant_rows and tokens >= self.dequant_rows:
+            return "dense"
+        # slabs decided by the tokens per sequence too (the tensor-core kernel's rows do not mix)
+        if self.custom_kernel and tokens <= SLAB_ROWS and \
+                qmv.supports(self.weight, self.scales, self.bits, self.group_size, min(rows, qmv.SLAB)):
+            # a prompt's tokens take x in float32's precision on the tensor cores, as MLX's product
+            # they stand in for; a step's and a verify's rows the faster ~17 bits
+            return "slabs, prompt" if tokens > STEP_TOKENS else "slabs"
+        if 1 < rows < self.row_pad:
+            return "padded"
+        if self.group_size == 128 and rows > CUDA_G128_MAX_ROWS and kernels.cuda():
+            return "dense"
+        return "mlx"
+
     def __call__(self, x: mx.array) -> mx.array:
         if x.ndim == 1:  # MLX's CUDA quantized matmul rejects vector inputs
             return self(x[None])[0]
-        if self.quantized:
-            rows = x.size // x.shape[-1]
-            # decided by the tokens per sequence (x [..., S, in]), not by the batch's rows: a prompt
-            # prefilled beside others takes the path it takes alone
-            if self.dequant_rows and x.ndim >= 2 and x.shape[-2] >= self.dequant_rows:
-                return self._dense_product(x)
-            # slabs decided by the tokens per sequence too: a prompt prefilled beside others takes
-            # the arithmetic it takes alone (the tensor-core kernel's rows do not mix)
-            if self.custom_kernel and x.shape[-2] <= SLAB_ROWS and \
-                    qmv.supports(self.weight, self.scales, self.bits, self.group_size, min(rows, qmv.SLAB)):
-                flat, slab = x.reshape(rows, x.shape[-1]), qmv.SLAB
-                if rows > slab and rows % slab == 1:  # a last slab of one row would take the one-row
-                    flat = mx.pad(flat, [(0, 1), (0, 0)])  # kernel: every row of a product takes one arithmetic
-                # a prompt's tokens take x in float32's precision on the tensor cores, as MLX's
-                # product they stand in for; a step's and a verify's rows the faster ~17 bits
-                split = 3 if x.shape[-2] > STEP_TOKENS else mma.SPLIT
-                parts = [qmv.quantized_rows(flat[i:i + slab], self.weight, self.scales, self.biases, self.bits,
-                                            self.group_size, split=split) for i in range(0, flat.shape[0], slab)]
-                y = parts[0] if len(parts) == 1 else mx.concatenate(parts)[:rows]
-                return y.reshape(*x.shape[:-1], y.shape[-1])
-            if 1 < rows < self.row_pad:
-                flat = mx.pad(x.reshape(rows, x.shape[-1]), [(0, self.row_pad - rows), (0, 0)])
-                y = mx.quantized_matmul(flat, self.weight, self.scales, self.biases, transpose=True,
-                                        group_size=self.group_size, bits=self.bits)
-                return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
-            if self.group_size == 128 and rows > CUDA_G128_MAX_ROWS and kernels.cuda():
-                return self._dense_product(x)
-            return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
-                                       group_size=self.group_size, bits=self.bits)
-        return x @ self.weight.T
+        rows = x.size // x.shape[-1]
+        path = self.product_path(int(x.shape[-2]), rows)
+        if path == "float":
+            return x @ self.weight.T
+        if path == "dense":
+            return self._dense_product(x)
+        if path.startswith("slabs"):
+            flat, slab = x.reshape(rows, x.shape[-1]), qmv.SLAB
+            if rows > slab and rows % slab == 1:  # a last slab of one row would take the one-row
+                flat = mx.pad(flat, [(0, 1), (0, 0)])  # kernel: every row of a product takes one arithmetic
+            split = 3 if path == "slabs, prompt" else mma.SPLIT
+            parts = [qmv.quantized_rows(flat[i:i + slab], self.weight, self.scales, self.biases, self.bits,
+                                        self.group_size, split=split) for i in range(0, flat.shape[0], slab)]
+            y = parts[0] if len(parts) == 1 else mx.concatenate(parts)[:rows]
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        if path == "padded":
+            flat = mx.pad(x.reshape(rows, x.shape[-1]), [(0, self.row_pad - rows), (0, 0)])
+            y = mx.quantized_matmul(flat, self.weight, self.scales, self.biases, transpose=True,
+                                    group_size=self.group_size, bits=self.bits)
+            return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                   group_size=self.group_size, bits=self.bits)
 
     def _dense_product(self, x: mx.array) -> mx.array:
         w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,

@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..options import EngineOptions
-from . import gdn, kernels
+from . import delta_rule, gdn, kernels
 from . import step as compiled
 from .batch_cache import BatchCache
 from .blocks import DecoderLayer, GatedAttention, GatedDeltaNet, compilable_ffn, run_layers
@@ -197,6 +197,18 @@ class Qwen35Model(nn.Module):
         post, x = run_layers(self.layers, self.embed_tokens(ids), caches, self.output_norm, self.cfg.eps,
                              self.fused_norm)
         return [post, x]
+
+    def read_arithmetic(self, tokens: int, rows: int) -> tuple | None:
+        """What a forward of `rows` rows, `tokens` per sequence, computes each row with: the delta
+        rule's form (token steps, or the chunked form's chunking) and each product's path
+        (`Linear.product_path`). Prompts padded to a group's longest and read in one pass compute
+        as alone where this is the same at their own length and at the group's. None: no row of
+        this model is read beside others (a mixture of experts routes the rows together)."""
+        if self.is_moe:
+            return None
+        rule = delta_rule.chunking(tokens) if tokens > gdn.SEQUENTIAL_MAX else "steps"
+        paths = {m.product_path(tokens, rows) for layer in self.layers for m in layer.modules() if isinstance(m, Linear)}
+        return rule, tuple(sorted(paths))
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.lm_head(hidden)

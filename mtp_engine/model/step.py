@@ -170,6 +170,8 @@ class _RecurrentView:
     """A gated-delta-net cache inside a trace: what the forward starts from (`sources`, as
     `RecurrentCache.sources` gave it) and what it leaves (`update`)."""
 
+    valid = None  # a traced step's rows count all their tokens (`gdn.mix`)
+
     def __init__(self, conv: mx.array, state: mx.array, kept: mx.array | None, capturing: bool,
                  capture_width: int | None = None):
         self.conv, self.state, self.kept, self.capturing = conv, state, kept, capturing

@@ -1,0 +1,109 @@
+"""Joining prompts read together: fresh prompts of more than a step's tokens, padded to their
+group's longest and read in one forward (`BatchScheduler._read_together`), each row computing what
+its prompt computes alone (`Qwen35Model.read_arithmetic`, `BatchCache.begin_rows`). The references
+are the same requests run alone by `generate`."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mtp_engine import PromptCache, batch_generate, generate
+from mtp_engine.batching.scheduler import BatchScheduler
+from mtp_engine.model.delta_rule import chunking
+
+from tests.conftest import SHIPPED, TINY_Q4, TINY_Q8, need
+
+# 20-70 tokens each: the chunked delta rule, one or two chunks, one prefill chunk
+PROMPTS = ["def parse_args(argv):\n    \"\"\"Parse the command line of the tool and return the options.\"\"\"\n",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+           "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Run the tool.\"\"\"\n    for a in argv:\n",
+           "for i in range(10):\n    print(i * i)\n# now the same for a list of words\nwords = ["]
+
+
+def _admit_together(monkeypatch, n: int) -> None:
+    """The scheduler admits no one until `n` sequences wait (their readers submit from threads, in
+    any order and at any time): the joint read then sees them all in one pass."""
+    admit = BatchScheduler._admit_and_prefill
+
+    def gated(self):
+        if self._rows or self._joining or len(self._waiting) >= n:
+            admit(self)
+
+    monkeypatch.setattr(BatchScheduler, "_admit_and_prefill", gated)
+
+
+def _groups(monkeypatch) -> list[list[int]]:
+    """The prompts' token counts of each group read together."""
+    seen: list[list[int]] = []
+    read = BatchScheduler._read_group
+
+    def spy(self, group, width, joined):
+        seen.append([len(s.reader.next_ids()) for s in group])
+        return read(self, group, width, joined)
+
+    monkeypatch.setattr(BatchScheduler, "_read_group", spy)
+    return seen
+
+
+@pytest.mark.parametrize("path", [SHIPPED, TINY_Q4, TINY_Q8], ids=["trained", "tiny-q4", "tiny-q8"])
+def test_prompts_read_together_answer_as_each_alone(models, monkeypatch, path):
+    """Four prompts of 20-70 tokens through four slots: those whose delta rule has one chunking
+    are read in one forward, each padded to the longest; every answer is its answer alone."""
+    m = models(need(path))
+    want = [generate(p, m, max_tokens=10, ignore_eos=True).token_ids for p in PROMPTS]
+    _admit_together(monkeypatch, len(PROMPTS))
+    seen = _groups(monkeypatch)
+    got = batch_generate(PROMPTS, m, max_tokens=10, ignore_eos=True, parallel=4)
+    assert [g.token_ids for g in got] == want
+    assert seen and max(len(g) for g in seen) >= 2, seen
+    for g in seen:  # a group's rows take their own chunking at the group's length
+        assert all(chunking(n) == chunking(max(g)) for n in g) and all(n > 16 for n in g), seen
+    sizes = [len(m.tokenizer.encode(p)) for p in PROMPTS]
+    together = {n for g in seen for n in g}
+    # every prompt that shares its chunking with another was read beside it
+    assert together == {n for n in sizes if sum(chunking(x) == chunking(n) for x in sizes) > 1}, (seen, sizes)
+
+
+def test_sampled_prompts_read_together_draw_as_alone(models, monkeypatch):
+    """Seeded sampled requests read together draw their first tokens, and all after them, as
+    alone (each row's sampler reads its own row's logits)."""
+    m = models(SHIPPED)
+    kw = dict(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.95, seed=3)
+    want = [generate(p, m, **kw).token_ids for p in PROMPTS]
+    _admit_together(monkeypatch, len(PROMPTS))
+    seen = _groups(monkeypatch)
+    got = batch_generate(PROMPTS, m, parallel=4, **kw)
+    assert [g.token_ids for g in got] == want and seen
+
+
+def test_prompts_read_together_keep_their_prompt_cache_state(models, monkeypatch):
+    """With a prompt cache each prompt's state before its last token is kept (the joint read
+    stops there, each last token read alone): a next turn through the batch reuses it and answers
+    as alone."""
+    m = models(SHIPPED, parallel=4)
+    alone = models(SHIPPED)
+    _admit_together(monkeypatch, len(PROMPTS))
+    seen = _groups(monkeypatch)
+    caches = [PromptCache() for _ in PROMPTS]
+    out: dict[int, tuple] = {}
+
+    def one(i):
+        a = generate(PROMPTS[i], m, max_tokens=6, ignore_eos=True, prompt_cache=caches[i])
+        out[i] = (a.token_ids, len(a.prompt_token_ids))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen and max(len(g) for g in seen) >= 2, seen
+    monkeypatch.undo()  # the next turns arrive one by one
+    for i, p in enumerate(PROMPTS):
+        turn2 = p + "    return None\n"
+        b = generate(turn2, m, max_tokens=6, ignore_eos=True, prompt_cache=caches[i])
+        assert b.stats["cached_prompt_tokens"] == out[i][1] - 1
+        ref = PromptCache()
+        generate(p, alone, max_tokens=6, ignore_eos=True, prompt_cache=ref)
+        assert out[i][0] == generate(p, alone, max_tokens=6, ignore_eos=True).token_ids
+        assert b.token_ids == generate(turn2, alone, max_tokens=6, ignore_eos=True, prompt_cache=ref).token_ids
