@@ -129,10 +129,19 @@ def _round_costs(scheduler, batch: int) -> dict:
     return {"t0_s": t0, **{str(k): round(v, 3) for k, v in c.measured_round_steps().items()}}
 
 
-def _prompts(n: int) -> list[str]:
+def _prompts(n: int, tokenizer=None, tokens: int = 0) -> list[str]:
+    """n different prompts: a task number and a stem (~10 tokens); with `tokens`, each grown by
+    lines of code before its stem to at least that many tokens (a request's usual length)."""
     stems = ["def parse_args(argv):\n", "class Cache:\n    def __init__(self, size):\n", "import json\n\ndef load(",
              "for i in range(10):\n", "def fib(n):\n", "async def fetch(url):\n", "SELECT name FROM", "x = ["]
-    return [f"# task {i}\n{stems[i % len(stems)]}" for i in range(n)]
+    out = []
+    for i in range(n):
+        head, k = f"# task {i}\n", 0
+        while tokens and len(tokenizer.encode(head + stems[i % len(stems)])) < tokens:
+            head += f"value_{i}_{k} = compute({k}, {i + k} * scale)\n"
+            k += 1
+        out.append(head + stems[i % len(stems)])
+    return out
 
 
 def run_streams(model, prompts: list[str], tokens: int, concurrent: bool, spec: str = "none",
@@ -226,6 +235,8 @@ def main(argv=None) -> int:
                     help="sampled streams (each seeded by its index; 0: greedy): their rows draw on the device, and "
                          "draft-mtp rows draft and verify by the rejection sampler")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (1: off)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="each prompt grown to at least this many tokens (0: the ~10-token stems)")
     args = ap.parse_args(argv)
     import mlx.core as mx
 
@@ -242,7 +253,7 @@ def main(argv=None) -> int:
     for c in levels:
         batched = load(args.model, parallel=max(c, 2)) if not (args.random_9b or args.oracle is not None) \
             else _with_scheduler(alone, max(c, 2), args.oracle)
-        prompts = _prompts(c)
+        prompts = _prompts(c, alone.tokenizer, args.prompt_tokens)
         # warm-up (first-use costs out of the timings): draft-mtp as long as a timed run, so n-max
         # auto's exploration of every draft length at this batch size, and each length's first
         # verify and head shapes (compiles: a 1.9 s TTFT in a timed run on an H100), happen here
@@ -308,6 +319,7 @@ def main(argv=None) -> int:
                       flush=True)
             print(f"      stages rounds by k {row['stages']['rounds_by_k']}", flush=True)
     report = {"device": str(mx.default_device()), "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens,
+              "prompt_tokens": args.prompt_tokens,
               "repeats": args.repeats, "model": args.model or "models/ (default)", "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
