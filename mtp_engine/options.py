@@ -8,6 +8,7 @@ takes its default from the environment (read here and nowhere else), then from t
 | field | variable | default |
 |---|---|---|
 | `compile_steps` | `MTP_ENGINE_COMPILE` (`0`/`1`) | on a GPU, off on the CPU |
+| `joint_read` | `MTP_ENGINE_JOINT_READ` (`0`/`1`) | on |
 | `kernels` | `MTP_ENGINE_QMV` (`custom`/`mlx`/a list) | `custom` (used only on a CUDA GPU) |
 | `row_pad` | `MTP_ENGINE_PAD_ROWS` (an integer) | 8 on a GPU, 0 on the CPU |
 | `dequant_rows` | `MTP_ENGINE_DEQUANT_ROWS` (an integer) | 256 on a GPU, 0 on the CPU |
@@ -29,7 +30,7 @@ from .errors import MTPEngineError
 
 ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
 ENV_PREPARE = "MTP_ENGINE_MLX_PREPARE_WORKERS"  # processes compiling MLX's modules ahead at load (0: none)
-ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
+ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "joint_read": "MTP_ENGINE_JOINT_READ", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
        "dequant_rows": "MTP_ENGINE_DEQUANT_ROWS", "prefill_chunk": "MTP_ENGINE_PREFILL_CHUNK",
        "kv_dtype": "MTP_ENGINE_KV_DTYPE", "draft_vocab": "MTP_ENGINE_DRAFT_VOCAB", "kv_tail": "MTP_ENGINE_KV_TAIL",
        "cache_dir": "MTP_ENGINE_CACHE_DIR",
@@ -132,6 +133,8 @@ class EngineOptions:
 
     - `compile_steps`: forwards of at most 16 rows (decode, draft, verify, catch-up) as one compiled
       graph each (`model/step.py`); measured faster on a GPU, a few percent slower on MLX's CPU.
+    - `joint_read`: fresh prompts joining a batch together are read in one forward per group, each
+      row computing what it computes alone (`batching.scheduler`); off: each in a forward of its own.
     - `kernels`: "custom", "mlx" or a subset such as "qmv,norm" (see `parse_kernels`); custom
       kernels run only on a CUDA GPU and only after they pass their self-test in this process.
     - `row_pad`: quantized products of 2..row_pad-1 rows (those the custom kernel does not take)
@@ -156,6 +159,7 @@ class EngineOptions:
     """
 
     compile_steps: bool | None = None
+    joint_read: bool | None = None
     kernels: str | None = None
     row_pad: int | None = None
     dequant_rows: int | None = None
@@ -169,6 +173,9 @@ class EngineOptions:
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
+        for name in ("compile_steps", "joint_read"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise MTPEngineError(f"expected True or False, found {getattr(self, name)!r}", field=name)
         if self.kernels is not None:
             parse_kernels(self.kernels)
         for name, low in _COUNTS.items():
@@ -188,11 +195,12 @@ class EngineOptions:
         environment variables."""
         env = os.environ if environ is None else environ
         values: dict = {}
-        raw = env.get(ENV["compile_steps"])
-        if raw is not None and raw != "":
-            if raw not in ("0", "1"):  # "true" was once ignored without a word
-                raise MTPEngineError(f"expected 0 or 1, found {raw!r}", field=ENV["compile_steps"])
-            values["compile_steps"] = raw == "1"
+        for name in ("compile_steps", "joint_read"):
+            raw = env.get(ENV[name])
+            if raw is not None and raw != "":
+                if raw not in ("0", "1"):  # "true" was once ignored without a word
+                    raise MTPEngineError(f"expected 0 or 1, found {raw!r}", field=ENV[name])
+                values[name] = raw == "1"
         raw = env.get(ENV["kernels"])
         if raw:
             parse_kernels(raw, ENV["kernels"])
@@ -250,6 +258,7 @@ class EngineOptions:
         if "prefill_chunk" not in values:
             gpu = _on_gpu() if gpu is None else gpu
             values["prefill_chunk"], sources["prefill_chunk"] = PREFILL_CHUNK["gpu" if gpu else "cpu"], "device"
+        values.setdefault("joint_read", True)
         values.setdefault("draft_vocab", 0)
         values.setdefault("kv_tail", KV_TAIL)
         values.setdefault("kv_dtype", KV_DTYPE)

@@ -41,13 +41,13 @@ def test_device_defaults_without_environment(clean_env):
     gpu = mx.default_device() == mx.gpu
     assert opts.compile_steps == gpu and opts.row_pad == (8 if gpu else 0) and opts.kernels == "custom"
     assert opts.dequant_rows == (256 if gpu else 0)
-    assert opts.kv_dtype == "float32"
+    assert opts.kv_dtype == "float32" and opts.joint_read is True
     assert opts.memory_limit is None and opts.cache_dir
 
 
 @pytest.mark.parametrize("kw", [dict(kernels="fast"), dict(row_pad=-1), dict(memory_limit="lots"),
                                 dict(dequant_rows=-2), dict(dequant_rows=True), dict(kv_dtype="f16"),
-                                dict(kv_dtype="float64")])
+                                dict(kv_dtype="float64"), dict(joint_read="no"), dict(compile_steps=1)])
 def test_bad_options_are_refused(kw):
     with pytest.raises(MTPEngineError) as info:
         EngineOptions(**kw)
@@ -56,7 +56,7 @@ def test_bad_options_are_refused(kw):
 
 @pytest.mark.parametrize("name,value", [("kernels", "fastest"), ("compile_steps", "true"), ("row_pad", "-3"),
                                         ("row_pad", "eight"), ("memory_limit", "lots"), ("dequant_rows", "x"),
-                                        ("kv_dtype", "half")])
+                                        ("kv_dtype", "half"), ("joint_read", "yes")])
 def test_bad_environment_names_the_variable(clean_env, name, value):
     # each was once ignored without a word (the engine ran on its defaults)
     clean_env.setenv(ENV[name], value)

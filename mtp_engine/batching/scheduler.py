@@ -265,6 +265,8 @@ class BatchScheduler:
         each reads as alone. Returns the tokens run (padded) and the group rows' first-token logits;
         sequences done go to `joined`."""
         model = self.model.model
+        if not model.options.joint_read:
+            return 0, []
         size = {s: len(s.reader.next_ids()) for s in self._joining
                 if s.reader.drafter is None and s.reader.done_tokens == 0 and not s.reader.cached}
         fresh = sorted((s for s, n in size.items() if n > SEQUENTIAL_MAX), key=lambda s: -size[s])

@@ -65,6 +65,19 @@ def test_prompts_read_together_answer_as_each_alone(models, monkeypatch, path):
     assert together == {n for n in sizes if sum(chunking(x) == chunking(n) for x in sizes) > 1}, (seen, sizes)
 
 
+def test_joint_reads_can_be_turned_off(models, monkeypatch):
+    """`EngineOptions(joint_read=False)` (MTP_ENGINE_JOINT_READ=0): each prompt in a forward of its
+    own, the same answers."""
+    from mtp_engine import EngineOptions
+
+    m = models(SHIPPED, options=EngineOptions(joint_read=False))
+    _admit_together(monkeypatch, len(PROMPTS))
+    seen = _groups(monkeypatch)
+    got = batch_generate(PROMPTS, m, max_tokens=6, ignore_eos=True, parallel=4)
+    assert not seen and [g.token_ids for g in got] == [generate(p, m, max_tokens=6, ignore_eos=True).token_ids
+                                                       for p in PROMPTS]
+
+
 def test_sampled_prompts_read_together_draw_as_alone(models, monkeypatch):
     """Seeded sampled requests read together draw their first tokens, and all after them, as
     alone (each row's sampler reads its own row's logits)."""
