@@ -2,7 +2,7 @@
 # One device call's worth of GPU checks (after the MLX-CUDA staging calls that
 # `sh scripts/gpu_stage.sh` prints: the shared wheel in as many parts as this tree leaves room for): the CUDA-only tests, start-up in two processes, and the
 # decode benchmarks, the server's overhead, each bounded, every log under $OUT (or ./gpu-check when $OUT is unset).
-# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|chunks|batch|batch9b|ab8|open|server|summary|all]
+# Usage on the device: PYTHONPATH=/tmp/site:$PWD sh scripts/gpu_check.sh [tests|tests1|tests2|kernels|rows|diag|sampled|spec|startup|bench|context|chunks|batch|batch9b|ab8|open-batch|open-long|server|summary|all]
 # (`all`: tests, start-up, server and one summary table, within one call)
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -28,7 +28,7 @@ group2="tests/model/test_model_reference.py tests/generation/test_prompt_cache.p
     tests/batching/test_batching.py tests/speculative/test_capture_width.py tests/speculative/test_long_context.py
     tests/speculative/test_kv_dtype.py tests/speculative/test_draft_vocab.py tests/generation/test_sampling_oracle.py
     tests/generation/test_pipeline.py tests/generation/test_profiler_bench.py tests/model/test_product_slabs.py
-    tests/generation/test_prompt_read.py"
+    tests/generation/test_prompt_read.py tests/batching/test_joint_read.py"
 gpu_tests() {  # name, then the files; serve_parallel (threads and HTTP, nothing of the GPU) stays on the CPU
     t=$(left 580 120 "$1") || return 0
     # MLX's modules are not prepared in worker processes here: 8 test processes, each with its own
@@ -133,8 +133,8 @@ if [ "$what" = ab8 ]; then  # 8 streams at the 9B shape, this tree against .gpu/
         echo "$t rc=$? $(grep 'C= 8' "$out/ab8-$t.log" | cut -c1-130)"
     done
 fi
-if [ "$what" = open ]; then  # what the open issues wait on, in one call after the suite's: the 8 streams' first
-    # tokens against .gpu/base, long prompts' chunks, a fresh start-up (each bounded; `spec` in a call of its own)
+if [ "$what" = open-batch ]; then  # what issue 43 waits on: 1 and 8 streams' first tokens against .gpu/base
+    # (short prompts), then 8 streams of 48-token prompts with joint reads on and off (MTP_ENGINE_JOINT_READ)
     for t in new base; do
         p=$PYTHONPATH; [ "$t" = base ] && p=/tmp/site:$PWD/.gpu/base
         r=$(left 120 60 "ab8 $t") || continue
@@ -142,10 +142,18 @@ if [ "$what" = open ]; then  # what the open issues wait on, in one call after t
             > "$out/ab8-$t.log" 2>&1
         echo "$t rc=$? $(grep 'C= ' "$out/ab8-$t.log" | cut -c1-130)"
     done
-    r=$(left 200 120 chunks) && timeout "$r" python3 scripts/bench/bench_context.py --sections context --lengths 8192,32768 \
+    for j in 1 0 1 0; do
+        r=$(left 80 50 "joint read $j") || continue
+        MTP_ENGINE_JOINT_READ=$j timeout "$r" python3 scripts/bench/bench_batch.py --random-9b -t 32 --concurrency 8 \
+            --prompt-tokens 48 --repeats 1 > "$out/joint-$j.log" 2>&1
+        echo "joint read $j rc=$? $(grep 'C= ' "$out/joint-$j.log" | cut -c1-130)"
+    done
+fi
+if [ "$what" = open-long ]; then  # what issues 44 and 47 wait on: long prompts' chunks, a fresh start-up
+    r=$(left 250 120 chunks) && timeout "$r" python3 scripts/bench/bench_context.py --sections context --lengths 8192,32768 \
         --tokens 32 --repeats 1 --n-max 3 --peer-max 0 --prefill-chunks 8192 --out "$out/chunks" > "$out/chunks.log" 2>&1
     echo "chunks rc=$?"; tail -6 "$out/chunks.log"
-    r=$(left 150 60 startup) && timeout "$r" python3 scripts/bench/startup_breakdown.py --root "$(mktemp -d /tmp/mtp-startup.XXXXXX)" \
+    r=$(left 200 60 startup) && timeout "$r" python3 scripts/bench/startup_breakdown.py --root "$(mktemp -d /tmp/mtp-startup.XXXXXX)" \
         --first-forward --long 600 --batch > "$out/startup1.json" 2> "$out/startup1.err"
     echo "startup rc=$?"; tail -c 600 "$out/startup1.json"
 fi
