@@ -8,12 +8,13 @@ import threading
 
 import pytest
 
-from mtp_engine import PromptCache, batch_generate, generate
+from mtp_engine import EngineOptions, PromptCache, batch_generate, generate
 from mtp_engine.batching.scheduler import BatchScheduler
 from mtp_engine.model.delta_rule import chunking
 
 from tests.conftest import SHIPPED, TINY_Q4, TINY_Q8, need
 
+JOINT = EngineOptions(joint_read=True)  # (the CPU's default is off: `EngineOptions`)
 # 20-70 tokens each: the chunked delta rule, one or two chunks, one prefill chunk
 PROMPTS = ["def parse_args(argv):\n    \"\"\"Parse the command line of the tool and return the options.\"\"\"\n",
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
@@ -50,7 +51,7 @@ def _groups(monkeypatch) -> list[list[int]]:
 def test_prompts_read_together_answer_as_each_alone(models, monkeypatch, path):
     """Four prompts of 20-70 tokens through four slots: those whose delta rule has one chunking
     are read in one forward, each padded to the longest; every answer is its answer alone."""
-    m = models(need(path))
+    m = models(need(path), options=JOINT)
     want = [generate(p, m, max_tokens=10, ignore_eos=True).token_ids for p in PROMPTS]
     _admit_together(monkeypatch, len(PROMPTS))
     seen = _groups(monkeypatch)
@@ -68,8 +69,6 @@ def test_prompts_read_together_answer_as_each_alone(models, monkeypatch, path):
 def test_joint_reads_can_be_turned_off(models, monkeypatch):
     """`EngineOptions(joint_read=False)` (MTP_ENGINE_JOINT_READ=0): each prompt in a forward of its
     own, the same answers."""
-    from mtp_engine import EngineOptions
-
     m = models(SHIPPED, options=EngineOptions(joint_read=False))
     _admit_together(monkeypatch, len(PROMPTS))
     seen = _groups(monkeypatch)
@@ -81,7 +80,7 @@ def test_joint_reads_can_be_turned_off(models, monkeypatch):
 def test_sampled_prompts_read_together_draw_as_alone(models, monkeypatch):
     """Seeded sampled requests read together draw their first tokens, and all after them, as
     alone (each row's sampler reads its own row's logits)."""
-    m = models(SHIPPED)
+    m = models(SHIPPED, options=JOINT)
     kw = dict(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.95, seed=3)
     want = [generate(p, m, **kw).token_ids for p in PROMPTS]
     _admit_together(monkeypatch, len(PROMPTS))
@@ -94,7 +93,7 @@ def test_prompts_read_together_keep_their_prompt_cache_state(models, monkeypatch
     """With a prompt cache each prompt's state before its last token is kept (the joint read
     stops there, each last token read alone): a next turn through the batch reuses it and answers
     as alone."""
-    m = models(SHIPPED, parallel=4)
+    m = models(SHIPPED, parallel=4, options=JOINT)
     alone = models(SHIPPED)
     _admit_together(monkeypatch, len(PROMPTS))
     seen = _groups(monkeypatch)
