@@ -9,7 +9,7 @@ One thread (the scheduler's) does all of the batch's device work, in a loop:
             time, never by its whole prefill, and short prompts that arrive together are all read
             in one step, queued back to back; fresh prompts of more than a step's tokens whose
             arithmetic alone is the same at a group's length are read in one forward, padded to
-            the group's longest, each row computing what it computes alone (`_read_together`);
+            the group's longest, each row computing what it computes alone (`joint_read`);
             after its last chunk a sequence samples its first token and joins the batch
             (`BatchCache.add`: its caches appended as a row);
   decode    one round of every running sequence (`speculative.round`: a plain round here, one
@@ -40,11 +40,11 @@ import mlx.core as mx
 from ..errors import MTPEngineError, out_of_memory
 from ..generation.sampling import check_finite
 from ..model.batch_cache import BatchCache
-from ..model.gdn import SEQUENTIAL_MAX
 from ..model.loaded import Model
 from ..generation.prompt_read import PromptDrafter, PromptReader
 from ..generation.round import Round, plain_round, post_norm
 from ..threads import quiesce_at_exit
+from .joint_read import read_together
 from .sequence import Sequence, logprobs_asked, sampling
 
 
@@ -223,7 +223,7 @@ class BatchScheduler:
             self._leave_prefill(s)
         chunk = self.model.model.options.prefill_chunk
         joined: list[Sequence] = []
-        spent, pending = self._read_together(chunk, joined)
+        spent, pending = read_together(self.model.model, self._joining, chunk, joined)
         for s in [s for s in self._joining if s not in joined]:
             try:
                 while spent < chunk and not s.reader.done:
@@ -245,7 +245,7 @@ class BatchScheduler:
 
     def _first_tokens(self, pending: list[tuple[Sequence, mx.array]], joined: list[Sequence]) -> None:
         """Samples and delivers joining sequences' first tokens from their logits (queued by
-        `_prefill_chunk` or `_read_group`); one that fails leaves alone."""
+        `_prefill_chunk` or a joint read); one that fails leaves alone."""
         for s, logits in pending:
             try:
                 token = s.sampler.sample(logits)
@@ -255,61 +255,6 @@ class BatchScheduler:
                 if s in joined:
                     joined.remove(s)
         pending.clear()
-
-    def _read_together(self, chunk: int, joined: list[Sequence]) -> tuple[int, list[tuple[Sequence, mx.array]]]:
-        """Fresh joining prompts of more than a step's tokens and at most a chunk (no drafter reads
-        them) are read in groups, one forward a group, each padded to the group's longest: one
-        dispatch of the model's operations instead of one per prompt (on a GPU an uncompiled
-        forward's dispatch is most of a short prompt's read). A group is only prompts whose
-        arithmetic alone is the same at the group's length and row count (`read_arithmetic`), so
-        each reads as alone. Returns the tokens run (padded) and the group rows' first-token logits;
-        sequences done go to `joined`."""
-        model = self.model.model
-        if not model.options.joint_read:
-            return 0, []
-        size = {s: len(s.reader.next_ids()) for s in self._joining
-                if s.reader.drafter is None and s.reader.done_tokens == 0 and not s.reader.cached}
-        fresh = sorted((s for s, n in size.items() if n > SEQUENTIAL_MAX), key=lambda s: -size[s])
-        spent, pending = 0, []
-        while len(fresh) >= 2:
-            group = [fresh.pop(0)]
-            w = size[group[0]]
-            for s in list(fresh):
-                trial = group + [s]
-                if spent + len(trial) * w > chunk:
-                    break
-                rows = len(trial) * w
-                if all(model.read_arithmetic(size[x], size[x]) == model.read_arithmetic(w, rows) for x in trial):
-                    group.append(s)
-                    fresh.remove(s)
-            if len(group) > 1:
-                try:
-                    pending += self._read_group(group, w, joined)
-                    spent += len(group) * w
-                except Exception:  # a bug here must not fail the prompts: each is then read alone
-                    traceback.print_exc()
-        return spent, pending
-
-    def _read_group(self, group: list[Sequence], width: int,
-                    joined: list[Sequence]) -> list[tuple[Sequence, mx.array]]:
-        """One forward of `group`'s next tokens, padded to `width` (`BatchCache.begin_rows`); each
-        reader takes its row's caches (`PromptReader.took`). Returns the first-token logits of the
-        rows done (a prompt cache's keep leaves the last token to its reader)."""
-        model = self.model.model
-        batch = BatchCache(model)
-        for s in group:
-            batch.add(s.reader.trunk)
-        ids = [s.reader.next_ids() for s in group]
-        batch.begin_rows([len(r) for r in ids])
-        post = model.forward_batch(mx.array([r + [0] * (width - len(r)) for r in ids], mx.int32), batch)
-        out = []
-        for b, (s, r) in enumerate(zip(group, ids)):
-            s.reader.took(batch.row(b), post[b:b + 1, len(r) - 1:len(r)])
-            if s.reader.done:
-                out.append((s, model.logits(s.reader.last[0, 0])))
-                joined.append(s)
-        mx.async_eval(*batch.arrays(), *[logits for _, logits in out])
-        return out
 
     def _prefill_failed(self, s: Sequence, e: Exception) -> None:
         if not isinstance(e, MTPEngineError):

@@ -97,8 +97,8 @@ class PromptReader:
     def read_chunk(self, wait: bool = True) -> int:
         """Reads the next chunk (keeping a prompt cache's state where it is due); returns its tokens.
         `wait=False` leaves the chunk running on the device (its arrays queued, not read): a batch
-        queues the short last chunks of several joining prompts back to back and reads their
-        first tokens once."""
+        queues the short last chunks of several joining prompts back to back, each one's first
+        token read once the next one's forward is queued."""
         ids = self.next_ids()
         if ids:
             post, pre = self.model.forward_states(mx.array([ids]), self.trunk, Pass.PREFILL)

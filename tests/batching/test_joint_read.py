@@ -1,5 +1,5 @@
 """Joining prompts read together: fresh prompts of more than a step's tokens, padded to their
-group's longest and read in one forward (`BatchScheduler._read_together`), each row computing what
+group's longest and read in one forward (`batching.joint_read`), each row computing what
 its prompt computes alone (`Qwen35Model.read_arithmetic`, `BatchCache.begin_rows`). The references
 are the same requests run alone by `generate`."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from mtp_engine import EngineOptions, PromptCache, batch_generate, generate
+from mtp_engine.batching import joint_read
 from mtp_engine.batching.scheduler import BatchScheduler
 from mtp_engine.model.delta_rule import chunking
 
@@ -37,13 +38,13 @@ def _admit_together(monkeypatch, n: int) -> None:
 def _groups(monkeypatch) -> list[list[int]]:
     """The prompts' token counts of each group read together."""
     seen: list[list[int]] = []
-    read = BatchScheduler._read_group
+    read = joint_read.read_group
 
-    def spy(self, group, width, joined):
+    def spy(model, group, width, joined):
         seen.append([len(s.reader.next_ids()) for s in group])
-        return read(self, group, width, joined)
+        return read(model, group, width, joined)
 
-    monkeypatch.setattr(BatchScheduler, "_read_group", spy)
+    monkeypatch.setattr(joint_read, "read_group", spy)
     return seen
 
 
