@@ -8,7 +8,8 @@ computes alone:
   - the delta rule's tokens past a row's length get decay 1 and write strength 0, as the chunked
     form's own padding (`gdn.mix`'s `valid`, set by `BatchCache.begin_rows`): their terms are exact
     zeros, and the row's conv window is taken at its own length;
-  - the attention layers, from empty caches, read with the causal mask a prompt alone reads with;
+  - the attention layers, from empty caches, read with the causal mask and the rope offset a
+    prompt alone reads with (`BatchCache.joint_start`);
   - a group holds only prompts whose arithmetic alone (the delta rule's chunking, each product's
     path: `Qwen35Model.read_arithmetic`) is the same at the group's length and row count.
 Eligible: fresh prompts (no prompt-cache hit: rows at different lengths would need another mask)

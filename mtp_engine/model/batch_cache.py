@@ -45,8 +45,11 @@ class BatchKVCache:
         return self.owner.base_array
 
     @property
-    def offset(self) -> mx.array:
-        """Each row's length before this forward: rope's per-row offset."""
+    def offset(self) -> mx.array | int:
+        """Each row's length before this forward: rope's per-row offset (prompts read together
+        from one length: that length, as a prompt alone gives it)."""
+        if self.owner.joint_start is not None:
+            return self.owner.joint_start
         return self.owner.lengths
 
     @property
@@ -104,7 +107,7 @@ class BatchKVCache:
         idx = mx.broadcast_to(pos, k.shape).astype(mx.int32)
         self.keys = mx.put_along_axis(self.keys, idx, k.astype(self.dtype), axis=2)
         self.values = mx.put_along_axis(self.values, idx, v.astype(self.dtype), axis=2)
-        if s > 1 and self.owner.valid is not None and len(set(self.owner.host_lengths)) == 1:
+        if s > 1 and self.owner.joint_start is not None:
             # prompts read together from one length (`BatchCache.begin_rows`): each row's queries
             # see what a sequence alone sees, by the mask it reads with (rows past a prompt's
             # length are stale, rewritten by its next tokens)
@@ -220,6 +223,13 @@ class BatchCache:
             return
         self.host_lengths = [x + n for x in self.host_lengths]
         self.lengths = self.lengths + n
+
+    @property
+    def joint_start(self) -> int | None:
+        """Prompts read together (`begin_rows`) from one length: that length (None otherwise)."""
+        if self.valid is None or len(set(self.host_lengths)) != 1:
+            return None
+        return self.host_lengths[0]
 
     def begin_rows(self, valid: list[int]) -> None:
         """Before an uncompiled forward of more than a step's tokens per row, row b padded past its
