@@ -43,6 +43,7 @@ def read_together(model: Qwen35Model, joining: list[Sequence], chunk: int,
     size = {s: len(s.reader.next_ids()) for s in joining
             if s.reader.drafter is None and s.reader.done_tokens == 0 and not s.reader.cached}
     fresh = sorted((s for s, n in size.items() if n > SEQUENTIAL_MAX), key=lambda s: -size[s])
+    alone = {s: model.read_arithmetic(size[s], size[s]) for s in fresh}  # each prompt's, read by itself
     spent, firsts = 0, []
     while len(fresh) >= 2:
         group = [fresh.pop(0)]
@@ -51,8 +52,8 @@ def read_together(model: Qwen35Model, joining: list[Sequence], chunk: int,
             trial = group + [s]
             if spent + len(trial) * width > chunk:
                 break
-            rows = len(trial) * width
-            if all(model.read_arithmetic(size[x], size[x]) == model.read_arithmetic(width, rows) for x in trial):
+            together = model.read_arithmetic(width, len(trial) * width)
+            if all(alone[x] == together for x in trial):
                 group.append(s)
                 fresh.remove(s)
         if len(group) > 1:

@@ -207,7 +207,8 @@ class Qwen35Model(nn.Module):
         if self.is_moe:
             return None
         rule = delta_rule.chunking(tokens) if tokens > gdn.SEQUENTIAL_MAX else "steps"
-        paths = {m.product_path(tokens, rows) for layer in self.layers for m in layer.modules() if isinstance(m, Linear)}
+        paths = {m.product_path(tokens, rows) for layer in self.layers for m in layer.modules()
+                 if isinstance(m, Linear)}
         return rule, tuple(sorted(paths))
 
     def logits(self, hidden: mx.array) -> mx.array:
