@@ -30,10 +30,10 @@ from .errors import MTPEngineError
 
 ENV_MODEL = "MTP_ENGINE_MODEL"  # the file `load()` opens when given none (not an option: which model, not how)
 ENV_PREPARE = "MTP_ENGINE_MLX_PREPARE_WORKERS"  # processes compiling MLX's modules ahead at load (0: none)
-ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "joint_read": "MTP_ENGINE_JOINT_READ", "kernels": "MTP_ENGINE_QMV", "row_pad": "MTP_ENGINE_PAD_ROWS",
-       "dequant_rows": "MTP_ENGINE_DEQUANT_ROWS", "prefill_chunk": "MTP_ENGINE_PREFILL_CHUNK",
-       "kv_dtype": "MTP_ENGINE_KV_DTYPE", "draft_vocab": "MTP_ENGINE_DRAFT_VOCAB", "kv_tail": "MTP_ENGINE_KV_TAIL",
-       "cache_dir": "MTP_ENGINE_CACHE_DIR",
+ENV = {"compile_steps": "MTP_ENGINE_COMPILE", "joint_read": "MTP_ENGINE_JOINT_READ", "kernels": "MTP_ENGINE_QMV",
+       "row_pad": "MTP_ENGINE_PAD_ROWS", "dequant_rows": "MTP_ENGINE_DEQUANT_ROWS",
+       "prefill_chunk": "MTP_ENGINE_PREFILL_CHUNK", "kv_dtype": "MTP_ENGINE_KV_DTYPE",
+       "draft_vocab": "MTP_ENGINE_DRAFT_VOCAB", "kv_tail": "MTP_ENGINE_KV_TAIL", "cache_dir": "MTP_ENGINE_CACHE_DIR",
        "memory_limit": "MTP_ENGINE_MEMORY_LIMIT"}
 
 # the custom CUDA kernels, by name: few-row quantized products, the fused gated-delta-net layer,
@@ -56,6 +56,7 @@ KV_DTYPE = "float32"
 # over 8 layers in float32; the main buffer is written once per ~256 steps. On an H100 at 8192
 # tokens of context decoding ran 1.42x faster with it, at 512 0.97x (noise)
 KV_TAIL = 256
+_SWITCHES = ("compile_steps", "joint_read")  # on/off fields (`0`/`1` in the environment)
 _COUNTS = {"row_pad": 0, "dequant_rows": 0, "prefill_chunk": 1, "draft_vocab": 0, "kv_tail": 0}  # least values
 
 
@@ -176,9 +177,10 @@ class EngineOptions:
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        for name in ("compile_steps", "joint_read"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise MTPEngineError(f"expected True or False, found {getattr(self, name)!r}", field=name)
+        for name in _SWITCHES:
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise MTPEngineError(f"expected True or False, found {v!r}", field=name)
         if self.kernels is not None:
             parse_kernels(self.kernels)
         for name, low in _COUNTS.items():
@@ -198,7 +200,7 @@ class EngineOptions:
         environment variables."""
         env = os.environ if environ is None else environ
         values: dict = {}
-        for name in ("compile_steps", "joint_read"):
+        for name in _SWITCHES:
             raw = env.get(ENV[name])
             if raw is not None and raw != "":
                 if raw not in ("0", "1"):  # "true" was once ignored without a word
