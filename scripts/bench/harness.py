@@ -191,12 +191,18 @@ def loop_section(model, ref, prompt, tokens: int, repeats: int, log) -> dict:
 
 
 def round_ms(rounds: list[tuple[int, float, bool]]) -> dict[str, float]:
-    """Median milliseconds of a run's warm rounds per draft length (a `RoundClock`'s rounds)."""
-    by_k: dict[int, list[float]] = {}
-    for k, seconds, first in rounds[1:]:  # the first round's interval starts at the prefill's end
+    """Median milliseconds of a run's warm rounds per draft length (a `RoundClock`'s rounds); a
+    round beside a change of k (the round before or after is of another k: a pipelined round's
+    interval holds a neighbour's work, and a change re-shapes the drafter) under "k*", apart, so
+    that auto's steady rounds compare with a fixed run's."""
+    by_k: dict[str, list[float]] = {}
+    ks = [k for k, _, _ in rounds]
+    for i in range(1, len(rounds)):  # the first round's interval starts at the prefill's end
+        k, seconds, first = rounds[i]
         if not first:
-            by_k.setdefault(k, []).append(seconds * 1e3)
-    return {str(k): round(statistics.median(v), 3) for k, v in sorted(by_k.items())}
+            beside = ks[i - 1] != k or (i + 1 < len(ks) and ks[i + 1] != k)
+            by_k.setdefault(f"{k}*" if beside else str(k), []).append(seconds * 1e3)
+    return {k: round(statistics.median(v), 3) for k, v in sorted(by_k.items())}
 
 
 def auto_section(model, prompt, tokens: int, repeats: int, accs, ks, log, shape: str) -> dict:
