@@ -13,8 +13,10 @@ computes alone:
   - a group holds only prompts whose arithmetic alone (the delta rule's chunking, each product's
     path: `Qwen35Model.read_arithmetic`) is the same at the group's length and row count.
 Eligible: fresh prompts (no prompt-cache hit: rows at different lengths would need another mask)
-of more than a step's tokens (the token-by-token kernels have no per-row length) and at most a
-chunk, read without a drafter. Each reader takes its row's caches back (`PromptReader.took`), and
+of 2 tokens to a chunk, read without a drafter, whose read alone would not run a compiled graph
+(the forward of a group is not compiled: its shapes rarely recur). Up to a step's 16 tokens the
+delta rule runs token by token (the CUDA kernel takes each row's length, as the chunked form's
+masking does). Each reader takes its row's caches back (`PromptReader.took`), and
 a prompt cache's state before the last token is kept as alone (that token then read alone).
 `EngineOptions.joint_read` turns it on (by default on a GPU only: where a read is its arithmetic,
 one forward for eight costs what eight do and every first token waits for the group).
@@ -26,7 +28,6 @@ import traceback
 import mlx.core as mx
 
 from ..model.batch_cache import BatchCache
-from ..model.gdn import SEQUENTIAL_MAX
 from ..model.qwen35 import Qwen35Model
 from .sequence import Sequence
 
@@ -42,7 +43,9 @@ def read_together(model: Qwen35Model, joining: list[Sequence], chunk: int,
         return 0, []
     size = {s: len(s.reader.next_ids()) for s in joining
             if s.reader.drafter is None and s.reader.done_tokens == 0 and not s.reader.cached}
-    fresh = sorted((s for s, n in size.items() if n > SEQUENTIAL_MAX), key=lambda s: -size[s])
+    # a prompt whose read alone runs a compiled graph (its shape traced already) is read alone
+    fresh = sorted((s for s, n in size.items() if n > 1 and not model.reads_compiled(s.reader.trunk, n)),
+                   key=lambda s: -size[s])
     alone = {s: model.read_arithmetic(size[s], size[s]) for s in fresh}  # each prompt's, read by itself
     spent, firsts = 0, []
     while len(fresh) >= 2:

@@ -7,7 +7,7 @@ One thread (the scheduler's) does all of the batch's device work, in a loop:
             numbers on any device, a batch of one as quick to its first token), up to a chunk's
             worth of tokens a step: a long prompt delays the running streams by one chunk at a
             time, never by its whole prefill, and short prompts that arrive together are all read
-            in one step, queued back to back; fresh prompts of more than a step's tokens whose
+            in one step, queued back to back; fresh prompts of 2 tokens or more whose
             arithmetic alone is the same at a group's length are read in one forward, padded to
             the group's longest, each row computing what it computes alone (`joint_read`);
             after its last chunk a sequence samples its first token and joins the batch

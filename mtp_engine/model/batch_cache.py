@@ -232,7 +232,7 @@ class BatchCache:
         return self.host_lengths[0]
 
     def begin_rows(self, valid: list[int]) -> None:
-        """Before an uncompiled forward of more than a step's tokens per row, row b padded past its
+        """Before an uncompiled forward of several tokens per row, row b padded past its
         first valid[b]: prompts of several lengths read in one pass, each row's caches left as its
         own tokens alone leave them (`gdn.mix`'s `valid`; the attention's rows past a prompt's
         length are stale, its length moves by valid[b])."""

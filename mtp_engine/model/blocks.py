@@ -112,7 +112,8 @@ class GatedAttention(nn.Module):
         y = self.qkv(x) if self.qkv is not None else mx.concatenate([self.q(x), self.k(x), self.v(x)], axis=-1)
         # a Python int, an array inside a compiled step, or a batch's lengths [B]
         start = cache.offset
-        pos = (start.reshape(-1) if isinstance(start, mx.array) else mx.array([start])).astype(mx.int32)
+        # (prompts read together from one length: that length for every row)
+        pos = (start.reshape(-1) if isinstance(start, mx.array) else mx.full((x.shape[0],), start)).astype(mx.int32)
         dims = (c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.eps, c.rope_base)
         k, v = attn_kernel.new_kv(y, self.k_norm, pos, *dims, dtype=cache.dtype)
         cache.update(k, v)
@@ -165,10 +166,10 @@ class GatedDeltaNet(nn.Module):
         conv0, state0, kept = cache.sources()
         capture = cache.capturing
         width = max(s, cache.capture_width or s) if capture else None  # fixed-width captures (RecurrentCache)
-        if self.fused_kernel and cache.valid is None and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
+        if self.fused_kernel and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
             r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
                                                   self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps,
-                                                  kept=kept, capture=capture, width=width))
+                                                  kept=kept, capture=capture, width=width, valid=cache.valid))
         else:
             if kept is not None:
                 conv0, state0 = pick_state(conv0, state0, kept, d.kernel)

@@ -46,14 +46,14 @@ def mix(d: Dims, qkv_x: mx.array, z_x: mx.array, alpha_x: mx.array, beta_x: mx.a
     `valid` [b] int32: row b's tokens are its first valid[b] (prompts of several lengths read in
     one pass): the tokens past them have decay 1 and write strength 0, as the chunked form's own
     padding, so each row's outputs and state are those of its tokens alone, and its conv window
-    ends at its last token (the chunked form only)."""
+    ends at its last token (not in a captured pass)."""
     b, s = qkv_x.shape[0], qkv_x.shape[1]
     window = mx.concatenate([conv0, qkv_x], axis=1)  # [b, K-1+s, C]
     prep = _prepare(d.kh, d.kd, d.vh, d.vd, d.kernel, d.eps)
     q, k, v, g, beta = prep(window, conv_w, alpha_x, beta_x, dt_bias, a)
     if valid is not None:
-        if s <= SEQUENTIAL_MAX or capture:
-            raise ValueError(f"rows of their own lengths are read in the chunked form only ({s} tokens)")
+        if capture:
+            raise ValueError("rows of their own lengths are not read in a captured pass")
         real = mx.arange(s)[None, :, None] < valid[:, None, None]
         g, beta = mx.where(real, g, 0.0), mx.where(real, beta, 0.0)
     if s <= SEQUENTIAL_MAX or capture:

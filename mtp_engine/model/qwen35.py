@@ -159,7 +159,7 @@ class Qwen35Model(nn.Module):
         s = int(ids.shape[1])
         if how.capture:
             cache.begin_capture(s)
-        fits = s <= compiled.MAX_TOKENS and all(compilable_ffn(l.mlp) for l in self.layers) and \
+        fits = self._step_fits(s) and \
             (how is not compiled.Pass.PREFILL or compiled.traced(self.graphs, cache.layers, s, how.capture))
         if (self._compile_steps and fits) or how.resident:
             # the MoE blocks' routing leaves the graph as extra outputs (for the profiler's counts)
@@ -175,6 +175,15 @@ class Qwen35Model(nn.Module):
             cache.offset += s
         return TrunkStates(post, x)
 
+    def reads_compiled(self, cache: "TrunkCache", tokens: int) -> bool:
+        """Whether a prompt's read of `tokens` into `cache` runs a compiled graph (one traced already
+        for its shape: `forward_states`' PREFILL pass), not the operations one by one."""
+        return self._compile_steps and self._step_fits(tokens) and compiled.traced(self.graphs, cache.layers, tokens)
+
+    def _step_fits(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` per row can be one compiled graph."""
+        return tokens <= compiled.MAX_TOKENS and all(compilable_ffn(l.mlp) for l in self.layers)
+
     def forward_batch(self, ids: mx.array, batch: BatchCache, capture: bool = False) -> mx.array:
         """ids [B, S]: the next S tokens of each of B sequences, each at its own length in `batch`
         (advanced here); returns the post-norm hidden states [B, S, H]. Up to `step.MAX_TOKENS`
@@ -186,7 +195,9 @@ class Qwen35Model(nn.Module):
         s = int(ids.shape[1])
         if capture:
             batch.begin_capture(s)
-        if self._compile_steps and s <= compiled.MAX_TOKENS and all(compilable_ffn(l.mlp) for l in self.layers):
+        # prompts read together (`BatchCache.begin_rows`) run uncompiled, as a prompt alone does: their
+        # shapes rarely recur, and each row's lengths are the forward's own
+        if self._compile_steps and batch.valid is None and self._step_fits(s):
             post, x = compiled.run_batch(self.graphs, self._body, [ids], batch, s)
         else:
             post, x = self._body(ids, batch.layers)

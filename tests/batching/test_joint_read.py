@@ -1,4 +1,4 @@
-"""Joining prompts read together: fresh prompts of more than a step's tokens, padded to their
+"""Joining prompts read together: fresh prompts of 2 tokens to a chunk, padded to their
 group's longest and read in one forward (`batching.joint_read`), each row computing what
 its prompt computes alone (`Qwen35Model.read_arithmetic`, `BatchCache.begin_rows`). The references
 are the same requests run alone by `generate`."""
@@ -21,6 +21,9 @@ PROMPTS = ["def parse_args(argv):\n    \"\"\"Parse the command line of the tool 
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
            "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Run the tool.\"\"\"\n    for a in argv:\n",
            "for i in range(10):\n    print(i * i)\n# now the same for a list of words\nwords = ["]
+# 3-13 tokens: the delta rule token by token (the CUDA kernel on a GPU), each row to its own length
+SHORT = ["def add(a, b):\n", "import numpy as np\n", "x = [1, 2, 3]\nprint(",
+         "class Node:\n    def __init__(self, value):\n", "while True:"]
 
 
 def _admit_together(monkeypatch, n: int) -> None:
@@ -65,6 +68,24 @@ def test_prompts_read_together_answer_as_each_alone(models, monkeypatch, path):
     together = {n for g in seen for n in g}
     # every prompt that shares its chunking with another was read beside it
     assert together == {n for n in sizes if sum(chunking(x) == chunking(n) for x in sizes) > 1}, (seen, sizes)
+
+
+@pytest.mark.parametrize("path", [SHIPPED, TINY_Q4], ids=["trained", "tiny-q4"])
+def test_short_prompts_read_together_answer_as_each_alone(models, monkeypatch, path):
+    """Five prompts of 3-13 tokens (the delta rule's token steps, each row stopping at its own
+    length) through five slots: read in one forward, each answer its answer alone (without
+    the masking of the padded tokens the tiny model's answers differ)."""
+    m = models(need(path), options=JOINT)
+    want = [generate(p, m, max_tokens=10, ignore_eos=True).token_ids for p in SHORT]
+    _admit_together(monkeypatch, len(SHORT))
+    seen = _groups(monkeypatch)
+    got = batch_generate(SHORT, m, max_tokens=10, ignore_eos=True, parallel=len(SHORT))
+    assert [g.token_ids for g in got] == want
+    steps = sorted(n for n in (len(m.tokenizer.encode(p)) for p in SHORT) if n <= 16)  # (the tiny
+    # models' tokenizer makes some of them longer)
+    assert len(steps) >= 3 and any(len(g) >= 2 and max(g) <= 16 for g in seen), seen
+    if m.model.read_arithmetic(max(steps), len(steps) * max(steps)) == m.model.read_arithmetic(min(steps), min(steps)):
+        assert sorted(n for g in seen for n in g if n <= 16) == steps, seen  # one arithmetic: all together
 
 
 def test_joint_reads_can_be_turned_off(models, monkeypatch):

@@ -74,3 +74,24 @@ def test_the_mixer_with_unfused_steps_is_the_mixer():
         b = gdn.mix(d, **x, capture=capture, fused_steps=False)
         for u, w in zip(a, b):
             np.testing.assert_allclose(np.array(u), np.array(w), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("s,valid", [(9, [9, 3, 6, 1]), (16, [2, 16, 11]), (40, [40, 17, 33])],
+                         ids=["steps", "steps-16", "chunked"])
+def test_rows_of_their_own_lengths_end_as_each_alone(s, valid):
+    # prompts of several lengths read in one pass (`gdn.mix`'s `valid`, a batch's joint read):
+    # each row's outputs, state and conv window are bit for bit those of its own tokens alone, in the
+    # token steps (up to 16 tokens) and in the chunked form; the padded tokens are junk on purpose
+    from mtp_engine.model import gdn
+    from mtp_engine.model import kernels
+    d = gdn.Dims(2, 16, 4, 8, 4, 1e-6)
+    x = kernels.gdn.random_inputs(d, s, seed=s, batch=len(valid))
+    together = gdn.mix(d, **x, valid=mx.array(valid, mx.int32))
+    per_token = ("qkv_x", "z_x", "alpha_x", "beta_x")
+    per_row = per_token + ("conv0", "state0")
+    for b, n in enumerate(valid):
+        row = {k: (v[b:b + 1, :n] if k in per_token else v[b:b + 1]) if k in per_row else v for k, v in x.items()}
+        alone = gdn.mix(d, **row)
+        assert np.array_equal(np.array(together.y[b:b + 1, :n]), np.array(alone.y)), b
+        assert np.array_equal(np.array(together.state[b:b + 1]), np.array(alone.state)), b
+        assert np.array_equal(np.array(together.conv[b:b + 1]), np.array(alone.conv)), b
