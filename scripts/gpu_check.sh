@@ -133,16 +133,17 @@ if [ "$what" = ab8 ]; then  # 8 streams at the 9B shape, this tree against .gpu/
         echo "$t rc=$? $(grep 'C= 8' "$out/ab8-$t.log" | cut -c1-130)"
     done
 fi
-if [ "$what" = open-batch ]; then  # what issue 43 waits on: 1 and 8 streams' first tokens against .gpu/base
-    # (short prompts), then 8 streams of 48-token prompts with joint reads on and off (MTP_ENGINE_JOINT_READ)
-    for t in new base; do
+if [ "$what" = open-batch ]; then  # what issue 43 waits on: 1 and 8 streams' first tokens (short prompts) with
+    # joint reads on and off (MTP_ENGINE_JOINT_READ) and against .gpu/base, then 8 streams of 48-token prompts
+    for t in new new-off base; do
         p=$PYTHONPATH; [ "$t" = base ] && p=/tmp/site:$PWD/.gpu/base
+        j=1; [ "$t" = new-off ] && j=0
         r=$(left 120 60 "ab8 $t") || continue
-        PYTHONPATH=$p timeout "$r" python3 scripts/bench/bench_batch.py --random-9b -t 64 --concurrency 1,8 --repeats 1 \
-            > "$out/ab8-$t.log" 2>&1
+        MTP_ENGINE_JOINT_READ=$j PYTHONPATH=$p timeout "$r" python3 scripts/bench/bench_batch.py --random-9b -t 64 \
+            --concurrency 1,8 --repeats 1 > "$out/ab8-$t.log" 2>&1
         echo "$t rc=$? $(grep 'C= ' "$out/ab8-$t.log" | cut -c1-130)"
     done
-    for j in 1 0 1 0; do
+    for j in 1 0; do
         r=$(left 80 50 "joint read $j") || continue
         MTP_ENGINE_JOINT_READ=$j timeout "$r" python3 scripts/bench/bench_batch.py --random-9b -t 32 --concurrency 8 \
             --prompt-tokens 48 --repeats 1 > "$out/joint-$j.log" 2>&1
