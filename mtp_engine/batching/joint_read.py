@@ -15,8 +15,8 @@ computes alone:
 Eligible: fresh prompts (no prompt-cache hit: rows at different lengths would need another mask)
 of 2 tokens to a chunk, read without a drafter, whose read alone would not run a compiled graph
 (the forward of a group is not compiled: its shapes rarely recur). Up to a step's 16 tokens the
-delta rule runs token by token (the CUDA kernel takes each row's length, as the chunked form's
-masking does). Each reader takes its row's caches back (`PromptReader.took`), and
+delta rule runs token by token, masked as the chunked form; where the fused CUDA kernel reads such
+a prompt alone (it has no per-row length) the prompt reads alone. Each reader takes its row's caches back (`PromptReader.took`), and
 a prompt cache's state before the last token is kept as alone (that token then read alone).
 `EngineOptions.joint_read` turns it on (by default on a GPU only: where a read is its arithmetic,
 one forward for eight costs what eight do and every first token waits for the group).
@@ -47,6 +47,9 @@ def read_together(model: Qwen35Model, joining: list[Sequence], chunk: int,
     fresh = sorted((s for s, n in size.items() if n > 1 and not model.reads_compiled(s.reader.trunk, n)),
                    key=lambda s: -size[s])
     alone = {s: model.read_arithmetic(size[s], size[s]) for s in fresh}  # each prompt's, read by itself
+    # none of a mixture of experts' (None), none the fused delta-net kernel reads alone (it has no
+    # per-row length)
+    fresh = [s for s in fresh if alone[s] is not None and alone[s][0] != "kernel"]
     spent, firsts = 0, []
     while len(fresh) >= 2:
         group = [fresh.pop(0)]

@@ -158,6 +158,13 @@ class GatedDeltaNet(nn.Module):
         e3 = e2 + c.ssm_value_heads
         return y[..., :e1], y[..., e1:e2], y[..., e2:e3], y[..., e3:]
 
+    def kernel_fits(self, rows: int, tokens: int) -> bool:
+        """Whether a forward of `rows` rows of `tokens` runs the fused CUDA kernel (rows of their own
+        lengths, a joint read's, never do: it has no per-row length)."""
+        c = self.cfg
+        return self.fused_kernel and gdn_kernel.supports(c.ssm_key_heads, c.ssm_key_dim, c.ssm_value_heads,
+                                                         c.ssm_value_dim, rows, tokens)
+
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
         c = self.cfg
         b, s, _ = x.shape
@@ -166,10 +173,10 @@ class GatedDeltaNet(nn.Module):
         conv0, state0, kept = cache.sources()
         capture = cache.capturing
         width = max(s, cache.capture_width or s) if capture else None  # fixed-width captures (RecurrentCache)
-        if self.fused_kernel and gdn_kernel.supports(d.kh, d.kd, d.vh, d.vd, b, s):
+        if cache.valid is None and self.kernel_fits(b, s):
             r = gdn.Mixed(*gdn_kernel.gated_delta(qkv_x, z_x, alpha_x, beta_x, conv0, self.conv_w, self.dt_bias,
                                                   self.a, self.norm, state0, d.kh, d.kd, d.vh, d.vd, d.eps,
-                                                  kept=kept, capture=capture, width=width, valid=cache.valid))
+                                                  kept=kept, capture=capture, width=width))
         else:
             if kept is not None:
                 conv0, state0 = pick_state(conv0, state0, kept, d.kernel)

@@ -211,13 +211,17 @@ class Qwen35Model(nn.Module):
 
     def read_arithmetic(self, tokens: int, rows: int) -> tuple | None:
         """What a forward of `rows` rows, `tokens` per sequence, computes each row with: the delta
-        rule's form (token steps, or the chunked form's chunking) and each product's path
-        (`Linear.product_path`). Prompts padded to a group's longest and read in one pass compute
+        rule's form (the fused kernel's token steps, MLX's, or the chunked form's chunking) and each
+        product's path (`Linear.product_path`). Prompts padded to a group's longest and read in one pass compute
         as alone where this is the same at their own length and at the group's. None: no row of
         this model is read beside others (a mixture of experts routes the rows together)."""
         if self.is_moe:
             return None
-        rule = delta_rule.chunking(tokens) if tokens > gdn.SEQUENTIAL_MAX else "steps"
+        if tokens > gdn.SEQUENTIAL_MAX:
+            rule = delta_rule.chunking(tokens)
+        else:  # token steps: the fused kernel's, for one row of this many tokens, or MLX's operations
+            mixers = [layer.mixer for layer in self.layers if isinstance(layer.mixer, GatedDeltaNet)]
+            rule = "kernel" if any(m.kernel_fits(1, tokens) for m in mixers) else "steps"
         paths = {m.product_path(tokens, rows) for layer in self.layers for m in layer.modules()
                  if isinstance(m, Linear)}
         return rule, tuple(sorted(paths))

@@ -13,7 +13,7 @@ from mtp_engine.batching import joint_read
 from mtp_engine.batching.scheduler import BatchScheduler
 from mtp_engine.model.delta_rule import chunking
 
-from tests.conftest import SHIPPED, TINY_Q4, TINY_Q8, need
+from tests.conftest import MOE_Q4, SHIPPED, TINY_Q4, TINY_Q8, need
 
 JOINT = EngineOptions(joint_read=True)  # (the CPU's default is off: `EngineOptions`)
 # 20-70 tokens each: the chunked delta rule, one or two chunks, one prefill chunk
@@ -86,6 +86,28 @@ def test_short_prompts_read_together_answer_as_each_alone(models, monkeypatch, p
     assert len(steps) >= 3 and any(len(g) >= 2 and max(g) <= 16 for g in seen), seen
     if m.model.read_arithmetic(max(steps), len(steps) * max(steps)) == m.model.read_arithmetic(min(steps), min(steps)):
         assert sorted(n for g in seen for n in g if n <= 16) == steps, seen  # one arithmetic: all together
+
+
+def test_no_prompt_is_read_beside_others_where_its_arithmetic_alone_cannot_be_kept(models, monkeypatch):
+    """A mixture of experts (routing gathers the rows per expert) and prompts whose delta rule the
+    fused CUDA kernel steps alone (it has no per-row length) are each read alone, as alone."""
+    moe = models(need(MOE_Q4), options=JOINT)
+    _admit_together(monkeypatch, len(PROMPTS))
+    seen = _groups(monkeypatch)
+    got = batch_generate(PROMPTS, moe, max_tokens=4, ignore_eos=True, parallel=4)
+    assert not seen and [g.token_ids for g in got] == [generate(p, moe, max_tokens=4, ignore_eos=True).token_ids
+                                                       for p in PROMPTS]
+    m = models(SHIPPED, options=JOINT)
+    model = type(m.model)
+    arithmetic = model.read_arithmetic
+
+    def kernel_steps(self, tokens, rows):  # what a GPU with the fused delta-net kernel answers
+        rule, paths = arithmetic(self, tokens, rows)
+        return ("kernel" if tokens <= 16 else rule), paths
+
+    monkeypatch.setattr(model, "read_arithmetic", kernel_steps)
+    batch_generate(SHORT, m, max_tokens=2, ignore_eos=True, parallel=len(SHORT))
+    assert not seen
 
 
 def test_joint_reads_can_be_turned_off(models, monkeypatch):

@@ -78,32 +78,6 @@ def test_batched_kernel_rows_are_independent():
 
 
 @needs_gpu
-@pytest.mark.parametrize("d", SHAPES, ids=lambda d: f"kd{d.kd}vh{d.vh}")
-@pytest.mark.parametrize("s,valid", [(9, [9, 3, 6, 1]), (16, [2, 16, 11, 7, 16, 1, 5, 12])])
-def test_rows_of_their_own_lengths_end_as_each_alone(d, s, valid):
-    # prompts of several lengths read in one launch (`valid`, a batch's joint read): each row's
-    # outputs, state and conv state are bit for bit the kernel's on its own tokens alone, and within
-    # TOL of the MLX mixer's with the same `valid`
-    x = kernels.gdn.random_inputs(d, s, seed=5 * s, batch=len(valid))
-    names = ["qkv_x", "z_x", "alpha_x", "beta_x", "conv0", "conv_w", "dt_bias", "a", "norm", "state0"]
-    dims = (d.kh, d.kd, d.vh, d.vd, d.eps)
-    per_token = {"qkv_x", "z_x", "alpha_x", "beta_x"}
-    per_row = per_token | {"conv0", "state0"}
-    rows = mx.array(valid, mx.int32)
-    whole = kernels.gdn.gated_delta(*[x[n] for n in names], *dims, valid=rows)
-    with mx.stream(mx.cpu):
-        ref = gdn.mix(d, **x, fused_steps=False, valid=rows)
-    for w, r in zip(whole, ref):
-        assert float(mx.abs(w - r).max().item()) < TOL
-    for b, n in enumerate(valid):
-        alone = kernels.gdn.gated_delta(*[(x[k][b:b + 1, :n] if k in per_token else x[k][b:b + 1]) if k in per_row
-                                          else x[k] for k in names], *dims)
-        assert np.array_equal(np.array(whole[0][b:b + 1, :n]), np.array(alone[0])), b
-        assert np.array_equal(np.array(whole[1][b:b + 1]), np.array(alone[1])), b
-        assert np.array_equal(np.array(whole[2][b:b + 1]), np.array(alone[2])), b
-
-
-@needs_gpu
 def test_kernel_on_contiguous_inputs():
     # the unjoined products arrive as separate dense arrays rather than slices of one product
     d = SHAPES[0]

@@ -47,9 +47,6 @@ _SOURCE = """
     const bool CAPTURE = params[1] != 0.0f;  // a runtime flag: one NVRTC compile serves both
     const int W = CAPTURE ? (int)params[2] : 0;  // captured buffers' tokens (>= S; slots past S unwritten)
     const int at = kept[b];  // the starting state's slot: kept tokens of a rolled-back captured pass
-    // the row's tokens that count (prompts of several lengths read in one pass): past them decay 1
-    // and write strength 0, as `gdn.mix`'s `valid`, so the state is the row's own tokens' exactly
-    const int n = params[3] != 0.0f ? valid[b] : S;
     const float* xq = qkv + b * qkv_strides[0];
     const float* xz = z + b * z_strides[0];
     const float* xa = alpha + b * alpha_strides[0];
@@ -87,14 +84,14 @@ _SOURCE = """
     if (tid < S) {
         const float x = xa[tid * ra + h] + dt_bias[h];
         const float sp = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
-        sg[tid] = tid < n ? sp * a[h] : 0.0f;
-        sb[tid] = tid < n ? 1.0f / (1.0f + expf(-xb[tid * rb + h])) : 0.0f;
+        sg[tid] = sp * a[h];
+        sb[tid] = 1.0f / (1.0f + expf(-xb[tid * rb + h]));
     }
-    // the new conv state, window rows n .. n+KC-2 (captured: the whole window, rows 0 .. S+KC-2);
+    // the new conv state, window rows S .. S+KC-2 (captured: the whole window, rows 0 .. S+KC-2);
     // each channel written by exactly one block
     {
         const int nv = VD, nqk = (h < KH) ? 2 * KD : 0;
-        const int rows = conv_rows, first = CAPTURE ? 0 : n;
+        const int rows = conv_rows, first = CAPTURE ? 0 : S;
         for (int w = tid; w < rows * (nv + nqk); w += NT) {
             const int r = w / (nv + nqk), c = w - r * (nv + nqk);
             const int ch = c < nv ? 2 * KH * KD + h * VD + c
@@ -171,8 +168,7 @@ _SOURCE = """
     }
 """
 
-_INPUTS = ["qkv", "z", "alpha", "beta", "conv0", "conv_w", "dt_bias", "a", "norm", "state0", "params", "kept",
-           "valid"]
+_INPUTS = ["qkv", "z", "alpha", "beta", "conv0", "conv_w", "dt_bias", "a", "norm", "state0", "params", "kept"]
 _OUTPUTS = ["y", "state_out", "conv_out"]
 _kernel = None
 _SLOT0: mx.array | None = None  # `kept` of a plain state
@@ -189,8 +185,7 @@ def supports(kh: int, kd: int, vh: int, vd: int, batch: int, tokens: int) -> boo
 def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, conv0: mx.array,
                 conv_w: mx.array, dt_bias: mx.array, a: mx.array, norm: mx.array, state0: mx.array,
                 kh: int, kd: int, vh: int, vd: int, eps: float, kept: mx.array | None = None,
-                capture: bool = False, width: int | None = None,
-                valid: mx.array | None = None) -> tuple[mx.array, ...]:
+                capture: bool = False, width: int | None = None) -> tuple[mx.array, ...]:
     """qkv [B, S, C], z [B, S, VH*VD], alpha/beta [B, S, VH] (column slices of one product are fine:
     rows are addressed by stride), conv0 [B, K-1, C], conv_w [C, K], state0 [B, VH, KD, VD]; or,
     with `kept` [B] int32, a captured pass's windows conv0 [B, K-1+S0, C] and states
@@ -198,10 +193,7 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
     [B, S, VH*VD] gated-normed output, state [B, VH, KD, VD], conv state [B, K-1, C]); captured,
     the states [B, W+1, VH, KD, VD] and the windows [B, K-1+W, C], W = `width` (default S; the
     slots past S are left unwritten and never read: `cache.RecurrentCache`). The B sequences of a
-    batch are independent blocks of one launch (grid y). `valid` [B] int32 (not captured): row b's
-    tokens are its first valid[b] (`gdn.mix`'s `valid`): its state and conv state are theirs alone."""
-    if valid is not None and capture:
-        raise ValueError("rows of their own lengths are not read in a captured pass")
+    batch are independent blocks of one launch (grid y)."""
     global _kernel, _SLOT0
     if _kernel is None:
         # inputs are addressed by their row strides, so slices of the joined product need no copy
@@ -223,8 +215,7 @@ def gated_delta(qkv: mx.array, z: mx.array, alpha: mx.array, beta: mx.array, con
     state_shape = (rows, w + 1, vh, kd, vd) if capture else (rows, vh, kd, vd)
     conv_rows = kc - 1 + (w if capture else 0)
     outs = _kernel(
-        inputs=[*acts, *params, mx.array([eps, float(capture), float(w), float(valid is not None)], dtype=f32), slot,
-                valid.astype(mx.int32) if valid is not None else slot],
+        inputs=[*acts, *params, mx.array([eps, float(capture), float(w)], dtype=f32), slot],
         template=[("KH", kh), ("KD", kd), ("VH", vh), ("VD", vd), ("KC", kc), ("P", PARTS),
                   ("SMAX", MAX_TOKENS)],
         grid=(vh * vd * PARTS, rows, 1), threadgroup=(vd * PARTS, 1, 1),
