@@ -8,7 +8,7 @@ takes its default from the environment (read here and nowhere else), then from t
 | field | variable | default |
 |---|---|---|
 | `compile_steps` | `MTP_ENGINE_COMPILE` (`0`/`1`) | on a GPU, off on the CPU |
-| `joint_read` | `MTP_ENGINE_JOINT_READ` (`0`/`1`) | on a GPU, off on the CPU |
+| `joint_read` | `MTP_ENGINE_JOINT_READ` (`0`/`1`) | off (on: where it has run on the device) |
 | `kernels` | `MTP_ENGINE_QMV` (`custom`/`mlx`/a list) | `custom` (used only on a CUDA GPU) |
 | `row_pad` | `MTP_ENGINE_PAD_ROWS` (an integer) | 8 on a GPU, 0 on the CPU |
 | `dequant_rows` | `MTP_ENGINE_DEQUANT_ROWS` (an integer) | 256 on a GPU, 0 on the CPU |
@@ -139,6 +139,8 @@ class EngineOptions:
       Where a forward's cost is its operations' dispatch (a GPU) one forward for the group is the
       point; where it is the arithmetic (MLX's CPU) the group's first tokens all wait for the whole
       group: 8 streams of 48-token prompts took a 40% longer median time to first token there.
+      Off by default on every device until the GPU suite has run it (`gpu_check.sh tests` holds its
+      tests): whether MLX's CUDA products and attention compute a group's rows as alone is unchecked.
     - `kernels`: "custom", "mlx" or a subset such as "qmv,norm" (see `parse_kernels`); custom
       kernels run only on a CUDA GPU and only after they pass their self-test in this process.
     - `row_pad`: quantized products of 2..row_pad-1 rows (those the custom kernel does not take)
@@ -263,9 +265,7 @@ class EngineOptions:
         if "prefill_chunk" not in values:
             gpu = _on_gpu() if gpu is None else gpu
             values["prefill_chunk"], sources["prefill_chunk"] = PREFILL_CHUNK["gpu" if gpu else "cpu"], "device"
-        if "joint_read" not in values:
-            gpu = _on_gpu() if gpu is None else gpu
-            values["joint_read"], sources["joint_read"] = gpu, "device"
+        values.setdefault("joint_read", False)  # (off until a GPU has run it: `EngineOptions`' docstring)
         values.setdefault("draft_vocab", 0)
         values.setdefault("kv_tail", KV_TAIL)
         values.setdefault("kv_dtype", KV_DTYPE)

@@ -41,7 +41,7 @@ def test_device_defaults_without_environment(clean_env):
     gpu = mx.default_device() == mx.gpu
     assert opts.compile_steps == gpu and opts.row_pad == (8 if gpu else 0) and opts.kernels == "custom"
     assert opts.dequant_rows == (256 if gpu else 0)
-    assert opts.kv_dtype == "float32" and opts.joint_read == gpu
+    assert opts.kv_dtype == "float32" and opts.joint_read is False
     assert opts.memory_limit is None and opts.cache_dir
 
 

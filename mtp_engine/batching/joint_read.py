@@ -16,10 +16,12 @@ Eligible: fresh prompts (no prompt-cache hit: rows at different lengths would ne
 of 2 tokens to a chunk, read without a drafter, whose read alone would not run a compiled graph
 (the forward of a group is not compiled: its shapes rarely recur). Up to a step's 16 tokens the
 delta rule runs token by token, masked as the chunked form; where the fused CUDA kernel reads such
-a prompt alone (it has no per-row length) the prompt reads alone. Each reader takes its row's caches back (`PromptReader.took`), and
-a prompt cache's state before the last token is kept as alone (that token then read alone).
-`EngineOptions.joint_read` turns it on (by default on a GPU only: where a read is its arithmetic,
-one forward for eight costs what eight do and every first token waits for the group).
+a prompt alone (it has no per-row length) the prompt reads alone. Each reader takes its row's
+caches back (`PromptReader.took`), and a prompt cache's state before the last token is kept as
+alone (that token then read alone).
+`EngineOptions.joint_read` turns it on (off by default: on a GPU, where it is meant to pay, it has not
+run yet; on the CPU a read is its arithmetic, one forward for eight costs what eight do and every
+first token waits for the group).
 """
 from __future__ import annotations
 
