@@ -139,8 +139,9 @@ class EngineOptions:
       Where a forward's cost is its operations' dispatch (a GPU) one forward for the group is the
       point; where it is the arithmetic (MLX's CPU) the group's first tokens all wait for the whole
       group: 8 streams of 48-token prompts took a 40% longer median time to first token there.
-      Off by default on every device until the GPU suite has run it (`gpu_check.sh tests` holds its
-      tests): whether MLX's CUDA products and attention compute a group's rows as alone is unchecked.
+      Off by default on every device until its speed is measured on a GPU: there its rows compute
+      as alone (`tests/batching/test_joint_read.py` passes on an H100), the time to first token it
+      is meant to save is unmeasured.
     - `kernels`: "custom", "mlx" or a subset such as "qmv,norm" (see `parse_kernels`); custom
       kernels run only on a CUDA GPU and only after they pass their self-test in this process.
     - `row_pad`: quantized products of 2..row_pad-1 rows (those the custom kernel does not take)
@@ -265,7 +266,7 @@ class EngineOptions:
         if "prefill_chunk" not in values:
             gpu = _on_gpu() if gpu is None else gpu
             values["prefill_chunk"], sources["prefill_chunk"] = PREFILL_CHUNK["gpu" if gpu else "cpu"], "device"
-        values.setdefault("joint_read", False)  # (off until a GPU has run it: `EngineOptions`' docstring)
+        values.setdefault("joint_read", False)  # (off until measured on a GPU: `EngineOptions`' docstring)
         values.setdefault("draft_vocab", 0)
         values.setdefault("kv_tail", KV_TAIL)
         values.setdefault("kv_dtype", KV_DTYPE)

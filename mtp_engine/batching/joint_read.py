@@ -19,9 +19,9 @@ delta rule runs token by token, masked as the chunked form; where the fused CUDA
 a prompt alone (it has no per-row length) the prompt reads alone. Each reader takes its row's
 caches back (`PromptReader.took`), and a prompt cache's state before the last token is kept as
 alone (that token then read alone).
-`EngineOptions.joint_read` turns it on (off by default: on a GPU, where it is meant to pay, it has not
-run yet; on the CPU a read is its arithmetic, one forward for eight costs what eight do and every
-first token waits for the group).
+`EngineOptions.joint_read` turns it on (off by default: on a GPU, where it is meant to pay, its rows
+compute as alone but its speed is unmeasured; on the CPU a read is its arithmetic, one forward for
+eight costs what eight do and every first token waits for the group).
 """
 from __future__ import annotations
 
