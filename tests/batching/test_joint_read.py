@@ -28,11 +28,14 @@ SHORT = ["def add(a, b):\n", "import numpy as np\n", "x = [1, 2, 3]\nprint(",
 
 def _admit_together(monkeypatch, n: int) -> None:
     """The scheduler admits no one until `n` sequences wait (their readers submit from threads, in
-    any order and at any time): the joint read then sees them all in one pass."""
+    any order and at any time): the joint read then sees them all in one pass. Then it admits as
+    usual (a model cached with fewer slots than n leaves some waiting after the first pass)."""
     admit = BatchScheduler._admit_and_prefill
+    opened = []
 
     def gated(self):
-        if self._rows or self._joining or len(self._waiting) >= n:
+        if opened or len(self._waiting) >= n:
+            opened.append(True)
             admit(self)
 
     monkeypatch.setattr(BatchScheduler, "_admit_and_prefill", gated)
@@ -112,6 +115,7 @@ def test_no_prompt_is_read_beside_others_where_its_arithmetic_alone_cannot_be_ke
         return ("kernel" if tokens <= 16 else rule), paths
 
     monkeypatch.setattr(model, "read_arithmetic", kernel_steps)
+    _admit_together(monkeypatch, len(SHORT))
     batch_generate(SHORT, m, max_tokens=2, ignore_eos=True, parallel=len(SHORT))
     assert not seen
 
