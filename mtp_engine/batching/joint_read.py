@@ -15,10 +15,10 @@ computes alone:
 Eligible: fresh prompts (no prompt-cache hit: rows at different lengths would need another mask)
 of 2 tokens to a chunk, read without a drafter, whose read alone would not run a compiled graph
 (the forward of a group is not compiled: its shapes rarely recur). Up to a step's 16 tokens the
-delta rule runs token by token, masked as the chunked form; where the fused CUDA kernel reads such
-a prompt alone (it has no per-row length) the prompt reads alone. Each reader takes its row's
-caches back (`PromptReader.took`), and a prompt cache's state before the last token is kept as
-alone (that token then read alone).
+delta rule runs token by token, masked as the chunked form; a prompt the fused CUDA kernel steps
+alone reads alone (the kernel has no per-row length, so its arithmetic apart is not its own).
+Each reader takes its row's caches back (`PromptReader.took`), and a prompt cache's state before
+the last token is kept as alone (that token then read alone).
 `EngineOptions.joint_read` turns it on (off by default: on a GPU, where it is meant to pay, its rows
 compute as alone but its speed is unmeasured; on the CPU a read is its arithmetic, one forward for
 eight costs what eight do and every first token waits for the group).
@@ -49,9 +49,7 @@ def read_together(model: Qwen35Model, joining: list[Sequence], chunk: int,
     fresh = sorted((s for s, n in size.items() if n > 1 and not model.reads_compiled(s.reader.trunk, n)),
                    key=lambda s: -size[s])
     alone = {s: model.read_arithmetic(size[s], size[s]) for s in fresh}  # each prompt's, read by itself
-    # none of a mixture of experts' (None), none the fused delta-net kernel reads alone (it has no
-    # per-row length)
-    fresh = [s for s in fresh if alone[s] is not None and alone[s][0] != "kernel"]
+    fresh = [s for s in fresh if alone[s] is not None]  # (None: a mixture of experts, never grouped)
     spent, firsts = 0, []
     while len(fresh) >= 2:
         group = [fresh.pop(0)]
@@ -60,7 +58,7 @@ def read_together(model: Qwen35Model, joining: list[Sequence], chunk: int,
             trial = group + [s]
             if spent + len(trial) * width > chunk:
                 break
-            together = model.read_arithmetic(width, len(trial) * width)
+            together = model.read_arithmetic(width, len(trial) * width, apart=True)
             if all(alone[x] == together for x in trial):
                 group.append(s)
                 fresh.remove(s)

@@ -209,19 +209,21 @@ class Qwen35Model(nn.Module):
                              self.fused_norm)
         return [post, x]
 
-    def read_arithmetic(self, tokens: int, rows: int) -> tuple | None:
+    def read_arithmetic(self, tokens: int, rows: int, apart: bool = False) -> tuple | None:
         """What a forward of `rows` rows, `tokens` per sequence, computes each row with: the delta
         rule's form (the fused kernel's token steps, MLX's, or the chunked form's chunking) and each
-        product's path (`Linear.product_path`). Prompts padded to a group's longest and read in one pass compute
-        as alone where this is the same at their own length and at the group's. None: no row of
-        this model is read beside others (a mixture of experts routes the rows together)."""
+        product's path (`Linear.product_path`). `apart`: rows of their own lengths in one forward
+        (`BatchCache.begin_rows`), which the fused kernel never steps. Prompts padded to a group's
+        longest and read in one pass compute as alone where this is the same alone at their own
+        length and apart at the group's. None: no row of this model is read beside others (a
+        mixture of experts routes the rows together)."""
         if self.is_moe:
             return None
         if tokens > gdn.SEQUENTIAL_MAX:
             rule = delta_rule.chunking(tokens)
-        else:  # token steps: the fused kernel's, for one row of this many tokens, or MLX's operations
+        else:  # token steps: the fused kernel's (`GatedDeltaNet.kernel_fits`), or MLX's operations
             mixers = [layer.mixer for layer in self.layers if isinstance(layer.mixer, GatedDeltaNet)]
-            rule = "kernel" if any(m.kernel_fits(1, tokens) for m in mixers) else "steps"
+            rule = "kernel" if not apart and any(m.kernel_fits(rows // tokens, tokens) for m in mixers) else "steps"
         paths = {m.product_path(tokens, rows) for layer in self.layers for m in layer.modules()
                  if isinstance(m, Linear)}
         return rule, tuple(sorted(paths))

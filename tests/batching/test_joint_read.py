@@ -93,7 +93,8 @@ def test_short_prompts_read_together_answer_as_each_alone(models, monkeypatch, p
         assert not [g for g in seen if max(g) <= 16], seen
         return
     assert any(len(g) >= 2 and max(g) <= 16 for g in seen), seen
-    if m.model.read_arithmetic(max(steps), len(steps) * max(steps)) == m.model.read_arithmetic(min(steps), min(steps)):
+    if m.model.read_arithmetic(max(steps), len(steps) * max(steps), apart=True) == \
+            m.model.read_arithmetic(min(steps), min(steps)):
         assert sorted(n for g in seen for n in g if n <= 16) == steps, seen  # one arithmetic: all together
 
 
@@ -110,9 +111,9 @@ def test_no_prompt_is_read_beside_others_where_its_arithmetic_alone_cannot_be_ke
     model = type(m.model)
     arithmetic = model.read_arithmetic
 
-    def kernel_steps(self, tokens, rows):  # what a GPU with the fused delta-net kernel answers
-        rule, paths = arithmetic(self, tokens, rows)
-        return ("kernel" if tokens <= 16 else rule), paths
+    def kernel_steps(self, tokens, rows, apart=False):  # what a GPU with the fused delta-net kernel answers
+        rule, paths = arithmetic(self, tokens, rows, apart)
+        return ("kernel" if tokens <= 16 and not apart else rule), paths
 
     monkeypatch.setattr(model, "read_arithmetic", kernel_steps)
     _admit_together(monkeypatch, len(SHORT))
