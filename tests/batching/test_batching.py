@@ -13,6 +13,7 @@ import pytest
 from mtp_engine import MTPEngineError, batch_generate, generate, stream_generate
 from mtp_engine.model.batch_cache import BatchCache
 
+from tests.batching.admission import admit_together
 from tests.conftest import MOE_Q4, SHIPPED, TINY_Q4, need
 
 # mixed lengths: 1 token, a few, a few dozen (two prefill chunks when the chunk is made small)
@@ -266,6 +267,8 @@ def test_joining_prompts_are_read_back_to_back_each_first_token_read_behind_the_
     prompts = PROMPTS[:3] + [long]
     want = _alone(m, prompts, max_tokens=6, ignore_eos=True)
     events.clear()
+    # the long prompt joins last, whichever reader thread submits first
+    admit_together(monkeypatch, len(prompts), order=lambda s: len(s.prompt_ids) > QUEUED_TOKENS)
     got = batch_generate(prompts, m, max_tokens=6, ignore_eos=True, parallel=4)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     read, drew = ("read", False), ("sample", None)

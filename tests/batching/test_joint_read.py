@@ -10,9 +10,9 @@ import pytest
 
 from mtp_engine import EngineOptions, PromptCache, batch_generate, generate
 from mtp_engine.batching import joint_read
-from mtp_engine.batching.scheduler import BatchScheduler
 from mtp_engine.model.delta_rule import chunking
 
+from tests.batching.admission import admit_together
 from tests.conftest import MOE_Q4, SHIPPED, TINY_Q4, TINY_Q8, need
 
 JOINT = EngineOptions(joint_read=True)  # (the CPU's default is off: `EngineOptions`)
@@ -24,21 +24,6 @@ PROMPTS = ["def parse_args(argv):\n    \"\"\"Parse the command line of the tool 
 # 3-13 tokens: the delta rule token by token (the CUDA kernel on a GPU), each row to its own length
 SHORT = ["def add(a, b):\n", "import numpy as np\n", "x = [1, 2, 3]\nprint(",
          "class Node:\n    def __init__(self, value):\n", "while True:"]
-
-
-def _admit_together(monkeypatch, n: int) -> None:
-    """The scheduler admits no one until `n` sequences wait (their readers submit from threads, in
-    any order and at any time): the joint read then sees them all in one pass. Then it admits as
-    usual (a model cached with fewer slots than n leaves some waiting after the first pass)."""
-    admit = BatchScheduler._admit_and_prefill
-    opened = []
-
-    def gated(self):
-        if opened or len(self._waiting) >= n:
-            opened.append(True)
-            admit(self)
-
-    monkeypatch.setattr(BatchScheduler, "_admit_and_prefill", gated)
 
 
 def _groups(monkeypatch) -> list[list[int]]:
@@ -60,7 +45,7 @@ def test_prompts_read_together_answer_as_each_alone(models, monkeypatch, path):
     are read in one forward, each padded to the longest; every answer is its answer alone."""
     m = models(need(path), options=JOINT)
     want = [generate(p, m, max_tokens=10, ignore_eos=True).token_ids for p in PROMPTS]
-    _admit_together(monkeypatch, len(PROMPTS))
+    admit_together(monkeypatch, len(PROMPTS))
     seen = _groups(monkeypatch)
     got = batch_generate(PROMPTS, m, max_tokens=10, ignore_eos=True, parallel=4)
     assert [g.token_ids for g in got] == want
@@ -81,7 +66,7 @@ def test_short_prompts_read_together_answer_as_each_alone(models, monkeypatch, p
     steps them alone, each read alone."""
     m = models(need(path), options=JOINT)
     want = [generate(p, m, max_tokens=10, ignore_eos=True).token_ids for p in SHORT]
-    _admit_together(monkeypatch, len(SHORT))
+    admit_together(monkeypatch, len(SHORT))
     seen = _groups(monkeypatch)
     got = batch_generate(SHORT, m, max_tokens=10, ignore_eos=True, parallel=len(SHORT))
     assert [g.token_ids for g in got] == want
@@ -102,7 +87,7 @@ def test_no_prompt_is_read_beside_others_where_its_arithmetic_alone_cannot_be_ke
     """A mixture of experts (routing gathers the rows per expert) and prompts whose delta rule the
     fused CUDA kernel steps alone (it has no per-row length) are each read alone, as alone."""
     moe = models(need(MOE_Q4), options=JOINT)
-    _admit_together(monkeypatch, len(PROMPTS))
+    admit_together(monkeypatch, len(PROMPTS))
     seen = _groups(monkeypatch)
     got = batch_generate(PROMPTS, moe, max_tokens=4, ignore_eos=True, parallel=4)
     assert not seen and [g.token_ids for g in got] == [generate(p, moe, max_tokens=4, ignore_eos=True).token_ids
@@ -116,7 +101,7 @@ def test_no_prompt_is_read_beside_others_where_its_arithmetic_alone_cannot_be_ke
         return ("kernel" if tokens <= 16 and not apart else rule), paths
 
     monkeypatch.setattr(model, "read_arithmetic", kernel_steps)
-    _admit_together(monkeypatch, len(SHORT))
+    admit_together(monkeypatch, len(SHORT))
     batch_generate(SHORT, m, max_tokens=2, ignore_eos=True, parallel=len(SHORT))
     assert not seen
 
@@ -125,7 +110,7 @@ def test_joint_reads_can_be_turned_off(models, monkeypatch):
     """`EngineOptions(joint_read=False)` (MTP_ENGINE_JOINT_READ=0): each prompt in a forward of its
     own, the same answers."""
     m = models(SHIPPED, options=EngineOptions(joint_read=False))
-    _admit_together(monkeypatch, len(PROMPTS))
+    admit_together(monkeypatch, len(PROMPTS))
     seen = _groups(monkeypatch)
     got = batch_generate(PROMPTS, m, max_tokens=6, ignore_eos=True, parallel=4)
     assert not seen and [g.token_ids for g in got] == [generate(p, m, max_tokens=6, ignore_eos=True).token_ids
@@ -138,7 +123,7 @@ def test_sampled_prompts_read_together_draw_as_alone(models, monkeypatch):
     m = models(SHIPPED, options=JOINT)
     kw = dict(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.95, seed=3)
     want = [generate(p, m, **kw).token_ids for p in PROMPTS]
-    _admit_together(monkeypatch, len(PROMPTS))
+    admit_together(monkeypatch, len(PROMPTS))
     seen = _groups(monkeypatch)
     got = batch_generate(PROMPTS, m, parallel=4, **kw)
     assert [g.token_ids for g in got] == want and seen
@@ -150,7 +135,7 @@ def test_prompts_read_together_keep_their_prompt_cache_state(models, monkeypatch
     as alone."""
     m = models(SHIPPED, parallel=4, options=JOINT)
     alone = models(SHIPPED)
-    _admit_together(monkeypatch, len(PROMPTS))
+    admit_together(monkeypatch, len(PROMPTS))
     seen = _groups(monkeypatch)
     caches = [PromptCache() for _ in PROMPTS]
     out: dict[int, tuple] = {}
