@@ -113,7 +113,7 @@ def test_prompts_longer_than_a_chunk_batch_at_the_real_chunk_size(models, spec):
     # chunks of 512 on every device (the CPU's default; a GPU's 4096 exceeds the tiny model's context)
     opts = EngineOptions(prefill_chunk=512)
     tiny = load(need(TINY_Q4), options=opts)
-    long = "".join(f"x{i} = {i} * {i}\n" for i in range(130))
+    long = "".join(f"x{i} = {i} * {i}\n" for i in range(85))
     assert len(tiny.tokenizer.encode(long)) > 2 * tiny.options.prefill_chunk
     prompts = [PROMPTS[1], long, PROMPTS[2]]
     want = _alone(tiny, prompts, max_tokens=6, ignore_eos=True, spec=spec)
