@@ -133,7 +133,7 @@ if [ "$what" = ab8 ]; then  # 8 streams at the 9B shape, this tree against .gpu/
         echo "$t rc=$? $(grep 'C= 8' "$out/ab8-$t.log" | cut -c1-130)"
     done
 fi
-if [ "$what" = open-batch ]; then  # what issue 43 waits on: 1 and 8 streams' first tokens (short prompts) with
+if [ "$what" = open-batch ]; then  # the batch's open figures: 1 and 8 streams' first tokens (short prompts) with
     # joint reads on and off (MTP_ENGINE_JOINT_READ) and against .gpu/base, then 8 streams of 48-token prompts
     for t in new new-off base; do
         p=$PYTHONPATH; [ "$t" = base ] && p=/tmp/site:$PWD/.gpu/base
@@ -150,7 +150,7 @@ if [ "$what" = open-batch ]; then  # what issue 43 waits on: 1 and 8 streams' fi
         echo "joint read $j rc=$? $(grep 'C= ' "$out/joint-$j.log" | cut -c1-130)"
     done
 fi
-if [ "$what" = open-long ]; then  # what issues 44 and 47 wait on: long prompts' chunks, a fresh start-up
+if [ "$what" = open-long ]; then  # the long context's and start-up's open figures: long prompts' chunks, a fresh start-up
     r=$(left 250 120 chunks) && timeout "$r" python3 scripts/bench/bench_context.py --sections context --lengths 8192,32768 \
         --tokens 32 --repeats 1 --n-max 3 --peer-max 0 --prefill-chunks 8192 --out "$out/chunks" > "$out/chunks.log" 2>&1
     echo "chunks rc=$?"; tail -6 "$out/chunks.log"
