@@ -224,7 +224,7 @@ def test_sampling_distribution_equals_plain_sampling(settings):
     kw = dict(max_tokens=2, ignore_eos=True, top_k=6, **settings)
     exact = _plain_joint(m, ids, top_k=6, **settings)
     assert sum(exact.values()) == pytest.approx(1.0)
-    n = 400  # a wrong (lossy) rule scored chi2 71 for 12 dof at 400 against plain draws: far past the bound
+    n = 400  # a lossy rule (the rejected row drawn from p, not p - q) scores chi2 42 for 2 dof: far past the bound
     spec: dict[tuple, int] = {}
     for s in range(n):
         b = tuple(generate(ids, m, seed=10_000 + s, spec="draft-mtp", n_max=2, **kw).token_ids)
