@@ -75,15 +75,22 @@ def test_ctx_size_caps_the_context(capsys):
     assert main(["generate", "-m", path, "-c", "512", "-p", "one two three " * 10, "-n", "1", "--json"]) == 0
 
 
-def test_ctx_size_beyond_the_trained_length_warns_once_and_is_used(caplog, capsys):
+def test_ctx_size_beyond_the_trained_length_warns_once_and_is_used(caplog, capsys, tmp_path):
     """-c past the model's trained length: allowed with one warning (llama.cpp's rule), a prompt
     longer than the trained length then generates; the memory check still applies to what was
-    asked (a context that cannot fit is refused with the numbers, before any weight is read)."""
+    asked (a context that cannot fit is refused with the numbers, before any weight is read).
+    (The tiny model's copy says it was trained to 256 tokens: a prompt past 4096 is minutes of
+    prefill on this CPU.)"""
     import logging
 
+    import gguf
+
     import mtp_engine as me
-    path = need(TINY_Q4)
+    from tests.conftest import write_gguf_copy
+    path = write_gguf_copy(gguf.GGUFReader(str(need(TINY_Q4))), tmp_path / "short.gguf",
+                           {"qwen35.context_length": (256, gguf.GGUFValueType.UINT32)})
     trained = me.load(path).model.cfg.context_length
+    assert trained == 256
     with caplog.at_level(logging.WARNING, logger="mtp_engine"):
         m = me.load(path, max_context=trained + 64)
     warned = [r for r in caplog.records if "beyond the model's trained length" in r.getMessage()]
