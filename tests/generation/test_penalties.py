@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY, need
+from tests.sampling_reference import reference_penalties
 from mtp_engine import MTPEngineError, load, stream_generate
 from mtp_engine import generate
 from mtp_engine.generation.penalties import PenaltyConfig, PenaltyHistory
@@ -22,21 +23,6 @@ def _tiny():
     if "m" not in _models:
         _models["m"] = load(need(TINY / "qwen35-mtp-tiny-f32.gguf"), exact=True)
     return _models["m"]
-
-
-def _reference(logits: np.ndarray, history: list[int], cfg: PenaltyConfig) -> np.ndarray:
-    """llama.cpp's llama_sampler_penalties_apply, in float64 over one row."""
-    n = len(history) if cfg.repeat_last_n < 0 else cfg.repeat_last_n
-    window = history[-n:] if n else []
-    out = logits.astype(np.float64).copy()
-    for t in set(window):
-        c = window.count(t)
-        if out[t] <= 0:
-            out[t] *= cfg.repeat_penalty
-        else:
-            out[t] /= cfg.repeat_penalty
-        out[t] -= c * cfg.frequency_penalty + cfg.presence_penalty
-    return out
 
 
 @pytest.mark.parametrize("cfg", [PenaltyConfig(0.7, 0.4, 1.3, 6), PenaltyConfig(-0.5, 1.1, 0.8, 3),
@@ -53,10 +39,10 @@ def test_penalize_rows_equal_reference(cfg):
     h.tokens = list(history)
     got = np.array(h.penalize(mx.array(logits), mx.array(drafts)))
     for r in range(len(drafts) + 1):
-        np.testing.assert_allclose(got[r], _reference(logits[r], history + drafts[:r], cfg), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[r], reference_penalties(logits[r], history + drafts[:r], cfg), rtol=1e-5, atol=1e-5)
     for j in range(len(drafts) + 1):  # the drafter's chain: one row, offset j
         one = np.array(h.penalize(mx.array(logits[j]), mx.array(drafts[:j]) if j else None, j))
-        np.testing.assert_allclose(one, _reference(logits[j], history + drafts[:j], cfg), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(one, reference_penalties(logits[j], history + drafts[:j], cfg), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cfg", [PenaltyConfig(0.7, 0.4, 1.3, 6), PenaltyConfig(0.2, 0.3, 1.5, -1),
@@ -77,10 +63,10 @@ def test_an_unread_rounds_tokens_count_as_history(cfg, count):
     got = np.array(h.penalize(mx.array(logits), mx.array(drafts), unread=pending))
     seen = history + unread[:count]
     for r in range(len(drafts) + 1):
-        np.testing.assert_allclose(got[r], _reference(logits[r], seen + drafts[:r], cfg), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[r], reference_penalties(logits[r], seen + drafts[:r], cfg), rtol=1e-5, atol=1e-5)
     for j in range(len(drafts) + 1):
         one = np.array(h.penalize(mx.array(logits[j]), mx.array(drafts[:j]) if j else None, j, pending))
-        np.testing.assert_allclose(one, _reference(logits[j], seen + drafts[:j], cfg), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(one, reference_penalties(logits[j], seen + drafts[:j], cfg), rtol=1e-5, atol=1e-5)
 
 
 def test_penalties_off_leave_logits_untouched():

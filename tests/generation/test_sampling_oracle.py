@@ -12,35 +12,7 @@ import pytest
 
 from mtp_engine.generation.sampling import SamplerConfig, distribution
 from mtp_engine.speculative.round import accept_greedy_device, accept_sampling_device
-
-
-def reference_distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                           min_p: float = 0.0) -> np.ndarray:
-    """llama.cpp's default chain, in float64: top-k on the logits; then, on the softmax of what is
-    left, top-p (the most likely tokens until their mass reaches top_p, the crossing one included,
-    and every token as likely as the last one kept) and min-p (tokens at least min_p times the most
-    likely one); then the temperature on the surviving logits."""
-    x = np.asarray(logits, dtype=np.float64)
-    keep = np.ones(x.shape, dtype=bool)
-    if 0 < top_k < x.size:
-        kth = np.sort(x)[-top_k]
-        keep &= x >= kth
-    p = np.where(keep, np.exp(x - x[keep].max()), 0.0)
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        mass, last = 0.0, None
-        for i in order:
-            if mass >= top_p:
-                break
-            mass += p[i]
-            last = p[i]
-        keep &= p >= last
-    if min_p > 0.0:
-        keep &= p >= min_p * p.max()
-    z = np.where(keep, x / temperature, -np.inf)
-    out = np.exp(z - z.max())
-    return out / out.sum()
+from tests.sampling_reference import reference_distribution
 
 
 CONFIGS = [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.5, top_k=5),

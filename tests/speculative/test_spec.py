@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY, TINY_TOKENIZER, TRAINED, TRAINED_GGUF, need
+from tests.sampling_reference import reference_distribution, reference_penalties
 from mtp_engine import MTPEngineError, load
 from mtp_engine import generate
 from mtp_engine.model.kv_cache import KVCache
+from mtp_engine.generation.penalties import PenaltyConfig
 from mtp_engine.generation.sampling import Sampler, SamplerConfig
 from mtp_engine.speculative.draft_mtp import DraftMTPDecoder, DraftParams
 
@@ -169,17 +171,14 @@ def test_rollback_leaves_caches_equal_to_plain_run():
 
 def _plain_joint(m, ids: list[int], temperature: float, top_k: int, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 0) -> dict[tuple[int, int], float]:
-    """The exact distribution of plain sampling's first two tokens, computed here in float64 from
-    the trunk's logits (not through the engine's sampler): llama.cpp's repeat penalty over the last
-    `repeat_last_n` tokens, then top-k (ties kept), then the temperature."""
+    """The exact distribution of plain sampling's first two tokens, computed in float64 from the
+    trunk's logits by the test oracles (`tests.sampling_reference`), not by the engine's sampler."""
+    penalties = PenaltyConfig(repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
+
     def probs(history: list[int]) -> np.ndarray:
         h = m.model.forward(mx.array([history]), m.model.make_cache())
         z = np.array(m.model.logits(h)[0, -1].astype(mx.float32), dtype=np.float64)
-        for t in set(history[-repeat_last_n:] if repeat_last_n else []):
-            z[t] = z[t] / repeat_penalty if z[t] > 0 else z[t] * repeat_penalty
-        z = np.where(z < np.sort(z)[-top_k], -np.inf, z) / temperature
-        e = np.exp(z - z.max())
-        return e / e.sum()
+        return reference_distribution(reference_penalties(z, history, penalties), temperature, top_k)
 
     first = probs(ids)
     return {(a, b): first[a] * pb for a in np.flatnonzero(first)
