@@ -56,11 +56,19 @@ def test_a_chunk_deep_in_a_long_prompt_shrinks_so_that_its_attention_scores_stay
         assert c * positions <= max(chunk * min(positions, max(chunk, SCORE_POSITIONS)), min(64, chunk) * positions)
 
 
-_WHOLE: list = []
+@pytest.fixture(scope="module")
+def read_whole(models) -> tuple[int, list[int]]:
+    """The long prompt's token count and its answer read in one chunk (both parameters' reference)."""
+    from mtp_engine import EngineOptions, generate
+
+    whole = models(SHIPPED, options=EngineOptions(prefill_chunk=2048))
+    prompt = PROMPT * 5
+    return len(whole.tokenizer.encode(prompt)), generate(prompt, whole, max_tokens=8, ignore_eos=True).token_ids
 
 
 @pytest.mark.parametrize("where", ["alone", "batch"])
-def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(models, monkeypatch, where):
+def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(models, monkeypatch, where,
+                                                                             read_whole):
     """Bounded scores shrink a long prompt's later chunks (here a bound of 128 positions, so that a
     prompt of a few hundred tokens shows it), alone and joining a batch: trunk and head read every
     token once, and the tokens are those of the same prompt read alone in one chunk."""
@@ -69,11 +77,7 @@ def test_a_long_prompt_read_in_shrinking_chunks_decodes_as_when_read_whole(model
     from mtp_engine.model import memory
 
     prompt = PROMPT * 5
-    if not _WHOLE:  # (the reference, read in one chunk, is the same for both parameters)
-        whole = models(SHIPPED, options=EngineOptions(prefill_chunk=2048))
-        _WHOLE.extend([len(whole.tokenizer.encode(prompt)), generate(prompt, whole, max_tokens=8,
-                                                                       ignore_eos=True).token_ids])
-    n, want = _WHOLE
+    n, want = read_whole
     monkeypatch.setattr(memory, "SCORE_POSITIONS", 128)
     rows = _head_rows(monkeypatch)
     m = models(SHIPPED, options=EngineOptions(prefill_chunk=128))
